@@ -1,0 +1,505 @@
+"""Decode-attention benchmark on the H200: fused NVFP4 mixed kernel vs bf16 paged attention vs staging vs SDPA.
+
+Side by side, one run, batch x context grid (default {1, 16, 64} x {4k, 32k, 128k}), 8 KV heads, 32 query heads,
+head_dim 128, page 16, one query token:
+
+  (a) ``mixed``   our fused kernel on mixed_nvfp4_bf16 pools (first_n = last_n = 64), best of a few configs
+  (b) ``plain``   the same kernel family over plain bf16 pages
+  (c) ``jax_pa``  ``jax.experimental.pallas.ops.gpu.paged_attention`` over bf16 pages (best of
+                  pages_per_compute_block x k_splits)
+  (d) ``stage``   "stage (XLA) + paged attention": jnp gather + NVFP4 dequant + retained-row overlay into a bf16
+                  paged cache, then (c)'s best config over it (stage time reported separately too)
+  (e) ``sdpa``    torch SDPA (flash and cuDNN, best) over contiguous bf16 K/V (skipped if torch is missing)
+  floors          NVFP4 (+ retained rows) and bf16 K+V bytes / copy bandwidth measured in-run
+
+Correctness is checked on the GPU first (small cache built by `append`, every path vs the float32 reference).
+Big pools are filled with random bytes (valid E4M3 scales) instead of appends. Writes ``decode_bench.json`` under
+``--out`` as ``decode_bench-b<batches>-c<contexts>.json`` (rewritten after every shape, so a timeout keeps what
+was measured; ``--budget-s`` stops starting shapes before the device's 600 s command limit), prints a table and appends a dated section to
+``bench/RESULTS.md``. On a machine without a GPU it prints a message and exits 0.
+
+Usage: ``PYTHONPATH=. python3 bench/decode_bench.py --out DIR [--batches 1,16,64] [--contexts 4096,32768,131072]``
+Compiling every config for all nine shapes takes a while: on a 600 s device limit run one batch size per command
+(``--batches 1``, ``--batches 16``, ``--batches 64``) or pass ``--quick``; `bench/plot_decode.py` merges the JSONs.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jmixedkv as jm  # noqa: E402
+from jmixedkv import nvfp4  # noqa: E402
+from jmixedkv.attention import decode_attention  # noqa: E402
+from jmixedkv.compat import on_gpu  # noqa: E402
+from jmixedkv.pools import LowPool, RowPool  # noqa: E402
+from pallas_kernels.decode_attention import default_num_splits, paged_decode_attention  # noqa: E402
+
+H, HQ, D, PAGE, FIRST_N, LAST_N = 8, 32, 128, 16, 64, 64
+CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
+NF, NR = CFG.num_fixed_pages, CFG.num_ring_pages
+OURS_CONFIGS = [dict(block_k=64, num_warps=4), dict(block_k=128, num_warps=4), dict(block_k=128, num_warps=8),
+                dict(block_k=256, num_warps=8), dict(block_k=64, num_warps=4, split_mult=2)]
+JAX_PA_CONFIGS = [(ppcb, ks) for ppcb in (8, 16) for ks in (1, 4, 16)]
+INTERPRET = False   # --smoke: tiny shapes in interpret mode on CPU (checks the script, times nothing real)
+CHECK_LENS = (1, 15, 16, 17, 100, 1000, 2047, 4096)
+
+
+# --------------------------------------------------------------------------------------------- timing
+def time_jax(fn, *args, reps=10, trials=15, warmup=2):
+    """Median ms per call: ``trials`` batches of ``reps`` async calls, blocked at the end of each batch."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps * 1e3)
+    return float(np.median(times))
+
+
+def time_torch(torch, fn, reps=10, trials=15, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return float(np.median(times))
+
+
+def copy_bandwidth_tbs(torch):
+    """Device-to-device copy bandwidth (bytes read + written), TB/s: torch if present, else a jitted jnp copy."""
+    nbytes = 1 << 31
+    if torch is not None:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ms = time_torch(torch, lambda: dst.copy_(src), reps=5, trials=10)
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * nbytes / (ms * 1e-3) / 1e12, "torch copy_"
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)
+    ms = time_jax(f, x, reps=5, trials=10)
+    return 2 * nbytes / (ms * 1e-3) / 1e12, "jnp x + 1"
+
+
+# --------------------------------------------------------------------------------------------- big pools
+def tables(key, b, ctx):
+    """Random page permutation: page_table i32[b, ctx/PAGE] over b*ctx/PAGE pages, high_table i32[b, NF+NR]."""
+    npg = ctx // PAGE
+    perm = jax.random.permutation(key, b * npg).astype(jnp.int32)
+    ht = jnp.arange(b * (NF + NR), dtype=jnp.int32).reshape(b, NF + NR)
+    return perm.reshape(b, npg), ht
+
+
+def mixed_pools(key, b, ctx):
+    """Random NVFP4 low pool (valid E4M3 scales, gs from amax) + bf16 twin, ``L = 1``."""
+    pages = b * ctx // PAGE
+    k1, k2, k3 = jax.random.split(key, 3)
+    data = jax.random.bits(k1, (1, pages, 2, H, PAGE, D // 2), jnp.uint8)
+    sbytes = jax.random.randint(k2, (1, pages, 2, H, PAGE, D // 16), 0x28, 0x58, jnp.int32).astype(jnp.uint8)
+    scales = jax.lax.bitcast_convert_type(sbytes, jnp.float8_e4m3fn)
+    gs = jnp.broadcast_to(nvfp4.global_scale_from_amax(8.0), (1, 2)).astype(jnp.float32)
+    high = jax.random.normal(k3, (1, b * (NF + NR), 2, H, PAGE, D), jnp.bfloat16)
+    return LowPool(data, scales, gs), RowPool(high, jnp.ones((1, 2), jnp.float32))
+
+
+def plain_pool(key, b, ctx):
+    rows = jax.random.normal(key, (1, b * ctx // PAGE, 2, H, PAGE, D), jnp.bfloat16)
+    return RowPool(rows, jnp.ones((1, 2), jnp.float32))
+
+
+def jax_layout_pages(key, b, ctx):
+    """k_pages, v_pages bf16[H, pages, PAGE, D] for jax's paged_attention."""
+    k1, k2 = jax.random.split(key)
+    shape = (H, b * ctx // PAGE, PAGE, D)
+    return jax.random.normal(k1, shape, jnp.bfloat16), jax.random.normal(k2, shape, jnp.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------- (d) staging
+@functools.partial(jax.jit, static_argnames=("first_n", "last_n", "nf", "nr"))
+def stage_xla(low, high, page_table, high_table, kv_lens, layer=0, *, first_n, last_n, nf, nr):
+    """Materialize the batch's pages as a bf16 paged cache in jax's layout: ``(k, v) bf16[H, B*np, page, D]``
+    (page ``j`` of row ``b`` at ``b * np + j``): gather + dequantize the low pages, overlay the retained rows,
+    rows at or past the length are zero (as `stage_reference`)."""
+    b, npg = page_table.shape
+    page = low.data.shape[4]
+    ids = jnp.maximum(page_table, 0)
+    gs = low.gs[layer]                                                         # [kv]
+    x = nvfp4.dequantize(low.data[layer][ids], low.scales[layer][ids], gs[:, None, None], jnp.bfloat16)
+    pos = jnp.arange(npg)[None, :, None] * page + jnp.arange(page)[None, None, :]
+    x = jnp.where((pos < kv_lens[:, None, None])[:, :, None, None, :, None], x, jnp.zeros((), x.dtype))  # rows >= n: 0
+    # x: [B, np, kv, H, page, D]; overlay fixed pages (positions < first_n) and the ring (last_n window)
+    n = kv_lens[:, None, None]
+    rowpos = lambda j: j[:, :, None] * page + jnp.arange(page)[None, None, :]  # noqa: E731  [B, J, page]
+    keep = lambda pos: ((pos < first_n) | (pos >= n - last_n)) & (pos < n)   # noqa: E731
+    hrows = high.rows[layer]
+    bi = jnp.arange(b)[:, None]
+    if nf:
+        j = jnp.broadcast_to(jnp.arange(nf)[None, :], (b, nf))
+        hp = hrows[jnp.maximum(high_table[:, :nf], 0)]                         # [B, nf, kv, H, page, D]
+        m = (keep(rowpos(j)) & (high_table[:, :nf, None] >= 0))[:, :, None, None, :, None]
+        x = x.at[:, :nf].set(jnp.where(m, hp.astype(x.dtype), x[:, :nf]))
+    if nr:
+        j0 = jnp.maximum(kv_lens - last_n, 0) // page
+        j = jnp.minimum(j0[:, None] + jnp.arange(nr)[None, :], npg - 1)         # [B, nr]
+        col = jnp.where(j < nf, j, nf + j % nr)
+        hid = high_table[bi, col]
+        hp = hrows[jnp.maximum(hid, 0)]
+        m = (keep(rowpos(j)) & (hid[..., None] >= 0) & (j[..., None] >= nf))[:, :, None, None, :, None]
+        x = x.at[bi, j].set(jnp.where(m, hp.astype(x.dtype), x[bi, j]))
+    x = x.reshape(b * npg, 2, x.shape[3], page, x.shape[-1])
+    return jnp.transpose(x[:, 0], (1, 0, 2, 3)), jnp.transpose(x[:, 1], (1, 0, 2, 3))
+
+
+# --------------------------------------------------------------------------------------------- runners
+def ours_fn(mode, cfg, b, npg):
+    blocks = max(1, npg // max(1, cfg["block_k"] // PAGE))
+    splits = min(blocks, default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))
+    kw = dict(block_k=cfg["block_k"], num_warps=cfg["num_warps"], num_splits=splits, interpret=INTERPRET)
+    if mode == "mixed":
+        return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
+            q, pt, lens, 0, low, high, None, ht, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
+            **kw)[0]), splits
+    return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, 0, None, None, plain,
+                                                                      **kw)[0]), splits
+
+
+def jax_pa_fn(ppcb, ks):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    return jax.jit(lambda q, k, v, bt, lens: paged_attention(q, k, v, bt, lens, pages_per_compute_block=ppcb,
+                                                             k_splits=ks, interpret=INTERPRET))
+
+
+def best_of(label, candidates):
+    """candidates: list of (name, thunk -> ms). Returns (best_ms, best_name, all)."""
+    results = {}
+    for name, thunk in candidates:
+        try:
+            results[name] = thunk()
+        except Exception as e:  # a config that does not compile is reported, not fatal
+            results[name] = None
+            print(f"  {label} {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    ok = {k: v for k, v in results.items() if v is not None}
+    if not ok:
+        return None, None, results
+    name = min(ok, key=ok.get)
+    return ok[name], name, results
+
+
+# --------------------------------------------------------------------------------------------- correctness
+def check_correctness(torch):
+    """Small cache built by append; every path vs float32 attention_reference over stage_reference."""
+    cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
+    lens = CHECK_LENS
+    npg = -(-max(lens) // PAGE)
+    spec = jm.GroupSpec(num_layers=1, num_kv_heads=H, head_dim=D)
+    st = jm.init_state(cfg, spec, num_pages=len(lens) * npg, max_seqs=len(lens), max_pages_per_seq=npg,
+                       poison=True, gs=0.005, page_order=np.random.default_rng(0).permutation(len(lens) * npg))
+    seq = np.concatenate([np.full(n, s) for s, n in enumerate(lens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    key = jax.random.PRNGKey(0)
+    for s in range(len(lens)):
+        st = jm.admit(st, s)
+    k = jax.random.normal(key, (1, len(seq), H, D)).astype(jnp.bfloat16)
+    v = jax.random.normal(jax.random.fold_in(key, 1), (1, len(seq), H, D)).astype(jnp.bfloat16)
+    st = jm.append(st, k, v, seq, pos, backend="reference")
+    q = jax.random.normal(jax.random.fold_in(key, 2), (len(lens), 1, HQ, D)).astype(jnp.bfloat16)
+    slots = jnp.arange(len(lens), dtype=jnp.int32)
+    staged = jm.stage_reference(st, 0, slots)
+    ref, ref_lse = jm.attention_reference(q, staged[:, 0], staged[:, 1], st.kv_lens)
+    rel = lambda a: float(jnp.linalg.norm(a.astype(jnp.float32) - ref.astype(jnp.bfloat16).astype(jnp.float32))  # noqa
+                          / jnp.linalg.norm(ref))
+    out = {}
+    o, lse = decode_attention(st, 0, q, slots, backend="pallas")
+    out["mixed_kernel"] = rel(o)
+    out["mixed_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref_lse)))
+    # plain bf16 pages holding exactly the staged rows
+    pools = st.pools[0]
+    plain_rows = jnp.zeros((1, len(lens) * npg, 2, H, PAGE, D), jnp.bfloat16)
+    pt = st.page_table
+    sr = staged.reshape(len(lens), 2, H, npg, PAGE, D).transpose(0, 3, 1, 2, 4, 5)   # [B, np, kv, H, page, D]
+    plain_rows = plain_rows.at[0, pt.reshape(-1)].set(sr.reshape(-1, 2, H, PAGE, D))
+    plain = RowPool(plain_rows, jnp.ones((1, 2), jnp.float32))
+    o, _ = paged_decode_attention(q, pt, st.kv_lens, 0, None, None, plain, interpret=INTERPRET)
+    out["plain_kernel"] = rel(o)
+    ks, vs = stage_xla(pools.low, pools.high, pt, st.high_table, st.kv_lens, first_n=FIRST_N, last_n=LAST_N,
+                       nf=NF, nr=NR)
+    want_k = staged[:, 0].transpose(1, 0, 2, 3).reshape(H, len(lens) * npg, PAGE, D)
+    valid = (jnp.arange(npg * PAGE)[None, :] < st.kv_lens[:, None]).reshape(len(lens) * npg, PAGE)
+    out["stage_xla_bitexact_k"] = bool(jnp.all(jnp.where(valid[None, :, :, None], ks == want_k, True)))
+    bt = jnp.arange(len(lens) * npg, dtype=jnp.int32).reshape(len(lens), npg)
+    q_scaled = (q[:, 0].astype(jnp.float32) * D ** -0.5).astype(jnp.bfloat16)   # jax's kernel does not scale
+    o = jax_pa_fn(8, 1)(q_scaled, ks, vs, bt, st.kv_lens)
+    out["stage_plus_jax_pa"] = rel(o[:, None])
+    if torch is not None:
+        kk = torch.from_dlpack(staged[:, 0]).float()
+        vv = torch.from_dlpack(staged[:, 1]).float()
+        outs = []
+        for bi, n in enumerate(lens):
+            qq = torch.from_dlpack(q[bi, 0].astype(jnp.float32)).view(1, HQ, 1, D)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                qq, kk[bi:bi + 1, :, :n], vv[bi:bi + 1, :, :n], enable_gqa=True).view(1, 1, HQ, D))
+        o = jnp.asarray(torch.cat(outs).cpu().numpy())
+        out["torch_sdpa_f32"] = rel(o)
+    ok = (out["mixed_kernel"] < 1e-3 and out["plain_kernel"] < 1e-3 and out["stage_xla_bitexact_k"]
+          and out["stage_plus_jax_pa"] < 1e-2 and out["mixed_kernel_lse_abs"] < 1e-3)
+    return ok, out
+
+
+# --------------------------------------------------------------------------------------------- main
+def run_shape(b, ctx, bw, torch_ms, quick):
+    key = jax.random.PRNGKey(b * 1000 + ctx // 1024)
+    npg = ctx // PAGE
+    tokens = b * ctx
+    row = dict(batch=b, context=ctx)
+    nvfp4_bytes = tokens * H * D * 2 * (0.5 + 1 / 16) + b * (FIRST_N + LAST_N) * H * D * 2 * 2
+    bf16_bytes = tokens * H * D * 2 * 2
+    row["floor_nvfp4_ms"] = nvfp4_bytes / (bw * 1e12) * 1e3
+    row["floor_bf16_ms"] = bf16_bytes / (bw * 1e12) * 1e3
+    q4 = jax.random.normal(key, (b, 1, HQ, D), jnp.bfloat16)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    pt, ht = tables(jax.random.fold_in(key, 1), b, ctx)
+    configs = OURS_CONFIGS[:2] if quick else OURS_CONFIGS
+
+    # (a) mixed
+    low, high = mixed_pools(jax.random.fold_in(key, 2), b, ctx)
+    jax.block_until_ready((low, high))
+
+    def ours(mode, cfg, *args):
+        fn, splits = ours_fn(mode, cfg, b, npg)
+        return time_jax(fn, *args)
+    cand = [(f"k{c['block_k']}w{c['num_warps']}x{c.get('split_mult', 1)}",
+             functools.partial(ours, "mixed", c, q4, pt, lens, ht, low, high)) for c in configs]
+    row["mixed_ms"], row["mixed_cfg"], row["mixed_all"] = best_of("mixed", cand)
+
+    # (d) staging path: stage (XLA) + jax paged attention (best config found in (c), filled in below)
+    stage = functools.partial(stage_xla, first_n=FIRST_N, last_n=LAST_N, nf=NF, nr=NR)
+    row["stage_only_ms"] = time_jax(lambda *a: stage(*a), low, high, pt, ht, lens, reps=3, trials=7)
+    staged_args = (low, high, pt, ht, lens)
+    del high
+
+    # (b) plain bf16 pages, our kernel
+    plain = plain_pool(jax.random.fold_in(key, 3), b, ctx)
+    cand = [(f"k{c['block_k']}w{c['num_warps']}x{c.get('split_mult', 1)}",
+             functools.partial(ours, "plain", c, q4, pt, lens, plain)) for c in configs]
+    row["plain_ms"], row["plain_cfg"], row["plain_all"] = best_of("plain", cand)
+    del plain
+
+    # (c) jax paged_attention over bf16 pages (its own layout)
+    kp, vp = jax_layout_pages(jax.random.fold_in(key, 4), b, ctx)
+    q3 = q4[:, 0]
+    cand = [(f"ppcb{p}ks{k}", functools.partial(lambda p, k: time_jax(jax_pa_fn(p, k), q3, kp, vp, pt, lens), p, k))
+            for p, k in (JAX_PA_CONFIGS[:3] if quick else JAX_PA_CONFIGS) if npg % k == 0 and (npg // k) % p == 0]
+    row["jax_pa_ms"], row["jax_pa_cfg"], row["jax_pa_all"] = best_of("jax_pa", cand)
+    del kp, vp
+
+    # (d) full staging path with (c)'s best config
+    if row["jax_pa_cfg"] is not None:
+        p_, k_ = [int(x) for x in row["jax_pa_cfg"].replace("ppcb", "").split("ks")]
+        pa = jax_pa_fn(p_, k_)
+        bt = jnp.arange(b * npg, dtype=jnp.int32).reshape(b, npg)
+
+        @jax.jit
+        def staged_attention(q3, low, high, pt, ht, lens):
+            ks, vs = stage(low, high, pt, ht, lens)
+            return pa(q3, ks, vs, bt, lens)
+        row["stage_ms"] = time_jax(staged_attention, q3, *staged_args, reps=3, trials=7)
+    del low, staged_args
+
+    # (e) torch SDPA (measured earlier, before JAX allocated)
+    row.update(torch_ms.get((b, ctx), {}))
+    a = row.get("mixed_ms")
+    if a:
+        row["mixed_vs_nvfp4_floor"] = a / row["floor_nvfp4_ms"]
+        for other in ("plain_ms", "jax_pa_ms", "stage_ms", "sdpa_ms"):
+            if row.get(other):
+                row[f"speedup_vs_{other[:-3]}"] = row[other] / a
+    return row
+
+
+def torch_sdpa_all(torch, shapes):
+    """(e) for every shape, before JAX allocates: best of flash / cuDNN SDPA over contiguous bf16 K/V."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    out = {}
+    for b, ctx in shapes:
+        res = {}
+        q = torch.randn(b, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(b, H, ctx, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def f():
+                with sdpa_kernel(be):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            try:
+                res[f"sdpa_{name}_ms"] = time_torch(torch, f)
+            except Exception as e:  # backend not available for this shape
+                print(f"  sdpa {name} {b}x{ctx}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+        vals = [v_ for v_ in res.values() if v_]
+        if vals:
+            res["sdpa_ms"] = min(vals)
+        out[(b, ctx)] = res
+        del q, k, v
+        torch.cuda.empty_cache()
+    return out
+
+
+def fits(b, ctx, budget_gib):
+    tokens = b * ctx
+    # peak: mixed pools + staged bf16 copy (K+V) during (d); or mixed + jax-layout bf16
+    need = tokens * H * D * 2 * (0.5625 + 2) * 1.1
+    return need / 2 ** 30 < budget_gib
+
+
+def fmt(x, w=8):
+    return f"{x:{w}.3f}" if isinstance(x, (int, float)) and x is not None else f"{'-':>{w}}"
+
+
+def table(rows):
+    head = (f"{'B x ctx':>12} {'(a)mixed':>8} {'(b)plain':>8} {'(c)jaxPA':>8} {'(d)stage':>8} {'(e)sdpa':>8} "
+            f"{'fl.fp4':>8} {'fl.bf16':>8} {'a/fl4':>6} {'c/a':>6} {'e/a':>6}")
+    lines = [head]
+    for r in rows:
+        ratio = lambda k: f"{r[k]:6.2f}" if r.get(k) else f"{'-':>6}"  # noqa: E731
+        ctx = f"{r['context'] // 1024}k" if r['context'] >= 1024 else str(r['context'])
+        lines.append(f"{r['batch']:>4} x {ctx:>5} {fmt(r.get('mixed_ms'))} {fmt(r.get('plain_ms'))} "
+                     f"{fmt(r.get('jax_pa_ms'))} {fmt(r.get('stage_ms'))} {fmt(r.get('sdpa_ms'))} "
+                     f"{fmt(r['floor_nvfp4_ms'])} {fmt(r['floor_bf16_ms'])} {ratio('mixed_vs_nvfp4_floor')} "
+                     f"{ratio('speedup_vs_jax_pa')} {ratio('speedup_vs_sdpa')}")
+    return "\n".join(lines)
+
+
+def versions(torch):
+    v = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
+    try:
+        import jaxlib
+        v["jaxlib"] = jaxlib.__version__
+    except Exception:
+        pass
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except Exception:
+        v["triton"] = "n/a"
+    v["torch"] = torch.__version__ if torch is not None else "n/a"
+    return v
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--quick", action="store_true", help="fewer configs per kernel")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes in interpret mode (script check)")
+    ap.add_argument("--budget-s", type=float, default=520.0,
+                    help="stop starting new shapes after this many seconds (the device runs commands for <= 600 s)")
+    ap.add_argument("--mem-gib", type=float, default=120.0, help="skip shapes needing more device memory")
+    ap.add_argument("--results-md", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+    args = ap.parse_args(argv)
+    global INTERPRET, CHECK_LENS
+    if args.smoke and not on_gpu():
+        INTERPRET, CHECK_LENS = True, (1, 17, 100)
+    elif not on_gpu():
+        print("decode_bench: no GPU found (jax backend is %r); this benchmark runs on the H200 only. "
+              "Nothing to do." % jax.default_backend())
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        import torch
+        if INTERPRET or not torch.cuda.is_available():
+            torch = None
+    except Exception:
+        torch = None
+    shapes = [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
+    skipped = [s for s in shapes if not fits(*s, args.mem_gib)]
+    shapes = [s for s in shapes if fits(*s, args.mem_gib)]
+    t0 = time.time()
+    bw, bw_how = (4.3, "nominal (smoke)") if INTERPRET else copy_bandwidth_tbs(torch)
+    info = versions(torch)
+    print(f"device {info['device']}  jax {info['jax']}  triton {info['triton']}  torch {info['torch']}  "
+          f"copy bandwidth {bw:.2f} TB/s ({bw_how})")
+    torch_ms = torch_sdpa_all(torch, shapes) if torch is not None else {}
+    ok, corr = check_correctness(torch)
+    print("correctness:", json.dumps(corr), "OK" if ok else "FAILED")
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
+                  copy_bandwidth_tbs=bw, copy_bandwidth_how=bw_how, heads=H, q_heads=HQ, head_dim=D, page=PAGE,
+                  first_n=FIRST_N, last_n=LAST_N, correctness=corr, correctness_ok=ok,
+                  skipped=[list(s) for s in skipped], rows=[])
+    tag = f"b{args.batches}-c{args.contexts}".replace(",", "_")
+    path = os.path.join(args.out, f"decode_bench-{tag}.json")
+    for b, ctx in shapes:
+        if time.time() - t0 > args.budget_s:
+            print(f"-- time budget {args.budget_s:.0f}s spent: skipping {b}x{ctx} and the rest")
+            result["skipped"].append([b, ctx, "time budget"])
+            continue
+        print(f"-- batch {b} x context {ctx} ({time.time() - t0:.0f}s)", flush=True)
+        try:
+            row = run_shape(b, ctx, bw, torch_ms, args.quick)
+        except Exception as e:  # OOM or a failure on one shape must not lose the rest
+            row = dict(batch=b, context=ctx, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                       floor_nvfp4_ms=float("nan"), floor_bf16_ms=float("nan"))
+            print("   failed:", row["error"])
+        result["rows"].append(row)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        print(table([row]).splitlines()[-1], flush=True)
+    text = table(result["rows"])
+    print(text)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    append_results_md(args.results_md, result, text)
+    print(f"wrote {path} and a section in {args.results_md} ({time.time() - t0:.0f}s)")
+    return 0 if ok else 1
+
+
+def append_results_md(md, result, text):
+    if not os.path.exists(md):
+        with open(md, "w") as f:
+            f.write("# jmixedkv benchmark results (GPU runs; each section dated, with device and versions)\n")
+    target = [r for r in result["rows"] if r.get("batch") == 16 and r.get("context") == 32768 and r.get("mixed_ms")]
+    goal = ""
+    if target:
+        r = target[0]
+        goal = (f"\nTarget (16 x 32k): mixed {r['mixed_ms']:.3f} ms = {r['mixed_vs_nvfp4_floor']:.2f}x the NVFP4 "
+                f"bytes floor (goal <= 1.25x); {r.get('speedup_vs_jax_pa', float('nan')):.2f}x faster than JAX "
+                f"Pallas bf16 paged attention and {r.get('speedup_vs_sdpa', float('nan')):.2f}x than torch SDPA "
+                f"(goal >= 3x bf16 paged attention).\n")
+    with open(md, "a") as f:
+        f.write(f"\n## Decode attention (fused NVFP4 mixed kernel) — {result['date']}\n\n"
+                f"Device {result['device']}, jax {result['jax']}, triton {result['triton']}, torch {result['torch']}; "
+                f"copy bandwidth {result['copy_bandwidth_tbs']:.2f} TB/s ({result['copy_bandwidth_how']}). "
+                f"{H} KV heads, {HQ} query heads, head_dim {D}, page {PAGE}, Tq 1, mixed_nvfp4_bf16 first_n="
+                f"{FIRST_N} last_n={LAST_N}. Times in ms (median); (a) fused kernel on mixed pools, (b) same kernel on "
+                f"bf16 pages, (c) jax.experimental.pallas.ops.gpu.paged_attention bf16 (best config), (d) stage (XLA) "
+                f"+ paged attention, (e) torch SDPA best of flash/cuDNN; floors = K+V bytes / copy bandwidth. "
+                f"Correctness on GPU: {'OK' if result['correctness_ok'] else 'FAILED'} {json.dumps(result['correctness'])}."
+                f"\n{goal}\n```\n{text}\n```\n")
+        if result["skipped"]:
+            f.write(f"Skipped (memory or time budget): {result['skipped']}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

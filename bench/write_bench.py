@@ -1,0 +1,305 @@
+"""Benchmark of the fused write kernel (`pallas_kernels.write`) on the H200, against the XLA reference path.
+
+Cases (all: mixed_nvfp4_bf16, first_n=64, last_n=64, page 32, 32 layers, 8 KV heads, head_dim 128, bf16 K/V,
+Llama-style neox RoPE applied in the kernel):
+
+* decode step: batch 64, one token per sequence at position 1000 (every row also goes to the twin);
+  all 32 layers in one call vs 32 per-layer calls (one jit), kernel alone and the full ``append`` transition;
+* prefill chunk: 8 sequences x 1024 tokens (8192 tokens), all layers in one call.
+
+Each case is first checked bit-for-bit against the reference (`write_rows_reference` after an eager
+`apply_rope`), then timed (warmup, median of many runs, ``block_until_ready``, pools donated). Effective
+bandwidth counts K/V read + NVFP4 bytes written + twin rows written, against a device copy measured in-run.
+
+    PYTHONPATH=. python3 bench/write_bench.py --out DIR       # GPU: table, DIR/write_bench.json, RESULTS.md
+    PYTHONPATH=. python3 bench/write_bench.py --dump-ptx DIR  # GPU: XLA dump; counts fma in this kernel's PTX
+    PYTHONPATH=. python3 bench/write_bench.py --smoke         # CPU: tiny sizes in interpret mode (script check)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _parse():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/out/write", help="output folder for the JSON")
+    ap.add_argument("--dump-ptx", default=None, help="XLA dump folder: compile once and report fma in the PTX")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU in interpret mode)")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--no-results-md", action="store_true", help="do not append to bench/RESULTS.md")
+    return ap.parse_args()
+
+
+ARGS = _parse() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.dump_ptx:
+    os.makedirs(ARGS.dump_ptx, exist_ok=True)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={ARGS.dump_ptx}").strip()
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jmixedkv as jk  # noqa: E402
+from jmixedkv.compat import on_gpu  # noqa: E402
+from jmixedkv.pools import write_rows_reference  # noqa: E402
+from jmixedkv.state import GroupSpec, write_slots, _ensure_pages  # noqa: E402
+from pallas_kernels import write as W  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------- setup
+def make_case(num_layers, heads, head_dim, seqs, tokens_per_seq, start_pos, page=32, first_n=64, last_n=64):
+    """(state with pages allocated, k, v [L, T, H, D] bf16, seq, pos, low_slot, high_slot)."""
+    cfg = jk.KVCacheConfig("mixed_nvfp4_bf16", first_n=first_n, last_n=last_n, page_size=page)
+    pages_per_seq = -(-(start_pos + tokens_per_seq) // page)
+    spec = GroupSpec(num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim)
+    gs = jk.nvfp4.global_scale_from_amax(jnp.full((num_layers, 2), 12.0))
+    st = jk.init_state(cfg, spec, num_pages=seqs * pages_per_seq + 1, max_seqs=seqs,
+                       max_pages_per_seq=pages_per_seq, gs=gs)
+    for s in range(seqs):
+        st = jk.admit(st, s)
+    seq = jnp.repeat(jnp.arange(seqs, dtype=jnp.int32), tokens_per_seq)
+    pos = jnp.tile(jnp.arange(start_pos, start_pos + tokens_per_seq, dtype=jnp.int32), seqs)
+    st, ok, err = _ensure_pages(st, seq, pos)
+    assert bool(ok), "page allocation failed"
+    low_slot, high_slot = write_slots(st, seq, pos)
+    key = jax.random.PRNGKey(0)
+    shape = (num_layers, seq.shape[0], heads, head_dim)
+    k = (jax.random.normal(key, shape, jnp.float32) * 3).astype(jnp.bfloat16)
+    v = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32).astype(jnp.bfloat16)
+    return st, k, v, seq, pos, low_slot, high_slot
+
+
+def traffic_bytes(k, low_slot, high_slot):
+    """K/V read + NVFP4 data/scales written + twin rows written (rows with a slot only)."""
+    num_layers, _, heads, d = k.shape
+    n_low = int(jnp.sum(low_slot >= 0))
+    n_high = int(jnp.sum(high_slot >= 0))
+    read = 2 * k.size * k.dtype.itemsize
+    low = num_layers * n_low * 2 * heads * (d // 2 + d // 16)
+    high = num_layers * n_high * 2 * heads * d * 2
+    return read + low + high, dict(read=read, low=low, high=high)
+
+
+# --------------------------------------------------------------------------------------------- functions
+def fns(page, rope, block_t=None, heads_per_program=None):
+    kw = dict(block_t=block_t, heads_per_program=heads_per_program)
+
+    def all_layers(pools, k, v, ls, hs, pos):
+        return W.write_rows(pools, k, v, None, ls, hs, page, positions=pos, rope=rope, **kw)
+
+    def per_layer(pools, k, v, ls, hs, pos):
+        for l in range(k.shape[0]):
+            pools = W.write_rows(pools, k[l], v[l], l, ls, hs, page, positions=pos, rope=rope, **kw)
+        return pools
+
+    return jax.jit(all_layers, donate_argnums=0), jax.jit(per_layer, donate_argnums=0)
+
+
+def reference_fns(page, rope):
+    def all_layers(pools, k, v, ls, hs, pos):
+        k = jk.apply_rope(k, pos, rope).astype(k.dtype)
+        return write_rows_reference(pools, jnp.stack([k, v], axis=-3), None, ls, hs, page)
+
+    def per_layer(pools, k, v, ls, hs, pos):
+        k = jk.apply_rope(k, pos, rope).astype(k.dtype)
+        for l in range(k.shape[0]):
+            pools = write_rows_reference(pools, jnp.stack([k[l], v[l]], axis=-3), l, ls, hs, page)
+        return pools
+    return jax.jit(all_layers, donate_argnums=0), jax.jit(per_layer, donate_argnums=0)
+
+
+def copy_pools(pools):
+    return jax.tree.map(lambda a: a.copy(), pools)
+
+
+def check_bit_exact(pools, k, v, ls, hs, pos, page, rope, fn):
+    """Kernel result vs the reference with an eager (separately rounded) RoPE; returns mismatching bytes."""
+    got = fn(copy_pools(pools), k, v, ls, hs, pos)
+    k_rot = jk.apply_rope(k, pos, rope).astype(k.dtype)  # eager: every op rounded separately
+    want = jax.jit(lambda p, x: write_rows_reference(p, x, None, ls, hs, page), donate_argnums=0)(
+        copy_pools(pools), jnp.stack([k_rot, v], axis=-3))
+    bad = 0
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        ua = jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize])
+        ub = jax.lax.bitcast_convert_type(b, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[b.dtype.itemsize])
+        bad += int(jnp.sum(ua != ub))
+    return bad
+
+
+def time_fn(fn, pools, args, iters):
+    """Median seconds per call; pools are donated and threaded through."""
+    pools = copy_pools(pools)
+    for _ in range(3):
+        pools = fn(pools, *args)
+    jax.block_until_ready(pools)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        pools = fn(pools, *args)
+        jax.block_until_ready(pools)
+        times.append(time.perf_counter() - t0)
+    del pools
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes, iters):
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    f = jax.jit(jnp.copy)
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(times)
+
+
+# --------------------------------------------------------------------------------------------- PTX dump
+def ptx_report(dump_dir):
+    """Find this kernel's PTX entries in an XLA dump and count fma / unrounded f32 mul-add-sub in them."""
+    entries = {}
+    for name in sorted(os.listdir(dump_dir)):
+        if not name.endswith(".ptx"):
+            continue
+        text = open(os.path.join(dump_dir, name)).read()
+        parts = re.split(r"(?m)^\s*\.(?:visible\s+)?\.?entry\s+", text)
+        for part in parts[1:]:
+            ename = re.match(r"[\w$.]+", part).group(0)
+            entries[f"{name}:{ename}"] = part
+    # by name, or by the inline PTX only this kernel carries (in case XLA renamed the entry)
+    ours = {n: b for n, b in entries.items() if "write_rows" in n or "div.rn.f32" in b}
+    report = {n: dict(fma=len(re.findall(r"\bfma\.", b)),
+                      unrounded_f32=len(re.findall(r"\b(?:mul|add|sub)\.f32\b", b)),
+                      rn_f32=len(re.findall(r"\b(?:mul|add|sub|div)\.rn\.f32\b", b))) for n, b in ours.items()}
+    return entries, report
+
+
+def run_dump(dump_dir):
+    st, k, v, seq, pos, ls, hs = make_case(2, 2, 128, 4, 16, 0, page=16, first_n=16, last_n=16)
+    rope = jk.RopeSpec("neox", theta=500000.0)
+    all_fn, _ = fns(st.page_size, rope)
+    jax.block_until_ready(all_fn(st.pools[0], k, v, ls, hs, pos))
+    entries, report = ptx_report(dump_dir)
+    print(f"{len(entries)} PTX entries in {dump_dir}")
+    if not report:
+        print("kernel entry not found; entries:", list(entries)[:50])
+        return 1
+    for n, r in report.items():
+        print(f"{n}: {r}")
+    print(f"kernel fma count: {sum(r['fma'] for r in report.values())}")
+    print(f"kernel unrounded f32 mul/add/sub count: {sum(r['unrounded_f32'] for r in report.values())}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- main
+def bench_case(name, case, rope, iters, sweep, with_append):
+    st, k, v, seq, pos, ls, hs = case
+    page = st.page_size
+    pools = st.pools[0]
+    nbytes, parts = traffic_bytes(k, ls, hs)
+    rows = []
+    all_fn, per_fn = fns(page, rope)
+    bad = check_bit_exact(pools, k, v, ls, hs, pos, page, rope, all_fn)
+    plan = W.plan_for(pools, k, v, None, rope)
+    print(f"[{name}] bit-exact vs reference: {'OK' if bad == 0 else f'{bad} BYTES DIFFER'} "
+          f"(default block_t={plan.block_t}, heads_per_program={plan.heads_per_program}, grid={plan.grid})")
+    args = (k, v, ls, hs, pos)
+    rows.append(dict(case=name, path="pallas all-layers (default)", s=time_fn(all_fn, pools, args, iters)))
+    for bt, hb in sweep:
+        f, _ = fns(page, rope, bt, hb)
+        rows.append(dict(case=name, path=f"pallas all-layers bt={bt} hb={hb}", s=time_fn(f, pools, args, iters)))
+    rows.append(dict(case=name, path=f"pallas {k.shape[0]}x per-layer", s=time_fn(per_fn, pools, args, iters)))
+    ref_all, ref_per = reference_fns(page, rope)
+    rows.append(dict(case=name, path="XLA reference all-layers", s=time_fn(ref_all, pools, args, iters)))
+    rows.append(dict(case=name, path="XLA reference per-layer", s=time_fn(ref_per, pools, args, iters)))
+    if with_append:
+        for backend in ("pallas", "reference"):
+            f = jax.jit(lambda s, k, v, q, p, b=backend: jk.append(s, k, v, q, p, rope=rope, backend=b),
+                        donate_argnums=0)
+            s0 = jax.tree.map(lambda a: a.copy(), st)
+            for _ in range(3):
+                s0 = f(s0, k, v, seq, pos)
+            jax.block_until_ready(s0)
+            ts = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                s0 = f(s0, k, v, seq, pos)
+                jax.block_until_ready(s0)
+                ts.append(time.perf_counter() - t0)
+            rows.append(dict(case=name, path=f"append() transition, {backend}", s=statistics.median(ts)))
+            del s0
+    for r in rows:
+        r.update(bytes=nbytes, tbps=nbytes / r["s"] / 1e12, bit_exact=bad == 0)
+    return rows, parts
+
+
+def main():
+    args = ARGS
+    if args.dump_ptx:
+        if not on_gpu():
+            print("--dump-ptx needs a GPU (XLA only emits PTX there); nothing to do on CPU")
+            return 0
+        return run_dump(args.dump_ptx)
+    if not on_gpu() and not args.smoke:
+        print("write_bench: no GPU here. Run on the H200: PYTHONPATH=. python3 bench/write_bench.py --out DIR "
+              "(or --smoke for a tiny interpret-mode run of this script on CPU)")
+        return 0
+    rope = jk.RopeSpec("neox", theta=500000.0)
+    if args.smoke:
+        cases = [("decode", make_case(2, 2, 128, 4, 1, 100, page=32), False),
+                 ("prefill", make_case(2, 2, 128, 2, 16, 0, page=32), False)]
+        iters, sweep, copy_mb = 2, [(16, 1)], 4
+    else:
+        cases = [("decode L32 H8 D128 B64", make_case(32, 8, 128, 64, 1, 1000), True),
+                 ("prefill 8x1024 tokens", make_case(32, 8, 128, 8, 1024, 0), False)]
+        iters, sweep, copy_mb = args.iters, [(16, 1), (32, 1), (64, 1), (32, 2), (32, 8), (64, 8), (128, 8)], 2048
+    copy_bw = copy_bandwidth(copy_mb << 20, 20 if not args.smoke else 2)
+    all_rows, parts = [], {}
+    for name, case, with_append in cases:
+        rows, parts[name] = bench_case(name, case, rope, iters, sweep, with_append)
+        all_rows += rows
+        del case
+    dev = jax.devices()[0]
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = "n/a"
+    header = (f"device: {dev.device_kind}, jax {jax.__version__}, triton {triton_version}, "
+              f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (in-run, {copy_mb} MiB)")
+    print(header)
+    lines = ["| case | path | time (us) | bytes (MB) | TB/s | x copy BW | bit-exact |", "|---|---|---|---|---|---|---|"]
+    for r in all_rows:
+        lines.append(f"| {r['case']} | {r['path']} | {r['s'] * 1e6:.1f} | {r['bytes'] / 1e6:.2f} | {r['tbps']:.3f} | "
+                     f"{r['tbps'] * 1e12 / copy_bw:.2f} | {r['bit_exact']} |")
+    print("\n".join(lines))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "write_bench.json"), "w") as f:
+        json.dump(dict(header=header, copy_bw=copy_bw, rows=all_rows, traffic=parts, smoke=args.smoke), f, indent=1)
+    if not args.no_results_md and not args.smoke:
+        path = os.path.join(ROOT, "bench", "RESULTS.md")
+        if not os.path.exists(path):
+            with open(path, "w") as f:
+                f.write("# Benchmark results (GPU runs, newest sections appended)\n")
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        with open(path, "a") as f:
+            f.write(f"\n## write kernel (`bench/write_bench.py`), {stamp}\n\n{header}. mixed_nvfp4_bf16, "
+                    "first_n=64, last_n=64, page 32, 32 layers, 8 KV heads, head_dim 128, bf16, neox RoPE "
+                    "in-kernel. Bytes = K/V read + NVFP4 written + twin rows written; ratio vs the in-run copy.\n\n")
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

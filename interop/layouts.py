@@ -1,0 +1,195 @@
+"""Exports of our page tables and pools into the layouts other engines' kernels take (FlashInfer, vLLM).
+
+Page tables (host side, numpy int32 unless said otherwise; ``seq_slots i32[B]``, -1 = padding row):
+
+* **FlashInfer CSR** (`flashinfer_csr`): ``kv_indptr i32[B+1]``, ``kv_indices i32[kv_indptr[-1]]`` (physical page
+  ids in sequence order), ``kv_last_page_len i32[B]`` with ``1 <= last <= page_size`` for a non-empty sequence
+  (``((n - 1) % page) + 1``). **Empty sequences** (length 0, and padding rows) own no page and get
+  ``last_page_len = 0``, so FlashInfer's ``get_seq_lens`` (``clamp(pages - 1, 0) * page + last``) gives 0.
+  `flashinfer_csr_padded` is the jittable fixed-shape twin (``kv_indices`` padded to ``B * max_pages`` with -1,
+  CUDA-graph friendly); `seq_lens_from_csr` inverts the form.
+* **vLLM block tables** (`block_table`): ``i32[B, max_pages]`` with -1 past each sequence's last used page,
+  plus ``seq_lens i32[B]``; **slot mappings** (`slot_mapping`): ``slot = page_id * page + pos % page`` per token,
+  -1 (vLLM's ``PAD_SLOT_ID``) for padding or unheld rows; int64 by default as in vLLM.
+
+Pool page views (`page_view`): our row pools are ``rows[L, P, kv, H, page, D]`` (HND inside a page), so per
+layer the pool *is* FlashInfer's 5-D HND paged cache ``[P, 2, H, page, D]`` (K/V axis at dim 1), and per layer
+and K/V a zero-copy strided view gives ``HND [P, H, page, D]`` or ``NHD [P, page, H, D]`` (a permuted,
+non-contiguous view; FlashInfer accepts strided pages, call ``.contiguous()`` for kernels that do not).
+
+Staged caches: `interop.torch_cache.TorchStaged` (from ``jmixedkv.read.stage``) is already a paged HND cache
+``[N, kv, H, page, D]`` with a compact page table; its ``flashinfer_csr()`` uses `flashinfer_csr` above.
+
+NVFP4 pages (`nvfp4_pages`): FlashInfer's paged NVFP4 KV layout (``nvfp4_quantize_append_paged_kv_cache``,
+``nvfp4_kv_dequantize_paged``): per layer, K and V separately, data ``uint8 [P, H, page, D/2]`` (HND) or
+``[P, page, H, D/2]`` (NHD), element ``2i`` in the low nibble; block scales ``float8_e4m3fn`` in the same layout
+with ``D/16`` (linear, one per 16 elements along head_dim; ``scales_as_uint8=True`` gives the bytes); decode
+global scales ``k_scale = gs[layer, 0]``, ``v_scale = gs[layer, 1]`` (float32, ``x = e2m1 * scale * gs``).
+Not applied: trtllm-gen's 4-token-interleaved V-scale layout (only the linear layout is exported).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+__all__ = ["FlashInferCSR", "flashinfer_csr", "flashinfer_csr_padded", "seq_lens_from_csr", "block_table",
+           "slot_mapping", "page_view", "nvfp4_pages", "NVFP4Pages"]
+
+LAYOUTS = ("HND", "NHD")
+
+
+class FlashInferCSR(NamedTuple):
+    kv_indptr: np.ndarray          # i32[B+1]
+    kv_indices: np.ndarray         # i32[kv_indptr[-1]]
+    kv_last_page_len: np.ndarray   # i32[B]
+
+
+def _host(x, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what}: expected integers, got {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+
+
+def _rows(page_table, kv_lens, seq_slots, page_size, what):
+    """Validated ``(table i64[B, M], lens i64[B])`` for the batch (padding rows: no pages, length 0)."""
+    _check_page_size(page_size)
+    table, lens, seq = _host(page_table, "page_table"), _host(kv_lens, "kv_lens"), _host(seq_slots, "seq_slots")
+    if table.ndim != 2 or lens.ndim != 1 or lens.shape[0] != table.shape[0]:
+        raise ValueError(f"{what}: page_table must be [S, max_pages] and kv_lens [S]; got {table.shape}, {lens.shape}")
+    if seq.ndim != 1:
+        raise ValueError(f"{what}: seq_slots must be 1-D, got shape {seq.shape}")
+    bad = sorted({int(s) for s in seq if s < -1 or s >= table.shape[0]})
+    if bad:
+        raise ValueError(f"{what}: sequence slots {bad} out of range [-1, {table.shape[0]})")
+    rows = table[np.clip(seq, 0, None)]
+    n = np.where(seq >= 0, lens[np.clip(seq, 0, None)], 0)
+    if (n < 0).any():
+        raise ValueError(f"{what}: negative lengths {n[n < 0].tolist()}")
+    pages = -(-n // page_size)
+    if (pages > table.shape[1]).any():
+        raise ValueError(f"{what}: lengths {n.tolist()} need more than max_pages={table.shape[1]} pages of {page_size}")
+    used = np.arange(table.shape[1])[None, :] < pages[:, None]
+    missing = np.argwhere(used & (rows < 0))
+    if missing.size:
+        b, j = missing[0]
+        raise ValueError(f"{what}: sequence slot {int(seq[b])} (length {int(n[b])}) has no page at column {int(j)}")
+    return rows, n, pages, used
+
+
+def flashinfer_csr(page_table, kv_lens, seq_slots, page_size: int) -> FlashInferCSR:
+    """FlashInfer's CSR page table for ``seq_slots`` (see module docstring); numpy int32 arrays."""
+    rows, n, pages, used = _rows(page_table, kv_lens, seq_slots, page_size, "flashinfer_csr")
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = rows[used].astype(np.int32)          # row-major: sequence by sequence, page order
+    last = np.where(n > 0, (n - 1) % page_size + 1, 0).astype(np.int32)
+    return FlashInferCSR(indptr, indices, last)
+
+
+def flashinfer_csr_padded(page_table, kv_lens, seq_slots, page_size: int):
+    """Jittable fixed-shape CSR: ``(kv_indptr i32[B+1], kv_indices i32[B * max_pages] (-1 padded),
+    kv_last_page_len i32[B])`` from JAX arrays (no validation: it runs inside jit)."""
+    seq = jnp.asarray(seq_slots, jnp.int32)
+    num_seqs, max_pages = page_table.shape
+    s = jnp.clip(seq, 0, num_seqs - 1)
+    n = jnp.where(seq >= 0, kv_lens[s], 0)
+    pages = (n + page_size - 1) // page_size
+    indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(pages).astype(jnp.int32)])
+    j = jnp.arange(max_pages, dtype=jnp.int32)
+    used = j[None, :] < pages[:, None]
+    dest = jnp.where(used, indptr[:-1, None] + j[None, :], seq.shape[0] * max_pages)
+    indices = jnp.full((seq.shape[0] * max_pages,), -1, jnp.int32).at[dest.reshape(-1)].set(
+        page_table[s].reshape(-1), mode="drop")
+    last = jnp.where(n > 0, (n - 1) % page_size + 1, 0).astype(jnp.int32)
+    return indptr, indices, last
+
+
+def seq_lens_from_csr(kv_indptr, kv_last_page_len, page_size: int) -> np.ndarray:
+    """FlashInfer's ``get_seq_lens``: ``clamp(pages - 1, 0) * page + last``."""
+    indptr, last = _host(kv_indptr, "kv_indptr"), _host(kv_last_page_len, "kv_last_page_len")
+    return (np.maximum(np.diff(indptr) - 1, 0) * page_size + last).astype(np.int32)
+
+
+def block_table(page_table, kv_lens, seq_slots, page_size: int):
+    """vLLM-style ``(block_table i32[B, max_pages], seq_lens i32[B])``: page ids of the used pages, -1 after."""
+    rows, n, _, used = _rows(page_table, kv_lens, seq_slots, page_size, "block_table")
+    return np.where(used, rows, -1).astype(np.int32), n.astype(np.int32)
+
+
+def slot_mapping(page_table, seq, positions, page_size: int, dtype=np.int64) -> np.ndarray:
+    """Per-token slot ``page_id * page + pos % page`` (``seq[t]``, ``positions[t]``); -1 when ``seq < 0``, the
+    position is negative or past the table, or its page is not allocated (vLLM ``PAD_SLOT_ID``)."""
+    _check_page_size(page_size)
+    table, seq, pos = _host(page_table, "page_table"), _host(seq, "seq"), _host(positions, "positions")
+    if seq.shape != pos.shape or seq.ndim != 1:
+        raise ValueError(f"slot_mapping: seq and positions must be equal-length vectors, got {seq.shape}, {pos.shape}")
+    if (seq >= table.shape[0]).any():
+        raise ValueError(f"slot_mapping: sequence slots {sorted(set(seq[seq >= table.shape[0]].tolist()))} out of "
+                         f"range [-1, {table.shape[0]})")
+    q = pos // page_size
+    ok = (seq >= 0) & (pos >= 0) & (q < table.shape[1])
+    page = table[np.clip(seq, 0, None), np.clip(q, 0, table.shape[1] - 1)]
+    ok &= page >= 0
+    return np.where(ok, page * page_size + pos % page_size, -1).astype(dtype)
+
+
+def page_view(rows, layer: int, kv: Optional[int] = None, layout: str = "HND"):
+    """View of a row pool ``rows[L, P, kv, H, page, D]`` (torch tensor: zero-copy view; jax/numpy: transposed
+    array) for one layer.
+
+    ``kv=None`` -> ``[P, kv, H, page, D]`` (HND, FlashInfer's 5-D form) or ``[P, kv, page, H, D]`` (NHD);
+    ``kv=0`` (K) / ``1`` (V) -> ``[P, H, page, D]`` (HND) or ``[P, page, H, D]`` (NHD)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if rows.ndim != 6:
+        raise ValueError(f"page_view: expected a pool [L, P, kv, H, page, D], got shape {tuple(rows.shape)}")
+    if not 0 <= layer < rows.shape[0]:
+        raise ValueError(f"page_view: layer {layer} out of range [0, {rows.shape[0]})")
+    if kv is not None and not 0 <= kv < rows.shape[2]:
+        raise ValueError(f"page_view: kv {kv} out of range [0, {rows.shape[2]})")
+    x = rows[layer] if kv is None else rows[layer][:, kv]
+    if layout == "HND":
+        return x
+    perm = (0, 1, 3, 2, 4) if kv is None else (0, 2, 1, 3)
+    return x.permute(*perm) if isinstance(x, torch.Tensor) else jnp.transpose(x, perm) if isinstance(
+        x, jax.Array) else np.transpose(x, perm)
+
+
+class NVFP4Pages(NamedTuple):
+    k_data: object      # u8[P, H, page, D/2] (HND) / [P, page, H, D/2] (NHD)
+    k_scales: object    # e4m3 (or u8) [..., D/16], same layout
+    v_data: object
+    v_scales: object
+    k_scale: float      # decode global scale of K (gs[layer, 0])
+    v_scale: float
+
+
+def nvfp4_pages(low, layer: int, layout: str = "HND", *, scales_as_uint8: bool = False,
+                as_torch: bool = True) -> NVFP4Pages:
+    """Per-layer NVFP4 pages of a `jmixedkv.pools.LowPool` in FlashInfer's paged NVFP4 KV layout (module doc).
+
+    ``as_torch=True``: zero-copy torch views of the pool (read-only; drop them before the next donated append)."""
+    from .dlpack import to_torch
+    if low.data.shape[2] != 2:
+        raise ValueError(f"nvfp4_pages: expected a K/V pool (kv=2), got kv={low.data.shape[2]}")
+    data, scales = low.data, low.scales
+    if as_torch:
+        data, scales = to_torch(data), to_torch(scales)
+        if scales_as_uint8:
+            scales = scales.view(torch.uint8)
+    elif scales_as_uint8:
+        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    gs = np.asarray(low.gs, np.float32)
+    views = [page_view(a, layer, kv, layout) for kv in (0, 1) for a in (data, scales)]
+    return NVFP4Pages(*views, float(gs[layer, 0]), float(gs[layer, 1]))

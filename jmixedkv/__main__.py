@@ -1,0 +1,6 @@
+"""``python -m jmixedkv``: the command line (`jmixedkv.cli`)."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

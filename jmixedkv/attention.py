@@ -1,0 +1,146 @@
+"""Public decode attention over a `CacheState`: host validation, backend dispatch, and merging partial attentions.
+
+* `decode_attention(state, layer, q, seq_slots, ...)`: decode / speculative-verify attention of one layer of one
+  group over the cache a reader must see (retained rows from the high twin, NVFP4 elsewhere; plain groups read
+  their row pool). ``backend="pallas"`` runs the fused kernel (`pallas_kernels.decode_attention`; interpret mode
+  without a GPU), ``"reference"`` runs float32 `attention_reference` over `stage_reference`, ``"auto"`` picks the
+  kernel on a GPU.
+* `merge_attention(o1, lse1, o2, lse2)`: combine two attentions over disjoint key sets (e.g. cache + a chunk).
+
+Both return the output in the attention dtype and the natural-log LSE in float32.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .backend import interpret, resolve
+from .reference import attention_reference, stage_reference
+
+__all__ = ["decode_attention", "merge_attention"]
+
+
+def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits):
+    if not 0 <= group < len(state.groups):
+        raise ValueError(f"decode_attention: group={group} out of range (state has {len(state.groups)} groups)")
+    spec, cfg = state.groups[group], state.config
+    if isinstance(layer, int) and not 0 <= layer < spec.num_layers:
+        raise ValueError(f"decode_attention: layer={layer} out of range [0, {spec.num_layers})")
+    if getattr(q, "ndim", None) != 4:
+        raise ValueError(f"decode_attention: q must be [B, Tq, Hq, D], got shape {getattr(q, 'shape', None)}")
+    b, tq, hq, d = q.shape
+    if d != spec.head_dim:
+        raise ValueError(f"decode_attention: q head_dim {d} != group head_dim {spec.head_dim}")
+    if hq % spec.num_kv_heads:
+        raise ValueError(f"decode_attention: query heads Hq={hq} not a multiple of KV heads H={spec.num_kv_heads}")
+    if not 1 <= tq <= cfg.max_draft_len + 1:
+        raise ValueError(f"decode_attention: Tq={tq} query tokens per sequence; expected 1..max_draft_len+1 "
+                         f"= {cfg.max_draft_len + 1}")
+    if jnp.dtype(q.dtype) != jnp.dtype(cfg.attention_dtype):
+        raise ValueError(f"decode_attention: q dtype {jnp.dtype(q.dtype)} != attention dtype "
+                         f"{jnp.dtype(cfg.attention_dtype)}")
+    seq = jnp.asarray(seq_slots)
+    if seq.shape != (b,) or not jnp.issubdtype(seq.dtype, jnp.integer):
+        raise ValueError(f"decode_attention: seq_slots must be an int vector of length B={b}, got "
+                         f"{seq.dtype}{tuple(seq.shape)}")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"decode_attention: sm_scale must be > 0, got {sm_scale}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"decode_attention: sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"decode_attention: soft_cap must be > 0 or None, got {soft_cap!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"decode_attention: num_splits must be an int >= 1 or None, got {num_splits!r}")
+
+
+def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Optional[float] = None,
+                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                     num_splits: Optional[int] = None, backend: str = "auto"):
+    """Decode / verify attention of ``q`` against the cached history of ``seq_slots`` (one layer).
+
+    Args:
+      state: `CacheState`.
+      layer: layer index within ``group`` (int or traced i32).
+      q: ``[B, Tq, Hq, D]`` in the attention dtype; token ``t`` of row ``b`` sits at position
+        ``kv_lens[seq_slots[b]] - Tq + t`` (its K/V already appended) and sees keys ``p <=`` its position.
+      seq_slots: i32[B] sequence slots (-1 = padding row: output zeros, LSE -inf).
+      sm_scale: logit scale (default ``D ** -0.5``); sliding_window: keys ``pos - window < p <= pos``;
+      soft_cap: logits ``c * tanh(logits / c)``; num_splits: split-K programs (kernel only; None = auto).
+      backend: ``"auto"`` | ``"pallas"`` | ``"reference"``.
+
+    Returns:
+      ``(out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])``.
+    """
+    _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits)
+    seq = jnp.asarray(seq_slots, jnp.int32)
+    kw = dict(group=group, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if resolve(backend) == "reference":
+        return _reference(state, layer, q, seq, **kw)
+    return _pallas(state, layer, q, seq, num_splits=num_splits, interpret=interpret(), **kw)
+
+
+def _lens(state, seq):
+    return jnp.where(seq >= 0, state.kv_lens[jnp.clip(seq, 0, state.max_seqs - 1)], 0)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap"))
+def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap):
+    staged = stage_reference(state, layer, seq, group)                      # [B, kv, H, S, D]
+    k, v = staged[:, 0], staged[:, -1]
+    lens = _lens(state, seq)
+    out, lse = attention_reference(q, k, v, lens, sm_scale=sm_scale, sliding_window=sliding_window,
+                                   soft_cap=soft_cap)
+    ok = jnp.isfinite(lse) & (lse > -jnp.inf)
+    out = jnp.where(ok[..., None], out, 0.0)
+    lse = jnp.where(ok, lse, -jnp.inf)
+    return out.astype(state.config.attention_dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap", "num_splits",
+                                             "interpret"))
+def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits, interpret):
+    from pallas_kernels.decode_attention import paged_decode_attention
+    cfg, kind, pools = state.config, state.kinds[group], state.pools[group]
+    s = jnp.clip(seq, 0, state.max_seqs - 1)
+    page_table = state.page_table[s]
+    lens = _lens(state, seq)
+    mixed = kind == "mixed" and pools.high is not None
+    return paged_decode_attention(
+        q, page_table, lens, layer,
+        low=pools.low if kind != "plain" else None,
+        high=pools.high if mixed else None,
+        plain=pools.plain if kind == "plain" else None,
+        high_table=state.high_table[s] if mixed else None,
+        first_n=cfg.first_n if mixed else 0, last_n=cfg.last_n if mixed else 0,
+        num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
+        interpret=interpret, out_dtype=cfg.attention_dtype)
+
+
+def merge_attention(o1, lse1, o2, lse2):
+    """Merge two attentions over disjoint key sets.
+
+    Args:
+      o1, o2: ``[..., D]`` normalized outputs (any float dtype); lse1, lse2: f32 ``[...]`` natural-log LSE
+        (``-inf`` = no keys).
+
+    Returns:
+      ``(o [..., D] in o1's dtype, lse f32[...])``.
+    """
+    if o1.shape != o2.shape or lse1.shape != lse2.shape or o1.shape[:-1] != lse1.shape:
+        raise ValueError(f"merge_attention: shapes o1 {o1.shape}, lse1 {lse1.shape}, o2 {o2.shape}, "
+                         f"lse2 {lse2.shape} do not match ([..., D] and [...])")
+    lse1, lse2 = lse1.astype(jnp.float32), lse2.astype(jnp.float32)
+    m = jnp.maximum(lse1, lse2)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w1, w2 = jnp.exp(lse1 - m_safe), jnp.exp(lse2 - m_safe)
+    tot = w1 + w2
+    ok = tot > 0
+    den = jnp.where(ok, tot, 1.0)
+    o = (w1[..., None] * o1.astype(jnp.float32) + w2[..., None] * o2.astype(jnp.float32)) / den[..., None]
+    o = jnp.where(ok[..., None], o, 0.0)
+    lse = jnp.where(ok, m_safe + jnp.log(den), -jnp.inf)
+    return o.astype(o1.dtype), lse

@@ -1,0 +1,205 @@
+"""KV cache configuration: the public options of TensorRT-LLM's mixed-precision cache, validated.
+
+`KVCacheConfig` owns the user-facing knobs and nothing else: which storage format (`dtype`), how many
+first / last tokens are also kept in high precision (`first_n`, `last_n`), the page size, speculative
+decoding and sparse-attention settings. Every invalid combination raises `ValueError` naming the field
+and the offending value, before any array is allocated.
+
+Dtype strings (TensorRT-LLM's `kv_cache_config.dtype`):
+
+=====================  =================  ========================  =================================
+dtype                  low (history)      high (first-N / last-N)   what a reader sees
+=====================  =================  ========================  =================================
+``mixed_nvfp4_bf16``   NVFP4              bfloat16 twin             high rows where retained, else NVFP4
+``mixed_nvfp4_fp16``   NVFP4              float16 twin              idem
+``mixed_nvfp4_fp8``    NVFP4              FP8 E4M3 twin (+ scale)   idem
+``bf16`` / ``fp16``    -                  plain pool, every token   plain cache
+``fp8``                -                  plain FP8 pool (+ scale)  plain cache
+``nvfp4``              NVFP4              -                         plain NVFP4 cache
+=====================  =================  ========================  =================================
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+__all__ = ["KVCacheConfig", "DTYPES", "SPECULATIVE_MODES", "SUPPORTED_MIXED_SPARSE"]
+
+#: dtype string -> (low format or None, high / plain storage dtype name or None)
+DTYPES: dict[str, tuple[Optional[str], Optional[str]]] = {
+    "mixed_nvfp4_bf16": ("nvfp4", "bfloat16"),
+    "mixed_nvfp4_fp16": ("nvfp4", "float16"),
+    "mixed_nvfp4_fp8": ("nvfp4", "float8_e4m3fn"),
+    "bf16": (None, "bfloat16"),
+    "fp16": (None, "float16"),
+    "fp8": (None, "float8_e4m3fn"),
+    "nvfp4": ("nvfp4", None),
+}
+SPECULATIVE_MODES = (None, "mtp", "ngram", "eagle", "dynamic_tree")
+#: sparse algorithms that work with a mixed dtype (their pools are NVFP4 + a twin)
+SUPPORTED_MIXED_SPARSE = (None, "dsa", "deepseek_v4")
+#: sparse algorithms whose pool format is natively NVFP4 (DeepSeek-V4.1 CSA2): no twin possible
+NATIVE_NVFP4_SPARSE = ("csa2", "deepseek_v4.1", "deepseek_v41")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+_ALIASES = {
+    "mixed_precision_first_n": "first_n",
+    "mixed_precision_last_n": "last_n",
+    "tokens_per_block": "page_size",
+}
+
+
+def _is_power_of_two(n: int) -> bool:
+    return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class KVCacheConfig:
+    """Validated, hashable KV cache options (usable as static jit metadata).
+
+    Args:
+      dtype: one of `DTYPES` (default ``"mixed_nvfp4_bf16"``).
+      first_n: tokens ``p < first_n`` of every sequence are also kept in the high pool
+        (alias ``mixed_precision_first_n``). Need not be a page multiple.
+      last_n: tokens ``n - last_n <= p < n`` (``n`` = corrected length) are also kept in the high pool
+        (alias ``mixed_precision_last_n``).
+      page_size: tokens per page, a power of two (alias ``tokens_per_block``).
+      max_draft_len: draft tokens a speculative step may append and later reject (ring slack).
+      speculative_mode: ``None``, ``"mtp"``, ``"ngram"``, ``"eagle"`` or ``"dynamic_tree"``
+        (the last is rejected with a mixed dtype: the twin cannot follow relocated rows).
+      sparse_algorithm: ``None``, ``"dsa"``, ``"deepseek_v4"`` or another name (only the first three
+        work with a mixed dtype; ``"csa2"`` never does, its pool is natively NVFP4).
+      compute_dtype: dtype readers get when the storage itself is not an attention dtype
+        (``nvfp4``, ``fp8``, ``mixed_nvfp4_fp8``); default ``"bfloat16"``.
+    """
+
+    dtype: str
+    first_n: int
+    last_n: int
+    page_size: int
+    max_draft_len: int
+    speculative_mode: Optional[str]
+    sparse_algorithm: Optional[str]
+    compute_dtype: str
+
+    def __init__(self, dtype: str = "mixed_nvfp4_bf16", first_n: Optional[int] = None,
+                 last_n: Optional[int] = None, page_size: Optional[int] = None, max_draft_len: int = 0,
+                 speculative_mode: Optional[str] = None, sparse_algorithm: Optional[str] = None,
+                 compute_dtype: Optional[str] = None, **aliases: Any):
+        values = {"first_n": first_n, "last_n": last_n, "page_size": page_size}
+        for alias, value in aliases.items():
+            if alias not in _ALIASES:
+                raise TypeError(f"KVCacheConfig() got an unexpected keyword argument {alias!r}")
+            field = _ALIASES[alias]
+            if values[field] is not None and values[field] != value:
+                raise ValueError(f"KVCacheConfig: {alias}={value!r} conflicts with {field}={values[field]!r}")
+            values[field] = value
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("dtype", dtype)
+        set_("first_n", 0 if values["first_n"] is None else values["first_n"])
+        set_("last_n", 0 if values["last_n"] is None else values["last_n"])
+        set_("page_size", 32 if values["page_size"] is None else values["page_size"])
+        set_("max_draft_len", max_draft_len)
+        set_("speculative_mode", speculative_mode)
+        set_("sparse_algorithm", sparse_algorithm)
+        default_compute = {"bfloat16": "bfloat16", "float16": "float16"}.get(
+            DTYPES.get(dtype, (None, None))[1], "bfloat16")
+        set_("compute_dtype", default_compute if compute_dtype is None else compute_dtype)
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVCacheConfig.dtype: unknown value {self.dtype!r}; expected one of {sorted(DTYPES)}")
+        for name in ("first_n", "last_n", "max_draft_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"KVCacheConfig.{name} must be an integer >= 0, got {value!r}")
+        if not _is_power_of_two(self.page_size) or isinstance(self.page_size, bool):
+            raise ValueError(f"KVCacheConfig.page_size (tokens_per_block) must be a power of two >= 1, "
+                             f"got {self.page_size!r}")
+        if not self.is_mixed and (self.first_n or self.last_n):
+            raise ValueError(f"KVCacheConfig: first_n={self.first_n}, last_n={self.last_n} need a mixed dtype "
+                             f"(mixed_nvfp4_*), but dtype={self.dtype!r} keeps no high-precision twin")
+        if self.speculative_mode not in SPECULATIVE_MODES:
+            raise ValueError(f"KVCacheConfig.speculative_mode: unknown value {self.speculative_mode!r}; "
+                             f"expected one of {list(SPECULATIVE_MODES)}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"KVCacheConfig.compute_dtype: unknown value {self.compute_dtype!r}; "
+                             f"expected one of {list(COMPUTE_DTYPES)}")
+        if self.sparse_algorithm is not None and not isinstance(self.sparse_algorithm, str):
+            raise ValueError(f"KVCacheConfig.sparse_algorithm must be a string or None, got {self.sparse_algorithm!r}")
+        if not self.is_mixed:
+            return
+        if self.speculative_mode == "dynamic_tree":
+            raise ValueError(f"KVCacheConfig.speculative_mode={self.speculative_mode!r} is not supported with "
+                             f"dtype={self.dtype!r}: dynamic-tree drafting relocates accepted KV rows inside the "
+                             f"pools after verification, and the high-precision twin would not follow")
+        sparse = (self.sparse_algorithm or "").lower() or None
+        if sparse in NATIVE_NVFP4_SPARSE:
+            raise ValueError(f"KVCacheConfig.sparse_algorithm={self.sparse_algorithm!r} (DeepSeek-V4.1 / CSA2) is "
+                             f"not supported with dtype={self.dtype!r}: its pool format is natively NVFP4")
+        if sparse not in SUPPORTED_MIXED_SPARSE:
+            raise ValueError(f"KVCacheConfig.sparse_algorithm={self.sparse_algorithm!r} is not supported with "
+                             f"dtype={self.dtype!r}; mixed precision works with {list(SUPPORTED_MIXED_SPARSE)}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def mixed_precision_first_n(self) -> int:
+        return self.first_n
+
+    @property
+    def mixed_precision_last_n(self) -> int:
+        return self.last_n
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.page_size
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.dtype.startswith("mixed_")
+
+    @property
+    def has_low(self) -> bool:
+        """History is stored in NVFP4 (mixed dtypes and ``nvfp4``)."""
+        return DTYPES[self.dtype][0] == "nvfp4"
+
+    @property
+    def high_dtype(self):
+        """jnp dtype of the high (twin) pool, or of the plain pool; None for ``nvfp4``."""
+        name = DTYPES[self.dtype][1]
+        return None if name is None else jnp.dtype(name)
+
+    @property
+    def attention_dtype(self):
+        """jnp dtype readers get (staged K/V, gathered rows, decode outputs)."""
+        high = DTYPES[self.dtype][1]
+        if high in ("bfloat16", "float16"):
+            return jnp.dtype(high)
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def num_fixed_pages(self) -> int:
+        """High pages holding positions ``[0, ceil(first_n / page_size) * page_size)``."""
+        return -(-self.first_n // self.page_size) if self.is_mixed else 0
+
+    @property
+    def num_ring_pages(self) -> int:
+        """Ring of high pages for the last-N window: ``ceil((last_n + max_draft_len) / page) + 1``.
+
+        Zero when ``last_n == 0`` (nothing to keep)."""
+        if not self.is_mixed or self.last_n == 0:
+            return 0
+        return -(-(self.last_n + self.max_draft_len) // self.page_size) + 1
+
+    @property
+    def num_high_pages_per_seq(self) -> int:
+        return self.num_fixed_pages + self.num_ring_pages
+
+    def replace(self, **changes: Any) -> "KVCacheConfig":
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(changes)
+        return KVCacheConfig(**fields)

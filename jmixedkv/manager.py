@@ -1,0 +1,174 @@
+"""Host-side cache manager for engines: capacity checks up front, jitted + donated transitions, clear errors.
+
+The pure transitions in `jmixedkv.state` never raise inside jit; they set an error bit and leave every sequence
+unchanged. `CacheManager` is the layer an engine talks to: it keeps a host mirror of what it has asked for
+(pages held per sequence, free pages), refuses requests that cannot be met with `CacheCapacityError` naming the
+shortfall *before* touching the device, and runs the transitions jitted with the state donated (pools update in
+place).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import state as st
+from .config import KVCacheConfig
+from .rope import RopeSpec
+
+__all__ = ["CacheManager", "CacheCapacityError"]
+
+
+class CacheCapacityError(ValueError):
+    """A request needs more pages (or slots, or positions) than the cache has."""
+
+
+_admit = jax.jit(st.admit, donate_argnums=0)
+_release = jax.jit(st.release, donate_argnums=0)
+_append = jax.jit(st.append, static_argnames=("group", "rope", "backend"), donate_argnums=0)
+
+
+class CacheManager:
+    """Owns one `CacheState` and mirrors its capacity on the host.
+
+    Args: as `jmixedkv.init_state`. ``backend`` is used for every append (default ``"auto"``).
+    """
+
+    def __init__(self, config: KVCacheConfig, groups, num_pages: int, max_seqs: int,
+                 max_pages_per_seq: Optional[int] = None, backend: str = "auto", **init_kwargs):
+        self.state = st.init_state(config, groups, num_pages, max_seqs, max_pages_per_seq, **init_kwargs)
+        self.config = config
+        self.backend = backend
+        self._pages_held = np.zeros(max_seqs, np.int64)      # low pages per slot
+        self._lens = np.zeros(max_seqs, np.int64)
+        self._active = np.zeros(max_seqs, bool)
+        self._free_low = int(self.state.alloc.num_free)
+        self._free_high = int(self.state.high_alloc.num_free)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def max_seqs(self) -> int:
+        return self.state.max_seqs
+
+    @property
+    def free_pages(self) -> int:
+        return self._free_low
+
+    @property
+    def free_high_pages(self) -> int:
+        return self._free_high
+
+    def kv_len(self, slot: int) -> int:
+        return int(self._lens[slot])
+
+    def free_slots(self) -> list[int]:
+        return [int(s) for s in np.flatnonzero(~self._active)]
+
+    def can_admit(self, slot: Optional[int] = None) -> bool:
+        need = self.config.num_high_pages_per_seq
+        slot_ok = (not self._active.all()) if slot is None else (0 <= slot < self.max_seqs and not self._active[slot])
+        return slot_ok and need <= self._free_high
+
+    def pages_needed(self, seq_slots, positions) -> dict[int, int]:
+        """New low pages an append of tokens (seq_slots, positions) would allocate, per slot."""
+        seq, pos = np.asarray(seq_slots), np.asarray(positions)
+        out = {}
+        for s in np.unique(seq[seq >= 0]):
+            last = int(pos[seq == s].max())
+            out[int(s)] = max(0, last // self.config.page_size + 1 - int(self._pages_held[s]))
+        return out
+
+    def can_append(self, seq_slots, positions) -> bool:
+        try:
+            self._check_append(seq_slots, positions)
+            return True
+        except CacheCapacityError:
+            return False
+
+    # ------------------------------------------------------------------ transitions
+    def admit(self, slot: Optional[int] = None) -> int:
+        """Admit an empty sequence; returns its slot. Raises `CacheCapacityError` if it cannot."""
+        if slot is None:
+            free = self.free_slots()
+            if not free:
+                raise CacheCapacityError(f"no free sequence slot: all {self.max_seqs} slots are admitted")
+            slot = free[0]
+        if not 0 <= slot < self.max_seqs:
+            raise ValueError(f"admit: slot {slot} out of range [0, {self.max_seqs})")
+        if self._active[slot]:
+            raise ValueError(f"admit: slot {slot} is already admitted")
+        need = self.config.num_high_pages_per_seq
+        if need > self._free_high:
+            raise CacheCapacityError(f"admit: a sequence needs {need} high (first-N/last-N) pages, "
+                                     f"only {self._free_high} are free")
+        self.state = _admit(self.state, jnp.int32(slot))
+        self._active[slot], self._lens[slot], self._pages_held[slot] = True, 0, 0
+        self._free_high -= need
+        return slot
+
+    def release(self, slot: int) -> None:
+        if not (0 <= slot < self.max_seqs and self._active[slot]):
+            raise ValueError(f"release: slot {slot} is not admitted")
+        self.state = _release(self.state, jnp.int32(slot))
+        self._active[slot] = False
+        self._lens[slot] = 0
+        self._pages_held[slot] = 0
+        self._free_low = int(self.state.alloc.num_free)
+        self._free_high = int(self.state.high_alloc.num_free)
+
+    def _check_append(self, seq_slots, positions):
+        seq, pos = np.asarray(seq_slots), np.asarray(positions)
+        if seq.shape != pos.shape or seq.ndim != 1:
+            raise ValueError(f"append: seq_slots and positions must be equal-length vectors, got {seq.shape}, "
+                             f"{pos.shape}")
+        bad = sorted({int(s) for s in seq[seq >= 0] if s >= self.max_seqs or not self._active[s]})
+        if bad:
+            raise ValueError(f"append: sequence slots {bad} are not admitted")
+        if (pos[seq >= 0] < 0).any():
+            raise ValueError(f"append: negative positions {sorted(set(pos[(seq >= 0) & (pos < 0)].tolist()))}")
+        limit = self.state.max_pages_per_seq * self.config.page_size
+        if (pos[seq >= 0] >= limit).any():
+            worst = int(pos[seq >= 0].max())
+            raise CacheCapacityError(f"append: position {worst} is past the page table's width "
+                                     f"({self.state.max_pages_per_seq} pages x {self.config.page_size} = {limit} tokens)")
+        need = self.pages_needed(seq, pos)
+        total = sum(need.values())
+        if total > self._free_low:
+            detail = ", ".join(f"slot {s} needs {n}" for s, n in need.items() if n)
+            raise CacheCapacityError(f"append needs {total} new low pages but only {self._free_low} are free "
+                                     f"(short by {total - self._free_low}: {detail})")
+        return need
+
+    def append(self, k, v, seq_slots, positions, layer=None, group: int = 0, rope: Optional[RopeSpec] = None):
+        """`jmixedkv.append` with capacity checked first; see it for shapes."""
+        need = self._check_append(seq_slots, positions)
+        layer_arg = None if layer is None else jnp.int32(layer)
+        self.state = _append(self.state, k, v, jnp.asarray(seq_slots, jnp.int32), jnp.asarray(positions, jnp.int32),
+                             layer_arg, group=group, rope=rope, backend=self.backend)
+        for s, n in need.items():
+            self._pages_held[s] += n
+            self._free_low -= n
+        seq, pos = np.asarray(seq_slots), np.asarray(positions)
+        for s in np.unique(seq[seq >= 0]):
+            self._lens[s] = max(self._lens[s], int(pos[seq == s].max()) + 1)
+
+    def set_lengths(self, lens) -> None:
+        """Host mirror update after a device-side length change (speculative accept / correction)."""
+        self._lens = np.asarray(lens, np.int64).copy()
+
+    def check(self) -> None:
+        """Raise if the device state recorded an error (syncs with the device)."""
+        code = int(self.state.error)
+        if code:
+            raise CacheCapacityError(f"cache state error {code}: {st.describe_error(code)}")
+
+    def replace_state(self, state: st.CacheState) -> None:
+        """Install a state produced by a pure transition outside the manager; re-reads the host mirror."""
+        self.state = state
+        self._lens = np.asarray(state.kv_lens, np.int64)
+        self._active = np.asarray(state.active).copy()
+        self._pages_held = (np.asarray(state.page_table) >= 0).sum(axis=1).astype(np.int64)
+        self._free_low = int(state.alloc.num_free)
+        self._free_high = int(state.high_alloc.num_free)

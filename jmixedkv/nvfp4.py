@@ -1,0 +1,133 @@
+"""NVFP4 reference codec (pure jnp, runs anywhere): the one convention every kernel must match bit-exactly.
+
+Format (DESIGN.md §2):
+
+* E2M1 elements ±{0, .5, 1, 1.5, 2, 3, 4, 6}: round-to-nearest-even, saturating at ±6. The sign of zero
+  is kept (``-0.1`` encodes as code 8, ``-0``), as the hardware ``cvt.rn.satfinite.e2m1x2`` does.
+* Blocks of 16 along the last axis; one FP8 E4M3 block scale per block, linear layout ``[..., D/16]``.
+* Packing: element ``2i`` in the low nibble, ``2i+1`` in the high nibble, ``[..., D/2]`` uint8
+  (``[0.5, 6.0]`` packs to ``0x71``).
+* One float32 *decode* global scale ``gs`` per layer and per K/V (FlashInfer's ``k_scale``/``v_scale``);
+  ``gs = amax / 2688`` when calibrated (`global_scale_from_amax`), 1.0 by default.
+
+Exact operation order, all float32, every op rounded separately (no FMA), IEEE division::
+
+    enc  = 1 / gs
+    s    = e4m3_rne_satfinite(enc * (amax_block * f32(1/6)))      # clamp to [0, 448] before the cast
+    r    = 0 if s == 0 else 1 / (f32(s) * gs)
+    code = e2m1_rne_sat(x * r)
+    x̂    = (e2m1(code) * f32(s)) * gs, then cast to the output dtype
+
+This is TensorRT-LLM's kernel order with exact reciprocals (FlashInfer with fast math off).
+
+Non-finite input: a block holding NaN gets scale byte 0x7F (E4M3 NaN) and all-zero codes, so it decodes to
+NaN in that block only; ±Inf gives scale 448 and element ±6. Nothing outside the block is touched.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+__all__ = ["quantize", "dequantize", "global_scale_from_amax", "pack_nibbles", "unpack_nibbles",
+           "e2m1_codes", "e2m1_values", "e4m3_values", "BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_TABLE"]
+
+BLOCK = 16
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+#: value of each 4-bit code (bit 3 = sign)
+E2M1_TABLE = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+_SIXTH = np.float32(1.0) / np.float32(6.0)
+#: float32 value of every E4M3 byte (0x7F / 0xFF are NaN)
+E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def global_scale_from_amax(amax):
+    """Decode global scale ``amax / 2688`` (= amax / (6 * 448)); 1.0 where ``amax`` is 0 or not finite."""
+    amax = jnp.asarray(amax, jnp.float32)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(ok, amax / jnp.float32(E2M1_MAX * E4M3_MAX), jnp.float32(1.0))
+
+
+def e2m1_codes(y):
+    """4-bit E2M1 codes (uint8, one per element) of float32 ``y``: RNE, saturating, sign of zero kept, NaN -> 0."""
+    a = jnp.abs(y)
+    mag = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+           + (a > 2.5) + (a >= 3.5) + (a > 5.0)).astype(jnp.uint8)
+    sign = jnp.signbit(y).astype(jnp.uint8) << 3
+    return jnp.where(jnp.isnan(y), jnp.uint8(0), sign | mag)
+
+
+def e2m1_values(codes):
+    """float32 value of each 4-bit code (``codes`` any integer dtype, values 0..15)."""
+    return jnp.asarray(E2M1_TABLE)[codes.astype(jnp.int32)]
+
+
+def e4m3_values(s):
+    """float32 value of E4M3 bytes, by table lookup.
+
+    (Not ``s.astype(float32)``: XLA GPU folds an f32 -> e4m3 -> f32 round trip inside one fusion into the
+    un-rounded value, which would change ``r`` and thus the codes.)"""
+    return jnp.asarray(E4M3_VALUES)[jax.lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.int32)]
+
+
+def pack_nibbles(codes):
+    """``u8[..., D]`` codes -> ``u8[..., D/2]``: element 2i in the low nibble, 2i+1 in the high nibble."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8)
+
+
+def unpack_nibbles(packed):
+    """``u8[..., D/2]`` -> ``u8[..., D]`` codes (inverse of `pack_nibbles`)."""
+    both = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(jnp.uint8)
+
+
+def _check_last_dim(d: int) -> None:
+    if d % BLOCK:
+        raise ValueError(f"NVFP4 needs the last dimension to be a multiple of {BLOCK}, got {d}")
+
+
+def _block_scale(amax_block, gs):
+    enc = jnp.float32(1.0) / gs
+    s = enc * (amax_block * _SIXTH)
+    s = jnp.where(jnp.isnan(s), s, jnp.clip(s, 0.0, E4M3_MAX))
+    return s.astype(jnp.float8_e4m3fn)
+
+
+def quantize(x, global_scale=1.0):
+    """Quantize ``x[..., D]`` (any float dtype, D % 16 == 0) to NVFP4.
+
+    Args:
+      x: ``float[..., D]``.
+      global_scale: float32 decode scale, broadcastable to ``x.shape[:-1]`` (a scalar, or one per row).
+
+    Returns:
+      ``(packed u8[..., D/2], scales float8_e4m3fn[..., D/16])``.
+    """
+    x = jnp.asarray(x)
+    _check_last_dim(x.shape[-1])
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    gs = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), x.shape[:-1])[..., None]
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    amax = jnp.where(jnp.any(jnp.isnan(xf), axis=-1), jnp.float32(jnp.nan), amax)
+    s = _block_scale(amax, gs)
+    sf = e4m3_values(s)
+    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / (sf * gs))
+    codes = e2m1_codes(xf * r[..., None])
+    return pack_nibbles(codes.reshape(x.shape)), s
+
+
+def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16):
+    """Dequantize NVFP4 ``(packed u8[..., D/2], scales e4m3[..., D/16])`` to ``dtype[..., D]``."""
+    packed = jnp.asarray(packed)
+    d = packed.shape[-1] * 2
+    _check_last_dim(d)
+    if scales.shape[-1] * BLOCK != d:
+        raise ValueError(f"NVFP4 scales last dim {scales.shape[-1]} does not match data last dim "
+                         f"{packed.shape[-1]} (expected {d // BLOCK})")
+    vals = e2m1_values(unpack_nibbles(packed)).reshape(*packed.shape[:-1], d // BLOCK, BLOCK)
+    gs = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), packed.shape[:-1])[..., None, None]
+    out = (vals * scales.astype(jnp.float32)[..., None]) * gs
+    return out.reshape(*packed.shape[:-1], d).astype(dtype)

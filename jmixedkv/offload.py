@@ -1,0 +1,183 @@
+"""Host tier for committed prefix pages: page payload gather / scatter, host storage, and victim selection.
+
+Owns three things:
+
+* `gather_pages` / `scatter_pages`: pure, jittable copies of whole pages (every layer, every group) between the
+  device pools and a `payload` pytree. A *low* page id addresses the NVFP4 pool (packed ``data`` + E4M3
+  ``scales``, moved as raw bytes) and, for plain groups, the plain row pool; a *high* page id addresses the
+  twin pool (the "cold codec" of the seed: a raw copy of the high rows, no re-quantization). Payload arrays are
+  ``[L, K, ...]`` per pool (``K`` pages, padded; ids ``-1`` are skipped on scatter and read page 0 on gather).
+* `HostTier`: numpy copies of evicted pages keyed by content key, with an optional page capacity.
+* `select_victims`: priority-aware LRU choice of evictable leaf entries (TensorRT-LLM's retention priorities,
+  0-100: lower priorities go first, then least recently used).
+
+The prefix index itself (keys, refcounts, match / commit) lives in `jmixedkv.prefix`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["gather_pages", "scatter_pages", "HostPage", "HostTier", "select_victims", "payload_to_host",
+           "host_to_payload", "page_bucket", "MIN_PRIORITY", "MAX_PRIORITY", "DEFAULT_PRIORITY"]
+
+MIN_PRIORITY, MAX_PRIORITY, DEFAULT_PRIORITY = 0, 100, 35   # TensorRT-LLM's KvCacheRetentionConfig range / default
+
+# (group attribute, array attribute, which page ids index it)
+_FIELDS = (("low", "data", "low"), ("low", "scales", "low"), ("plain", "rows", "low"), ("high", "rows", "high"))
+
+
+def _name(pool: str, arr: str) -> str:
+    return f"{pool}_{arr}"
+
+
+def page_bucket(count: int) -> int:
+    """Padded page count (power of two >= 1) so page copies compile once per bucket, not once per count."""
+    return 1 << max(0, int(count - 1).bit_length()) if count > 1 else 1
+
+
+def gather_pages(state, low_ids, high_ids):
+    """Copy pages out of the pools.
+
+    Args:
+      state: `CacheState`.
+      low_ids, high_ids: i32[K] page ids (-1 = padding; the payload there is page 0's and must be ignored).
+    Returns:
+      tuple (one per group) of dicts ``{"low_data", "low_scales", "plain_rows", "high_rows"}`` (present pools
+      only) of arrays ``[L, K, kv, H, page, X]`` in the pool's storage dtype.
+    """
+    ids = {"low": jnp.maximum(jnp.asarray(low_ids, jnp.int32), 0),
+           "high": jnp.maximum(jnp.asarray(high_ids, jnp.int32), 0)}
+    out = []
+    for pools in state.pools:
+        group = {}
+        for pool_name, arr_name, which in _FIELDS:
+            pool = getattr(pools, pool_name)
+            if pool is not None:
+                group[_name(pool_name, arr_name)] = getattr(pool, arr_name)[:, ids[which]]
+        out.append(group)
+    return tuple(out)
+
+
+def scatter_pages(state, low_ids, high_ids, payload):
+    """Write whole pages back into the pools (the inverse of `gather_pages`); ids ``-1`` are skipped.
+
+    Args:
+      state: `CacheState`.
+      low_ids, high_ids: i32[K] destination page ids.
+      payload: as returned by `gather_pages` (same K).
+    Returns:
+      the new `CacheState` (tables, lengths and allocators unchanged).
+    """
+    ids = {"low": jnp.asarray(low_ids, jnp.int32), "high": jnp.asarray(high_ids, jnp.int32)}
+    new_pools = []
+    for pools, group in zip(state.pools, payload):
+        changes = {}
+        for pool_name, arr_name, which in _FIELDS:
+            pool = changes.get(pool_name, getattr(pools, pool_name))
+            if pool is None:
+                continue
+            arr = getattr(pool, arr_name)
+            dst = jnp.where(ids[which] >= 0, ids[which], arr.shape[1])
+            arr = arr.at[:, dst].set(group[_name(pool_name, arr_name)].astype(arr.dtype), mode="drop")
+            changes[pool_name] = dataclasses.replace(pool, **{arr_name: arr})
+        new_pools.append(dataclasses.replace(pools, **changes))
+    return dataclasses.replace(state, pools=tuple(new_pools))
+
+
+@dataclasses.dataclass
+class HostPage:
+    """One page in host memory: per group a dict of numpy arrays ``[L, kv, H, page, X]`` (low-id arrays and,
+    when the page is one of the first-N fixed pages, ``high_rows``)."""
+
+    groups: tuple
+    has_high: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for g in self.groups for a in g.values())
+
+
+def payload_to_host(payload, count: int, has_high: Sequence[bool]) -> List[HostPage]:
+    """Split the first ``count`` pages of a device payload into `HostPage`s (one device->host transfer)."""
+    host = jax.device_get(payload)
+    pages = []
+    for i in range(count):
+        groups = tuple({k: np.array(v[:, i]) for k, v in g.items() if has_high[i] or not k.startswith("high")}
+                       for g in host)
+        pages.append(HostPage(groups, bool(has_high[i])))
+    return pages
+
+
+def host_to_payload(state, pages: Sequence[HostPage], bucket: int):
+    """Stack host pages into a device payload of ``bucket`` pages (missing ones zero-filled)."""
+    template = jax.eval_shape(lambda s: gather_pages(s, jnp.zeros((bucket,), jnp.int32),
+                                                     jnp.zeros((bucket,), jnp.int32)), state)
+    out = []
+    for gi, g in enumerate(template):
+        group = {}
+        for name, spec in g.items():
+            arr = np.zeros(spec.shape, spec.dtype)
+            for i, page in enumerate(pages):
+                if name in page.groups[gi]:
+                    arr[:, i] = page.groups[gi][name]
+            group[name] = jnp.asarray(arr)
+        out.append(group)
+    return tuple(out)
+
+
+class HostTier:
+    """Evicted pages in host memory, keyed by content key; LRU-bounded by ``capacity_pages`` (None = unbounded).
+
+    `put` returns the keys it dropped to stay within capacity (the index forgets them)."""
+
+    def __init__(self, capacity_pages: Optional[int] = None):
+        if capacity_pages is not None and capacity_pages < 0:
+            raise ValueError(f"HostTier capacity_pages must be >= 0 or None, got {capacity_pages}")
+        self.capacity_pages = capacity_pages
+        self._pages: Dict[bytes, HostPage] = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self._pages
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._pages.values())
+
+    def get(self, key) -> HostPage:
+        return self._pages[key]
+
+    def put(self, key, page: HostPage) -> None:
+        self._pages[key] = page
+
+    def pop(self, key) -> HostPage:
+        return self._pages.pop(key)
+
+    def keys(self):
+        return list(self._pages)
+
+
+def select_victims(candidates: Iterable, num_pages: int, is_leaf: Callable, evictable: Callable,
+                   rank: Callable) -> List:
+    """Pick up to ``num_pages`` entries to evict, one at a time: among entries that are `evictable` (no live
+    sequence holds them) and `is_leaf` (no device-resident child, given those already picked), the one with the
+    smallest ``rank`` (``(priority, last_used)``) goes first. Evicting a leaf may make its parent a leaf.
+
+    ``is_leaf(entry, picked_set)``; returns the chosen entries in eviction order."""
+    pool = [c for c in candidates if evictable(c)]
+    picked, picked_ids = [], set()
+    while len(picked) < num_pages:
+        leaves = [c for c in pool if id(c) not in picked_ids and is_leaf(c, picked_ids)]
+        if not leaves:
+            break
+        best = min(leaves, key=rank)
+        picked.append(best)
+        picked_ids.add(id(best))
+    return picked

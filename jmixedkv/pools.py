@@ -1,0 +1,130 @@
+"""Page pools as immutable pytrees, and the reference row store / row read over them.
+
+* `LowPool`: NVFP4 history (packed data, E4M3 block scales, per-layer K/V decode global scale).
+* `RowPool`: rows in an attention dtype (bf16 / fp16) or FP8 E4M3 with a per-layer K/V scale. Used for the
+  high twin of a mixed group and for the whole history of a plain group.
+* `GroupPools`: the pools of one layer group (``low`` / ``high`` / ``plain``; absent ones are None).
+
+Layouts: see `jmixedkv.layout`. FP8 rows are stored as ``e4m3(clip(x / scale, -448, 448))`` (IEEE
+division) and read back as ``f32(e4m3) * scale``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import nvfp4
+
+__all__ = ["LowPool", "RowPool", "GroupPools", "encode_rows", "decode_rows", "write_rows_reference",
+           "read_low_rows", "read_row_pool"]
+
+
+def _register(cls, data, meta=()):
+    return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+
+
+@dataclasses.dataclass(frozen=True)
+class LowPool:
+    """NVFP4 pool. ``data u8[L,P,kv,H,page,D/2]``, ``scales e4m3[L,P,kv,H,page,D/16]``, ``gs f32[L,kv]``."""
+
+    data: jax.Array
+    scales: jax.Array
+    gs: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPool:
+    """Row pool. ``rows dtype[L,P,kv,H,page,D]``, ``scale f32[L,kv]`` (1.0 unless fp8)."""
+
+    rows: jax.Array
+    scale: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPools:
+    low: Optional[LowPool] = None
+    high: Optional[RowPool] = None
+    plain: Optional[RowPool] = None
+
+
+_register(LowPool, ("data", "scales", "gs"))
+_register(RowPool, ("rows", "scale"))
+_register(GroupPools, ("low", "high", "plain"))
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def encode_rows(x, dtype, scale):
+    """Store form of rows ``x[..., kv, H, D]`` for a row pool of ``dtype`` (``scale`` f32[kv])."""
+    if is_fp8(dtype):
+        y = x.astype(jnp.float32) / scale[:, None, None]
+        y = jnp.where(jnp.isnan(y), y, jnp.clip(y, -448.0, 448.0))
+        return y.astype(dtype)
+    return x.astype(dtype)
+
+
+def decode_rows(rows, scale, out_dtype):
+    """Read form of stored rows ``rows[..., kv, H, D]`` (``scale`` f32[kv])."""
+    if is_fp8(rows.dtype):
+        return (rows.astype(jnp.float32) * scale[:, None, None]).astype(out_dtype)
+    return rows.astype(out_dtype)
+
+
+def _scatter(pool_l, slots, values, page_size):
+    """pool_l [P, kv, H, page, X]; slots i32[T] (-1 skip); values [T, kv, H, X]."""
+    num_pages = pool_l.shape[0]
+    page = jnp.where(slots >= 0, slots // page_size, num_pages)  # out of range -> dropped
+    row = jnp.where(slots >= 0, slots % page_size, 0)
+    return pool_l.at[page, :, :, row, :].set(values.astype(pool_l.dtype), mode="drop")
+
+
+def write_rows_reference(pools: GroupPools, x, layer, low_slot, high_slot, page_size: int) -> GroupPools:
+    """Store new rows of one layer (``layer`` int, may be traced) or all layers (``layer=None``).
+
+    Args:
+      x: ``[T, kv, H, D]`` for one layer, ``[L, T, kv, H, D]`` for all (already RoPE'd, any float dtype).
+      low_slot: i32[T] slots into the low pool (mixed / low groups) or the plain pool (plain groups); -1 skip.
+      high_slot: i32[T] slots into the high twin; -1 skip (ignored for groups without a twin).
+    """
+    def one_layer(pools, l, xl):
+        low, high, plain = pools.low, pools.high, pools.plain
+        if low is not None:
+            data, scales = nvfp4.quantize(xl, low.gs[l][None, :, None])
+            low = dataclasses.replace(
+                low,
+                data=low.data.at[l].set(_scatter(low.data[l], low_slot, data, page_size)),
+                scales=low.scales.at[l].set(_scatter(low.scales[l], low_slot, scales, page_size)))
+        if high is not None:
+            enc = encode_rows(xl, high.rows.dtype, high.scale[l])
+            high = dataclasses.replace(high, rows=high.rows.at[l].set(
+                _scatter(high.rows[l], high_slot, enc, page_size)))
+        if plain is not None:
+            enc = encode_rows(xl, plain.rows.dtype, plain.scale[l])
+            plain = dataclasses.replace(plain, rows=plain.rows.at[l].set(
+                _scatter(plain.rows[l], low_slot, enc, page_size)))
+        return GroupPools(low, high, plain)
+
+    if layer is not None:
+        return one_layer(pools, layer, x)
+    num_layers = x.shape[0]
+
+    def body(l, p):
+        return one_layer(p, l, x[l])
+    return jax.lax.fori_loop(0, num_layers, body, pools)
+
+
+def read_low_rows(low: LowPool, layer, pages, rows, out_dtype):
+    """Dequantized low rows at ``(pages[...], rows[...])`` of ``layer`` -> ``[..., kv, H, D]``."""
+    data = low.data[layer][pages, :, :, rows, :]
+    scales = low.scales[layer][pages, :, :, rows, :]
+    return nvfp4.dequantize(data, scales, low.gs[layer][:, None], out_dtype)
+
+
+def read_row_pool(pool: RowPool, layer, pages, rows, out_dtype):
+    """Rows of a row pool at ``(pages[...], rows[...])`` of ``layer`` -> ``[..., kv, H, D]``."""
+    return decode_rows(pool.rows[layer][pages, :, :, rows, :], pool.scale[layer], out_dtype)

@@ -1,0 +1,518 @@
+"""Prefix reuse: content keys, the host-side prefix index, admit-with-prefix, fork and the `PrefixCache` API.
+
+Content keys (as vLLM / TensorRT-LLM): full pages only, a hash chain
+``key_j = sha256(key_{j-1} || int64 tokens of page j || salt)`` with ``key_{-1} = sha256(salt)``, so a key
+names a whole prefix, not just one page. Committed pages go into an index; the index holds ONE reference on each
+committed low page and, for pages ``j < F`` (the first-N fixed high pages), on the high page too, so a committed
+page outlives its sequence until it is evicted (`jmixedkv.offload`).
+
+What is shared and what is not:
+
+* low pages of fully matched pages and the fixed high pages ``j < F`` of fully matched pages: by reference
+  (refcounts, `retain_pages` / `release_pages`);
+* Last-N ring pages: never shared. **Rule (recompute the window):** a prompt of ``n`` tokens matches at most
+  ``floor((n - max(last_n, 1)) / page)`` full pages, so the caller re-appends (recomputes) at least the last
+  ``max(last_n, 1)`` tokens; the ring is then rebuilt by that append exactly as a cache without reuse would
+  build it. The sequence is readable once that re-append is done; its FIRST append call after `admit` must
+  carry at least ``min(last_n, n - matched)`` tokens (the whole tail in one call is always fine), because the
+  window of any shorter length would reach into the shared prefix, whose high rows a new ring does not hold;
+* the partial last page (and partially filled fixed high pages and the whole ring) of a `fork` source: copied
+  into fresh pages on the device (copy-on-write at fork time: the two sequences then append independently).
+
+Pages a sequence may still write (its partial last page, its ring) are therefore always exclusively owned.
+Committed pages must be final (accepted tokens only): commit after speculative verification.
+
+Transitions (`admit_with_prefix`, `fork`, `copy_pages`) are pure ``state -> state`` functions; `PrefixCache`
+wraps a `CacheState` with jitted transitions and the host-side index, host tier and statistics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import offload
+from .allocator import allocate_mask, release_pages, retain_pages
+from .compat import on_gpu
+from .state import (ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, CacheState, append, describe_error, release)
+
+__all__ = ["page_keys", "admit_with_prefix", "fork", "copy_pages", "Entry", "PrefixCache", "CapacityError"]
+
+
+class CapacityError(RuntimeError):
+    """Not enough free pages even after evicting every evictable index page."""
+
+
+# ----------------------------------------------------------------------------------------------- content keys
+def _salt_bytes(salt) -> bytes:
+    if salt is None:
+        return b""
+    return salt if isinstance(salt, bytes) else str(salt).encode()
+
+
+def page_keys(tokens: Sequence[int], page_size: int, salt=None) -> List[bytes]:
+    """Content keys of the full pages of ``tokens`` (a hash chain; ``len(tokens) // page_size`` keys)."""
+    if page_size < 1:
+        raise ValueError(f"page_keys: page_size must be >= 1, got {page_size}")
+    toks = np.asarray(tokens, np.int64).reshape(-1)
+    salt_b = _salt_bytes(salt)
+    prev = hashlib.sha256(salt_b).digest()
+    keys = []
+    for j in range(toks.shape[0] // page_size):
+        prev = hashlib.sha256(prev + toks[j * page_size:(j + 1) * page_size].tobytes() + salt_b).digest()
+        keys.append(prev)
+    return keys
+
+
+# ----------------------------------------------------------------------------------------------- transitions
+def copy_pages(state: CacheState, src_low, dst_low, src_high, dst_high) -> CacheState:
+    """Device-side copy of whole pages (every layer of every group). i32[K] id vectors; -1 = skip that pair."""
+    src_low, dst_low = jnp.asarray(src_low, jnp.int32), jnp.asarray(dst_low, jnp.int32)
+    src_high, dst_high = jnp.asarray(src_high, jnp.int32), jnp.asarray(dst_high, jnp.int32)
+    payload = offload.gather_pages(state, src_low, src_high)
+    return offload.scatter_pages(state, jnp.where(src_low >= 0, dst_low, -1),
+                                 jnp.where(src_high >= 0, dst_high, -1), payload)
+
+
+def _tables(state, ok, **new):
+    """Apply table / allocator updates only where ``ok`` (pools are never selected: no copies)."""
+    return dataclasses.replace(state, **{k: jax.tree.map(lambda a, b: jnp.where(ok, a, b), v, getattr(state, k))
+                                         for k, v in new.items()})
+
+
+def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, length) -> CacheState:
+    """Admit ``seq_slot`` holding a shared prefix of ``length`` tokens.
+
+    Args:
+      seq_slot: i32 scalar, must not be active.
+      low_pages: i32[max_pages] low page ids shared by reference (-1 = none); gets one extra reference each.
+      high_fixed_pages: i32[F] first-N fixed high pages to share (-1 = allocate a fresh page).
+      length: i32 scalar, the new ``kv_lens`` (the caller guarantees ``low_pages`` hold positions ``< length``).
+    The R ring pages (and unshared fixed pages) are allocated fresh. Errors: ``ERR_BAD_SLOT`` (slot active),
+    ``ERR_HIGH_OOM``; on error nothing changes but ``state.error``.
+    """
+    cfg = state.config
+    nf, nr = cfg.num_fixed_pages, state.high_table.shape[1] - cfg.num_fixed_pages
+    slot = jnp.asarray(seq_slot, jnp.int32)
+    low_pages = jnp.asarray(low_pages, jnp.int32).reshape(state.max_pages_per_seq)
+    fixed = jnp.asarray(high_fixed_pages, jnp.int32).reshape(nf)
+    free_slot = ~state.active[slot]
+    shared_high = jnp.concatenate([fixed, jnp.full((nr,), -1, jnp.int32)])
+    need = (shared_high < 0) & free_slot
+    high_alloc, ids, ok = allocate_mask(state.high_alloc, need)
+    ok = ok & free_slot
+    alloc = retain_pages(state.alloc, jnp.where(ok, low_pages, -1))
+    high_alloc = retain_pages(high_alloc, jnp.where(ok, shared_high, -1))
+    err = jnp.where(free_slot, jnp.where(ok, 0, ERR_HIGH_OOM), ERR_BAD_SLOT)
+    out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
+                  page_table=state.page_table.at[slot].set(low_pages),
+                  high_table=state.high_table.at[slot].set(jnp.where(need, ids, shared_high)),
+                  kv_lens=state.kv_lens.at[slot].set(jnp.asarray(length, jnp.int32)),
+                  active=state.active.at[slot].set(True))
+    return dataclasses.replace(out, error=state.error | err)
+
+
+def fork(state: CacheState, src, dst) -> CacheState:
+    """Fork sequence ``src`` into the empty slot ``dst`` (beam search / parallel sampling).
+
+    Shares the full low pages and the full fixed high pages by reference; copies the partial last low page, the
+    partially filled / empty fixed high pages and every ring page into fresh pages. ``dst`` gets ``src``'s
+    length and reads exactly what ``src`` reads. Errors: ``ERR_BAD_SLOT`` (src not active, dst active or equal),
+    ``ERR_LOW_OOM`` / ``ERR_HIGH_OOM``; on error nothing changes but ``state.error``."""
+    cfg, page = state.config, state.page_size
+    nf, width = cfg.num_fixed_pages, state.high_table.shape[1]
+    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+    ok_slots = state.active[src] & ~state.active[dst] & (src != dst)
+    n = state.kv_lens[src]
+    full = n // page
+    row = state.page_table[src]
+    cols = jnp.arange(state.max_pages_per_seq, dtype=jnp.int32)
+    share_low = (cols < full) & (row >= 0)
+    cow_src = jnp.where(full < state.max_pages_per_seq, row[jnp.minimum(full, state.max_pages_per_seq - 1)], -1)
+    alloc, cow_dst, ok_low = allocate_mask(state.alloc, (cow_src >= 0)[None] & ok_slots)
+    hrow = state.high_table[src]
+    hcols = jnp.arange(width, dtype=jnp.int32)
+    share_high = (hcols < nf) & ((hcols + 1) * page <= n) & (hrow >= 0)
+    copy_high = ~share_high & (hrow >= 0)
+    high_alloc, new_high, ok_high = allocate_mask(state.high_alloc, copy_high & ok_slots)
+    ok = ok_slots & ok_low & ok_high
+    alloc = retain_pages(alloc, jnp.where(share_low & ok, row, -1))
+    high_alloc = retain_pages(high_alloc, jnp.where(share_high & ok, hrow, -1))
+    dst_row = jnp.where(share_low, row, -1)
+    dst_row = jnp.where((cols == full) & (cow_src >= 0), cow_dst[0], dst_row)
+    dst_hrow = jnp.where(share_high, hrow, jnp.where(copy_high, new_high, -1))
+    err = jnp.where(ok_slots, jnp.where(ok_low, 0, ERR_LOW_OOM) | jnp.where(ok_high, 0, ERR_HIGH_OOM), ERR_BAD_SLOT)
+    out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
+                  page_table=state.page_table.at[dst].set(dst_row),
+                  high_table=state.high_table.at[dst].set(dst_hrow),
+                  kv_lens=state.kv_lens.at[dst].set(n), active=state.active.at[dst].set(True))
+    out = copy_pages(out, jnp.where(ok, cow_src, -1)[None], cow_dst,
+                     jnp.where(copy_high & ok, hrow, -1), new_high)
+    return dataclasses.replace(out, error=state.error | err)
+
+
+def _alloc_pages(state: CacheState, need_low, need_high):
+    """Allocate pages for True entries of bool[K] masks (refcount 1: the index's reference)."""
+    alloc, low_ids, ok_low = allocate_mask(state.alloc, need_low)
+    high_alloc, high_ids, ok_high = allocate_mask(state.high_alloc, need_high)
+    ok = ok_low & ok_high
+    out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc)
+    err = jnp.where(ok_low, 0, ERR_LOW_OOM) | jnp.where(ok_high, 0, ERR_HIGH_OOM)
+    return (dataclasses.replace(out, error=state.error | err),
+            jnp.where(ok, low_ids, -1), jnp.where(ok, high_ids, -1))
+
+
+def _retain_ids(state: CacheState, low_ids, high_ids):
+    return dataclasses.replace(state, alloc=retain_pages(state.alloc, low_ids),
+                               high_alloc=retain_pages(state.high_alloc, high_ids))
+
+
+def _release_ids(state: CacheState, low_ids, high_ids):
+    return dataclasses.replace(state, alloc=release_pages(state.alloc, low_ids),
+                               high_alloc=release_pages(state.high_alloc, high_ids))
+
+
+def _restore(state: CacheState, low_ids, high_ids, payload):
+    return offload.scatter_pages(state, low_ids, high_ids, payload)
+
+
+_JITS: Dict[bool, dict] = {}
+
+
+def _jits() -> dict:
+    """Jitted transitions, built once per process (donating the state on GPU) so that every `PrefixCache`
+    shares their compilation caches."""
+    gpu = on_gpu()
+    if gpu not in _JITS:
+        donate = dict(donate_argnums=0) if gpu else {}
+        _JITS[gpu] = dict(
+            admit=jax.jit(admit_with_prefix, **donate), fork=jax.jit(fork, **donate),
+            release=jax.jit(release, **donate), alloc=jax.jit(_alloc_pages, **donate),
+            retain=jax.jit(_retain_ids, **donate), release_ids=jax.jit(_release_ids, **donate),
+            restore=jax.jit(_restore, **donate), gather=jax.jit(offload.gather_pages),
+            append=jax.jit(append, static_argnames=("layer", "group", "rope", "backend"), **donate))
+    return _JITS[gpu]
+
+
+# ----------------------------------------------------------------------------------------------- host index
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One committed page of the index: content ``key``, its ``parent`` key, page index ``j`` in the prefix,
+    device ``low`` / ``high`` page ids (-1 when on host; ``high`` is -1 for ``j >= F``), retention
+    ``priority`` (0-100), ``last_used`` tick, and whether it lives in the host tier."""
+
+    key: bytes
+    parent: Optional[bytes]
+    j: int
+    low: int
+    high: int
+    priority: int
+    last_used: int
+    on_host: bool = False
+
+
+class PrefixCache:
+    """Host-side engine API over a `CacheState`: prefix matching, commits, fork, release, offload and eviction.
+
+    Args:
+      state: an initialised `CacheState` (`init_state`); `PrefixCache` owns it from now on (``.state``).
+      salt: optional cache salt mixed into every key (per-tenant isolation / LoRA id, as vLLM's ``cache_salt``).
+      host_capacity_pages: host tier size in pages (None = unbounded, 0 = evicted pages are dropped).
+      backend: append backend (``"auto"``, ``"reference"``, ``"pallas"``).
+    Pools running short are refilled by evicting least-valuable leaf pages of the index (lowest priority, then
+    least recently used; only pages no live sequence holds) to the host tier; a later match brings them back.
+    """
+
+    def __init__(self, state: CacheState, salt=None, host_capacity_pages: Optional[int] = None,
+                 backend: str = "reference"):
+        self.state = state
+        self.salt = salt
+        self.backend = backend
+        self.host = offload.HostTier(host_capacity_pages)
+        self.index: Dict[bytes, Entry] = {}
+        self.children: Dict[bytes, set] = {}
+        self._tick = 0
+        self._stats = dict(query_tokens=0, hit_tokens=0, pages_saved=0, evicted_pages=0, restored_pages=0,
+                           dropped_pages=0, committed_pages=0)
+        jits = _jits()
+        self._admit, self._fork, self._release = jits["admit"], jits["fork"], jits["release"]
+        self._alloc, self._retain, self._release_ids = jits["alloc"], jits["retain"], jits["release_ids"]
+        self._restore, self._gather, self._append = jits["restore"], jits["gather"], jits["append"]
+
+    # ------------------------------------------------------------------ small helpers
+    @property
+    def config(self):
+        return self.state.config
+
+    @property
+    def page(self) -> int:
+        return self.state.page_size
+
+    def _touch(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _check(self, what: str) -> None:
+        err = int(self.state.error)
+        if err:
+            self.state = dataclasses.replace(self.state, error=jnp.int32(0))
+            raise RuntimeError(f"PrefixCache.{what}: device transition failed: {describe_error(err)}")
+
+    def _slot(self, slot: int, active: Optional[bool], what: str) -> int:
+        if not 0 <= int(slot) < self.state.max_seqs:
+            raise ValueError(f"PrefixCache.{what}: slot {slot} out of range [0, {self.state.max_seqs})")
+        if active is not None and bool(np.asarray(self.state.active)[int(slot)]) != active:
+            raise ValueError(f"PrefixCache.{what}: slot {slot} is {'not ' if active else ''}active")
+        return int(slot)
+
+    def _keys(self, tokens) -> List[bytes]:
+        return page_keys(tokens, self.page, self.salt)
+
+    def free_pages(self) -> Tuple[int, int]:
+        """(free low pages, free high pages)."""
+        return int(self.state.alloc.num_free), int(self.state.high_alloc.num_free)
+
+    def _ids(self, values: Sequence[int], k: int):
+        out = np.full((k,), -1, np.int32)
+        out[:len(values)] = values
+        return jnp.asarray(out)
+
+    # ------------------------------------------------------------------ matching
+    def max_match_pages(self, num_tokens: int) -> int:
+        """Pages a prompt of ``num_tokens`` may reuse: leaves at least ``max(last_n, 1)`` tokens to recompute."""
+        usable = max(0, num_tokens - max(self.config.last_n, 1))
+        return min(usable // self.page, self.state.max_pages_per_seq)
+
+    def _match_entries(self, tokens) -> List[Entry]:
+        out = []
+        for key in self._keys(tokens)[:self.max_match_pages(len(tokens))]:
+            entry = self.index.get(key)
+            if entry is None:
+                break
+            out.append(entry)
+        return out
+
+    def match_prefix(self, tokens) -> Tuple[int, List[int]]:
+        """``(num_matched_tokens, low page ids)`` of the longest reusable committed prefix (no side effects).
+
+        Page ids are -1 for pages currently in the host tier (`admit` / `prefetch` brings them back)."""
+        entries = self._match_entries(tokens)
+        return len(entries) * self.page, [(-1 if e.on_host else e.low) for e in entries]
+
+    # ------------------------------------------------------------------ eviction / restore
+    def _evictable(self, protect):
+        ref_low = np.asarray(self.state.alloc.refcount)
+        ref_high = np.asarray(self.state.high_alloc.refcount)
+
+        def ok(e: Entry) -> bool:
+            return (not e.on_host and e.key not in protect and ref_low[e.low] == 1
+                    and (e.high < 0 or ref_high[e.high] == 1))
+        return ok
+
+    def _is_leaf(self, e: Entry, picked) -> bool:
+        return all(self.index[c].on_host or id(self.index[c]) in picked for c in self.children.get(e.key, ()))
+
+    def evict(self, num_pages: int, protect=()) -> int:
+        """Move up to ``num_pages`` evictable leaf pages of the index to the host tier; returns how many moved.
+
+        Never touches a page a live sequence references (refcount held only by the index)."""
+        if num_pages < 0:
+            raise ValueError(f"PrefixCache.evict: num_pages must be >= 0, got {num_pages}")
+        victims = offload.select_victims(self.index.values(), num_pages, self._is_leaf,
+                                         self._evictable(set(protect)), lambda e: (e.priority, e.last_used))
+        if not victims:
+            return 0
+        k = offload.page_bucket(len(victims))
+        low_ids = self._ids([e.low for e in victims], k)
+        high_ids = self._ids([e.high for e in victims], k)
+        pages = offload.payload_to_host(self._gather(self.state, low_ids, high_ids), len(victims),
+                                        [e.high >= 0 for e in victims])
+        self.state = self._release_ids(self.state, low_ids, high_ids)
+        for e, page in zip(victims, pages):
+            self.host.put(e.key, page)
+            e.low, e.high, e.on_host = -1, -1, True
+        self._stats["evicted_pages"] += len(victims)
+        self._trim_host()
+        return len(victims)
+
+    def _trim_host(self) -> None:
+        cap = self.host.capacity_pages
+        while cap is not None and len(self.host) > cap:
+            leaves = [self.index[k] for k in self.host.keys() if not self.children.get(k)]
+            victim = min(leaves, key=lambda e: (e.priority, e.last_used))
+            self._forget(victim)
+            self._stats["dropped_pages"] += 1
+
+    def _forget(self, e: Entry) -> None:
+        self.host.pop(e.key)
+        del self.index[e.key]
+        self.children.pop(e.key, None)
+        if e.parent is not None and e.parent in self.children:
+            self.children[e.parent].discard(e.key)
+
+    def ensure_free(self, num_low: int, num_high: int = 0, protect=()) -> None:
+        """Evict until ``num_low`` low and ``num_high`` high pages are free, or raise `CapacityError`."""
+        while True:
+            free_low, free_high = self.free_pages()
+            deficit = max(num_low - free_low, num_high - free_high)
+            if deficit <= 0:
+                return
+            if self.evict(deficit, protect) == 0:
+                raise CapacityError(f"need {num_low} low / {num_high} high free pages, have {free_low} / "
+                                    f"{free_high} and nothing left to evict")
+
+    def _restore_entries(self, entries: List[Entry]) -> None:
+        """Bring host-tier entries back onto the device (fresh pages; the index holds their reference)."""
+        if not entries:
+            return
+        k = offload.page_bucket(len(entries))
+        need_low = np.arange(k) < len(entries)
+        need_high = np.zeros((k,), bool)
+        need_high[:len(entries)] = [e.j < self.config.num_fixed_pages for e in entries]
+        self.state, low_ids, high_ids = self._alloc(self.state, jnp.asarray(need_low), jnp.asarray(need_high))
+        self._check("restore")
+        pages = [self.host.get(e.key) for e in entries]
+        self.state = self._restore(self.state, low_ids, high_ids, offload.host_to_payload(self.state, pages, k))
+        low_ids, high_ids = np.asarray(low_ids), np.asarray(high_ids)
+        for i, e in enumerate(entries):
+            self.host.pop(e.key)
+            e.low, e.high, e.on_host = int(low_ids[i]), int(high_ids[i]), False
+        self._stats["restored_pages"] += len(entries)
+
+    def prefetch(self, tokens) -> int:
+        """Restore the host-tier pages of ``tokens``' matched prefix ahead of `admit`; returns pages restored."""
+        entries = self._match_entries(tokens)
+        host = [e for e in entries if e.on_host]
+        nf = self.config.num_fixed_pages
+        self.ensure_free(len(host), sum(e.j < nf for e in host), protect={e.key for e in entries})
+        self._restore_entries(host)
+        return len(host)
+
+    # ------------------------------------------------------------------ sequence lifecycle
+    def admit(self, slot: int, tokens, count_stats: bool = True) -> int:
+        """Admit ``slot`` for prompt ``tokens`` reusing the longest committed prefix; returns ``m`` matched tokens.
+
+        The caller must then `append` K/V for ``tokens[m:]`` (first call >= ``min(last_n, len - m)`` tokens,
+        see the module docstring) before reading the sequence."""
+        slot = self._slot(slot, False, "admit")
+        nf = self.config.num_fixed_pages
+        if len(tokens) > self.state.max_pages_per_seq * self.page:
+            raise ValueError(f"PrefixCache.admit: {len(tokens)} tokens exceed max_pages_per_seq * page_size = "
+                             f"{self.state.max_pages_per_seq * self.page}")
+        entries = self._match_entries(tokens)
+        host = [e for e in entries if e.on_host]
+        shared_fixed = sum(e.j < nf for e in entries)
+        need_high = sum(e.j < nf for e in host) + self.state.high_table.shape[1] - shared_fixed
+        self.ensure_free(len(host), need_high, protect={e.key for e in entries})
+        self._restore_entries(host)
+        low = np.full((self.state.max_pages_per_seq,), -1, np.int32)
+        fixed = np.full((nf,), -1, np.int32)
+        for e in entries:
+            low[e.j] = e.low
+            if e.j < nf:
+                fixed[e.j] = e.high
+            e.last_used = self._touch()
+        m = len(entries) * self.page
+        self.state = self._admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m))
+        self._check("admit")
+        if count_stats:
+            self._stats["query_tokens"] += len(tokens)
+            self._stats["hit_tokens"] += m
+            self._stats["pages_saved"] += len(entries)
+        return m
+
+    def append(self, k, v, seq_slots, positions, layer=None, group: int = 0, rope=None) -> None:
+        """`jmixedkv.append` with eviction when the low pool runs short; refuses writes into shared pages."""
+        seq = np.asarray(seq_slots, np.int32).reshape(-1)
+        pos = np.asarray(positions, np.int32).reshape(-1)
+        if seq.shape != pos.shape:
+            raise ValueError(f"PrefixCache.append: seq_slots {seq.shape} and positions {pos.shape} differ")
+        valid = (seq >= 0) & (pos >= 0)
+        table = np.asarray(self.state.page_table)
+        refcount = np.asarray(self.state.alloc.refcount)
+        q = pos // self.page
+        if np.any(valid & (q >= self.state.max_pages_per_seq)):
+            raise ValueError(f"PrefixCache.append: position past max_pages_per_seq * page_size "
+                             f"({self.state.max_pages_per_seq * self.page})")
+        flat = np.unique(seq[valid].astype(np.int64) * table.shape[1] + q[valid])
+        held = table.reshape(-1)[flat]
+        shared = held >= 0
+        shared[shared] = refcount[held[shared]] != 1
+        if np.any(shared):
+            bad = [divmod(int(x), table.shape[1]) for x in flat[shared][:4]]
+            raise ValueError(f"PrefixCache.append: (slot, page) {bad} are shared (refcount > 1); writes "
+                             f"into shared pages are not allowed (append at positions >= the matched length)")
+        self.ensure_free(int(np.sum(held < 0)))
+        self.state = self._append(self.state, k, v, jnp.asarray(seq), jnp.asarray(pos), layer=layer, group=group,
+                                  rope=rope, backend=self.backend)
+        self._check("append")
+
+    def commit(self, slot: int, tokens, priority: int = offload.DEFAULT_PRIORITY) -> int:
+        """Commit the full pages of ``slot`` (``tokens`` = its token ids, at least its committed part) to the
+        index; returns the number of newly indexed pages. A key already on the device keeps its first page; a
+        key in the host tier is replaced by this sequence's device page."""
+        slot = self._slot(slot, True, "commit")
+        if not offload.MIN_PRIORITY <= priority <= offload.MAX_PRIORITY:
+            raise ValueError(f"PrefixCache.commit: priority must be in [0, 100], got {priority}")
+        n = min(int(np.asarray(self.state.kv_lens)[slot]), len(tokens))
+        row = np.asarray(self.state.page_table)[slot]
+        hrow = np.asarray(self.state.high_table)[slot]
+        nf = self.config.num_fixed_pages
+        new_low, new_high, parent = [], [], None
+        for j, key in enumerate(self._keys(list(tokens)[:n])):
+            e = self.index.get(key)
+            high = int(hrow[j]) if j < nf else -1
+            if e is None:
+                e = Entry(key, parent, j, int(row[j]), high, priority, 0)
+                self.index[key] = e
+                if parent is not None:
+                    self.children.setdefault(parent, set()).add(key)
+                new_low.append(e.low)
+                new_high.append(high)
+            elif e.on_host:
+                self.host.pop(key)
+                e.low, e.high, e.on_host = int(row[j]), high, False
+                e.priority = max(e.priority, priority)
+                new_low.append(e.low)
+                new_high.append(high)
+            else:
+                e.priority = max(e.priority, priority)
+            e.last_used = self._touch()
+            parent = key
+        if new_low:
+            k = offload.page_bucket(len(new_low))
+            self.state = self._retain(self.state, self._ids(new_low, k), self._ids(new_high, k))
+        self._stats["committed_pages"] += len(new_low)
+        return len(new_low)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Fork live ``src`` into empty ``dst`` (shares full pages, copies the partial last page and the ring)."""
+        src = self._slot(src, True, "fork")
+        dst = self._slot(dst, False, "fork")
+        n, page, nf = int(np.asarray(self.state.kv_lens)[src]), self.page, self.config.num_fixed_pages
+        width = self.state.high_table.shape[1]
+        need_low = int(n % page != 0)
+        need_high = width - min(n // page, nf)
+        self.ensure_free(need_low, need_high)
+        self.state = self._fork(self.state, jnp.int32(src), jnp.int32(dst))
+        self._check("fork")
+
+    def release(self, slot: int) -> None:
+        """Release ``slot``: its references go; committed pages stay held by the index."""
+        slot = self._slot(slot, True, "release")
+        self.state = self._release(self.state, jnp.int32(slot))
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> dict:
+        """Capacity and hit-rate statistics."""
+        free_low, free_high = self.free_pages()
+        s = dict(self._stats)
+        s.update(hit_rate=s["hit_tokens"] / s["query_tokens"] if s["query_tokens"] else 0.0,
+                 device_entries=sum(not e.on_host for e in self.index.values()), host_entries=len(self.host),
+                 host_bytes=self.host.nbytes, free_low_pages=free_low, free_high_pages=free_high,
+                 num_low_pages=self.state.alloc.num_pages, num_high_pages=self.state.high_alloc.num_pages)
+        return s

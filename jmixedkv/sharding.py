@@ -1,0 +1,173 @@
+"""Tensor parallelism over KV heads with `jax.shard_map` (JAX's own SPMD engine; no home-made transport).
+
+Pools are sharded on their KV-head axis (axis 3 of every ``[L, P, kv, H, page, X]`` pool array) over the mesh
+axis ``"tp"``; page tables, lengths, global scales and the allocators are replicated, and every shard runs the
+same pure transition on identical replicated inputs, so allocation stays in lockstep with no communication.
+Inside `shard_map` each shard sees a state whose `GroupSpec`s carry the *local* head count and runs the same
+code (reference or Pallas kernels) as one device would.
+
+Readers return head-sharded outputs (``stage`` / ``gather_rows`` on the KV-head axis, ``decode_attention`` on the
+query-head axis): the hot path moves no data between devices; the output projection that follows does its own
+reduction.
+
+Multi-host: call ``jax.distributed.initialize()`` in every process first, then build the mesh over
+``jax.devices()`` (all hosts' devices), e.g. ``Mesh(np.array(jax.devices()).reshape(-1), ("tp",))``; arrays must
+then be created with `jax.make_array_from_process_local_data` or by `shard_state` from identical host data on
+every process. Nothing else changes: `shard_map` is the same program on every process.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .compat import shard_map
+from .state import CacheState, append
+
+__all__ = ["make_mesh", "state_specs", "shard_state", "local_view", "sharded", "sharded_append",
+           "sharded_stage_reference", "sharded_decode_attention", "sharded_stage", "sharded_gather_rows"]
+
+AXIS = "tp"
+HEAD_AXIS = 3  # of every pool array [L, P, kv, H, page, X]
+
+
+def make_mesh(num_devices: Optional[int] = None, devices=None) -> Mesh:
+    """A 1-D ``("tp",)`` mesh over the first ``num_devices`` devices (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    devices = devices[: num_devices or len(devices)]
+    return Mesh(np.array(devices), (AXIS,))
+
+
+def _pool_leaf_spec(leaf):
+    return P(None, None, None, AXIS) if getattr(leaf, "ndim", 0) == 6 else P()
+
+
+def state_specs(state: CacheState):
+    """PartitionSpec pytree for ``state``: pool arrays on the head axis, everything else replicated."""
+    pools = jax.tree.map(_pool_leaf_spec, state.pools)
+    rest = {f: jax.tree.map(lambda _: P(), getattr(state, f))
+            for f in ("page_table", "high_table", "kv_lens", "active", "alloc", "high_alloc", "error")}
+    return dataclasses.replace(state, pools=pools, **rest)
+
+
+def _check_divisible(state: CacheState, tp: int):
+    for g in state.groups:
+        if g.num_kv_heads % tp:
+            raise ValueError(f"group {g.name!r}: num_kv_heads={g.num_kv_heads} is not divisible by the "
+                             f"tensor-parallel size {tp}")
+
+
+def shard_state(state: CacheState, mesh: Mesh) -> CacheState:
+    """Place ``state`` on ``mesh``: pools sharded over KV heads, the rest replicated."""
+    _check_divisible(state, mesh.shape[AXIS])
+    specs = state_specs(state)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
+
+
+def local_view(state: CacheState, tp: int) -> CacheState:
+    """The state one shard sees: group specs with ``num_kv_heads // tp`` heads (arrays untouched)."""
+    groups = tuple(dataclasses.replace(g, num_kv_heads=g.num_kv_heads // tp) for g in state.groups)
+    return dataclasses.replace(state, groups=groups)
+
+
+def _global_view(state: CacheState, groups) -> CacheState:
+    return dataclasses.replace(state, groups=groups)
+
+
+def sharded(fn: Callable, mesh: Mesh, state: CacheState, args=(), arg_specs=(), out_specs=P(), returns_state=False):
+    """Run ``fn(local_state, *args)`` on every shard.
+
+    ``arg_specs``: a PartitionSpec per arg; ``out_specs``: specs of fn's outputs (the state's spec is used for a
+    returned state when ``returns_state``: then fn returns ``(state, *outputs)`` or just a state)."""
+    tp = mesh.shape[AXIS]
+    _check_divisible(state, tp)
+    groups = state.groups
+    sspec = state_specs(state)
+
+    def body(st, *a):
+        out = fn(local_view(st, tp), *a)
+        if not returns_state:
+            return out
+        if isinstance(out, CacheState):
+            return _global_view(out, groups)
+        return (_global_view(out[0], groups),) + tuple(out[1:])
+
+    if returns_state:
+        outs = sspec if out_specs is None else (sspec,) + tuple(out_specs)
+    else:
+        outs = out_specs
+    return shard_map(body, mesh=mesh, in_specs=(sspec,) + tuple(arg_specs), out_specs=outs,
+                     check_vma=False)(state, *args)
+
+
+_KV_ROWS = P(None, None, AXIS, None)  # [L, T, H, D]
+_KV_ROWS_1 = P(None, AXIS, None)      # [T, H, D]
+
+
+def sharded_append(mesh: Mesh, state: CacheState, k, v, seq_slots, positions, layer=None, group: int = 0,
+                   rope=None, backend: str = "auto") -> CacheState:
+    """`jmixedkv.append` with K/V sharded over heads; tables and allocators advance identically on every shard."""
+    rows = _KV_ROWS_1 if layer is not None else _KV_ROWS
+    args, specs = [k, seq_slots, positions], [rows, P(), P()]
+    if v is not None:
+        args.append(v)
+        specs.append(rows)
+    if layer is not None:
+        args.append(jnp.asarray(layer, jnp.int32))
+        specs.append(P())
+
+    def fn(st, k_, s_, p_, *rest):
+        v_ = rest[0] if v is not None else None
+        l_ = rest[-1] if layer is not None else None
+        return append(st, k_, v_, s_, p_, l_, group=group, rope=rope, backend=backend)
+    return sharded(fn, mesh, state, args, specs, out_specs=None, returns_state=True)
+
+
+def sharded_stage_reference(mesh: Mesh, state: CacheState, layer, seq_slots, group: int = 0):
+    """`stage_reference` per shard: ``[B, kv, H, S, D]`` sharded over H."""
+    from .reference import stage_reference
+    def fn(st, l_, s_):
+        return stage_reference(st, l_, s_, group)
+    return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), seq_slots), (P(), P()),
+                   out_specs=P(None, None, AXIS))
+
+
+def sharded_stage(mesh: Mesh, state: CacheState, layer, seq_slots, group: int = 0, backend: str = "auto"):
+    """`jmixedkv.read.stage` per shard: staged pages sharded over KV heads (page table / lengths replicated)."""
+    from .read import stage
+
+    def fn(st, l_, s_):
+        return stage(st, l_, s_, group=group, backend=backend)
+    probe = jax.eval_shape(lambda st: stage(local_view(st, 1), layer, seq_slots, group=group, backend="reference"),
+                           state)
+    specs = jax.tree.map(lambda x: P(*([None] * (x.ndim - 3)), AXIS) if x.ndim >= 5 else P(), probe)
+    return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), seq_slots), (P(), P()), out_specs=specs)
+
+
+def sharded_gather_rows(mesh: Mesh, state: CacheState, layer, seq_slots, indices, group: int = 0, **kwargs):
+    """`jmixedkv.read.gather_rows` per shard: the scratch ``[B, K, kv, H, D]`` sharded over H."""
+    from .read import gather_rows
+
+    def fn(st, l_, s_, i_):
+        return gather_rows(st, l_, s_, i_, group=group, **kwargs)
+    probe = jax.eval_shape(lambda st: gather_rows(local_view(st, 1), layer, seq_slots, indices, group=group,
+                                                  **{**kwargs, "backend": "reference"}), state)
+    specs = jax.tree.map(lambda x: P(None, None, None, AXIS) if x.ndim == 5 else P(), probe)
+    return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), seq_slots, indices), (P(), P(), P()),
+                   out_specs=specs)
+
+
+def sharded_decode_attention(mesh: Mesh, state: CacheState, layer, q, seq_slots, group: int = 0, **kwargs):
+    """`jmixedkv.attention.decode_attention` per shard: ``q [B, Tq, Hq, D]`` and the outputs sharded over
+    query heads (each shard holds the KV heads its query heads attend to)."""
+    from .attention import decode_attention
+
+    def fn(st, l_, q_, s_):
+        return decode_attention(st, l_, q_, s_, group=group, **kwargs)
+    qspec = P(None, None, AXIS, None)
+    return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), q, seq_slots), (P(), qspec, P()),
+                   out_specs=(qspec, P(None, None, AXIS)))

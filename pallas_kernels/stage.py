@@ -1,0 +1,197 @@
+"""Pallas Triton kernel: stage a mixed-precision paged cache into plain attention-dtype pages (one pass).
+
+Owns the staging copy of the read side (TensorRT-LLM's staging for generic backends) and the small in-kernel
+helpers the read kernels share (`dequant_tile`, `decode_high_tile`, `column_chunks`):
+
+* one program per ``(batch row b, page column j, (layer, kv, head))``: it loads the NVFP4 page tile
+  ``u8[page, D/2]`` + ``e4m3[page, D/16]``, dequantizes it in registers (``(e2m1 * f32(s)) * gs``, then the
+  attention dtype, the pinned order of `jmixedkv.nvfp4`), and — when the page overlaps the retained set and the
+  twin holds it — loads the high tile and takes it for the retained rows (``where``), then stores the page once.
+  Rows at or past ``kv_len`` are written as zeros; staged pages past ``ceil(kv_len / page)`` are not written.
+* head dims that are not a power of two (MLA latent 576 = 512 + 64) are processed as power-of-two column chunks.
+
+The staged page of ``(b, j)`` goes to ``out_table[b, j]`` (compact ids chosen by the caller); ``-1`` skips.
+Inputs are validated by `jmixedkv.read` before this runs; inside the kernel -1 page ids are skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jmixedkv.compat import triton_params
+
+__all__ = ["ReadGeometry", "stage_pages", "dequant_tile", "decode_high_tile", "column_chunks",
+           "retained_mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadGeometry:
+    """Static read parameters (hashable): page size, retained window and high-table layout.
+
+    ``first_n`` / ``last_n`` are in the rows of the pool (raw tokens, or compressed rows for a
+    compressed-history group); ``num_fixed`` (F) and ``num_ring`` (R) are the twin table's column layout."""
+
+    page: int
+    first_n: int
+    last_n: int
+    num_fixed: int
+    num_ring: int
+
+
+def column_chunks(d: int):
+    """Split head_dim ``d`` (a multiple of 16) into power-of-two ``(start, width)`` chunks, widest first.
+
+    ``128 -> [(0, 128)]``; ``576 -> [(0, 512), (512, 64)]``."""
+    out, start, bit = [], 0, 1 << (d.bit_length() - 1)
+    while start < d:
+        while bit > d - start:
+            bit >>= 1
+        out.append((start, bit))
+        start += bit
+    return out
+
+
+def _e2m1_magnitude(m):
+    """f32 magnitude of E2M1 code bits ``m`` (0..7): 0, .5, 1, 1.5, 2, 3, 4, 6 (arithmetic, no table)."""
+    e, half = m >> 1, (m & 1).astype(jnp.float32) * 0.5
+    pw = jnp.where(e == 3, 4.0, jnp.where(e == 2, 2.0, 1.0)).astype(jnp.float32)
+    return jnp.where(e == 0, half, (1.0 + half) * pw)
+
+
+def _e2m1_value(code):
+    code = code.astype(jnp.int32)
+    mag = _e2m1_magnitude(code & 7)
+    return jnp.where((code & 8) != 0, -mag, mag)  # -0.0 for code 8, like the reference table
+
+
+def dequant_tile(data, scales, gs, out_dtype):
+    """NVFP4 tile -> ``out_dtype[T, w]`` bit-exactly as `jmixedkv.nvfp4.dequantize`.
+
+    Args:
+      data: ``u8[T, w/2]`` packed codes (element 2i in the low nibble).
+      scales: ``float8_e4m3fn[T, w/16]`` block scales.
+      gs: f32 scalar decode global scale.
+    """
+    t, half = data.shape
+    w = half * 2
+    lo = _e2m1_value(data & 0xF)
+    hi = _e2m1_value(data >> 4)
+    vals = jnp.stack([lo, hi], axis=-1).reshape(t, w // 16, 16)
+    s = scales.astype(jnp.float32)
+    out = (vals * s[:, :, None]) * gs
+    return out.reshape(t, w).astype(out_dtype)
+
+
+def decode_high_tile(rows, scale, out_dtype):
+    """Twin rows in the read form (`jmixedkv.pools.decode_rows`): fp8 -> ``f32 * scale``; else a cast."""
+    if rows.dtype == jnp.dtype(jnp.float8_e4m3fn):
+        return (rows.astype(jnp.float32) * scale).astype(out_dtype)
+    return rows.astype(out_dtype)
+
+
+def retained_mask(pos, n, geom: ReadGeometry):
+    """bool: ``pos`` (a vector) is in the retained set of a sequence of length ``n`` (rows < n only)."""
+    return ((pos < geom.first_n) | (pos >= n - geom.last_n)) & (pos < n)
+
+
+def high_column(q, geom: ReadGeometry):
+    """Twin-table column of page ``q`` (-1 when no column holds it)."""
+    if geom.num_ring == 0:
+        return jnp.where(q < geom.num_fixed, q, -1)
+    return jnp.where(q < geom.num_fixed, q, geom.num_fixed + q % geom.num_ring)
+
+
+def _stage_kernel(layers_ref, seq_ref, lens_ref, pt_ref, ht_ref, ot_ref, data_ref, scales_ref, gs_ref,
+                  hrows_ref, hscale_ref, out_ref, *, geom: ReadGeometry, kv: int, heads: int, d: int,
+                  has_high: bool, out_dtype):
+    b, j, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    li, kvh = z // (kv * heads), z % (kv * heads)
+    kvi, hi = kvh // heads, kvh % heads
+    lay = layers_ref[li]
+    page = geom.page
+    s = seq_ref[b]
+    sc = jnp.maximum(s, 0)
+    n = jnp.where(s >= 0, lens_ref[sc], 0)
+    lp = pt_ref[sc, j]
+    dst = ot_ref[b, j]
+    active = (s >= 0) & (j * page < n) & (lp >= 0) & (dst >= 0)
+    gs = gs_ref[lay, kvi]
+    pos = j * page + jax.lax.broadcasted_iota(jnp.int32, (page,), 0)
+    valid = (pos < n)[:, None]
+
+    def low_chunk(c0, w):
+        tile = dequant_tile(data_ref[lay, lp, kvi, hi, :, pl.ds(c0 // 2, w // 2)],
+                            scales_ref[lay, lp, kvi, hi, :, pl.ds(c0 // 16, w // 16)], gs, out_dtype)
+        return jnp.where(valid, tile, jnp.zeros((), out_dtype))
+
+    def store(c0, w, x):
+        out_ref[li, dst, kvi, hi, :, pl.ds(c0, w)] = x
+
+    if not has_high:
+        @pl.when(active)
+        def _():
+            for c0, w in column_chunks(d):
+                store(c0, w, low_chunk(c0, w))
+        return
+
+    col = high_column(j, geom)
+    width = ht_ref.shape[1]
+    hp = ht_ref[sc, jnp.clip(col, 0, width - 1)]
+    held = (col >= 0) & (col < width) & (hp >= 0)
+    overlaps = (j * page < geom.first_n) | ((j + 1) * page > n - geom.last_n)
+    use_high = held & overlaps
+
+    @pl.when(active & ~use_high)
+    def _():
+        for c0, w in column_chunks(d):
+            store(c0, w, low_chunk(c0, w))
+
+    @pl.when(active & use_high)
+    def _():
+        keep = retained_mask(pos, n, geom)[:, None]
+        hscale = hscale_ref[lay, kvi]
+        for c0, w in column_chunks(d):
+            high = decode_high_tile(hrows_ref[lay, hp, kvi, hi, :, pl.ds(c0, w)], hscale, out_dtype)
+            store(c0, w, jnp.where(keep, high, low_chunk(c0, w)))
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "num_staged_pages", "out_dtype", "interpret", "num_warps"))
+def stage_pages(layers, seq, kv_lens, page_table, high_table, out_table, data, scales, gs, high_rows, high_scale,
+                *, geom: ReadGeometry, num_staged_pages: int, out_dtype, interpret: bool = False,
+                num_warps: int = 4):
+    """Stage pages of ``layers`` for batch rows ``seq`` into ``out_dtype[NL, num_staged_pages, kv, H, page, D]``.
+
+    Args:
+      layers: i32[NL] layer indices (one layer or all).
+      seq: i32[B] sequence slots (-1 = padding, nothing staged).
+      kv_lens: i32[S]; page_table: i32[S, W] low page ids; high_table: i32[S, F + R] twin page ids.
+      out_table: i32[B, W] staged page id of each ``(b, j)`` (-1 = not staged).
+      data / scales / gs: the low pool (`jmixedkv.pools.LowPool` fields).
+      high_rows / high_scale: the twin (`RowPool` fields), or None for a group without a twin.
+
+    Staged pages not named by ``out_table`` are left unwritten (unspecified contents).
+    """
+    num_layers = layers.shape[0]
+    _, _, kv, heads, page, half = data.shape
+    d = half * 2
+    has_high = high_rows is not None
+    if not has_high:  # placeholders keep one kernel signature
+        high_rows = jnp.zeros((1, 1, 1, 1, 1, 1), out_dtype)
+        high_scale = jnp.ones((1, 1), jnp.float32)
+        high_table = jnp.full((1, 1), -1, jnp.int32)
+    if high_table.shape[1] == 0:
+        high_table = jnp.full((page_table.shape[0], 1), -1, jnp.int32)
+    batch, width = out_table.shape
+    kernel = functools.partial(_stage_kernel, geom=geom, kv=kv, heads=heads, d=d, has_high=has_high,
+                               out_dtype=jnp.dtype(out_dtype))
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, width, num_layers * kv * heads),
+        out_shape=jax.ShapeDtypeStruct((num_layers, num_staged_pages, kv, heads, page, d), out_dtype),
+        interpret=interpret,
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+    )(layers, seq, kv_lens, page_table, high_table, out_table, data, scales, gs, high_rows, high_scale)

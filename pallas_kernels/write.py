@@ -1,0 +1,541 @@
+"""The fused write kernel: quantize new K/V rows into NVFP4 pages and store retained rows, with in-kernel RoPE.
+
+One Pallas Triton ``pallas_call`` does the whole row store of `jmixedkv.state.append` for one layer or all layers
+of a group, in place (every pool is aliased input -> output; jit the caller with ``donate_argnums`` or XLA
+copies each pool once per call). It is bit-identical to the reference path of ``state._write``::
+
+    k = apply_rope(k, pos, rope).astype(k.dtype)          # if rope
+    pools.write_rows_reference(pools, stack(k, v), layer, low_slot, high_slot, page_size)
+
+Grid ``(token blocks, layers, head groups)``; a program owns ``BT`` tokens x ``HB`` heads of one layer and
+handles K and V (or the MLA latent). It loads the slot ids of its tokens, the rows (``[BT, DP]``, ``DP`` =
+head_dim padded to a power of two, padded columns clamped on load and masked on store), rotates K, rounds it
+to K's dtype, then
+
+* NVFP4-quantizes the row (same op order as `jmixedkv.nvfp4.quantize`) into ``low.data`` / ``low.scales`` at
+  ``low_slot`` (mixed and low groups),
+* stores the row into ``high.rows`` at ``high_slot`` (mixed groups) or ``plain.rows`` at ``low_slot`` (plain
+  groups): a cast for bf16 / fp16, ``e4m3(clip(x / scale, -448, 448))`` for fp8.
+
+Rows whose slot is -1 are not written (masked stores; in interpret mode the masked rows point past the last
+page, where the discharged scatter drops them).
+
+RoPE: ``cos``/``sin`` are computed outside the kernel by the same jnp code as the reference
+(`jmixedkv.rope.rope_cos_sin`, f32 ``[T, rd/2]``), so they are bit-identical by construction. In the kernel each
+element ``j`` is rotated against its partner column (``j +- rd/2`` for neox, ``j ^ 1`` for interleaved), loaded
+by a second gather load of the same row: ``out_j = x_j * cos - p_j * sin'`` with ``sin' = -sin`` on the second
+half (neox) / odd elements (interleaved). ``y*c - x*(-s)`` equals ``y*c + x*s`` bit for bit (negation is exact
+and ``a - (-b)`` is ``a + b`` in IEEE arithmetic).
+
+**How FMA contraction (and approximate division) is prevented on the GPU.** Pallas Triton offers no
+``enable_fp_fusion=False`` knob, and ``ptxas`` contracts a plain ``mul.f32`` feeding an ``add/sub.f32`` into
+an ``fma`` by default. Worse, Triton lowers an f32 ``arith.divf`` to ``div.full.f32`` (an approximation, up to
+2 ulp), not IEEE division. So every float32 product, the RoPE difference and every division of this kernel
+go through `pltriton.elementwise_inline_asm` with PTX instructions that carry an explicit rounding modifier:
+``mul.rn.f32``, ``sub.rn.f32``, ``div.rn.f32``. PTX never fuses instructions with an explicit ``.rn`` into an
+FMA, and ``div.rn.f32`` is the correctly rounded IEEE division; no ``.ftz``, so subnormals are kept like XLA.
+The rotation is one asm block (``mul.rn; mul.rn; sub.rn``). In interpret mode (CPU) the asm cannot run: the
+kernel uses plain jnp ops and routes each product through an integer OR with a zero the compiler cannot
+prove zero (`_launder`), so no FMA can absorb it. (``lax.optimization_barrier`` alone does NOT stop XLA CPU:
+barriers are expanded before fusion and its LLVM backend always allows FP-op fusion.)
+`dump_kernel_ir` prints the Triton IR of the kernel; ``bench/write_bench.py --dump-ptx DIR`` dumps the PTX on
+the GPU and counts ``fma`` instructions in this kernel (expected: 0).
+
+Interpret vs compiled: `write_rows` runs interpret mode when no GPU is present (`jmixedkv.backend.interpret`).
+`lowering_for_cuda()` forces the compiled (asm) path while tracing, for CUDA cross-lowering on a CPU machine.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmixedkv import nvfp4
+from jmixedkv.backend import interpret as _default_interpret
+from jmixedkv.compat import pl, pltriton, triton_params
+from jmixedkv.pools import GroupPools, LowPool, RowPool, is_fp8
+from jmixedkv.rope import RopeSpec, rope_cos_sin
+
+__all__ = ["write_rows", "lowering_for_cuda", "dump_kernel_ir", "plan_for", "KERNEL_NAME", "rope_rows_f32"]
+
+KERNEL_NAME = "jmixedkv_write_rows"
+_ANY = getattr(pl, "ANY", None) or pl.MemorySpace.ANY
+_SIXTH = float(np.float32(1.0) / np.float32(6.0))
+_FORCE_COMPILED = [False]
+
+
+@contextlib.contextmanager
+def lowering_for_cuda():
+    """While active, kernels trace their compiled-GPU form (inline PTX, no interpret mode) even on a CPU
+    machine: use it around ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``. Trace a fresh
+    function inside it (jit caches traces by function)."""
+    _FORCE_COMPILED[0] = True
+    try:
+        yield
+    finally:
+        _FORCE_COMPILED[0] = False
+
+
+# --------------------------------------------------------------------------------------------- exact f32 ops
+def _asm(code: str, *args):
+    args = [jnp.asarray(a, jnp.float32) for a in args]
+    shape = jnp.broadcast_shapes(*(a.shape for a in args))
+    args = [jnp.broadcast_to(a, shape) for a in args]
+    constraints = ",".join(["=f"] + ["f"] * len(args))
+    [out] = pltriton.elementwise_inline_asm(code, args=args, constraints=constraints, pack=1,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+    return out
+
+
+class _PtxOps:
+    """Float32 ops with explicit PTX rounding (compiled GPU path): never contracted, IEEE division."""
+
+    @staticmethod
+    def mul(a, b):
+        return _asm("mul.rn.f32 $0, $1, $2;", a, b)
+
+    @staticmethod
+    def div(a, b):
+        return _asm("div.rn.f32 $0, $1, $2;", a, b)
+
+    @staticmethod
+    def rotate(x, p, c, s):
+        """``x*c - p*s`` with both products and the difference rounded separately."""
+        return _asm("{ .reg .f32 t1, t2; mul.rn.f32 t1, $1, $2; mul.rn.f32 t2, $3, $4; sub.rn.f32 $0, t1, t2; }",
+                    x, p, c, s)
+
+
+class _JnpOps:
+    """The same ops in plain jnp (interpret mode on CPU); products kept apart by an optimization barrier."""
+
+    @staticmethod
+    def mul(a, b):
+        return a * b
+
+    @staticmethod
+    def div(a, b):
+        return a / b
+
+    @staticmethod
+    def rotate(x, p, c, s):
+        z = _opaque_zero(c)
+        return _launder(x * c, z) - _launder(p * s, z)
+
+
+def _opaque_zero(c):
+    """int32 zeros the compiler cannot prove zero: bit 30 (exponent MSB) of ``|c| <= 1`` values is clear."""
+    return (jax.lax.bitcast_convert_type(c, jnp.int32) >> 30) & 1
+
+
+def _launder(a, z):
+    """``a`` unchanged, routed through an integer OR so that no FMA can absorb the product that made it.
+
+    (``lax.optimization_barrier`` is not enough: XLA CPU expands barriers before fusion and its LLVM backend
+    always allows FP-op fusion, so ``barrier(x*c) - barrier(y*s)`` still becomes an FMA under jit.)"""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.int32) | z, jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------- in-kernel codec
+def _e2m1_codes(y):
+    """int32 E2M1 codes of f32 ``y`` (RNE, saturating, sign of zero kept, NaN -> 0); see `nvfp4.e2m1_codes`."""
+    a = jnp.abs(y)
+    one, zero = jnp.int32(1), jnp.int32(0)
+    mag = zero
+    for thr, strict in ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False),
+                        (5.0, True)):
+        hit = (a > thr) if strict else (a >= thr)
+        mag = mag + jnp.where(hit, one, zero)
+    sign = jnp.where(jax.lax.bitcast_convert_type(y, jnp.int32) < 0, jnp.int32(8), zero)
+    return jnp.where(jnp.isnan(y), zero, sign | mag)
+
+
+def _quantize_tile(x, gs, enc, ops):
+    """NVFP4 of ``x f32[BT, DP]`` with scalar decode scale ``gs`` and ``enc = 1/gs`` (computed by XLA outside).
+
+    Returns ``(packed u8[BT, DP/2], scales float8_e4m3fn[BT, DP/16])``; op order of `jmixedkv.nvfp4.quantize`."""
+    bt, dp = x.shape
+    xb = x.reshape(bt, dp // nvfp4.BLOCK, nvfp4.BLOCK)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    has_nan = jnp.max(jnp.where(jnp.isnan(xb), jnp.int32(1), jnp.int32(0)), axis=-1) > 0
+    amax = jnp.where(has_nan, jnp.float32(jnp.nan), amax)
+    s = ops.mul(enc, ops.mul(amax, _SIXTH))
+    s = jnp.where(jnp.isnan(s), s, jnp.minimum(jnp.maximum(s, 0.0), nvfp4.E4M3_MAX))
+    s8 = s.astype(jnp.float8_e4m3fn)
+    sf = s8.astype(jnp.float32)
+    r = jnp.where(sf == 0, jnp.float32(0.0), ops.div(1.0, ops.mul(sf, gs)))
+    y = ops.mul(xb, jnp.broadcast_to(r[..., None], xb.shape)).reshape(bt, dp)
+    lo, hi = jnp.unstack(_e2m1_codes(y).reshape(bt, dp // 2, 2), axis=-1)
+    return (lo | (hi << 4)).astype(jnp.uint8), s8
+
+
+def _encode_row(x, dtype, scale, ops):
+    """Store form of rows ``x`` (already in the row's source dtype) for a row pool of ``dtype`` (see
+    `jmixedkv.pools.encode_rows`)."""
+    if is_fp8(dtype):
+        xf = x.astype(jnp.float32)
+        y = ops.div(xf, jnp.broadcast_to(scale, xf.shape))
+        y = jnp.where(jnp.isnan(y), y, jnp.minimum(jnp.maximum(y, -448.0), 448.0))
+        return y.astype(dtype)
+    return x.astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------- static plan
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static kernel configuration (hashable)."""
+
+    num_tokens: int
+    num_layers: int          # layers in the pools
+    all_layers: bool
+    kv: int
+    heads: int
+    head_dim: int
+    dp: int                  # head_dim padded to a power of two
+    page: int
+    low_pages: int           # pages of the low / plain pool (0 if none)
+    high_pages: int          # pages of the high pool (0 if none)
+    has_low: bool
+    row_pool: Optional[str]  # "high", "plain" or None
+    row_dtype: Optional[str]
+    k_dtype: str
+    v_dtype: Optional[str]
+    rope_style: Optional[str]
+    rotary_dim: int
+    block_t: int
+    heads_per_program: int
+    interpret: bool
+
+    @property
+    def grid(self):
+        return (pl.cdiv(self.num_tokens, self.block_t), self.num_layers if self.all_layers else 1,
+                self.heads // self.heads_per_program)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _default_blocks(num_tokens: int, num_layer_programs: int, heads: int, dp: int):
+    """(block_t, heads_per_program): ~32 tokens x 128 columns per program; heads grouped when there are
+    programs enough to fill the GPU (>= 1024) without them."""
+    block_t = max(1, min(_pow2_ceil(num_tokens), max(1, 4096 // dp), 32))
+    programs = pl.cdiv(num_tokens, block_t) * num_layer_programs
+    hb = 1
+    while hb * 2 <= heads and heads % (hb * 2) == 0 and programs * heads // (hb * 2) >= 1024:
+        hb *= 2
+    return block_t, hb
+
+
+# --------------------------------------------------------------------------------------------- kernel
+def _slot_rows(slot_ref, t_in, t_ok, page: int, num_pages: int):
+    """(page i32[BT, 1], row i32[BT, 1], ok bool[BT, 1]) of the tokens' slots; masked rows point at page
+    ``num_pages`` (out of range: dropped by the interpret-mode scatter, never touched by a masked GPU store)."""
+    slot = slot_ref[t_in]
+    ok = t_ok & (slot >= 0)
+    pg = jnp.where(ok, slot // page, num_pages)
+    row = jnp.where(ok, slot % page, 0)
+    return pg[:, None], row[:, None], ok[:, None]
+
+
+def _row_mask(ok, cols, n, padded):
+    """Store mask ``[BT, C]``: rows with a slot, and (only when D was padded) columns below ``n``."""
+    return (ok & (cols < n)) if padded else jnp.broadcast_to(ok, (ok.shape[0], cols.shape[1]))
+
+
+def _rope_tables(plan: _Plan, cos_ref, sin_ref, t_in, col):
+    """cos and signed sin ``f32[BT, DP]`` per column, and the partner column ``i32[1, DP]``."""
+    rd, half = plan.rotary_dim, plan.rotary_dim // 2
+    if plan.rope_style == "neox":
+        second = (col >= half) & (col < rd)
+        fcol = jnp.where(col >= half, col - half, col)
+        partner = jnp.where(col < half, col + half, jnp.where(col < rd, col - half, col))
+    else:
+        second = ((col & 1) == 1) & (col < rd)
+        fcol = col >> 1
+        partner = jnp.where(col < rd, col ^ 1, col)
+    fcol = jnp.minimum(fcol, half - 1)
+    partner = jnp.minimum(partner, plan.head_dim - 1)
+    c = cos_ref[t_in[:, None], fcol]
+    s = sin_ref[t_in[:, None], fcol]
+    return c, jnp.where(second, -s, s), partner
+
+
+def _write_kernel(plan: _Plan, *refs):
+    ops = _JnpOps if plan.interpret else _PtxOps
+    refs = list(refs)
+    take = lambda: refs.pop(0)  # noqa: E731
+    layer_ref, lslot_ref, hslot_ref, k_ref = take(), take(), take(), take()
+    v_ref = take() if plan.kv == 2 else None
+    cos_ref, sin_ref = (take(), take()) if plan.rope_style else (None, None)
+    gs_ref, enc_ref = (take(), take()) if plan.has_low else (None, None)
+    rscale_ref = take() if plan.row_pool else None
+    n_pool = (2 if plan.has_low else 0) + (1 if plan.row_pool else 0)
+    refs = refs[n_pool:]  # aliased inputs: only the outputs are written
+    data_ref, scales_ref = (take(), take()) if plan.has_low else (None, None)
+    rows_ref = take() if plan.row_pool else None
+
+    bt, dp, d = plan.block_t, plan.dp, plan.head_dim
+    t = pl.program_id(0) * bt + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    t_ok = t < plan.num_tokens
+    t_in = jnp.minimum(t, plan.num_tokens - 1)
+    layer = pl.program_id(1) if plan.all_layers else layer_ref[0]
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, dp), 1)
+    padded = dp != d  # clamp / mask columns only when D is not a power of two (keeps loads vectorizable)
+    col_in = jnp.minimum(col, d - 1) if padded else col
+
+    low_pg = low_row = low_ok = None
+    if plan.has_low or plan.row_pool == "plain":
+        low_pg, low_row, low_ok = _slot_rows(lslot_ref, t_in, t_ok, plan.page, plan.low_pages)
+    if plan.row_pool == "high":
+        row_pg, row_row, row_ok = _slot_rows(hslot_ref, t_in, t_ok, plan.page, plan.high_pages)
+    else:
+        row_pg, row_row, row_ok = low_pg, low_row, low_ok
+    if plan.rope_style:
+        cos_t, sin_t, partner = _rope_tables(plan, cos_ref, sin_ref, t_in, col)
+
+    c2 = jax.lax.broadcasted_iota(jnp.int32, (1, dp // 2), 1)
+    c16 = jax.lax.broadcasted_iota(jnp.int32, (1, dp // nvfp4.BLOCK), 1)
+
+    def load(src, h, cols):
+        if plan.all_layers:
+            return src[layer, t_in[:, None], h, cols]
+        return src[t_in[:, None], h, cols]
+
+    head0 = pl.program_id(2) * plan.heads_per_program  # program ids must be read outside the loop body
+
+    def one_head(hh, carry):
+        h = head0 + hh
+        for kvi in range(plan.kv):
+            src = k_ref if kvi == 0 else v_ref
+            x = load(src, h, col_in)
+            if kvi == 0 and plan.rope_style:
+                xf = x.astype(jnp.float32)
+                pf = load(src, h, partner).astype(jnp.float32)
+                rot = ops.rotate(xf, pf, cos_t, sin_t)
+                x = jnp.where(col < plan.rotary_dim, rot, xf).astype(x.dtype)
+            if plan.has_low:
+                packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], enc_ref[layer, kvi], ops)
+                pltriton.store(data_ref.at[layer, low_pg, kvi, h, low_row, c2], packed,
+                               mask=_row_mask(low_ok, c2, d // 2, padded))
+                pltriton.store(scales_ref.at[layer, low_pg, kvi, h, low_row, c16], scales,
+                               mask=_row_mask(low_ok, c16, d // nvfp4.BLOCK, padded))
+            if plan.row_pool:
+                enc = _encode_row(x, jnp.dtype(plan.row_dtype), rscale_ref[layer, kvi], ops)
+                pltriton.store(rows_ref.at[layer, row_pg, kvi, h, row_row, col], enc,
+                               mask=_row_mask(row_ok, col, d, padded))
+        return carry
+
+    jax.lax.fori_loop(0, plan.heads_per_program, one_head, 0)
+
+
+# --------------------------------------------------------------------------------------------- host wrapper
+def _geometry(pools: GroupPools):
+    """(L, kv, H, page, D) of the group's pools, checking they agree."""
+    arrays = []
+    if pools.low is not None:
+        arrays.append(("low.data", pools.low.data.shape[:-1] + (pools.low.data.shape[-1] * 2,)))
+        arrays.append(("low.scales", pools.low.scales.shape[:-1] + (pools.low.scales.shape[-1] * nvfp4.BLOCK,)))
+    for name in ("high", "plain"):
+        pool = getattr(pools, name)
+        if pool is not None:
+            arrays.append((f"{name}.rows", pool.rows.shape))
+    if pools.low is None and pools.plain is None:
+        raise ValueError("write_rows: the group has neither a low (NVFP4) nor a plain pool")
+    geo = {(s[0],) + tuple(s[2:]) for _, s in arrays}
+    if len(geo) != 1 or any(len(s) != 6 for _, s in arrays):
+        raise ValueError(f"write_rows: pools disagree on [L, _, kv, H, page, D]: {dict(arrays)}")
+    num_layers, kv, heads, page, d = next(iter(geo))
+    return num_layers, kv, heads, page, d
+
+
+def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions, rope):
+    num_layers, kv, heads, page, d = _geometry(pools)
+    if page != page_size:
+        raise ValueError(f"write_rows: page_size={page_size} but the pools hold pages of {page} rows")
+    want = 3 if layer is not None else 4
+    if k.ndim != want or k.shape[-2:] != (heads, d):
+        lead = "[T, H, D]" if layer is not None else "[L, T, H, D]"
+        raise ValueError(f"write_rows: k must be {lead} with H={heads}, D={d}; got {k.shape}")
+    if layer is None and k.shape[0] != num_layers:
+        raise ValueError(f"write_rows: all-layer k has {k.shape[0]} layers, the pools hold {num_layers}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < num_layers:
+        raise ValueError(f"write_rows: layer={layer} outside [0, {num_layers})")
+    for name, a in (("k", k), ("v", v)):
+        if a is not None and not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"write_rows: {name} must be a float array, got {a.dtype}")
+    if kv == 1 and v is not None:
+        raise ValueError("write_rows: the pools hold an MLA latent (kv_factor=1): pass v=None")
+    if kv == 2 and (v is None or v.shape != k.shape):
+        raise ValueError(f"write_rows: v must have k's shape {k.shape}, got {None if v is None else v.shape}")
+    num_tokens = k.shape[-3]
+    for name, s in (("low_slot", low_slot), ("high_slot", high_slot), ("positions", positions)):
+        if s is None:
+            continue
+        if s.shape != (num_tokens,) or not jnp.issubdtype(s.dtype, jnp.integer):
+            raise ValueError(f"write_rows: {name} must be int[{num_tokens}], got {s.dtype}{list(s.shape)}")
+    if rope is not None:
+        if not isinstance(rope, RopeSpec):
+            raise ValueError(f"write_rows: rope must be a jmixedkv.RopeSpec or None, got {rope!r}")
+        if positions is None:
+            raise ValueError("write_rows: rope needs positions")
+        if (rope.rotary_dim or d) > d:
+            raise ValueError(f"write_rows: RopeSpec.rotary_dim={rope.rotary_dim} exceeds head_dim={d}")
+    return num_layers, kv, heads, page, d
+
+
+def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
+             heads_per_program: Optional[int] = None, interpret: Optional[bool] = None) -> _Plan:
+    """The static plan `write_rows` would use (shapes only; for benches and tests)."""
+    num_layers, kv, heads, page, d = _geometry(pools)
+    num_tokens = k.shape[-3]
+    dp = _pow2_ceil(d)
+    all_layers = layer is None
+    bt0, hb0 = _default_blocks(num_tokens, num_layers if all_layers else 1, heads, dp)
+    block_t = bt0 if block_t is None else block_t
+    hb = hb0 if heads_per_program is None else heads_per_program
+    if block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(f"write_rows: block_t must be a power of two, got {block_t}")
+    if hb < 1 or heads % hb:
+        raise ValueError(f"write_rows: heads_per_program={hb} must divide num_kv_heads={heads}")
+    row_pool = "high" if pools.high is not None else ("plain" if pools.plain is not None else None)
+    row = getattr(pools, row_pool) if row_pool else None
+    if interpret is None:
+        interpret = _default_interpret() and not _FORCE_COMPILED[0]
+    return _Plan(
+        num_tokens=num_tokens, num_layers=num_layers, all_layers=all_layers, kv=kv, heads=heads, head_dim=d,
+        dp=dp, page=page, low_pages=(pools.low.data.shape[1] if pools.low is not None
+                                     else pools.plain.rows.shape[1]),
+        high_pages=pools.high.rows.shape[1] if pools.high is not None else 0, has_low=pools.low is not None,
+        row_pool=row_pool, row_dtype=jnp.dtype(row.rows.dtype).name if row is not None else None,
+        k_dtype=jnp.dtype(k.dtype).name, v_dtype=jnp.dtype(v.dtype).name if v is not None else None,
+        rope_style=rope.style if rope is not None else None,
+        rotary_dim=(rope.rotary_dim or d) if rope is not None else 0,
+        block_t=block_t, heads_per_program=hb, interpret=bool(interpret))
+
+
+def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
+    n_in = len(inputs)
+    spec = pl.BlockSpec(memory_space=_ANY)
+    return pl.pallas_call(
+        functools.partial(_write_kernel, plan),
+        grid=plan.grid,
+        in_specs=[spec] * (n_in + len(pools_flat)),
+        out_specs=[spec] * len(pools_flat),
+        out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools_flat],
+        input_output_aliases={n_in + i: i for i in range(len(pools_flat))},
+        interpret=plan.interpret,
+        compiler_params=triton_params(num_warps=4, num_stages=1),
+        name=KERNEL_NAME,
+        debug=debug,
+    )(*inputs, *pools_flat)
+
+
+def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: int, positions=None,
+               rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
+               heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
+               debug: bool = False) -> GroupPools:
+    """Store new rows of one layer or all layers into a group's pools, in place (one fused kernel).
+
+    Args:
+      pools: the group's `GroupPools` (mixed: low + high; low: low; plain: plain).
+      k: ``[T, H, D]`` (``layer`` given: int or traced int32 scalar) or ``[L, T, H, D]`` (``layer=None``).
+        Any float dtype; RoPE'd here when ``rope`` is given, then rounded to ``k.dtype``.
+      v: same shape as ``k`` (any float dtype), or None for an MLA latent group (kv_factor 1).
+      low_slot: i32[T] slots ``page * page_size + row`` into the low pool (mixed / low) or the plain pool; -1 skip.
+      high_slot: i32[T] slots into the high twin (mixed groups); -1 skip.
+      page_size: rows per page (must match the pools).
+      positions: i32[T] token positions (needed with ``rope``).
+      rope: optional `RopeSpec`, applied to K only.
+      block_t / heads_per_program: tokens and heads per program (powers of two / divisor of H; default heuristic).
+      interpret: force interpret mode (default: interpret when no GPU, unless inside `lowering_for_cuda`).
+      debug: print the kernel jaxpr and Triton IR while lowering (pallas ``debug=True``).
+
+    Returns:
+      the updated `GroupPools` (the same buffers when the caller donates them).
+    """
+    k = jnp.asarray(k)
+    v = None if v is None else jnp.asarray(v)
+    low_slot = jnp.asarray(low_slot)
+    high_slot = jnp.asarray(high_slot) if high_slot is not None else None
+    positions = None if positions is None else jnp.asarray(positions)
+    _, kv, _, _, d = _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions, rope)
+    plan = plan_for(pools, k, v, layer, rope, block_t=block_t, heads_per_program=heads_per_program,
+                    interpret=interpret)
+    if plan.num_tokens == 0:
+        return pools
+    if plan.row_pool == "high" and high_slot is None:
+        raise ValueError("write_rows: a mixed group needs high_slot")
+    layer_arr = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    lslot = low_slot.astype(jnp.int32)
+    hslot = high_slot.astype(jnp.int32) if high_slot is not None else lslot
+    inputs = [layer_arr, lslot, hslot, k] + ([v] if kv == 2 else [])
+    if rope is not None:
+        cos, sin = rope_cos_sin(positions.astype(jnp.int32), plan.rotary_dim, rope.theta)
+        inputs += [cos, sin]
+    pools_flat = []
+    if pools.low is not None:
+        gs = pools.low.gs.astype(jnp.float32)
+        inputs += [gs, jnp.float32(1.0) / gs]
+        pools_flat += [pools.low.data, pools.low.scales]
+    row = pools.high if plan.row_pool == "high" else pools.plain
+    if row is not None:
+        inputs.append(row.scale.astype(jnp.float32))
+        pools_flat.append(row.rows)
+    out = list(_call(plan, inputs, pools_flat, debug=debug))
+    low = high = plain = None
+    if pools.low is not None:
+        low = LowPool(out.pop(0), out.pop(0), pools.low.gs)
+    if row is not None:
+        new_row = RowPool(out.pop(0), row.scale)
+        high, plain = (new_row, pools.plain) if plan.row_pool == "high" else (pools.high, new_row)
+    return GroupPools(low, high, plain)
+
+
+def dump_kernel_ir(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: int, positions=None,
+                   rope: Optional[RopeSpec] = None, **kw) -> str:
+    """Lower the compiled (GPU) kernel for CUDA and return the Pallas debug print (jaxpr + Triton IR) as text.
+
+    Works on a CPU machine; grep the result for ``elementwise_inline_asm`` / ``mul.rn.f32`` (the PTX itself is
+    produced by XLA on the GPU: see ``bench/write_bench.py --dump-ptx``)."""
+    import io
+    import contextlib as _cl
+    buf = io.StringIO()
+    with lowering_for_cuda(), _cl.redirect_stdout(buf):
+        fn = lambda p, *a: write_rows(p, *a, page_size, positions=positions, rope=rope, debug=True, **kw)  # noqa
+        jax.jit(fn).trace(pools, k, v, layer, low_slot, high_slot).lower(lowering_platforms=("cuda",))
+    return buf.getvalue()
+
+
+def rope_rows_f32(x, positions, rope: RopeSpec, *, interpret: Optional[bool] = None):
+    """The kernel's in-kernel RoPE alone: rotate ``x f32[T, D]`` (T, D powers of two) and return float32,
+    without any rounding to a storage dtype. Test hook for the no-FMA guarantee (compare with numpy)."""
+    x = jnp.asarray(x, jnp.float32)
+    t, d = x.shape
+    rd = rope.rotary_dim or d
+    interp = (_default_interpret() and not _FORCE_COMPILED[0]) if interpret is None else interpret
+    plan = _Plan(num_tokens=t, num_layers=1, all_layers=False, kv=1, heads=1, head_dim=d, dp=d, page=1,
+                 low_pages=0, high_pages=0, has_low=False, row_pool=None, row_dtype=None, k_dtype="float32",
+                 v_dtype=None, rope_style=rope.style, rotary_dim=rd, block_t=t, heads_per_program=1,
+                 interpret=bool(interp))
+    cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), rd, rope.theta)
+
+    def kernel(x_ref, cos_ref, sin_ref, o_ref):
+        ops = _JnpOps if plan.interpret else _PtxOps
+        t_in = jax.lax.broadcasted_iota(jnp.int32, (t,), 0)
+        col = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
+        c, s, partner = _rope_tables(plan, cos_ref, sin_ref, t_in, col)
+        xf = x_ref[t_in[:, None], col]
+        pf = x_ref[t_in[:, None], partner]
+        o_ref[...] = jnp.where(col < rd, ops.rotate(xf, pf, c, s), xf)
+
+    spec = pl.BlockSpec(memory_space=_ANY)
+    return pl.pallas_call(kernel, grid=(1,), in_specs=[spec] * 3,
+                          out_specs=pl.BlockSpec((t, d), lambda i: (0, 0)),
+                          out_shape=jax.ShapeDtypeStruct((t, d), jnp.float32), interpret=plan.interpret,
+                          compiler_params=triton_params(num_warps=4, num_stages=1),
+                          name="jmixedkv_rope_rows")(x, cos, sin)

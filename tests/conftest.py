@@ -1,0 +1,31 @@
+"""Shared test helpers: NaN-safe bitwise comparisons of arrays and pytrees.
+
+Tests run with 4 host CPU devices (``--xla_force_host_platform_device_count=4``) so the tensor-parallel tests
+can build a ``("tp",)`` mesh; single-device code is unaffected (it runs on device 0).
+"""
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import jax
+import numpy as np
+
+
+def bits(x):
+    """Bit-pattern view of an array (so NaN == NaN when the bytes agree)."""
+    x = np.asarray(x)
+    if x.dtype == bool:
+        return x.view(np.uint8)
+    return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(f"u{x.dtype.itemsize}")
+
+
+def assert_trees_bit_equal(a, b):
+    """Same tree structure and every leaf bit-identical (shape, dtype, bytes)."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
+    for i, (x, y) in enumerate(zip(la, lb)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.dtype == y.dtype, (i, x.shape, y.shape, x.dtype, y.dtype)
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"leaf {i}")

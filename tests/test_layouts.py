@@ -1,0 +1,175 @@
+"""interop.layouts: FlashInfer CSR / vLLM block tables / slot mappings against hand-computed examples, page
+views of the pools (zero-copy torch views), and NVFP4 pages decoded in torch against the staged reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from interop import layouts
+from interop.dlpack import to_torch
+from jmixedkv import GroupSpec, KVCacheConfig, append, init_state, stage_reference
+from jmixedkv.state import admit
+
+PAGE = 16
+# slots 0..4; lengths 45 (3 pages, last 13), 0 (empty), 1, 16 (exactly one page), 17; permuted page ids
+TABLE = np.array([[7, 2, 9, -1],
+                  [-1, -1, -1, -1],
+                  [4, -1, -1, -1],
+                  [0, -1, -1, -1],
+                  [11, 5, -1, -1]], np.int32)
+LENS = np.array([45, 0, 1, 16, 17], np.int32)
+
+
+def test_flashinfer_csr_hand_example():
+    csr = layouts.flashinfer_csr(TABLE, LENS, [0, 1, 2, 3, 4], PAGE)
+    np.testing.assert_array_equal(csr.kv_indptr, [0, 3, 3, 4, 5, 7])
+    np.testing.assert_array_equal(csr.kv_indices, [7, 2, 9, 4, 0, 11, 5])
+    np.testing.assert_array_equal(csr.kv_last_page_len, [13, 0, 1, 16, 1])
+    assert all(a.dtype == np.int32 for a in csr)
+    np.testing.assert_array_equal(layouts.seq_lens_from_csr(csr.kv_indptr, csr.kv_last_page_len, PAGE), LENS)
+
+
+def test_flashinfer_csr_single_45_tokens():
+    csr = layouts.flashinfer_csr(TABLE[:1], LENS[:1], [0], PAGE)
+    assert csr.kv_indptr.tolist() == [0, 3] and csr.kv_last_page_len.tolist() == [13]
+
+
+def test_flashinfer_csr_subset_reordered_with_padding():
+    csr = layouts.flashinfer_csr(TABLE, LENS, [4, -1, 0], PAGE)
+    np.testing.assert_array_equal(csr.kv_indptr, [0, 2, 2, 5])
+    np.testing.assert_array_equal(csr.kv_indices, [11, 5, 7, 2, 9])
+    np.testing.assert_array_equal(csr.kv_last_page_len, [1, 0, 13])
+
+
+def test_flashinfer_csr_padded_matches():
+    seq = np.array([4, -1, 0, 1, 2, 3], np.int32)
+    want = layouts.flashinfer_csr(TABLE, LENS, seq, PAGE)
+    indptr, indices, last = jax.jit(layouts.flashinfer_csr_padded, static_argnums=3)(
+        jnp.asarray(TABLE), jnp.asarray(LENS), jnp.asarray(seq), PAGE)
+    np.testing.assert_array_equal(indptr, want.kv_indptr)
+    np.testing.assert_array_equal(last, want.kv_last_page_len)
+    total = int(want.kv_indptr[-1])
+    np.testing.assert_array_equal(np.asarray(indices)[:total], want.kv_indices)
+    assert indices.shape == (seq.size * TABLE.shape[1],) and (np.asarray(indices)[total:] == -1).all()
+
+
+def test_block_table_and_slot_mapping_hand_example():
+    table, lens = layouts.block_table(TABLE, LENS, [0, 1, 2, 4, -1], PAGE)
+    np.testing.assert_array_equal(table, [[7, 2, 9, -1], [-1] * 4, [4, -1, -1, -1], [11, 5, -1, -1], [-1] * 4])
+    np.testing.assert_array_equal(lens, [45, 0, 1, 17, 0])
+    seq = np.array([0, 0, 4, 4, -1, 2, 1, 0], np.int32)
+    pos = np.array([44, 16, 16, 0, 3, 0, 0, 70], np.int32)
+    slots = layouts.slot_mapping(TABLE, seq, pos, PAGE)
+    np.testing.assert_array_equal(slots, [9 * 16 + 12, 2 * 16 + 0, 5 * 16 + 0, 11 * 16, -1, 4 * 16, -1, -1])
+    assert slots.dtype == np.int64
+    assert layouts.slot_mapping(TABLE, seq, pos, PAGE, dtype=np.int32).dtype == np.int32
+
+
+def test_torch_inputs_accepted():
+    csr = layouts.flashinfer_csr(torch.from_numpy(TABLE), torch.from_numpy(LENS).long(), torch.tensor([0]), PAGE)
+    assert csr.kv_indices.tolist() == [7, 2, 9]
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="slot 2 .*no page at column 1"):
+        layouts.flashinfer_csr(TABLE, np.array([45, 0, 20, 16, 17]), [2], PAGE)
+    with pytest.raises(ValueError, match=r"slots \[5\]"):
+        layouts.flashinfer_csr(TABLE, LENS, [5], PAGE)
+    with pytest.raises(ValueError, match="max_pages"):
+        layouts.block_table(TABLE, np.array([80, 0, 0, 0, 0]), [0], PAGE)
+    with pytest.raises(ValueError, match="page_size"):
+        layouts.flashinfer_csr(TABLE, LENS, [0], 0)
+    with pytest.raises(ValueError, match="integers"):
+        layouts.flashinfer_csr(TABLE.astype(np.float32), LENS, [0], PAGE)
+    with pytest.raises(ValueError, match="equal-length"):
+        layouts.slot_mapping(TABLE, [0, 1], [0], PAGE)
+    with pytest.raises(ValueError, match="layout"):
+        layouts.page_view(torch.zeros(1, 2, 2, 1, 4, 16), 0, 0, "NDH")
+    with pytest.raises(ValueError, match="layer"):
+        layouts.page_view(torch.zeros(1, 2, 2, 1, 4, 16), 1, 0)
+
+
+def test_page_views_are_zero_copy_and_index_correctly():
+    rows = jnp.arange(2 * 3 * 2 * 2 * 4 * 16, dtype=jnp.float32).reshape(2, 3, 2, 2, 4, 16).astype(jnp.bfloat16)
+    pool = to_torch(rows)
+    hnd = layouts.page_view(pool, 1, 1, "HND")
+    nhd = layouts.page_view(pool, 1, 1, "NHD")
+    five = layouts.page_view(pool, 1, None, "HND")
+    assert hnd.shape == (3, 2, 4, 16) and nhd.shape == (3, 4, 2, 16) and five.shape == (3, 2, 2, 4, 16)
+    for v in (hnd, nhd, five):
+        assert v.untyped_storage().data_ptr() == rows.unsafe_buffer_pointer()
+    r = np.asarray(rows.astype(jnp.float32))
+    p, h, t = 2, 1, 3
+    assert float(hnd[p, h, t, 5]) == r[1, p, 1, h, t, 5]
+    assert float(nhd[p, t, h, 5]) == r[1, p, 1, h, t, 5]
+    np.testing.assert_array_equal(np.asarray(layouts.page_view(rows, 1, 1, "NHD").astype(jnp.float32)),
+                                  nhd.float().numpy())
+
+
+def _nvfp4_state():
+    cfg = KVCacheConfig("nvfp4", page_size=PAGE)
+    spec = GroupSpec(num_layers=2, num_kv_heads=2, head_dim=32)
+    state = init_state(cfg, spec, num_pages=8, max_seqs=2, poison=True, page_order=np.random.default_rng(0).permutation(8),
+                       gs=jnp.array([[0.5, 2.0], [1.25, 0.75]], jnp.float32))
+    state = jax.jit(lambda s: admit(admit(s, 0), 1))(state)
+    rng = np.random.default_rng(1)
+    lens = (45, 17)
+    seq = np.concatenate([np.full(n, s) for s, n in enumerate(lens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    k = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32)).astype(jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32) * 3).astype(jnp.bfloat16)
+    return jax.jit(append, static_argnames="backend")(state, k, v, seq, pos, backend="reference")
+
+
+_STATE = []
+
+
+def _nvfp4_state_cached():
+    if not _STATE:
+        _STATE.append(_nvfp4_state())
+    return _STATE[0]
+
+
+_stage = jax.jit(stage_reference)
+
+
+def _torch_decode_page_rows(data, scales, gs):
+    """Independent torch NVFP4 decode of ``data u8[..., D/2]``, ``scales e4m3[..., D/16]`` -> bf16."""
+    table = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32)
+    codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(*data.shape[:-1], -1).long()
+    blocks = table[codes].reshape(*codes.shape[:-1], -1, 16)
+    return ((blocks * scales.float()[..., None]) * gs).reshape(codes.shape).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_nvfp4_pages_decode_to_staged_reference(layout):
+    """Walk the FlashInfer CSR over the exported NVFP4 pages, decode in torch, compare to stage_reference."""
+    state = _nvfp4_state_cached()
+    seq = np.array([0, 1], np.int32)
+    csr = layouts.flashinfer_csr(np.asarray(state.page_table), np.asarray(state.kv_lens), seq, PAGE)
+    for layer in (0, 1):
+        pages = layouts.nvfp4_pages(state.pools[0].low, layer, layout)
+        assert pages.k_scale == [0.5, 1.25][layer] and pages.v_scale == [2.0, 0.75][layer]
+        assert pages.k_data.dtype == torch.uint8 and pages.k_scales.dtype == torch.float8_e4m3fn
+        want = np.asarray(_stage(state, layer, seq).astype(jnp.float32))          # [B, kv, H, S, D]
+        for b in range(2):
+            ids = csr.kv_indices[csr.kv_indptr[b]:csr.kv_indptr[b + 1]]
+            n = int(state.kv_lens[b])
+            for kv, (data, scales, gs) in enumerate([(pages.k_data, pages.k_scales, pages.k_scale),
+                                                     (pages.v_data, pages.v_scales, pages.v_scale)]):
+                got = _torch_decode_page_rows(data[ids], scales[ids], gs)       # HND [p, H, page, D]
+                if layout == "NHD":                                           # NHD [p, page, H, D]
+                    got = got.permute(0, 2, 1, 3)
+                got = got.permute(1, 0, 2, 3).reshape(2, -1, 32)[:, :n].float().numpy()
+                np.testing.assert_array_equal(got, want[b, kv, :, :n])
+
+
+def test_nvfp4_pages_scale_bytes():
+    state = _nvfp4_state_cached()
+    pages = layouts.nvfp4_pages(state.pools[0].low, 0, scales_as_uint8=True)
+    assert pages.k_scales.dtype == torch.uint8
+    np.testing.assert_array_equal(pages.v_scales.numpy(),
+                                  np.asarray(state.pools[0].low.scales[0][:, 1]).view(np.uint8))
+    jx = layouts.nvfp4_pages(state.pools[0].low, 0, "NHD", as_torch=False)
+    assert jx.k_data.shape == (8, PAGE, 2, 16) and jx.k_scales.shape == (8, PAGE, 2, 2)

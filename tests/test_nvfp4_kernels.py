@@ -1,0 +1,298 @@
+"""NVFP4 Pallas kernels (`pallas_kernels.nvfp4`) against the reference codec, bit-exact.
+
+CPU: interpret mode (small grids: ~0.3 ms per grid step) and CUDA cross-lowering for every D.
+GPU (``-m gpu``, on the device machine): the compiled Triton kernels against the reference run on the same
+GPU and on the host CPU backend.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jmixedkv import codec, nvfp4
+from jmixedkv.compat import cross_lower_cuda, on_gpu
+from pallas_kernels import nvfp4 as K
+
+E4M3 = ml_dtypes.float8_e4m3fn
+DS = (64, 128, 256, 576)
+TILE = dict(block_rows=16, sub_rows=8)          # interpret tests: 2 loop steps per program, a few programs
+
+
+def make_input(rows, d, seed=0, dtype=jnp.bfloat16):
+    """Random rows of very different magnitudes plus every special block kind."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, d)) * rng.choice([1e-6, 1e-3, 0.1, 1.0, 30.0, 1e3, 1e5], (rows, 1))
+    x = x.astype(np.float32)
+    specials = [
+        (0, 0, lambda b: np.where(np.arange(16) == 3, np.nan, b)),              # NaN block
+        (1, 1, lambda b: np.where(np.arange(16) == 7, np.inf, b)),              # +Inf
+        (2, 2, lambda b: np.where(np.arange(16) == 0, -np.inf, b)),             # -Inf
+        (3, 0, lambda b: np.zeros(16)),                                         # zero block
+        (3, 1, lambda b: -np.zeros(16)),                                        # negative zeros
+        (4, 0, lambda b: b * 1e-30),                                            # tiny (scale 0)
+        (4, 1, lambda b: np.concatenate([[-0.0, -1e-30, 0.0, 1e-38], b[4:]])),  # signed zeros in a block
+        (5, 2, lambda b: np.sign(b) * 1e35),                                    # saturating scale
+        (6, 0, lambda b: np.full(16, 6.0 * 448.0)),                             # exactly the largest scale
+        (6, 1, lambda b: np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6] * 2) * np.repeat([1, -1], 8)),
+    ]
+    for r, blk, f in specials:
+        if r < rows and (blk + 1) * 16 <= d:
+            x[r, blk * 16:(blk + 1) * 16] = f(x[r, blk * 16:(blk + 1) * 16])
+    return jnp.asarray(x, dtype)
+
+
+def assert_same_quant(got, want, msg=""):
+    (p, s), (pr, sr) = got, want
+    p, pr = np.asarray(p), np.asarray(pr)
+    s, sr = np.asarray(s).view(np.uint8), np.asarray(sr).view(np.uint8)
+    assert p.shape == pr.shape and s.shape == sr.shape, (p.shape, pr.shape, s.shape, sr.shape)
+    bad_s, bad_p = np.argwhere(s != sr), np.argwhere(p != pr)
+    assert bad_s.size == 0, f"{msg}: {len(bad_s)} scale bytes differ, first {bad_s[:4].tolist()}"
+    assert bad_p.size == 0, f"{msg}: {len(bad_p)} packed bytes differ, first {bad_p[:4].tolist()}"
+
+
+def assert_same_bits(got, want, msg=""):
+    a, b = np.asarray(got), np.asarray(want)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    nan = np.isnan(a.astype(np.float32))
+    assert (nan == np.isnan(b.astype(np.float32))).all(), f"{msg}: NaN positions differ"
+    ai, bi = a.view(np.uint8 if a.itemsize == 1 else f"u{a.itemsize}"), b.view(f"u{b.itemsize}")
+    bad = np.argwhere((ai != bi) & ~nan)
+    assert bad.size == 0, f"{msg}: {len(bad)} elements differ, first {bad[:4].tolist()}"
+
+
+_ref_q = jax.jit(nvfp4.quantize)
+_ref_dq = jax.jit(nvfp4.dequantize, static_argnames="dtype")
+
+
+@functools.lru_cache(maxsize=None)
+def _kq(**kw):
+    return jax.jit(functools.partial(K.quantize, interpret=True, **kw))
+
+
+@functools.lru_cache(maxsize=None)
+def _kdq(dtype, **kw):
+    return jax.jit(functools.partial(K.dequantize, dtype=dtype, interpret=True, **kw))
+
+
+# ----------------------------------------------------------------------------------------- element helpers
+def test_e2m1_magnitude_helpers_match_reference():
+    """Both in-kernel code paths on all bf16 patterns, float32 neighbours of every midpoint, random float32."""
+    rng = np.random.default_rng(0)
+    v = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 2.0, 4.0, 1.0, 0.5, 3.0], np.float32)
+    near = [mids]
+    for _ in range(3):
+        near += [np.nextafter(near[-1], np.float32(np.inf))]
+    lo = [mids]
+    for _ in range(3):
+        lo += [np.nextafter(lo[-1], np.float32(-np.inf))]
+    r = rng.uniform(0, 7, 1 << 16).astype(np.float32)
+    v = np.concatenate([v, *near, *lo, r])
+    v = np.concatenate([v, -v])
+    v = v[~np.isnan(v)]
+    want = np.asarray(jax.jit(nvfp4.e2m1_codes)(v)).astype(np.int32) & 7
+    for impl in ("magic", "compare"):
+        got = np.asarray(jax.jit(K._e2m1_magnitude, static_argnums=1)(jnp.asarray(v), impl))
+        np.testing.assert_array_equal(got, want, err_msg=impl)
+
+
+def test_e4m3_encode_decode_helpers():
+    rng = np.random.default_rng(1)
+    vals = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+    fin = np.unique(np.abs(vals[np.isfinite(vals)]))
+    ties = (fin[1:] + fin[:-1]) / 2
+    s = np.concatenate([fin, ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(500)),
+                        rng.uniform(0, 448, 1 << 15), np.exp2(rng.uniform(-40, 8.8, 1 << 15)),
+                        [0.0, 2.0 ** -6, 2.0 ** -10, 1e-40, 448.0]]).astype(np.float32)
+    s = np.minimum(s, np.float32(448))
+    byte, val, nan = jax.jit(K._e4m3_encode)(jnp.asarray(s))
+    want = s.astype(E4M3)
+    np.testing.assert_array_equal(np.asarray(byte), want.view(np.uint8).astype(np.int32))
+    np.testing.assert_array_equal(np.asarray(val), want.astype(np.float32))
+    byte, val, nan = jax.jit(K._e4m3_encode)(jnp.asarray([np.nan], jnp.float32))
+    assert int(byte[0]) == 0x7F and bool(nan[0])
+    dec = np.asarray(jax.jit(K._e4m3_decode)(jnp.arange(256, dtype=jnp.int32)))
+    assert_same_bits(dec, vals)
+    np.testing.assert_array_equal(np.signbit(dec), np.signbit(vals))
+
+
+# ----------------------------------------------------------------------------------------- interpret mode
+# (D, per-row gs) pairs: every D, both gs kinds, few compiles
+CASES = [(64, False), (128, False), (128, True), (256, True), (576, False), (576, True)]
+
+
+@pytest.mark.parametrize("d,per_row", CASES)
+def test_interpret_quantize_dequantize_bit_exact(d, per_row):
+    rows = 37                                                   # not a multiple of the block
+    x = make_input(rows, d, seed=d + per_row)
+    gs = (jnp.asarray(np.random.default_rng(d).uniform(0.01, 4.0, rows), jnp.float32) if per_row
+          else jnp.float32(0.37))
+    want = _ref_q(x, gs)
+    got = _kq(**TILE)(x, gs)
+    assert got[1].dtype == jnp.float8_e4m3fn and got[0].dtype == jnp.uint8
+    assert_same_quant(got, want, f"quantize D={d} per_row={per_row}")
+    out = _kdq(jnp.bfloat16, **TILE)(want[0], want[1], gs)
+    assert_same_bits(out, _ref_dq(want[0], want[1], gs, dtype=jnp.bfloat16), f"dequantize D={d}")
+
+
+def test_interpret_float32_and_float16_inputs_and_outputs():
+    for dtype in (jnp.float32, jnp.float16):
+        with np.errstate(over="ignore"):
+            x = make_input(16, 128, seed=7, dtype=dtype)
+        want = _ref_q(x, jnp.float32(1.0))
+        assert_same_quant(_kq(**TILE)(x, jnp.float32(1.0)), want, str(dtype))
+        out = _kdq(dtype, **TILE)(want[0], want[1], jnp.float32(1.0))
+        assert_same_bits(out, _ref_dq(want[0], want[1], jnp.float32(1.0), dtype=dtype), str(dtype))
+
+
+@pytest.mark.parametrize("d,width", [(128, 16), (576, 32)])
+def test_interpret_other_kernel_widths(d, width):
+    """``width=16``: one quantization block per kernel row; 576 as 18 rows of 32."""
+    x = make_input(8, d, seed=11)
+    gs = jnp.asarray(np.random.default_rng(11).uniform(0.1, 3.0, 8), jnp.float32)
+    want = _ref_q(x, gs)
+    assert_same_quant(_kq(block_rows=64, sub_rows=32, width=width)(x, gs), want, f"width={width}")
+    out = _kdq(jnp.bfloat16, block_rows=64, sub_rows=32, width=width)(want[0], want[1], gs)
+    assert_same_bits(out, _ref_dq(want[0], want[1], gs, dtype=jnp.bfloat16), f"dequantize width={width}")
+
+
+def test_interpret_default_tiling_small_rows():
+    """Default block sizes clamp to the (padded) row count: 5 rows run as one 8-row program."""
+    x = make_input(5, 128, seed=3)
+    assert_same_quant(_kq()(x, jnp.float32(2.0)), _ref_q(x, jnp.float32(2.0)), "default tiling")
+
+
+def test_codec_dispatch_pallas_backend_any_leading_shape():
+    x = make_input(24, 64, seed=4).reshape(2, 3, 4, 64)
+    gs = jnp.asarray(np.random.default_rng(4).uniform(0.5, 2.0, (2, 3, 4)), jnp.float32)
+    got = jax.jit(functools.partial(codec.quantize, backend="pallas", **TILE))(x, gs)
+    want = codec.quantize(x, gs, backend="reference")
+    assert got[0].shape == (2, 3, 4, 32) and got[1].shape == (2, 3, 4, 4)
+    assert_same_quant(got, want, "codec pallas")
+    out = jax.jit(functools.partial(codec.dequantize, dtype=jnp.bfloat16, backend="pallas", **TILE))(*got, gs)
+    assert out.shape == x.shape
+    assert_same_bits(out, codec.dequantize(*want, gs, jnp.bfloat16, backend="reference"), "codec dequantize")
+    if not on_gpu():   # auto = reference on CPU
+        assert_same_quant(codec.quantize(x, gs), want, "codec auto")
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = jnp.zeros((4, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16, got 24"):
+        K.quantize(jnp.zeros((4, 24), jnp.bfloat16))
+    with pytest.raises(ValueError, match="int32"):
+        K.quantize(jnp.zeros((4, 128), jnp.int32))
+    with pytest.raises(ValueError, match="x\\[rows, D\\]"):
+        K.quantize(jnp.zeros((2, 4, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="block_rows must be a power of two"):
+        K.quantize(x, block_rows=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        K.quantize(x, num_warps=3)
+    with pytest.raises(ValueError, match="global_scale"):
+        K.quantize(x, jnp.ones((3,), jnp.float32))
+    with pytest.raises(ValueError, match="width must be"):
+        K.quantize(x, width=48)
+    with pytest.raises(ValueError, match="code_impl"):
+        K.quantize(x, code_impl="lut")
+    with pytest.raises(ValueError, match="scales shape"):
+        K.dequantize(jnp.zeros((4, 64), jnp.uint8), jnp.zeros((4, 4), jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="packed must be uint8"):
+        K.dequantize(jnp.zeros((4, 64), jnp.int8), jnp.zeros((4, 8), jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        K.dequantize(jnp.zeros((4, 64), jnp.uint8), jnp.zeros((4, 8), jnp.float8_e4m3fn), dtype=jnp.int8)
+    with pytest.raises(ValueError, match="backend"):
+        codec.quantize(x, backend="cuda")
+    assert K.quantize(jnp.zeros((0, 64), jnp.bfloat16))[0].shape == (0, 32)
+
+
+def test_kernel_width():
+    assert [K.kernel_width(d) for d in (16, 64, 128, 192, 256, 576, 1024)] == [16, 64, 128, 64, 256, 64, 512]
+
+
+# ----------------------------------------------------------------------------------------- CUDA lowering
+@pytest.mark.parametrize("d", DS)
+def test_cross_lowers_for_cuda(d):
+    rows = 1000
+    for gs in (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)):
+        x = jax.ShapeDtypeStruct((rows, d), jnp.bfloat16)
+        text = cross_lower_cuda(functools.partial(K.quantize, interpret=False), x, gs)
+        assert "triton" in text and "nvfp4_quantize" in text
+        p = jax.ShapeDtypeStruct((rows, d // 2), jnp.uint8)
+        s = jax.ShapeDtypeStruct((rows, d // 16), jnp.float8_e4m3fn)
+        text = cross_lower_cuda(functools.partial(K.dequantize, interpret=False), p, s, gs)
+        assert "triton" in text and "nvfp4_dequantize" in text
+    # the bench's tiling variants lower too
+    x = jax.ShapeDtypeStruct((4096, d), jnp.bfloat16)
+    for kw in (dict(block_rows=1024, sub_rows=64, num_warps=8), dict(block_rows=32, sub_rows=32, code_impl="compare"),
+               dict(block_rows=4096, sub_rows=256, width=16)):
+        cross_lower_cuda(functools.partial(K.quantize, interpret=False, **kw), x, jax.ShapeDtypeStruct((), jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not on_gpu(), reason="needs a CUDA GPU")
+
+
+def _cpu_reference_quant(x, gs):
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return jax.jit(nvfp4.quantize)(jax.device_put(x, cpu), jax.device_put(gs, cpu))
+
+
+GPU_TILINGS = [dict(), dict(block_rows=32, sub_rows=32, num_warps=8), dict(block_rows=1024, sub_rows=64, num_warps=8),
+               dict(code_impl="compare"), dict(block_rows=256, sub_rows=16, num_warps=4, num_stages=1),
+               dict(block_rows=4096, sub_rows=256, num_warps=4, width=16)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d", DS)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_gpu_kernels_bit_exact(d, per_row):
+    rows = 4099
+    x = make_input(rows, d, seed=d)
+    gs = (jnp.asarray(np.random.default_rng(d).uniform(1e-3, 10.0, rows), jnp.float32) if per_row
+          else nvfp4.global_scale_from_amax(1e3))
+    want_gpu = jax.jit(nvfp4.quantize)(x, gs)
+    want_cpu = _cpu_reference_quant(x, gs)
+    full = d == 128 and not per_row                                  # every tiling once, defaults elsewhere
+    for kw in (GPU_TILINGS if full else GPU_TILINGS[:1] + GPU_TILINGS[-1:]):
+        got = jax.jit(functools.partial(K.quantize, interpret=False, **kw))(x, gs)
+        assert_same_quant(got, want_cpu, f"kernel vs CPU reference D={d} per_row={per_row} {kw}")
+        assert_same_quant(got, want_gpu, f"kernel vs GPU reference D={d} per_row={per_row} {kw}")
+    assert_same_quant(want_gpu, want_cpu, "XLA GPU reference vs CPU reference")
+    for dtype in ((jnp.bfloat16, jnp.float32, jnp.float16) if full else (jnp.bfloat16,)):
+        ref_out = jax.jit(nvfp4.dequantize, static_argnames="dtype")(*want_gpu, gs, dtype=dtype)
+        for kw in (dict(), dict(block_rows=1024, sub_rows=64, num_warps=8)):
+            out = jax.jit(functools.partial(K.dequantize, dtype=dtype, interpret=False, **kw))(*want_gpu, gs)
+            assert_same_bits(out, ref_out, f"dequantize D={d} {dtype} {kw}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_large_and_random_bit_patterns():
+    """1M rows x 128 of N(0, 1) bf16 plus 64K rows of raw random bf16 bit patterns (all exponents, NaN, Inf)."""
+    x = jax.random.normal(jax.random.key(0), (1 << 20, 128), jnp.bfloat16)
+    gs = nvfp4.global_scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32))
+    assert_same_quant(K.quantize(x, gs), jax.jit(nvfp4.quantize)(x, gs), "1M x 128")
+    bits = jax.random.bits(jax.random.key(1), (1 << 16, 128), jnp.uint16)
+    xr = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    for gs in (jnp.float32(1.0), jnp.float32(2.0 ** -90), jnp.float32(2.0 ** 90)):
+        want = jax.jit(nvfp4.quantize)(xr, gs)
+        got = K.quantize(xr, gs)
+        assert_same_quant(got, _cpu_reference_quant(xr, gs), f"kernel vs CPU reference, random bits gs={float(gs)}")
+        assert_same_quant(got, want, f"kernel vs GPU reference, random bits gs={float(gs)}")
+        assert_same_bits(K.dequantize(*want, gs), jax.jit(nvfp4.dequantize)(*want, gs), "dequantize random bits")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_codec_auto_uses_kernels():
+    x = make_input(300, 576, seed=9).reshape(3, 100, 576)
+    got = codec.quantize(x, 0.25)
+    assert_same_quant(got, jax.jit(nvfp4.quantize)(x, jnp.float32(0.25)), "codec auto on GPU")

@@ -1,0 +1,388 @@
+"""interop.torch_cache.TorchKVCache against the JAX API on the same inputs (bit-exact), the all-high invariant,
+speculative accept / correction, the fallbacks, capacity queries and bad inputs."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from interop import torch_cache as tc
+from interop.dlpack import to_torch
+from interop.torch_cache import CacheCapacityError, TorchKVCache
+from jmixedkv import CacheManager, GroupSpec, KVCacheConfig, append, init_state, rows_reference, stage_reference
+from jmixedkv import speculative
+from jmixedkv.attention import decode_attention
+from jmixedkv.state import admit
+
+L, H, HQ, D, PAGE = 2, 2, 4, 32, 16
+LENS = (0, 1, 15, 16, 17, 33)            # 0, 1, page-1, page, page+1, 2 pages + 1
+NUM_PAGES, MAX_PAGES = 14, 4
+CFG = KVCacheConfig("mixed_nvfp4_bf16", first_n=5, last_n=12, page_size=PAGE, max_draft_len=3)
+ORDER = np.random.default_rng(7).permutation(NUM_PAGES)
+GS = np.array([[0.5, 2.0], [1.5, 0.25]], np.float32)
+
+# every cache in this file has the same geometry (the jitted transitions compile once)
+GEOM = dict(num_pages=NUM_PAGES, max_seqs=len(LENS), max_pages_per_seq=MAX_PAGES, backend="reference")
+_append_jit = jax.jit(append, static_argnames=("group", "rope", "backend"))
+_stage_ref = jax.jit(stage_reference)
+_rows_ref = jax.jit(lambda s, seq, idx: rows_reference(s, 1, seq[:, None], idx))
+
+
+def _new_cache(**kw):
+    return TorchKVCache(CFG, L, H, D, **GEOM, **kw)
+
+
+def jax_stage(state, layer, seq):
+    """The JAX API `jmixedkv.read.stage` (jitted once, shared with the torch cache)."""
+    return tc._real_jit("stage")(state, jnp.int32(layer), jnp.asarray(seq), group=0, backend="reference",
+                                 validate=False)
+
+
+def jax_gather(state, layer, seq, idx, scratch):
+    return tc._real_jit("gather_rows")(state, jnp.int32(layer), jnp.asarray(seq), jnp.asarray(idx), group=0,
+                                       scratch_dtype=scratch, backend="reference", validate=False)
+
+
+def _bytes(t):
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu().contiguous().view(torch.uint8).numpy()
+    return np.asarray(t).view(np.uint8)
+
+
+def _tokens(lens, rng, start=None):
+    start = [0] * len(lens) if start is None else start
+    seq = np.concatenate([np.full(n, s) for s, n in enumerate(lens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(a, a + n) for a, n in zip(start, lens)]).astype(np.int32)
+    perm = rng.permutation(seq.size)                      # ragged, shuffled token order
+    return seq[perm], pos[perm]
+
+
+def _kv(rng, shape):
+    k = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch.bfloat16)
+    v = torch.from_numpy((rng.standard_normal(shape) * 2).astype(np.float32)).to(torch.bfloat16)
+    return k, v
+
+
+def _jax(t):
+    return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _pair():
+    """(TorchKVCache, mirrored JAX CacheState via the host `CacheManager`, dense K/V written, f32
+    ``[L, kv, S, H, max_len, D]``) after a ragged all-layer prefill and a per-layer decode step."""
+    rng = np.random.default_rng(0)
+    cache = _new_cache(poison=True, page_order=ORDER, gs=jnp.asarray(GS))
+    mirror = CacheManager(CFG, GroupSpec(L, H, D), NUM_PAGES, len(LENS), MAX_PAGES, backend="reference",
+                          poison=True, page_order=ORDER, gs=jnp.asarray(GS))
+    mirror.state = jax.device_put(mirror.state, jax.devices()[0])
+    written = np.zeros((L, 2, len(LENS), H, MAX_PAGES * PAGE, D), np.float32)
+    for s in range(len(LENS)):
+        assert cache.admit() == s
+        mirror.admit(s)
+    pre = [max(n - 1, 0) for n in LENS]                    # prefill n-1 tokens, then one decode token
+    seq, pos = _tokens(pre, rng)
+    k, v = _kv(rng, (L, seq.size, H, D))
+    cache.append(None, k, v, torch.from_numpy(seq), torch.from_numpy(pos))
+    kp, vp, sp, pp = tc._pad_tokens(k, v, seq, pos, token_axis=1)     # same bucketed shapes: one compile
+    mirror.append(_jax(kp), _jax(vp), sp, pp)
+    for t in range(seq.size):
+        written[:, 0, seq[t], :, pos[t]] = k[:, t].float().numpy()
+        written[:, 1, seq[t], :, pos[t]] = v[:, t].float().numpy()
+    dec = np.array([s for s, n in enumerate(LENS) if n > 0], np.int32)
+    dpos = np.array([LENS[s] - 1 for s in dec], np.int32)
+    for layer in range(L):
+        k, v = _kv(rng, (dec.size, H, D))
+        cache.append(layer, k, v, torch.from_numpy(dec).long(), dpos)        # int64 slots accepted
+        kp, vp, sp, pp = tc._pad_tokens(k, v, dec, dpos, token_axis=0)
+        mirror.append(_jax(kp), _jax(vp), sp, pp, layer=layer)
+        for t in range(dec.size):
+            written[layer, 0, dec[t], :, dpos[t]] = k[t].float().numpy()
+            written[layer, 1, dec[t], :, dpos[t]] = v[t].float().numpy()
+    return cache, mirror.state, written
+
+
+SEQ = np.array([5, -1, 0, 1, 2, 3, 4], np.int32)
+
+
+def test_lengths_and_pages_mirror_jax():
+    cache, state, _ = _pair()
+    np.testing.assert_array_equal(cache.kv_lens().numpy(), LENS)
+    np.testing.assert_array_equal(np.asarray(cache.state.page_table), np.asarray(state.page_table))
+    assert cache.free_pages == int(state.alloc.num_free) == NUM_PAGES - sum(-(-n // PAGE) for n in LENS)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_stage_bit_exact_vs_jax(layer):
+    cache, state, _ = _pair()
+    st = cache.stage(layer, torch.from_numpy(SEQ))
+    want = jax_stage(state, layer, SEQ)
+    np.testing.assert_array_equal(st.page_table.numpy(), np.asarray(want.page_table))
+    np.testing.assert_array_equal(st.kv_lens.numpy(), np.asarray(want.kv_lens))
+    used = int(np.ceil(np.asarray(want.kv_lens) / PAGE).sum())
+    np.testing.assert_array_equal(_bytes(st.pages[:used]), _bytes(want.pages[:used]))
+    k, v = st.dense()                                       # independent: dense reference oracle
+    dense = _stage_ref(state, layer, SEQ)
+    np.testing.assert_array_equal(_bytes(k), _bytes(dense[:, 0]))
+    np.testing.assert_array_equal(_bytes(v), _bytes(dense[:, 1]))
+    assert st.k_pages.shape == (SEQ.size * MAX_PAGES, H, PAGE, D)
+    indptr, indices, last = st.flashinfer_csr()
+    np.testing.assert_array_equal(indices, np.arange(used))
+    np.testing.assert_array_equal(last, [(n - 1) % PAGE + 1 if n else 0 for n in np.asarray(want.kv_lens)])
+
+
+@pytest.mark.parametrize("scratch", [None, "fp8"])
+def test_gather_rows_bit_exact_vs_jax(scratch):
+    cache, state, _ = _pair()
+    rng = np.random.default_rng(3)
+    seq = np.array([5, 3, -1, 1], np.int32)
+    idx = np.stack([rng.integers(-1, max(LENS[s], 1) if s >= 0 else 1, 6) for s in seq]).astype(np.int32)
+    idx[1] = [0, 4, 5, 14, 15, -1]
+    idx[3] = [0, -1, -1, 0, 0, -1]
+    k, v, scale = cache.gather_rows(1, torch.from_numpy(seq), torch.from_numpy(idx), scratch_dtype=scratch)
+    rows, wscale = jax_gather(state, 1, seq, idx, scratch)
+    np.testing.assert_array_equal(_bytes(k), _bytes(rows[:, :, 0]))
+    np.testing.assert_array_equal(_bytes(v), _bytes(rows[:, :, 1]))
+    np.testing.assert_array_equal(scale.numpy(), np.asarray(wscale))
+    if scratch is None:                                    # independent: the rows oracle
+        ref = _rows_ref(state, seq, idx)
+        np.testing.assert_array_equal(_bytes(k), _bytes(ref[:, :, 0]))
+
+
+@pytest.mark.parametrize("tq", [1, 2])
+def test_decode_attention_bit_exact_vs_jax(tq):
+    cache, state, _ = _pair()
+    rng = np.random.default_rng(4)
+    q = torch.from_numpy(rng.standard_normal((SEQ.size, tq, HQ, D)).astype(np.float32)).to(torch.bfloat16)
+    out, lse = cache.decode_attention(1, q, torch.from_numpy(SEQ))
+    want_out, want_lse = decode_attention(state, 1, _jax(q), SEQ, backend="reference")
+    np.testing.assert_array_equal(_bytes(out), _bytes(want_out))
+    np.testing.assert_array_equal(lse.numpy(), np.asarray(want_lse))
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()          # padding row
+    if tq == 1:
+        out3, lse3 = cache.decode_attention(1, q[:, 0], torch.from_numpy(SEQ))
+        assert torch.equal(out3, out[:, 0]) and torch.equal(lse3, lse[:, 0])
+
+
+def test_fallbacks_match_real_implementations(monkeypatch):
+    cache, _, _ = _pair()
+    rng = np.random.default_rng(5)
+    q = torch.from_numpy(rng.standard_normal((SEQ.size, 1, HQ, D)).astype(np.float32)).to(torch.bfloat16)
+    idx = torch.tensor([[0, 32, -1], [0, 0, 0], [-1, -1, -1], [0, -1, 0], [3, 14, 1], [15, 0, 7], [16, 2, -1]],
+                       dtype=torch.int32)
+    real = (cache.stage(0, SEQ), cache.gather_rows(0, SEQ, idx), cache.decode_attention(0, q, SEQ))
+    monkeypatch.setattr(tc, "_real", lambda name: None)
+    assert set(tc.implementations().values()) == {"fallback"}
+    fb = (cache.stage(0, SEQ), cache.gather_rows(0, SEQ, idx), cache.decode_attention(0, q, SEQ))
+    for a, b in zip(real[0].dense(), fb[0].dense()):
+        np.testing.assert_array_equal(_bytes(a), _bytes(b))
+    assert torch.equal(real[0].page_table, fb[0].page_table) and torch.equal(real[0].kv_lens, fb[0].kv_lens)
+    for a, b in zip(real[1] + real[2], fb[1] + fb[2]):
+        np.testing.assert_array_equal(_bytes(a), _bytes(b))
+
+
+def test_implementations_report():
+    impl = tc.implementations()
+    assert set(impl) == {"stage", "gather_rows", "decode_attention", "correct_kv_lens", "accept"}
+
+
+def test_all_high_stage_equals_inputs():
+    """Invariant 2: first_n + last_n = 17 >= n -> staged rows are the appended bf16 rows bit for bit (slots of
+    lengths 0, 1, 15, 16, 17); the 33-token slot is checked on its retained rows only."""
+    cache, _, written = _pair()
+    for layer in range(L):
+        kd, vd = cache.stage(layer, list(range(len(LENS)))).dense()
+        for s, n in enumerate(LENS):
+            for kv, got in enumerate((kd, vd)):
+                g = got[s].float().numpy()
+                if n <= CFG.first_n + CFG.last_n:
+                    np.testing.assert_array_equal(g[:, :n], written[layer, kv, s, :, :n])
+                else:
+                    keep = [p for p in range(n) if p < CFG.first_n or p >= n - CFG.last_n]
+                    np.testing.assert_array_equal(g[:, keep], written[layer, kv, s][:, keep])
+                    assert not np.array_equal(g[:, :n], written[layer, kv, s, :, :n])   # NVFP4 in between
+                assert (g[:, n:] == 0).all()
+
+
+def _spec_cache():
+    cache = _new_cache(poison=True)
+    cache.admit(), cache.admit()
+    return cache
+
+
+def test_accept_equals_appending_only_accepted_tokens():
+    """Invariant 3 through the torch API, and the JAX speculative.accept on the mirrored state."""
+    rng = np.random.default_rng(8)
+    k, v = _kv(rng, (24, H, D))
+    seq0 = torch.zeros(24, dtype=torch.int32)
+    a, b = _spec_cache(), _spec_cache()
+    a.append(0, k[:20], v[:20], seq0[:20], torch.arange(20, dtype=torch.int32))
+    a.append(0, k[20:], v[20:], seq0[20:], torch.arange(20, 24, dtype=torch.int32))    # verify: 1 + 3 drafts
+    before = a.state
+    a.accept([0, -1], [1, 0], [3, 0])
+    assert a.kv_len(0) == 22
+    b.append(0, k[:22], v[:22], seq0[:22], torch.arange(22, dtype=torch.int32))
+    for x, y in zip(a.stage(0, [0]).dense(), b.stage(0, [0]).dense()):
+        assert torch.equal(x, y)
+    want = speculative.accept(before, np.array([0], np.int32), 1, 3)
+    np.testing.assert_array_equal(np.asarray(a.state.kv_lens), np.asarray(want.kv_lens))
+    a.correct_kv_lens([-2], seq_slots=[0])
+    assert a.kv_len(0) == 20
+    a.append(0, k[20:22], v[20:22], seq0[:2], torch.arange(20, 22, dtype=torch.int32))    # re-append
+    for x, y in zip(a.stage(0, [0]).dense(), b.stage(0, [0]).dense()):
+        assert torch.equal(x, y)
+
+
+def test_speculative_bad_inputs():
+    cache = _spec_cache()
+    cache.append(0, *_kv(np.random.default_rng(9), (10, H, D)), torch.zeros(10, dtype=torch.int32),
+                 torch.arange(10, dtype=torch.int32))
+    with pytest.raises(ValueError, match="offsets must lie"):
+        cache.correct_kv_lens([1], seq_slots=[0])          # positive
+    with pytest.raises(ValueError, match="offsets must lie"):
+        cache.correct_kv_lens([-4], seq_slots=[0])         # past max_draft_len
+    with pytest.raises(ValueError, match="offsets must lie"):
+        cache.correct_kv_lens([0, -1, 0, 0, 0, 0])         # below length 0
+    with pytest.raises(ValueError, match="max_seqs=6"):
+        cache.correct_kv_lens([0, 0, 0])
+    with pytest.raises(ValueError, match="same length"):
+        cache.correct_kv_lens([0, 0], seq_slots=[0])
+    with pytest.raises(ValueError, match="num_accepted <= num_drafts"):
+        cache.accept([0], [2], [1])
+    with pytest.raises(ValueError, match="distinct"):
+        cache.accept([0, 0], [0, 0], [1, 1])
+    assert cache.kv_len(0) == 10
+
+
+def test_capacity_queries_and_errors():
+    cache = _new_cache()
+    assert cache.can_admit() and cache.free_pages == NUM_PAGES
+    for s in range(len(LENS)):
+        cache.admit()
+    assert not cache.can_admit()
+    with pytest.raises(CacheCapacityError, match="no free sequence slot"):
+        cache.admit()
+    k, v = _kv(np.random.default_rng(10), (MAX_PAGES * PAGE + 1, H, D))
+    pos = torch.arange(MAX_PAGES * PAGE + 1, dtype=torch.int32)
+    zeros = torch.zeros(MAX_PAGES * PAGE + 1, dtype=torch.int32)
+    with pytest.raises(CacheCapacityError, match="past the page table"):
+        cache.append(0, k, v, zeros, pos)
+    n = MAX_PAGES * PAGE
+    for s in range(3):                                     # 3 x 4 pages of 14
+        assert cache.can_append(zeros[:n] + s, pos[:n])
+        for h in (0, n // 2):                               # two 32-token chunks (a shared compiled size)
+            cache.append(0, k[h:h + n // 2], v[h:h + n // 2], zeros[:n // 2] + s, pos[h:h + n // 2])
+    assert cache.free_pages == NUM_PAGES - 12
+    assert not cache.can_append(zeros[:33] + 3, pos[:33])      # 3 pages needed, 2 free
+    with pytest.raises(CacheCapacityError, match="short by 2"):
+        cache.append(0, k[:n], v[:n], zeros[:n] + 3, pos[:n])
+    assert cache.free_pages == 2 and cache.kv_len(3) == 0
+    assert cache.can_append(zeros[:32] + 3, pos[:32])
+    cache.release(1)
+    assert cache.free_pages == 6 and cache.can_admit(1) and not cache.can_admit(0)
+
+
+def test_bad_inputs_raise_clear_errors():
+    cache, _, _ = _pair()
+    rng = np.random.default_rng(11)
+    k, v = _kv(rng, (3, H, D))
+    seq, pos = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="float64"):
+        cache.append(0, k.double(), v.double(), seq, pos)
+    with pytest.raises(ValueError, match="torch.int32"):
+        cache.append(0, k.to(torch.int32), v, seq, pos)
+    with pytest.raises(ValueError, match=r"k must have shape \[3, 2, 32\]"):
+        cache.append(0, k[:, :1], v, seq, pos)
+    with pytest.raises(ValueError, match="v is torch.float16"):
+        cache.append(0, k, v.half(), seq, pos)
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        cache.append(2, k, v, seq, pos)
+    with pytest.raises(ValueError, match=r"slots \[9\]"):
+        cache.append(0, k, v, torch.tensor([0, 9, 1], dtype=torch.int32), pos)
+    with pytest.raises(ValueError, match="int32"):
+        cache.append(0, k, v, seq.float(), pos)
+    with pytest.raises(ValueError, match="same length"):
+        cache.append(0, k, v, seq, pos[:2])
+    with pytest.raises(ValueError, match="is on meta"):
+        cache.append(0, k.to("meta"), v, seq, pos)
+    with pytest.raises(ValueError, match="layer -1"):
+        cache.stage(-1, [0])
+    with pytest.raises(ValueError, match="indices"):
+        cache.gather_rows(0, [1], [[0, 1]])               # slot 1 has length 1
+    q = torch.zeros(2, 1, HQ, D)
+    with pytest.raises(ValueError, match="attention dtype"):
+        cache.decode_attention(0, q, [0, 1])
+    with pytest.raises(ValueError, match="Tq=5"):
+        cache.decode_attention(0, torch.zeros(2, 5, HQ, D, dtype=torch.bfloat16), [0, 1])
+    with pytest.raises(ValueError, match="multiple"):
+        cache.decode_attention(0, torch.zeros(2, 1, 3, D, dtype=torch.bfloat16), [0, 1])
+    with pytest.raises(ValueError, match="does not match"):
+        _new_cache(device="cuda")
+    with pytest.raises(ValueError, match="num_layers"):
+        TorchKVCache(CFG, num_pages=2, max_seqs=1)
+    unadmitted = _new_cache()
+    with pytest.raises(ValueError, match="not admitted"):
+        unadmitted.append(0, k[:1], v[:1], [0], [0])
+
+
+def test_outputs_are_zero_copy_views():
+    cache, _, _ = _pair()
+    lens = cache.kv_lens()
+    assert lens.data_ptr() == cache.state.kv_lens.unsafe_buffer_pointer()
+    st = cache.stage(0, [0])
+    assert st.pages.dtype == torch.bfloat16 and st.page_table.dtype == torch.int32
+    assert to_torch(cache.state.page_table).dtype == torch.int32
+    indptr, indices, last = cache.flashinfer_page_table([5, 0, -1])
+    assert indptr.tolist() == [0, 3, 3, 3] and last.tolist() == [1, 0, 0]
+    table, lens = cache.block_table([4, 2])
+    assert lens.tolist() == [17, 15] and (table[0, 2:] == -1).all() and (table[1, 1:] == -1).all()
+
+
+def test_custom_ops_opcheck():
+    cache, state, _ = _pair()
+    q = torch.from_numpy(np.random.default_rng(13).standard_normal((3, 1, HQ, D)).astype(np.float32)).to(torch.bfloat16)
+    seq = torch.tensor([5, -1, 2], dtype=torch.int32)
+    out, lse = torch.ops.jmixedkv.decode_attention(cache.handle, 1, q, seq)
+    want, want_lse = cache.decode_attention(1, q, seq)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    torch.library.opcheck(tc.decode_attention_op, (cache.handle, 1, q, seq))
+    k, v = torch.ops.jmixedkv.stage_dense(cache.handle, 0, seq)
+    wk, wv = cache.stage(0, seq).dense()
+    assert torch.equal(k, wk) and torch.equal(v, wv)
+    torch.library.opcheck(tc.stage_dense_op, (cache.handle, 0, seq))
+    with pytest.raises(ValueError, match="no live TorchKVCache"):
+        tc.cache_from_handle(10 ** 6)
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_gpu_torch_cache_matches_jax(backend):
+    gpu = jax.devices("gpu")[0]
+    with jax.default_device(gpu):
+        cache = TorchKVCache(CFG, 1, H, D, num_pages=8, max_seqs=2, max_pages_per_seq=4, device="cuda",
+                             backend=backend)
+        state = jax.device_put(init_state(CFG, GroupSpec(1, H, D), 8, 2, 4), gpu)
+        for s in range(2):
+            cache.admit(s)
+            state = admit(state, s)
+        rng = np.random.default_rng(12)
+        k, v = _kv(rng, (40, H, D))
+        seq = np.repeat(np.arange(2), 20).astype(np.int32)
+        pos = np.tile(np.arange(20), 2).astype(np.int32)
+        cache.append(0, k.cuda(), v.cuda(), torch.from_numpy(seq).cuda(), torch.from_numpy(pos).cuda())
+        state = _append_jit(state, _jax(k), _jax(v), seq, pos, jnp.int32(0), backend="reference")
+        st = cache.stage(0, torch.tensor([1, 0], dtype=torch.int32, device="cuda"))
+        assert st.pages.device.type == "cuda"
+        kd, vd = st.dense()
+        dense = _stage_ref(state, 0, np.array([1, 0], np.int32))
+        np.testing.assert_array_equal(_bytes(kd), _bytes(dense[:, 0]))
+        np.testing.assert_array_equal(_bytes(vd), _bytes(dense[:, 1]))
+        q = torch.from_numpy(rng.standard_normal((2, 1, HQ, D)).astype(np.float32)).to(torch.bfloat16).cuda()
+        out, lse = cache.decode_attention(0, q, [1, 0])
+        want, _ = decode_attention(state, 0, _jax(q.cpu()), np.array([1, 0], np.int32), backend="reference")
+        np.testing.assert_allclose(out.float().cpu().numpy(), np.asarray(want.astype(jnp.float32)), atol=3e-2,
+                                   rtol=2e-2)
+        assert torch.isfinite(lse).all()

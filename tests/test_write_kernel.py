@@ -1,0 +1,409 @@
+"""The fused write kernel (`pallas_kernels.write`) against the reference row store, bit for bit.
+
+Every scenario drives `jmixedkv.append(..., backend="pallas")` (jitted once, reused) and the reference path
+(`backend="reference"`, with its RoPE step run eagerly so that each jnp op rounds separately: see the FMA note
+below) on identical poisoned states with permuted page ids, and compares every pool leaf bit-for-bit (NaN poison
+included).
+
+FMA note: `jmixedkv.rope` guards its products with ``lax.optimization_barrier``, which XLA CPU expands before
+fusion: under ``jax.jit`` the reference rope is FMA-contracted on CPU (see `test_barrier_does_not_stop_fma`).
+The eager reference is the separately-rounded oracle.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jmixedkv as jk
+from jmixedkv.compat import cross_lower_cuda, on_gpu
+from jmixedkv.rope import rope_cos_sin
+from jmixedkv.state import GroupSpec
+from pallas_kernels import write as W
+
+PAGE = 8
+T = 24  # tokens per append call (padded with seq -1): one compiled shape per scenario
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _bits(x):
+    x = np.asarray(x)
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def assert_pools_equal(a, b, what=""):
+    la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+    assert len(la) == len(lb)
+    for (path, x), (_, y) in zip(la, lb):
+        bx, by = _bits(x), _bits(y)
+        assert bx.shape == by.shape and x.dtype == y.dtype
+        bad = np.argwhere(bx != by)
+        assert bad.size == 0, (f"{what}: {jax.tree_util.keystr(path)} differs in {len(bad)} elements, "
+                               f"first at {bad[0].tolist()}: {np.asarray(x)[tuple(bad[0])]} vs {np.asarray(y)[tuple(bad[0])]}")
+
+
+def _chunk(lengths, starts, rng):
+    """(seq, pos) i32[T] for sequences s getting positions starts[s] .. starts[s]+lengths[s]-1, shuffled,
+    padded with seq -1 to T tokens."""
+    seq = np.concatenate([np.full(n, s, np.int32) for s, n in enumerate(lengths)] + [np.zeros(0, np.int32)])
+    pos = np.concatenate([np.arange(st, st + n, dtype=np.int32) for st, n in zip(starts, lengths)]
+                         + [np.zeros(0, np.int32)])
+    assert len(seq) <= T
+    order = rng.permutation(len(seq))
+    pad = T - len(seq)
+    return (np.concatenate([seq[order], np.full(pad, -1, np.int32)]),
+            np.concatenate([pos[order], rng.integers(0, 50, pad).astype(np.int32)]))
+
+
+def _schedule():
+    """Ragged chunks over 3 sequences: page edges (page-1, page, page+1), lengths 0 and 1, decode steps
+    crossing first_n / last_n / ring boundaries."""
+    return [(7, 0, 9), (1, 8, 8), (9, 1, 0), (1, 1, 1), (2, 1, 6), (1, 1, 1), (1, 1, 1)]
+
+
+def _state(dtype, spec, first_n=5, last_n=9, gs=1.0, high_scale=1.0, seed=0):
+    cfg = jk.KVCacheConfig(dtype, first_n=first_n, last_n=last_n, page_size=PAGE)
+    rng = np.random.default_rng(seed)
+    num_pages = 24
+    num_high = max(3 * cfg.num_high_pages_per_seq, 1)
+    st = jk.init_state(cfg, spec, num_pages=num_pages, max_seqs=3, poison=True, gs=gs, high_scale=high_scale,
+                       page_order=rng.permutation(num_pages), high_page_order=rng.permutation(num_high))
+    for s in range(3):
+        st = jk.admit(st, s)
+    return st
+
+
+def _rows(rng, shape, dtype, scale=3.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_append(rope, backend):
+    """``append`` jitted once per (rope, backend); ``layer`` is a traced argument (None = all layers)."""
+    return jax.jit(lambda st, k, v, q, p, layer: jk.append(st, k, v, q, p, layer=layer, rope=rope,
+                                                           backend=backend))
+
+
+def reference_append(st, k, v, seq, pos, layer, rope):
+    """The reference path of `state._write`, with its RoPE step run eagerly (every op rounded separately) and
+    the rest jitted: ``append(k=apply_rope(k).astype(k.dtype), rope=None)`` is exactly what ``_write`` does."""
+    if rope is not None:
+        k = jk.apply_rope(k, jnp.asarray(pos), rope).astype(k.dtype)
+    return _jit_append(None, "reference")(st, k, v, seq, pos, layer)
+
+
+def run_scenario(st, rope, *, all_layers=True, k_dtype=jnp.bfloat16, v_dtype=jnp.bfloat16, seed=1,
+                 data_fn=None, steps=None):
+    """Append the schedule with both backends, comparing all pools after every step. Returns the final state."""
+    spec = st.groups[0]
+    rng = np.random.default_rng(seed)
+    starts = [0, 0, 0]
+    fn = _jit_append(rope, "pallas")
+    for step, lengths in enumerate(steps or _schedule()):
+        seq, pos = _chunk(lengths, starts, rng)
+        starts = [s + n for s, n in zip(starts, lengths)]
+        lead = (spec.num_layers,) if all_layers else ()
+        shape = lead + (T, spec.num_kv_heads, spec.head_dim)
+        k = data_fn(rng, shape, seq, pos) if data_fn else _rows(rng, shape, k_dtype)
+        v = _rows(rng, shape, v_dtype, 1.0) if spec.kv_factor == 2 else None
+        layer = None if all_layers else jnp.int32(step % spec.num_layers)
+        got = fn(st, k, v, seq, pos, layer)
+        want = reference_append(st, k, v, seq, pos, layer, rope)
+        assert int(want.error) == 0
+        assert_pools_equal(got.pools, want.pools, f"step {step}")
+        st = want
+    return st
+
+
+# ------------------------------------------------------------------------------------------------ scenarios
+def test_mixed_all_layers_neox_nonfinite():
+    """mixed_nvfp4_bf16, all layers in one call, full-width neox RoPE; last step holds inf / nan rows."""
+    st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=2, num_kv_heads=2, head_dim=64),
+                gs=np.array([[0.004, 0.002], [1.0, 0.5]], np.float32))
+    rope = jk.RopeSpec("neox")
+
+    def nonfinite(rng, shape, seq, pos):
+        k = np.asarray(rng.standard_normal(shape) * 3, np.float32)
+        k[0, 0, 0, 5], k[1, 1, 1, 40], k[0, 2, 1, 63] = np.inf, np.nan, -np.inf
+        return jnp.asarray(k, jnp.bfloat16)
+
+    st = run_scenario(st, rope)
+    run_scenario(st, rope, data_fn=nonfinite, steps=[(1, 1, 1)], seed=7)
+
+
+def test_mixed_single_layer_interleaved_partial_rotary_f32_k():
+    """Traced layer, interleaved RoPE on the first 32 of 64 dims, K in float32 (rounded to f32, stored bf16)
+    with V in bf16, on data chosen so that an FMA would change stored values."""
+    st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=2, num_kv_heads=2, head_dim=64), first_n=3, last_n=12)
+    rope = jk.RopeSpec("interleaved", theta=500.0, rotary_dim=32)
+    hits = []
+
+    def sensitive(rng, shape, seq, pos):
+        k, n = fma_sensitive_rows(rng, shape, pos, rope)
+        hits.append(n)
+        return jnp.asarray(k)
+
+    run_scenario(st, rope, all_layers=False, data_fn=sensitive, v_dtype=jnp.bfloat16)
+    assert sum(hits) > 50  # the data really separates FMA from separate rounding
+
+
+def test_low_group_all_layers_no_rope_d128():
+    """dtype 'nvfp4' (low pool only), calibrated per-layer K/V global scales, head_dim 128, no RoPE."""
+    gs = jk.nvfp4.global_scale_from_amax(jnp.asarray([[9.0, 3.0], [20.0, 0.5]]))
+    st = _state("nvfp4", GroupSpec(num_layers=2, num_kv_heads=2, head_dim=128), first_n=0, last_n=0, gs=gs)
+    assert st.pools[0].high is None and st.pools[0].plain is None
+    run_scenario(st, None, steps=_schedule()[:4])
+
+
+def test_plain_group_single_layer_d256():
+    """dtype 'bf16' (plain pool, every token at its low slot), head_dim 256, neox RoPE on 16 dims."""
+    st = _state("bf16", GroupSpec(num_layers=2, num_kv_heads=1, head_dim=256), first_n=0, last_n=0)
+    run_scenario(st, jk.RopeSpec("neox", rotary_dim=16), all_layers=False, steps=_schedule()[:4])
+
+
+def test_mixed_fp8_twin_all_layers():
+    """mixed_nvfp4_fp8: fp8 twin rows e4m3(clip(x / scale)) with per-layer K/V scales; interleaved RoPE."""
+    st = _state("mixed_nvfp4_fp8", GroupSpec(num_layers=2, num_kv_heads=2, head_dim=64), first_n=8, last_n=8,
+                gs=0.01, high_scale=np.array([[0.01, 0.02], [0.003, 1.0]], np.float32))
+    run_scenario(st, jk.RopeSpec("interleaved"), steps=_schedule()[:4])
+
+
+def test_mla_latent_576_fp16_twin():
+    """kv_factor 1 (MLA latent), head_dim 576 (padded to 1024 inside the kernel), fp16 twin, v=None."""
+    st = _state("mixed_nvfp4_fp16", GroupSpec(num_layers=1, num_kv_heads=1, head_dim=576, kv_factor=1))
+    run_scenario(st, jk.RopeSpec("neox", rotary_dim=64), all_layers=False, k_dtype=jnp.float16,
+                 steps=_schedule()[:4])
+
+
+# ------------------------------------------------------------------------------------------------ FMA
+def fma_sensitive_rows(rng, shape, pos, rope, host_cos_sin=None):
+    """f32 K ``[..., T, H, D]`` where, for many rotated elements, ``bf16(x*c - y*s)`` rounded separately differs
+    from the FMA result ``bf16(fma(x, c, -y*s))``. Returns (k, number of such elements)."""
+    d = shape[-1]
+    rd = rope.rotary_dim or d
+    cos, sin = host_cos_sin or map(np.asarray, rope_cos_sin(jnp.asarray(pos), rd, rope.theta))
+    k = (rng.standard_normal(shape) * 3).astype(np.float32)
+    half = rd // 2
+    if rope.style == "neox":
+        xi, yi = np.arange(half), np.arange(half) + half
+    else:
+        xi, yi = np.arange(0, rd, 2), np.arange(1, rd, 2)
+    c = np.broadcast_to(cos[:, None, :], k.shape[:-1] + (half,)).astype(np.float32)
+    s = np.broadcast_to(sin[:, None, :], k.shape[:-1] + (half,)).astype(np.float32)
+    y = k[..., yi]
+    ys = (y * s).astype(np.float32)
+    # aim x*c - ys at a bf16 rounding midpoint m, then walk x by a few ulps
+    b = (rng.standard_normal(ys.shape) * 4).astype(ml_dtypes.bfloat16).astype(np.float32)
+    m = ((b.view(np.uint32) & 0xFFFF0000) | 0x8000).view(np.float32)
+    ok = np.abs(c) > 0.25
+    x0 = np.where(ok, ((m + ys) / np.where(ok, c, 1)).astype(np.float32), k[..., xi])
+    best, found = x0.copy(), np.zeros(x0.shape, bool)
+    for step in (0, 1, -1, 2, -2, 3, -3, 4, -4):
+        cand = (x0.view(np.int32) + step).view(np.float32)
+        sep, fma = _sep_and_fma(cand, c, ys)
+        hit = ok & ~found & (sep.astype(ml_dtypes.bfloat16) != fma.astype(ml_dtypes.bfloat16))
+        best = np.where(hit, cand, best)
+        found |= hit
+    k[..., xi] = np.where(found, best, k[..., xi])
+    return k, int(found.sum())
+
+
+def _sep_and_fma(x, c, ys):
+    sep = ((x * c).astype(np.float32) - ys).astype(np.float32)
+    fma = (x.astype(np.float64) * c.astype(np.float64) - ys.astype(np.float64)).astype(np.float32)
+    return sep, fma
+
+
+def numpy_rope(x, cos, sin, rope):
+    """Separately rounded float32 RoPE on the host (numpy never contracts)."""
+    d = x.shape[-1]
+    rd = rope.rotary_dim or d
+    out = x.copy()
+    if rope.style == "neox":
+        xi, yi = np.arange(rd // 2), np.arange(rd // 2) + rd // 2
+    else:
+        xi, yi = np.arange(0, rd, 2), np.arange(1, rd, 2)
+    a, b = x[..., xi], x[..., yi]
+    out[..., xi] = (a * cos).astype(np.float32) - (b * sin).astype(np.float32)
+    out[..., yi] = (b * cos).astype(np.float32) + (a * sin).astype(np.float32)
+    return out
+
+
+def _rope_rows_check(style, interpret):
+    rope = jk.RopeSpec(style, theta=10000.0, rotary_dim=96 if style == "neox" else None)
+    rng = np.random.default_rng(3)
+    t, d = 32, 128
+    pos = rng.integers(0, 100000, t).astype(np.int32)
+    x = (rng.standard_normal((t, d)) * 3).astype(np.float32)
+    got = np.asarray(W.rope_rows_f32(x, pos, rope, interpret=interpret))
+    cos, sin = map(np.asarray, rope_cos_sin(jnp.asarray(pos), rope.rotary_dim or d, rope.theta))
+    want = numpy_rope(x, cos, sin, rope)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    # sensitivity: an FMA in the first output of each pair would change many of these values
+    rd = rope.rotary_dim or d
+    xi, yi = ((np.arange(rd // 2), np.arange(rd // 2) + rd // 2) if style == "neox"
+              else (np.arange(0, rd, 2), np.arange(1, rd, 2)))
+    _, fma = _sep_and_fma(x[:, xi], cos, (x[:, yi] * sin).astype(np.float32))
+    assert (fma != want[:, xi]).sum() > 100
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_rows_interpret_match_numpy(style):
+    _rope_rows_check(style, interpret=True)
+
+
+def test_barrier_does_not_stop_fma():
+    """Documents why the kernel's interpret path does not rely on ``lax.optimization_barrier``: whether the
+    jitted barrier form contracts is backend-specific, but the kernel's laundered form never does."""
+    rng = np.random.default_rng(0)
+    x, y = (rng.standard_normal((2, 4096)) * 3).astype(np.float32)
+    c, s = np.cos(rng.uniform(0, 50, 4096)).astype(np.float32), np.sin(rng.uniform(0, 50, 4096)).astype(np.float32)
+    sep, _ = _sep_and_fma(x, c, (y * s).astype(np.float32))
+    laundered = jax.jit(W._JnpOps.rotate)(x, y, c, s)
+    np.testing.assert_array_equal(np.asarray(laundered), sep)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def test_host_validation_errors():
+    st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=2, num_kv_heads=2, head_dim=64))
+    pools = st.pools[0]
+    k = jnp.zeros((4, 2, 64), jnp.bfloat16)
+    slots = jnp.zeros((4,), jnp.int32)
+    call = lambda **kw: W.write_rows(**{**dict(pools=pools, k=k, v=k, layer=0, low_slot=slots,  # noqa: E731
+                                                high_slot=slots, page_size=PAGE), **kw})
+    with pytest.raises(ValueError, match="H=2, D=64"):
+        call(k=jnp.zeros((4, 2, 32)), v=jnp.zeros((4, 2, 32)))
+    with pytest.raises(ValueError, match="v must have"):
+        call(v=None)
+    with pytest.raises(ValueError, match="page_size=16"):
+        call(page_size=16)
+    with pytest.raises(ValueError, match="layer=5"):
+        call(layer=5)
+    with pytest.raises(ValueError, match="low_slot must be int"):
+        call(low_slot=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="float array"):
+        call(k=jnp.zeros((4, 2, 64), jnp.int32), v=jnp.zeros((4, 2, 64), jnp.int32))
+    with pytest.raises(ValueError, match="rope needs positions"):
+        call(rope=jk.RopeSpec())
+    with pytest.raises(ValueError, match="rotary_dim=128"):
+        call(rope=jk.RopeSpec(rotary_dim=128), positions=slots)
+    with pytest.raises(ValueError, match="all-layer k has 3"):
+        call(k=jnp.zeros((3, 4, 2, 64)), v=jnp.zeros((3, 4, 2, 64)), layer=None)
+    with pytest.raises(ValueError, match="heads_per_program=3"):
+        call(heads_per_program=3)
+    assert call(k=k[:0], v=k[:0], low_slot=slots[:0], high_slot=slots[:0]) is pools  # T == 0: no-op
+
+
+# ------------------------------------------------------------------------------------------------ CUDA lowering
+def _lower_append(st, rope, layer=None, kv=True):
+    spec = st.groups[0]
+    lead = () if layer is not None else (spec.num_layers,)
+    k = jnp.zeros(lead + (T, spec.num_kv_heads, spec.head_dim), jnp.bfloat16)
+    seq, pos = jnp.zeros((T,), jnp.int32), jnp.arange(T, dtype=jnp.int32)
+    with W.lowering_for_cuda():
+        fn = lambda s, k, v, q, p: jk.append(s, k, v, q, p, layer=layer, rope=rope, backend="pallas")  # noqa
+        return cross_lower_cuda(fn, st, k, k if kv else None, seq, pos, donate_argnums=0)
+
+
+def _check_in_place(text, n_pools):
+    """The Triton custom call aliases every pool output to its input, and each of those inputs is a donated
+    parameter of the jitted append (``tf.aliasing_output``): XLA needs no pool copy."""
+    call = next(line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line)
+    assert call.count("stablehlo.output_operand_alias") == n_pools
+    operands = re.search(r"triton\(([^)]*)\)", call).group(1).split(", ")
+    aliased = [int(i) for i in re.findall(r"operand_index = (\d+)", call)]
+    donated = set(re.findall(r"(%arg\d+): [^,]*tf\.aliasing_output", text))
+    assert all(operands[i] in donated for i in aliased), (operands, aliased, donated)
+    assert W.KERNEL_NAME in call
+
+
+def test_cross_lower_cuda_mixed_all_layers_in_place():
+    st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=2, num_kv_heads=4, head_dim=128))
+    _check_in_place(_lower_append(st, jk.RopeSpec("neox", rotary_dim=64)), 3)
+
+
+def test_cross_lower_cuda_fp8_and_mla():
+    st = _state("mixed_nvfp4_fp8", GroupSpec(num_layers=2, num_kv_heads=2, head_dim=256))
+    _check_in_place(_lower_append(st, jk.RopeSpec("interleaved"), layer=1), 3)
+    st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=1, num_kv_heads=1, head_dim=576, kv_factor=1))
+    _check_in_place(_lower_append(st, jk.RopeSpec("neox", rotary_dim=64), layer=0, kv=False), 3)
+    st = _state("bf16", GroupSpec(num_layers=2, num_kv_heads=2, head_dim=64), first_n=0, last_n=0)
+    _check_in_place(_lower_append(st, None), 1)
+
+
+def test_kernel_ir_uses_rounded_ptx_ops():
+    st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=1, num_kv_heads=1, head_dim=64))
+    slots = jnp.arange(16, dtype=jnp.int32)
+    k = jnp.zeros((16, 1, 64), jnp.bfloat16)
+    text = W.dump_kernel_ir(st.pools[0], k, k, 0, slots, slots, PAGE, positions=slots, rope=jk.RopeSpec())
+    assert "mul.rn.f32 t1" in text and "sub.rn.f32" in text and "div.rn.f32" in text
+    assert not re.search(r"\barith\.divf\b.*f32", text)  # Triton would emit div.full.f32 (approximate)
+
+
+def test_cross_lower_rope_rows():
+    with W.lowering_for_cuda():
+        cross_lower_cuda(lambda x, p: W.rope_rows_f32(x, p, jk.RopeSpec("interleaved")),
+                         jnp.zeros((32, 128), jnp.float32), jnp.zeros((32,), jnp.int32))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_gpu_rope_rows_match_numpy(style):
+    assert on_gpu()
+    _rope_rows_check(style, interpret=False)
+
+
+@gpu
+def test_gpu_scenarios_bit_exact():
+    assert on_gpu()
+    test_mixed_all_layers_neox_nonfinite()
+    test_mixed_single_layer_interleaved_partial_rotary_f32_k()
+    test_low_group_all_layers_no_rope_d128()
+    test_plain_group_single_layer_d256()
+    test_mixed_fp8_twin_all_layers()
+    test_mla_latent_576_fp16_twin()
+
+
+@gpu
+def test_gpu_fma_sensitive_rows_match_numpy():
+    """High rows written with in-kernel RoPE equal bf16(numpy separately-rounded RoPE) on FMA-sensitive data."""
+    assert on_gpu()
+    spec = GroupSpec(num_layers=1, num_kv_heads=4, head_dim=128)
+    cfg = jk.KVCacheConfig("mixed_nvfp4_bf16", first_n=64, last_n=64, page_size=PAGE)
+    st = jk.init_state(cfg, spec, num_pages=16, max_seqs=1)
+    st = jk.admit(st, 0)
+    rope = jk.RopeSpec("neox", theta=10000.0)
+    n = 64
+    pos = np.arange(n, dtype=np.int32) * 37 % 64  # a permutation of 0..63
+    cos, sin = map(np.asarray, jax.jit(lambda p: rope_cos_sin(p, 128, rope.theta))(jnp.asarray(pos)))
+    k, hits = fma_sensitive_rows(np.random.default_rng(5), (n, 4, 128), pos, rope, host_cos_sin=(cos, sin))
+    assert hits > 500
+    seq = np.zeros(n, np.int32)
+    out = jk.append(st, jnp.asarray(k), jnp.asarray(k), seq, pos, layer=0, rope=rope, backend="pallas")
+    hslot = np.asarray(jk.state.write_slots(out, jnp.asarray(seq), jnp.asarray(pos))[1])
+    rows = np.asarray(out.pools[0].high.rows[0][hslot // PAGE, 0, :, hslot % PAGE, :])  # [T, H, D]
+    want = numpy_rope(k, cos[:, None, :], sin[:, None, :], rope).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(_bits(rows), _bits(want))
+
+
+@gpu
+def test_gpu_ptx_has_no_fma(tmp_path):
+    """Compile the kernel with an XLA dump in a subprocess and count fma instructions in its PTX."""
+    import os
+    import subprocess
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "write_bench.py")
+    r = subprocess.run([sys.executable, bench, "--dump-ptx", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "kernel fma count: 0" in r.stdout, r.stdout[-3000:]
