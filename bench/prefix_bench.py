@@ -10,7 +10,8 @@ non-reused ones read.
 
 GPU (default sizes): 8 layers, 8 KV heads, head_dim 128. CPU: scaled down to 1 layer, 1 KV head, head_dim 64
 (said in the output) so it finishes in a couple of minutes. Prints a table, writes ``prefix_bench.json`` under
-``--out``, appends a dated section to ``bench/RESULTS.md``.
+``--out``, and (GPU only) appends a dated section to ``bench/RESULTS.md``. The append backend is the Pallas write
+kernel when ``pallas_kernels.write`` imports, else the XLA reference store (printed in the table).
 
     PYTHONPATH=. python3 bench/prefix_bench.py --out DIR
 """
@@ -110,7 +111,8 @@ def run_workload(args, cfg, spec, kv, reqs, reuse):
         tok = np.zeros(width, np.int32)
         i = 0
         for s, start, tail in zip(slots, starts, tails):
-            seq[i:i + len(tail)], pos[i:i + len(tail)], tok[i:i + len(tail)] = s, np.arange(start, start + len(tail)), tail
+            span = slice(i, i + len(tail))
+            seq[span], pos[span], tok[span] = s, np.arange(start, start + len(tail)), tail
             i += len(tail)
         k, v = kv(jnp.asarray(tok), jnp.asarray(pos))
         jax.block_until_ready((k, v, pc.state))
@@ -220,8 +222,12 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "prefix_bench.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    if not args.no_results:
-        _append_results(summary, table)
+    if args.no_results:
+        return
+    if not on_gpu():
+        print("[prefix_bench] CPU run: not appended to bench/RESULTS.md (GPU numbers only)")
+        return
+    _append_results(summary, table)
 
 
 def _triton_version():
@@ -237,7 +243,8 @@ def _table(s):
              f"page {s['page']}, first_n {s['first_n']}, last_n {s['last_n']}, L={s['layers']} H={s['kv_heads']} "
              f"D={s['head_dim']}, batch {s['batch']}, append backend {s['backend']}, {s['device']}",
              f"hit rate {100 * s['hit_rate']:.1f}% | matched pages {s['pages_saved_matched']} | low pages saved "
-             f"{s['low_pages_saved']} | copy bw {1e3 * s['copy_bw_tbs']:.1f} GB/s (in-run) | reads bit-exact: {s['exact']}",
+             f"{s['low_pages_saved']} | copy bw {1e3 * s['copy_bw_tbs']:.1f} GB/s (in-run) | "
+             f"reads bit-exact: {s['exact']}",
              "| mode | appended tokens | low pages | high pages | append ms | end-to-end ms | bytes floor ms | "
              "floor / append |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -10,7 +10,7 @@ Format (DESIGN.md §2):
 * One float32 *decode* global scale ``gs`` per layer and per K/V (FlashInfer's ``k_scale``/``v_scale``);
   ``gs = amax / 2688`` when calibrated (`global_scale_from_amax`), 1.0 by default.
 
-Exact operation order, all float32, every op rounded separately (no FMA), IEEE division::
+Exact operation order, all float32, every op rounded separately (no FMA, no reassociation), IEEE division::
 
     enc  = 1 / gs
     s    = e4m3_rne_satfinite(enc * (amax_block * f32(1/6)))      # clamp to [0, 448] before the cast
@@ -18,7 +18,10 @@ Exact operation order, all float32, every op rounded separately (no FMA), IEEE d
     code = e2m1_rne_sat(x * r)
     x̂    = (e2m1(code) * f32(s)) * gs, then cast to the output dtype
 
-This is TensorRT-LLM's kernel order with exact reciprocals (FlashInfer with fast math off).
+This is TensorRT-LLM's kernel order with exact reciprocals (FlashInfer with fast math off). Under ``jax.jit`` XLA
+would reassociate ``enc * (amax * 1/6)`` into ``amax * (enc * 1/6)`` (scalar hoisting); intermediate products are
+therefore routed through `_keep` (an integer OR with a zero XLA cannot prove), so eager, jitted CPU, jitted GPU and
+the Pallas kernels all compute the same bits. ``gs`` must be positive and finite.
 
 Non-finite input: a block holding NaN gets scale byte 0x7F (E4M3 NaN) and all-zero codes, so it decodes to
 NaN in that block only; ±Inf gives scale 448 and element ±6. Nothing outside the block is touched.
@@ -84,6 +87,16 @@ def unpack_nibbles(packed):
     return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(jnp.uint8)
 
 
+def _keep(a, nonneg):
+    """``a`` unchanged, but opaque to XLA's algebraic simplifier (no reassociation / contraction across it).
+
+    ``nonneg`` is a float32 array (broadcastable to ``a``) known to be >= 0 or +NaN: its sign bit is an int32 zero
+    that XLA cannot prove zero."""
+    z = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(nonneg, jnp.int32), jnp.int32(31))
+    bits_ = jax.lax.bitcast_convert_type(a, jnp.int32) | jnp.broadcast_to(z, jnp.shape(a))
+    return jax.lax.bitcast_convert_type(bits_, jnp.float32)
+
+
 def _check_last_dim(d: int) -> None:
     if d % BLOCK:
         raise ValueError(f"NVFP4 needs the last dimension to be a multiple of {BLOCK}, got {d}")
@@ -91,7 +104,8 @@ def _check_last_dim(d: int) -> None:
 
 def _block_scale(amax_block, gs):
     enc = jnp.float32(1.0) / gs
-    s = enc * (amax_block * _SIXTH)
+    t = amax_block * _SIXTH
+    s = enc * _keep(t, t)
     s = jnp.where(jnp.isnan(s), s, jnp.clip(s, 0.0, E4M3_MAX))
     return s.astype(jnp.float8_e4m3fn)
 
@@ -114,7 +128,8 @@ def quantize(x, global_scale=1.0):
     amax = jnp.where(jnp.any(jnp.isnan(xf), axis=-1), jnp.float32(jnp.nan), amax)
     s = _block_scale(amax, gs)
     sf = e4m3_values(s)
-    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / (sf * gs))
+    prod = sf * gs
+    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / _keep(prod, prod))
     codes = e2m1_codes(xf * r[..., None])
     return pack_nibbles(codes.reshape(x.shape)), s
 
@@ -129,5 +144,6 @@ def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16):
                          f"{packed.shape[-1]} (expected {d // BLOCK})")
     vals = e2m1_values(unpack_nibbles(packed)).reshape(*packed.shape[:-1], d // BLOCK, BLOCK)
     gs = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), packed.shape[:-1])[..., None, None]
-    out = (vals * scales.astype(jnp.float32)[..., None]) * gs
+    sf = scales.astype(jnp.float32)[..., None]
+    out = _keep(vals * sf, sf) * gs
     return out.reshape(*packed.shape[:-1], d).astype(dtype)

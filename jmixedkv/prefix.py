@@ -15,7 +15,8 @@ What is shared and what is not:
   ``max(last_n, 1)`` tokens; the ring is then rebuilt by that append exactly as a cache without reuse would
   build it. The sequence is readable once that re-append is done; its FIRST append call after `admit` must
   carry at least ``min(last_n, n - matched)`` tokens (the whole tail in one call is always fine), because the
-  window of any shorter length would reach into the shared prefix, whose high rows a new ring does not hold;
+  window of any shorter length would reach into the shared prefix, whose high rows a new ring does not hold
+  (`PrefixCache.append` enforces this);
 * the partial last page (and partially filled fixed high pages and the whole ring) of a `fork` source: copied
   into fresh pages on the device (copy-on-write at fork time: the two sequences then append independently).
 
@@ -236,6 +237,7 @@ class PrefixCache:
         self.index: Dict[bytes, Entry] = {}
         self.children: Dict[bytes, set] = {}
         self._tick = 0
+        self._pending: Dict[int, int] = {}    # slot -> length its first append after a reuse admit must reach
         self._stats = dict(query_tokens=0, hit_tokens=0, pages_saved=0, evicted_pages=0, restored_pages=0,
                            dropped_pages=0, committed_pages=0)
         jits = _jits()
@@ -419,6 +421,8 @@ class PrefixCache:
         m = len(entries) * self.page
         self.state = self._admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m))
         self._check("admit")
+        if m:
+            self._pending[slot] = min(len(tokens), m + self.config.last_n)
         if count_stats:
             self._stats["query_tokens"] += len(tokens)
             self._stats["hit_tokens"] += m
@@ -446,10 +450,19 @@ class PrefixCache:
             bad = [divmod(int(x), table.shape[1]) for x in flat[shared][:4]]
             raise ValueError(f"PrefixCache.append: (slot, page) {bad} are shared (refcount > 1); writes "
                              f"into shared pages are not allowed (append at positions >= the matched length)")
+        for slot, need in list(self._pending.items()):
+            mine = valid & (seq == slot)
+            if np.any(mine):
+                if int(pos[mine].max()) + 1 < need:
+                    raise ValueError(f"PrefixCache.append: slot {slot} reused a prefix; its first append must reach "
+                                     f"length {need} (the Last-N window is recomputed, not shared), got "
+                                     f"{int(pos[mine].max()) + 1}")
         self.ensure_free(int(np.sum(held < 0)))
         self.state = self._append(self.state, k, v, jnp.asarray(seq), jnp.asarray(pos), layer=layer, group=group,
                                   rope=rope, backend=self.backend)
         self._check("append")
+        for slot in [s_ for s_ in self._pending if np.any(valid & (seq == s_))]:
+            del self._pending[slot]
 
     def commit(self, slot: int, tokens, priority: int = offload.DEFAULT_PRIORITY) -> int:
         """Commit the full pages of ``slot`` (``tokens`` = its token ids, at least its committed part) to the
@@ -504,6 +517,7 @@ class PrefixCache:
     def release(self, slot: int) -> None:
         """Release ``slot``: its references go; committed pages stay held by the index."""
         slot = self._slot(slot, True, "release")
+        self._pending.pop(slot, None)
         self.state = self._release(self.state, jnp.int32(slot))
 
     # ------------------------------------------------------------------ statistics

@@ -82,6 +82,14 @@ def _f32(i):
     return lax.bitcast_convert_type(i, jnp.float32)
 
 
+def _keep(a, nonneg):
+    """``a`` unchanged but opaque to XLA's algebraic simplifier (as `jmixedkv.nvfp4._keep`): ORs in the sign bit
+    of ``nonneg`` (>= 0 or +NaN, so a zero XLA cannot prove). Interpret mode runs through XLA, which would
+    otherwise reassociate ``enc * (amax * 1/6)``; on the GPU it costs two integer ops per block."""
+    z = lax.shift_right_logical(_bits(nonneg), jnp.int32(31))
+    return _f32(_bits(a) | z)
+
+
 def _recip(d, exact_asm: bool):
     """``1 / d`` correctly rounded (IEEE) in float32."""
     one = jnp.ones_like(d)
@@ -149,6 +157,20 @@ def _tiles(n_sub: int, sub_rows: int, body):
 
 
 # ---------------------------------------------------------------------------------------------- quantize
+def _block_quant(amax_bits, gs, exact_asm):
+    """Per block: (scale byte int32 [S, B], reciprocal r f32 [S, B], NaN flag bool [S, B])."""
+    amax = _f32(amax_bits)                                                        # NaN if the block has one
+    enc = _recip(gs, exact_asm)
+    t = amax * _SIXTH
+    s = enc * _keep(t, t)                                                         # the pinned order, no reassoc.
+    s = jnp.where(s > 448.0, 448.0, s)
+    s = jnp.where(s < 0.0, 0.0, s)                                                # NaN passes both
+    byte, sf, nan = _e4m3_encode(s)
+    prod = sf * gs
+    r = jnp.where(sf == 0.0, 0.0, _recip(_keep(prod, prod), exact_asm))
+    return byte, r, nan
+
+
 def _quant_kernel(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, width, per_row, exact_asm,
                   code_impl):
     nb = width // BLOCK
@@ -157,13 +179,7 @@ def _quant_kernel(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, wid
         xf = x_ref[rows, :].astype(jnp.float32)                                  # [S, W]
         gs = (gs_ref[rows] if per_row else gs_ref[...]).reshape(-1, 1)           # [S, 1] or [1, 1]
         amax_bits = jnp.max((_bits(xf) & 0x7FFFFFFF).reshape(sub_rows, nb, BLOCK), axis=-1)  # [S, B]
-        amax = _f32(amax_bits)                                                   # NaN if the block has one
-        enc = _recip(gs, exact_asm)
-        s = enc * (amax * _SIXTH)
-        s = jnp.where(s > 448.0, 448.0, s)
-        s = jnp.where(s < 0.0, 0.0, s)                                           # NaN passes both
-        byte, sf, nan = _e4m3_encode(s)
-        r = jnp.where(sf == 0.0, 0.0, _recip(sf * gs, exact_asm))                # [S, B]
+        byte, r, nan = _block_quant(amax_bits, gs, exact_asm)                    # [S, B]
         y = (xf.reshape(sub_rows, nb, BLOCK) * r[:, :, None]).reshape(sub_rows, width)
         code = _e2m1_magnitude(y, code_impl) | ((_bits(y) >> 28) & 8)
         lo, hi = jnp.unstack(code.reshape(sub_rows, width // 2, 2), axis=-1)
@@ -185,22 +201,9 @@ def _quant_kernel(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, wid
 # float32 bits are ``u << 16`` and ``u & 0xFFFF0000`` with no shuffle at all (bf16 only; other dtypes use
 # "blocked"). Per element: abs-bits (and), int max, one multiply, min, 2 compares + 4 selects + 1 FMA (magic
 # code), and the sign; per block: the E4M3 rounding and one exact division.
-def _block_quant(amax_bits, gs, exact_asm):
-    """Per block: (scale byte int32 [S, B], reciprocal r f32 [S, B], NaN flag bool [S, B])."""
-    amax = _f32(amax_bits)                                                        # NaN if the block has one
-    enc = _recip(gs, exact_asm)
-    s = enc * (amax * _SIXTH)
-    s = jnp.where(s > 448.0, 448.0, s)
-    s = jnp.where(s < 0.0, 0.0, s)                                                # NaN passes both
-    byte, sf, nan = _e4m3_encode(s)
-    r = jnp.where(sf == 0.0, 0.0, _recip(sf * gs, exact_asm))
-    return byte, r, nan
-
-
-def _nibble(bits, r3, code_impl):
-    """4-bit code (int32) of the element with float32 ``bits`` scaled by ``r3`` (>= 0, broadcastable)."""
-    a = _f32(bits & 0x7FFFFFFF) * r3                                              # = |x * r| exactly
-    return _e2m1_magnitude(a, code_impl, nonneg=True) | ((bits >> 28) & 8)
+def _magnitude(abs_bits, r3, code_impl):
+    """|E2M1 code| (int32 0..7) of the element with float32 bits ``abs_bits`` (sign cleared) times ``r3 >= 0``."""
+    return _e2m1_magnitude(_f32(abs_bits) * r3, code_impl, nonneg=True)              # = |x * r| exactly
 
 
 def _quant_kernel_blocked(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, per_row, exact_asm,
@@ -208,18 +211,23 @@ def _quant_kernel_blocked(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_
     def tile(rows):
         gs = (gs_ref[rows] if per_row else gs_ref[...]).reshape(-1, 1)            # [S, 1] or [1, 1]
         if impl == "pairs":
-            u = x_ref[rows, :, :]                                                 # int32 [S, B, 8]
-            lo, hi = u << 16, u & jnp.int32(-65536)
-        elif impl == "strided":
-            lo = _bits(x_ref[rows, :, pl.ds(0, BLOCK // 2, stride=2)].astype(jnp.float32))
-            hi = _bits(x_ref[rows, :, pl.ds(1, BLOCK // 2, stride=2)].astype(jnp.float32))
+            u = x_ref[rows, :, :]                                                 # int32 [S, B, 8]: 2 x bf16
+            ua = u & 0x7FFF7FFF
+            lo, hi = ua << 16, ua & 0x7FFF0000                                    # |x_2i|, |x_2i+1| f32 bits
+            signs = ((u >> 12) & 0x08) | ((u >> 24) & 0x80)                       # bf16 sign bits 15, 31
         else:
-            xb = _bits(x_ref[rows, :, :].astype(jnp.float32))                     # [S, B, 16]
-            lo, hi = jnp.unstack(xb.reshape(*xb.shape[:2], BLOCK // 2, 2), axis=-1)
-        amax_bits = jnp.max(jnp.maximum(lo & 0x7FFFFFFF, hi & 0x7FFFFFFF), axis=-1)  # [S, B]
+            if impl == "strided":
+                xl = _bits(x_ref[rows, :, pl.ds(0, BLOCK // 2, stride=2)].astype(jnp.float32))
+                xh = _bits(x_ref[rows, :, pl.ds(1, BLOCK // 2, stride=2)].astype(jnp.float32))
+            else:
+                xb = _bits(x_ref[rows, :, :].astype(jnp.float32))                 # [S, B, 16]
+                xl, xh = jnp.unstack(xb.reshape(*xb.shape[:2], BLOCK // 2, 2), axis=-1)
+            lo, hi = xl & 0x7FFFFFFF, xh & 0x7FFFFFFF
+            signs = ((xl >> 28) & 0x08) | ((xh >> 24) & 0x80)
+        amax_bits = jnp.max(jnp.maximum(lo, hi), axis=-1)                         # [S, B]; NaN bits sort last
         byte, r, nan = _block_quant(amax_bits, gs, exact_asm)
         r3 = r[:, :, None]
-        packed = _nibble(lo, r3, code_impl) | (_nibble(hi, r3, code_impl) << 4)   # [S, B, 8]
+        packed = _magnitude(lo, r3, code_impl) | (_magnitude(hi, r3, code_impl) << 4) | signs   # [S, B, 8]
         packed_ref[rows, :, :] = jnp.where(nan[:, :, None], 0, packed).astype(jnp.uint8)
         scales_ref[rows, :] = byte.astype(jnp.uint8)
 

@@ -111,11 +111,14 @@ class _PtxOps:
 
 
 class _JnpOps:
-    """The same ops in plain jnp (interpret mode on CPU); products kept apart by an optimization barrier."""
+    """The same ops in plain jnp (interpret mode on CPU). Every product is laundered so XLA can neither contract
+    it into an FMA nor reassociate a chain of multiplies (it hoists scalar factors: ``e * (a * c)`` would become
+    ``a * (e * c)``)."""
 
     @staticmethod
     def mul(a, b):
-        return a * b
+        p = a * b
+        return _launder(p, _opaque_zero_of_nonneg(jnp.abs(p)))
 
     @staticmethod
     def div(a, b):
@@ -125,6 +128,11 @@ class _JnpOps:
     def rotate(x, p, c, s):
         z = _opaque_zero(c)
         return _launder(x * c, z) - _launder(p * s, z)
+
+
+def _opaque_zero_of_nonneg(a):
+    """int32 zeros from the (clear) sign bit of a non-negative float32 array."""
+    return jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(a, jnp.int32), jnp.int32(31))
 
 
 def _opaque_zero(c):

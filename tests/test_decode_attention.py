@@ -113,6 +113,12 @@ def test_plain_bf16_pages_d128():
     check(st, tq=1, hq=4)
 
 
+def test_plain_fp8_pages():
+    """Plain FP8 pool (scale 0.02), read as f32(e4m3) * scale in the bf16 compute dtype."""
+    st = make_state("fp8", first_n=0, last_n=0, lens=(3, 16, 21), page=16, d=32, heads=1, max_draft_len=1)
+    check(st, tq=2, hq=2, num_splits=2)
+
+
 def test_float32_output_three_splits():
     """Kernel arithmetic itself (float32 output, 3 uneven splits) is ~1e-5 from the float32 reference."""
     st = make_state()

@@ -162,6 +162,32 @@ def test_interpret_other_kernel_widths(d, width):
     assert_same_bits(out, _ref_dq(want[0], want[1], gs, dtype=jnp.bfloat16), f"dequantize width={width}")
 
 
+NEW_IMPLS = ("blocked", "strided", "pairs")
+
+
+@pytest.mark.parametrize("impl", NEW_IMPLS)
+def test_interpret_per_block_impls_bit_exact(impl):
+    """The per-block kernel variants: every special block kind, scalar and per-row gs, D = 128 and 576 (W = 64),
+    one-block rows (width=16), and float32 input ("pairs" falls back to "blocked" for non-bf16)."""
+    cases = [(128, False, None, jnp.bfloat16), (576, True, None, jnp.bfloat16), (128, True, 16, jnp.bfloat16),
+             (64, False, None, jnp.float32)]
+    for d, per_row, width, dtype in cases:
+        rows = 21
+        x = make_input(rows, d, seed=d + 5, dtype=dtype)
+        gs = (jnp.asarray(np.random.default_rng(d).uniform(0.01, 4.0, rows), jnp.float32) if per_row
+              else jnp.float32(0.37))
+        tile = dict(block_rows=64, sub_rows=32) if width == 16 else TILE
+        got = _kq(impl=impl, width=width, **tile)(x, gs)
+        assert got[1].dtype == jnp.float8_e4m3fn and got[0].dtype == jnp.uint8
+        assert_same_quant(got, _ref_q(x, gs), f"impl={impl} D={d} per_row={per_row} width={width} {dtype}")
+
+
+def test_interpret_per_block_code_impl_compare():
+    x = make_input(16, 128, seed=12)
+    assert_same_quant(_kq(impl="pairs", code_impl="compare", **TILE)(x, jnp.float32(1.0)),
+                      _ref_q(x, jnp.float32(1.0)), "pairs + compare")
+
+
 def test_interpret_default_tiling_small_rows():
     """Default block sizes clamp to the (padded) row count: 5 rows run as one 8-row program."""
     x = make_input(5, 128, seed=3)
@@ -200,6 +226,8 @@ def test_bad_inputs_raise_clear_errors():
         K.quantize(x, width=48)
     with pytest.raises(ValueError, match="code_impl"):
         K.quantize(x, code_impl="lut")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        K.quantize(x, impl="fast")
     with pytest.raises(ValueError, match="scales shape"):
         K.dequantize(jnp.zeros((4, 64), jnp.uint8), jnp.zeros((4, 4), jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match="packed must be uint8"):
@@ -234,19 +262,72 @@ def test_cross_lowers_for_cuda(d):
         cross_lower_cuda(functools.partial(K.quantize, interpret=False, **kw), x, jax.ShapeDtypeStruct((), jnp.float32))
 
 
+@pytest.mark.parametrize("impl", NEW_IMPLS)
+def test_cross_lowers_for_cuda_per_block_impls(impl):
+    """Every per-block variant lowers for CUDA: all D, scalar / per-row gs, the bench's quick-sweep tilings."""
+    rows = 1000
+    for d in DS:
+        x = jax.ShapeDtypeStruct((rows, d), jnp.bfloat16)
+        for gs in (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)):
+            text = cross_lower_cuda(functools.partial(K.quantize, interpret=False, impl=impl), x, gs)
+            assert "triton" in text and "nvfp4_quantize" in text
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    for kw in (dict(block_rows=32, sub_rows=32, num_warps=4, num_stages=1),
+               dict(block_rows=256, sub_rows=64, num_warps=8, num_stages=3, code_impl="compare"),
+               dict(block_rows=4096, sub_rows=256, width=16), dict(block_rows=16, sub_rows=16, num_warps=1)):
+        cross_lower_cuda(functools.partial(K.quantize, interpret=False, impl=impl, **kw),
+                         jax.ShapeDtypeStruct((4096, 128), jnp.bfloat16), scalar)
+    cross_lower_cuda(functools.partial(K.quantize, interpret=False, impl=impl),
+                     jax.ShapeDtypeStruct((4096, 128), jnp.float32), scalar)
+
+
 # ----------------------------------------------------------------------------------------- GPU
 gpu = pytest.mark.skipif(not on_gpu(), reason="needs a CUDA GPU")
 
 
-def _cpu_reference_quant(x, gs):
+def _on_cpu(fn, *args, **kw):
+    """Run the pinned reference ``fn`` on the host CPU backend (the convention every kernel must match)."""
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        return jax.jit(nvfp4.quantize)(jax.device_put(x, cpu), jax.device_put(gs, cpu))
+        return jax.jit(fn, static_argnames=tuple(kw))(*(jax.device_put(a, cpu) for a in args), **kw)
+
+
+def _cpu_reference_quant(x, gs):
+    return _on_cpu(nvfp4.quantize, x, gs)
+
+
+def _quant_diff(got, want, msg):
+    """None if bit-identical, else a one-line description (so a GPU run reports every failing pair at once)."""
+    try:
+        assert_same_quant(got, want, msg)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def _bits_diff(got, want, msg):
+    try:
+        assert_same_bits(got, want, msg)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def _check_all(diffs):
+    bad = [d for d in diffs if d]
+    assert not bad, f"{len(bad)} of {len(diffs)} comparisons differ:\n" + "\n".join(bad)
 
 
 GPU_TILINGS = [dict(), dict(block_rows=32, sub_rows=32, num_warps=8), dict(block_rows=1024, sub_rows=64, num_warps=8),
                dict(code_impl="compare"), dict(block_rows=256, sub_rows=16, num_warps=4, num_stages=1),
-               dict(block_rows=4096, sub_rows=256, num_warps=4, width=16)]
+               dict(block_rows=4096, sub_rows=256, num_warps=4, width=16),
+               dict(impl="blocked"), dict(impl="strided"), dict(impl="pairs"),
+               dict(impl="pairs", block_rows=32, sub_rows=32, num_warps=4, num_stages=1),
+               dict(impl="pairs", block_rows=256, sub_rows=64, num_warps=8, code_impl="compare"),
+               dict(impl="pairs", block_rows=4096, sub_rows=256, width=16)]
+#: tilings run for every D / gs kind (the full list runs for D = 128, scalar gs)
+GPU_TILINGS_SHORT = [dict(), dict(block_rows=4096, sub_rows=256, num_warps=4, width=16), dict(impl="blocked"),
+                     dict(impl="strided"), dict(impl="pairs")]
 
 
 @pytest.mark.gpu
@@ -254,40 +335,57 @@ GPU_TILINGS = [dict(), dict(block_rows=32, sub_rows=32, num_warps=8), dict(block
 @pytest.mark.parametrize("d", DS)
 @pytest.mark.parametrize("per_row", [False, True])
 def test_gpu_kernels_bit_exact(d, per_row):
+    """Every kernel variant against BOTH the pinned reference on the host CPU and the jitted reference on the
+    GPU (all comparisons run; the failure lists every pair that differs)."""
     rows = 4099
     x = make_input(rows, d, seed=d)
     gs = (jnp.asarray(np.random.default_rng(d).uniform(1e-3, 10.0, rows), jnp.float32) if per_row
           else nvfp4.global_scale_from_amax(1e3))
     want_gpu = jax.jit(nvfp4.quantize)(x, gs)
     want_cpu = _cpu_reference_quant(x, gs)
-    full = d == 128 and not per_row                                  # every tiling once, defaults elsewhere
-    for kw in (GPU_TILINGS if full else GPU_TILINGS[:1] + GPU_TILINGS[-1:]):
+    full = d == 128 and not per_row                                  # every tiling once, the short list elsewhere
+    diffs = [_quant_diff(want_gpu, want_cpu, "XLA GPU reference vs CPU reference")]
+    for kw in (GPU_TILINGS if full else GPU_TILINGS_SHORT):
         got = jax.jit(functools.partial(K.quantize, interpret=False, **kw))(x, gs)
-        assert_same_quant(got, want_cpu, f"kernel vs CPU reference D={d} per_row={per_row} {kw}")
-        assert_same_quant(got, want_gpu, f"kernel vs GPU reference D={d} per_row={per_row} {kw}")
-    assert_same_quant(want_gpu, want_cpu, "XLA GPU reference vs CPU reference")
+        diffs.append(_quant_diff(got, want_cpu, f"kernel vs CPU reference D={d} per_row={per_row} {kw}"))
+        diffs.append(_quant_diff(got, want_gpu, f"kernel vs GPU reference D={d} per_row={per_row} {kw}"))
     for dtype in ((jnp.bfloat16, jnp.float32, jnp.float16) if full else (jnp.bfloat16,)):
-        ref_out = jax.jit(nvfp4.dequantize, static_argnames="dtype")(*want_gpu, gs, dtype=dtype)
+        ref_gpu = jax.jit(nvfp4.dequantize, static_argnames="dtype")(*want_cpu, gs, dtype=dtype)
+        ref_cpu = _on_cpu(nvfp4.dequantize, *want_cpu, gs, dtype=dtype)
+        diffs.append(_bits_diff(ref_gpu, ref_cpu, f"dequantize XLA GPU vs CPU reference D={d} {dtype}"))
         for kw in (dict(), dict(block_rows=1024, sub_rows=64, num_warps=8)):
-            out = jax.jit(functools.partial(K.dequantize, dtype=dtype, interpret=False, **kw))(*want_gpu, gs)
-            assert_same_bits(out, ref_out, f"dequantize D={d} {dtype} {kw}")
+            out = jax.jit(functools.partial(K.dequantize, dtype=dtype, interpret=False, **kw))(*want_cpu, gs)
+            diffs.append(_bits_diff(out, ref_cpu, f"dequantize vs CPU reference D={d} {dtype} {kw}"))
+            diffs.append(_bits_diff(out, ref_gpu, f"dequantize vs GPU reference D={d} {dtype} {kw}"))
+    _check_all(diffs)
 
 
 @pytest.mark.gpu
 @gpu
 def test_gpu_large_and_random_bit_patterns():
-    """1M rows x 128 of N(0, 1) bf16 plus 64K rows of raw random bf16 bit patterns (all exponents, NaN, Inf)."""
+    """1M rows x 128 of N(0, 1) bf16 plus 64K rows of raw random bf16 bit patterns (all exponents, NaN, Inf),
+    default kernel and the per-block variants, against the CPU and the GPU reference."""
+    impls = [dict(), dict(impl="blocked"), dict(impl="pairs")]
     x = jax.random.normal(jax.random.key(0), (1 << 20, 128), jnp.bfloat16)
     gs = nvfp4.global_scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32))
-    assert_same_quant(K.quantize(x, gs), jax.jit(nvfp4.quantize)(x, gs), "1M x 128")
+    want_gpu, want_cpu = jax.jit(nvfp4.quantize)(x, gs), _cpu_reference_quant(x, gs)
+    diffs = [_quant_diff(want_gpu, want_cpu, "1M x 128: XLA GPU reference vs CPU reference")]
+    for kw in impls:
+        got = jax.jit(functools.partial(K.quantize, **kw))(x, gs)
+        diffs += [_quant_diff(got, want_cpu, f"1M x 128 {kw}: kernel vs CPU reference"),
+                  _quant_diff(got, want_gpu, f"1M x 128 {kw}: kernel vs GPU reference")]
     bits = jax.random.bits(jax.random.key(1), (1 << 16, 128), jnp.uint16)
     xr = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
     for gs in (jnp.float32(1.0), jnp.float32(2.0 ** -90), jnp.float32(2.0 ** 90)):
-        want = jax.jit(nvfp4.quantize)(xr, gs)
-        got = K.quantize(xr, gs)
-        assert_same_quant(got, _cpu_reference_quant(xr, gs), f"kernel vs CPU reference, random bits gs={float(gs)}")
-        assert_same_quant(got, want, f"kernel vs GPU reference, random bits gs={float(gs)}")
-        assert_same_bits(K.dequantize(*want, gs), jax.jit(nvfp4.dequantize)(*want, gs), "dequantize random bits")
+        want_gpu, want_cpu = jax.jit(nvfp4.quantize)(xr, gs), _cpu_reference_quant(xr, gs)
+        for kw in impls:
+            got = jax.jit(functools.partial(K.quantize, **kw))(xr, gs)
+            diffs += [_quant_diff(got, want_cpu, f"random bits gs={float(gs)} {kw}: kernel vs CPU reference"),
+                      _quant_diff(got, want_gpu, f"random bits gs={float(gs)} {kw}: kernel vs GPU reference")]
+        out = K.dequantize(*want_cpu, gs)
+        diffs += [_bits_diff(out, _on_cpu(nvfp4.dequantize, *want_cpu, gs), "dequantize random bits vs CPU ref"),
+                  _bits_diff(out, jax.jit(nvfp4.dequantize)(*want_cpu, gs), "dequantize random bits vs GPU ref")]
+    _check_all(diffs)
 
 
 @pytest.mark.gpu
@@ -295,4 +393,5 @@ def test_gpu_large_and_random_bit_patterns():
 def test_gpu_codec_auto_uses_kernels():
     x = make_input(300, 576, seed=9).reshape(3, 100, 576)
     got = codec.quantize(x, 0.25)
-    assert_same_quant(got, jax.jit(nvfp4.quantize)(x, jnp.float32(0.25)), "codec auto on GPU")
+    _check_all([_quant_diff(got, _cpu_reference_quant(x, jnp.float32(0.25)), "codec auto vs CPU reference"),
+                _quant_diff(got, jax.jit(nvfp4.quantize)(x, jnp.float32(0.25)), "codec auto vs GPU reference")])

@@ -158,3 +158,30 @@ def test_zero_host_capacity_forgets():
     pc.release(0)
     assert pc.evict(10) == 4 and len(pc.index) == 0 and len(pc.host) == 0
     assert pc.match_prefix(BASES[0][:16])[0] == 0
+
+
+def test_transitions_cross_lower_for_cuda():
+    from jmixedkv.compat import cross_lower_cuda
+    from jmixedkv.prefix import admit_with_prefix, copy_pages, fork
+    state = init_state(KVCacheConfig("mixed_nvfp4_bf16", first_n=5, last_n=3, page_size=PAGE), GROUPS, 8, 2,
+                       MAX_PAGES, 8)
+    ids = jnp.asarray([1, -1], jnp.int32)
+    for fn, args in ((fork, (state, 0, 1)), (copy_pages, (state, ids, ids, ids, ids)),
+                     (admit_with_prefix, (state, 0, jnp.full((MAX_PAGES,), -1, jnp.int32),
+                                          jnp.full((2,), -1, jnp.int32), 0)),
+                     (offload.scatter_pages, (state, ids, ids, offload.gather_pages(state, ids, ids)))):
+        assert "func.func public @main" in cross_lower_cuda(fn, *args)
+
+
+@pytest.mark.gpu
+def test_gpu_offload_round_trip_and_fork_with_donation():
+    """On the H200: round trip, pressure, fork and reuse admit with donated (in-place) transitions."""
+    from jmixedkv.compat import on_gpu
+    assert on_gpu(), "run with -m gpu on the GPU machine"
+    test_evict_restore_round_trip_and_reads()
+    test_pool_pressure_evicts_and_host_capacity_drops()
+    from test_prefix import (test_fork_reads_like_source_and_diverges,
+                             test_match_leaves_window_to_recompute_and_admit_reads_exactly)
+    for length in (0, 1, PAGE + 1, 5 * PAGE):
+        test_fork_reads_like_source_and_diverges(length)
+    test_match_leaves_window_to_recompute_and_admit_reads_exactly()

@@ -199,6 +199,8 @@ def test_match_leaves_window_to_recompute_and_admit_reads_exactly():
     assert pc.match_prefix(BASES[1][:16])[0] == 8                            # shares two pages with BASES[0]
     m = pc.admit(1, toks + [4, 4])
     assert m == 12
+    with pytest.raises(ValueError, match="first append must reach length 15"):
+        cache_append(pc, 1, [toks[12]], m)                                   # window would reach the shared part
     cache_append(pc, 1, (toks + [4, 4])[m:], m)
     shadow = shadow_append(admit(shadow, 1), 1, toks + [4, 4], 0)
     a, b = read_all(pc.state), read_all(shadow)
