@@ -32,7 +32,6 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 

@@ -93,7 +93,12 @@ def main(argv=None):
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, 1, hq, 128), jnp.float32).astype(jnp.bfloat16)
     seq = jnp.arange(batch, dtype=jnp.int32)
     one = jax.device_put(state, devices[0])
-    single = jax.jit(lambda st, q_, s_: decode_attention(st, 0, q_, s_, backend=backend))
+    # the split-K count is fixed from the global shape, so each shard runs exactly the single-GPU programs of its
+    # heads (bit-equal outputs); the default would pick more splits for fewer local heads
+    from pallas_kernels.decode_attention import default_num_splits
+    splits = default_num_splits(batch, spec.num_kv_heads, -(-ctx // 64)) if on_gpu else None
+    kw = dict(backend=backend, num_splits=splits)
+    single = jax.jit(lambda st, q_, s_: decode_attention(st, 0, q_, s_, **kw))
     rows = []
     base_out = single(one, jax.device_put(q, devices[0]), seq)
     t1 = timeit(single, one, jax.device_put(q, devices[0]), seq)
@@ -103,7 +108,7 @@ def main(argv=None):
             continue
         mesh = sharding.make_mesh(n)
         st_n = sharding.shard_state(state, mesh)
-        fn = jax.jit(lambda st, q_, s_: sharding.sharded_decode_attention(mesh, st, 0, q_, s_, backend=backend))
+        fn = jax.jit(lambda st, q_, s_: sharding.sharded_decode_attention(mesh, st, 0, q_, s_, **kw))
         out = fn(st_n, q, seq)
         same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
                    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(base_out)))

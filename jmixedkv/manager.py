@@ -38,7 +38,9 @@ class CacheManager:
 
     def __init__(self, config: KVCacheConfig, groups, num_pages: int, max_seqs: int,
                  max_pages_per_seq: Optional[int] = None, backend: str = "auto", **init_kwargs):
-        self.state = st.init_state(config, groups, num_pages, max_seqs, max_pages_per_seq, **init_kwargs)
+        state = st.init_state(config, groups, num_pages, max_seqs, max_pages_per_seq, **init_kwargs)
+        # commit the fresh arrays to one device, so the first donated call does not compile a second time
+        self.state = state if init_kwargs.get("mesh") is not None else jax.device_put(state, jax.devices()[0])
         self.config = config
         self.backend = backend
         self._pages_held = np.zeros(max_seqs, np.int64)      # low pages per slot

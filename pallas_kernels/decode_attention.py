@@ -27,7 +27,6 @@ Entry: `paged_decode_attention` (raw arrays; used by `jmixedkv.attention.decode_
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -138,7 +137,8 @@ def _kernel(layer_ref, q_ref, pt_ref, len_ref, ht_ref, gs_ref, hs_ref, data_ref,
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
         l_new = alpha * l + p.sum(axis=-1)
-        v = jnp.where((kpos < n)[:, None], v, jnp.zeros((), dtype))          # poisoned rows past n
+        v = lax.cond(blk * k_tok + k_tok > n,                                # poisoned rows past n (last block)
+                     lambda: jnp.where((kpos < n)[:, None], v, jnp.zeros((), dtype)), lambda: v)
         p_hi = p.astype(dtype)
         pv = _dot(p_hi, v)
         if precise:
@@ -197,6 +197,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       first_n, last_n, num_fixed, num_ring: retained-set geometry (`KVCacheConfig`).
       num_splits: split-K programs per (row, head); None = `default_num_splits`.
       block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens).
+      precise: P @ V with P split into two attention-dtype halves (output error ~ its final rounding).
       out_dtype: output dtype (default ``q.dtype``).
 
     Returns:

@@ -19,6 +19,16 @@ How the kernels are laid out:
 * Grid: one program per ``block_rows`` kernel rows; inside, a loop over ``sub_rows``-row tiles (so a
   program streams 256-1024 rows while keeping only ``sub_rows x W`` values in registers; ``num_stages``
   lets Triton pipeline the loads of the next tile).
+* Quantize variants (``impl=``; all bit-exact, they differ only in speed): ``"v1"`` (default; 2-D ``[S, W]``
+  tiles reshaped to ``[S, W/16, 16]`` in the kernel for the block max and the broadcast of ``r``, nibbles paired
+  by ``jnp.unstack`` on ``[S, W/2, 2]``) and three **per-block** kernels that see the input as 3-D blocks, so the
+  block amax is a reduction over the innermost axis and every per-block value (amax, scale byte, ``r``, NaN
+  flag) lives on an ``[S, W/16]`` tile whose broadcast back to the elements needs no reshape:
+  ``"blocked"`` (``x[n, W/16, 16]``, nibble pairs by ``jnp.unstack``), ``"strided"`` (two stride-2 ref loads)
+  and ``"pairs"`` (bf16 only: the wrapper bit-casts ``x`` to int32 pairs ``[n, W/16, 8]``, so element ``2i``
+  is ``u << 16`` and ``2i+1`` is ``u & 0xFFFF0000``: no bf16->f32 converts and no shuffles; abs and sign
+  bits of both halves in 4 int ops). ``recip="table"`` (scalar gs) replaces the per-block exact division by a
+  gather from a 128-entry table ``1 / (s * gs)`` per scale byte, computed by XLA outside the kernel.
 * **No float8 / float4 casts** inside the kernels: the E4M3 scale is rounded RNE with integer ops on the
   float32 bits (normal range) and a 2^23 magic add (subnormal range); E2M1 codes come from one
   multiply-add with a 2^23(+2k) magic constant (the add does the round-to-nearest-even), which is ~8 ops per
@@ -157,18 +167,49 @@ def _tiles(n_sub: int, sub_rows: int, body):
 
 
 # ---------------------------------------------------------------------------------------------- quantize
-def _block_quant(amax_bits, gs, exact_asm):
-    """Per block: (scale byte int32 [S, B], reciprocal r f32 [S, B], NaN flag bool [S, B])."""
+def _e4m3_byte_cvt(s):
+    """E4M3 byte (int32) of float32 ``s`` in [0, 448] or NaN by the sm_89+ instruction
+    ``cvt.rn.satfinite.e4m3x2.f32`` (RNE; NaN -> 0x7F). GPU only; both halves get ``s``, the low byte is kept."""
+    [b] = pltriton.elementwise_inline_asm(
+        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $1; cvt.u32.u16 $0, t; }",
+        args=[s], constraints="=r,f", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.int32)])
+    return b & 0xFF
+
+
+def _block_quant(amax_bits, gs, exact_asm, rtab_ref=None, e4m3_cvt=False):
+    """Per block: (scale byte int32 [S, B], reciprocal r f32 [S, B], NaN flag bool [S, B]).
+
+    ``rtab_ref``: optional f32[128] table of ``r`` per scale byte (`_recip_table`, scalar gs only) replacing the
+    per-block exact division by a gather. ``e4m3_cvt`` (GPU only, ``exact_asm``): round the scale with the
+    hardware E4M3 conversion instead of the integer arithmetic of `_e4m3_encode`."""
     amax = _f32(amax_bits)                                                        # NaN if the block has one
     enc = _recip(gs, exact_asm)
     t = amax * _SIXTH
     s = enc * _keep(t, t)                                                         # the pinned order, no reassoc.
     s = jnp.where(s > 448.0, 448.0, s)
     s = jnp.where(s < 0.0, 0.0, s)                                                # NaN passes both
-    byte, sf, nan = _e4m3_encode(s)
+    if e4m3_cvt and exact_asm:
+        byte, nan = _e4m3_byte_cvt(s), s != s
+        sf = _e4m3_decode(byte)                                                   # (dead code with a table)
+    else:
+        byte, sf, nan = _e4m3_encode(s)
+    if rtab_ref is not None:
+        return byte, rtab_ref[byte], nan                                          # byte in [0, 127]
     prod = sf * gs
     r = jnp.where(sf == 0.0, 0.0, _recip(_keep(prod, prod), exact_asm))
     return byte, r, nan
+
+
+def _recip_table(gs):
+    """f32[128]: ``r`` of the pinned order for each E4M3 scale byte 0..127 and the scalar decode scale ``gs``
+    (f32[1]), computed by XLA with IEEE division exactly as `jmixedkv.nvfp4.quantize` does (0 for byte 0 and for
+    the NaN byte 0x7F, whose codes are masked anyway)."""
+    b = jnp.arange(128, dtype=jnp.int32)
+    sf = _e4m3_decode(b)
+    prod = sf * gs[0]
+    prod = jnp.where(b == 0x7F, 1.0, prod)
+    r = jnp.float32(1.0) / _keep(prod, prod)
+    return jnp.where((sf == 0.0) | (b == 0x7F), jnp.float32(0.0), r)
 
 
 def _quant_kernel(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, width, per_row, exact_asm,
@@ -206,8 +247,10 @@ def _magnitude(abs_bits, r3, code_impl):
     return _e2m1_magnitude(_f32(abs_bits) * r3, code_impl, nonneg=True)              # = |x * r| exactly
 
 
-def _quant_kernel_blocked(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, per_row, exact_asm,
-                          code_impl, impl):
+def _quant_kernel_blocked(x_ref, gs_ref, *refs, sub_rows, n_sub, per_row, exact_asm, code_impl, impl, table,
+                          e4m3_cvt):
+    rtab_ref, packed_ref, scales_ref = refs if table else (None, *refs)
+
     def tile(rows):
         gs = (gs_ref[rows] if per_row else gs_ref[...]).reshape(-1, 1)            # [S, 1] or [1, 1]
         if impl == "pairs":
@@ -225,7 +268,7 @@ def _quant_kernel_blocked(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_
             lo, hi = xl & 0x7FFFFFFF, xh & 0x7FFFFFFF
             signs = ((xl >> 28) & 0x08) | ((xh >> 24) & 0x80)
         amax_bits = jnp.max(jnp.maximum(lo, hi), axis=-1)                         # [S, B]; NaN bits sort last
-        byte, r, nan = _block_quant(amax_bits, gs, exact_asm)
+        byte, r, nan = _block_quant(amax_bits, gs, exact_asm, rtab_ref, e4m3_cvt)
         r3 = r[:, :, None]
         packed = _magnitude(lo, r3, code_impl) | (_magnitude(hi, r3, code_impl) << 4) | signs   # [S, B, 8]
         packed_ref[rows, :, :] = jnp.where(nan[:, :, None], 0, packed).astype(jnp.uint8)
@@ -282,7 +325,8 @@ def _resolve_interpret(interpret):
 def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_rows"],
              sub_rows: int = QUANT_DEFAULTS["sub_rows"], num_warps: int = QUANT_DEFAULTS["num_warps"],
              num_stages: int = QUANT_DEFAULTS["num_stages"], code_impl: str = QUANT_DEFAULTS["code_impl"],
-             impl: str = QUANT_DEFAULTS["impl"], width=None, interpret=None):
+             impl: str = QUANT_DEFAULTS["impl"], recip: str = "div", scale_cvt: bool = False, width=None,
+             interpret=None):
     """NVFP4-quantize ``x`` with the Pallas kernel (bit-exact against `jmixedkv.nvfp4.quantize`).
 
     Args:
@@ -297,6 +341,11 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
         ``jnp.unstack``), ``"strided"`` (3-D, nibble pairs by two stride-2 loads), ``"pairs"`` (bf16 only, other
         dtypes run ``"blocked"``: the input is viewed as int32 bf16 pairs ``[n, W/16, 8]``, no shuffles at all).
         All are bit-exact; they differ only in speed.
+      recip: per-block reciprocal of the per-block variants: ``"div"`` (exact division, inline ``div.rn.f32``)
+        or ``"table"`` (a 128-entry table of ``1 / (s * gs)`` per scale byte built by XLA outside the kernel, then
+        a gather; scalar ``global_scale`` only: per-row gs and ``impl="v1"`` use ``"div"``).
+      scale_cvt: per-block variants on the GPU: round the E4M3 scale with the hardware
+        ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+) instead of integer arithmetic (interpret mode ignores it).
       width: kernel row width ``W`` (power of two in [16, 512] dividing D; default `kernel_width(D)`). ``16`` makes
         every kernel row one quantization block (no in-kernel reshapes); a per-row gs is then repeated D/16 times.
       interpret: run in Pallas interpret mode; default: when no GPU is present.
@@ -318,6 +367,8 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
         raise ValueError(f"NVFP4 quantize: code_impl must be 'magic' or 'compare', got {code_impl!r}")
     if impl not in QUANT_IMPLS:
         raise ValueError(f"NVFP4 quantize: impl must be one of {QUANT_IMPLS}, got {impl!r}")
+    if recip not in ("div", "table"):
+        raise ValueError(f"NVFP4 quantize: recip must be 'div' or 'table', got {recip!r}")
     _check_warps(num_warps, num_stages)
     w = _width(d, width)
     if rows == 0:
@@ -355,15 +406,18 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
         else:
             xk = xk.reshape(n_pad, nb, BLOCK)
             x_spec = pl.BlockSpec((br, nb, BLOCK), lambda i: (i, 0, 0))
+        table = recip == "table" and not per_row
         kernel = functools.partial(_quant_kernel_blocked, sub_rows=sr, n_sub=br // sr, per_row=per_row,
-                                   exact_asm=not interp, code_impl=code_impl, impl=impl)
+                                   exact_asm=not interp, code_impl=code_impl, impl=impl, table=table,
+                                   e4m3_cvt=bool(scale_cvt))
+        extra_in = [_recip_table(gs)] if table else []
         packed, scales = pl.pallas_call(
             kernel,
-            in_specs=[x_spec, gs_spec],
+            in_specs=[x_spec, gs_spec] + [pl.BlockSpec((128,), lambda i: (0,))] * len(extra_in),
             out_specs=[pl.BlockSpec((br, nb, BLOCK // 2), lambda i: (i, 0, 0)), scale_spec],
             out_shape=[jax.ShapeDtypeStruct((n_pad, nb, BLOCK // 2), jnp.uint8), scale_shape],
             **params,
-        )(xk, gs)
+        )(xk, gs, *extra_in)
         packed = packed.reshape(n_pad, w // 2)
     if n_pad > n:
         packed, scales = packed[:n], scales[:n]

@@ -65,7 +65,10 @@ def _e2m1_magnitude(m):
 def _e2m1_value(code):
     code = code.astype(jnp.int32)
     mag = _e2m1_magnitude(code & 7)
-    return jnp.where((code & 8) != 0, -mag, mag)  # -0.0 for code 8, like the reference table
+    # OR the sign bit in (not ``-mag``: Triton lowers negation as ``0 - x``, which turns -0.0 into +0.0)
+    sign = (code & 8) << 28
+    bits_ = jax.lax.bitcast_convert_type(mag, jnp.int32) | sign
+    return jax.lax.bitcast_convert_type(bits_, jnp.float32)  # -0.0 for code 8, like the reference table
 
 
 def dequant_tile(data, scales, gs, out_dtype):

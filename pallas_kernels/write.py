@@ -105,9 +105,11 @@ class _PtxOps:
 
     @staticmethod
     def rotate(x, p, c, s):
-        """``x*c - p*s`` with both products and the difference rounded separately."""
-        return _asm("{ .reg .f32 t1, t2; mul.rn.f32 t1, $1, $2; mul.rn.f32 t2, $3, $4; sub.rn.f32 $0, t1, t2; }",
-                    x, p, c, s)
+        """``x*c - p*s`` with both products and the difference rounded separately.
+
+        Three single-instruction asm calls: one multi-instruction asm block with four operands compiled to wrong
+        results on the H200 (triton 3.6), while these match numpy bit for bit there."""
+        return _asm("sub.rn.f32 $0, $1, $2;", _asm("mul.rn.f32 $0, $1, $2;", x, c), _asm("mul.rn.f32 $0, $1, $2;", p, s))
 
 
 class _JnpOps:

@@ -188,6 +188,18 @@ def test_interpret_per_block_code_impl_compare():
                       _ref_q(x, jnp.float32(1.0)), "pairs + compare")
 
 
+@pytest.mark.parametrize("impl", ["pairs", "blocked"])
+def test_interpret_recip_table(impl):
+    """``recip="table"``: r gathered from a per-byte table; extreme scalar gs (2^-90, 2^90); a per-row gs falls
+    back to the division."""
+    x = make_input(21, 128, seed=13)
+    f = _kq(impl=impl, recip="table", **TILE)
+    for gs in (jnp.float32(0.37), jnp.float32(2.0 ** -90), jnp.float32(2.0 ** 90), jnp.float32(1.0)):
+        assert_same_quant(f(x, gs), _ref_q(x, gs), f"{impl} recip=table gs={float(gs)}")
+    gs = jnp.asarray(np.random.default_rng(13).uniform(0.01, 4.0, 21), jnp.float32)
+    assert_same_quant(f(x, gs), _ref_q(x, gs), f"{impl} recip=table per-row gs")
+
+
 def test_interpret_default_tiling_small_rows():
     """Default block sizes clamp to the (padded) row count: 5 rows run as one 8-row program."""
     x = make_input(5, 128, seed=3)
@@ -228,6 +240,8 @@ def test_bad_inputs_raise_clear_errors():
         K.quantize(x, code_impl="lut")
     with pytest.raises(ValueError, match="impl must be one of"):
         K.quantize(x, impl="fast")
+    with pytest.raises(ValueError, match="recip must be"):
+        K.quantize(x, impl="pairs", recip="approx")
     with pytest.raises(ValueError, match="scales shape"):
         K.dequantize(jnp.zeros((4, 64), jnp.uint8), jnp.zeros((4, 4), jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match="packed must be uint8"):
@@ -274,7 +288,10 @@ def test_cross_lowers_for_cuda_per_block_impls(impl):
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     for kw in (dict(block_rows=32, sub_rows=32, num_warps=4, num_stages=1),
                dict(block_rows=256, sub_rows=64, num_warps=8, num_stages=3, code_impl="compare"),
-               dict(block_rows=4096, sub_rows=256, width=16), dict(block_rows=16, sub_rows=16, num_warps=1)):
+               dict(block_rows=4096, sub_rows=256, width=16), dict(block_rows=16, sub_rows=16, num_warps=1),
+               dict(block_rows=128, sub_rows=64, num_warps=8, recip="table"),
+               dict(block_rows=128, sub_rows=64, num_warps=8, recip="table", scale_cvt=True),
+               dict(block_rows=32, sub_rows=32, scale_cvt=True)):
         cross_lower_cuda(functools.partial(K.quantize, interpret=False, impl=impl, **kw),
                          jax.ShapeDtypeStruct((4096, 128), jnp.bfloat16), scalar)
     cross_lower_cuda(functools.partial(K.quantize, interpret=False, impl=impl),
@@ -313,6 +330,14 @@ def _bits_diff(got, want, msg):
     return None
 
 
+def _run(fn, *args):
+    """(result, None) or (None, error line): a variant that fails to compile is reported with the others."""
+    try:
+        return jax.block_until_ready(fn(*args)), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def _check_all(diffs):
     bad = [d for d in diffs if d]
     assert not bad, f"{len(bad)} of {len(diffs)} comparisons differ:\n" + "\n".join(bad)
@@ -324,10 +349,17 @@ GPU_TILINGS = [dict(), dict(block_rows=32, sub_rows=32, num_warps=8), dict(block
                dict(impl="blocked"), dict(impl="strided"), dict(impl="pairs"),
                dict(impl="pairs", block_rows=32, sub_rows=32, num_warps=4, num_stages=1),
                dict(impl="pairs", block_rows=256, sub_rows=64, num_warps=8, code_impl="compare"),
-               dict(impl="pairs", block_rows=4096, sub_rows=256, width=16)]
+               dict(impl="pairs", block_rows=4096, sub_rows=256, width=16),
+               dict(impl="pairs", block_rows=32, sub_rows=32, num_warps=4, num_stages=1, recip="table"),
+               dict(impl="pairs", block_rows=128, sub_rows=64, num_warps=8, recip="table"),
+               dict(impl="blocked", recip="table"),
+               dict(impl="pairs", block_rows=32, sub_rows=32, num_warps=4, num_stages=1, recip="table", scale_cvt=True),
+               dict(impl="pairs", block_rows=128, sub_rows=64, num_warps=8, recip="table", scale_cvt=True),
+               dict(impl="pairs", scale_cvt=True)]
 #: tilings run for every D / gs kind (the full list runs for D = 128, scalar gs)
 GPU_TILINGS_SHORT = [dict(), dict(block_rows=4096, sub_rows=256, num_warps=4, width=16), dict(impl="blocked"),
-                     dict(impl="strided"), dict(impl="pairs")]
+                     dict(impl="strided"), dict(impl="pairs"), dict(impl="pairs", recip="table"),
+                     dict(impl="pairs", recip="table", scale_cvt=True)]
 
 
 @pytest.mark.gpu
@@ -346,15 +378,19 @@ def test_gpu_kernels_bit_exact(d, per_row):
     full = d == 128 and not per_row                                  # every tiling once, the short list elsewhere
     diffs = [_quant_diff(want_gpu, want_cpu, "XLA GPU reference vs CPU reference")]
     for kw in (GPU_TILINGS if full else GPU_TILINGS_SHORT):
-        got = jax.jit(functools.partial(K.quantize, interpret=False, **kw))(x, gs)
+        got, err = _run(jax.jit(functools.partial(K.quantize, interpret=False, **kw)), x, gs)
+        if err:
+            diffs.append(f"kernel D={d} per_row={per_row} {kw} failed: {err}")
+            continue
         diffs.append(_quant_diff(got, want_cpu, f"kernel vs CPU reference D={d} per_row={per_row} {kw}"))
         diffs.append(_quant_diff(got, want_gpu, f"kernel vs GPU reference D={d} per_row={per_row} {kw}"))
+    q = jax.device_put(want_cpu, jax.devices()[0])                   # the pinned codes, on the GPU
     for dtype in ((jnp.bfloat16, jnp.float32, jnp.float16) if full else (jnp.bfloat16,)):
-        ref_gpu = jax.jit(nvfp4.dequantize, static_argnames="dtype")(*want_cpu, gs, dtype=dtype)
+        ref_gpu = jax.jit(nvfp4.dequantize, static_argnames="dtype")(*q, gs, dtype=dtype)
         ref_cpu = _on_cpu(nvfp4.dequantize, *want_cpu, gs, dtype=dtype)
         diffs.append(_bits_diff(ref_gpu, ref_cpu, f"dequantize XLA GPU vs CPU reference D={d} {dtype}"))
         for kw in (dict(), dict(block_rows=1024, sub_rows=64, num_warps=8)):
-            out = jax.jit(functools.partial(K.dequantize, dtype=dtype, interpret=False, **kw))(*want_cpu, gs)
+            out = jax.jit(functools.partial(K.dequantize, dtype=dtype, interpret=False, **kw))(*q, gs)
             diffs.append(_bits_diff(out, ref_cpu, f"dequantize vs CPU reference D={d} {dtype} {kw}"))
             diffs.append(_bits_diff(out, ref_gpu, f"dequantize vs GPU reference D={d} {dtype} {kw}"))
     _check_all(diffs)
@@ -365,13 +401,17 @@ def test_gpu_kernels_bit_exact(d, per_row):
 def test_gpu_large_and_random_bit_patterns():
     """1M rows x 128 of N(0, 1) bf16 plus 64K rows of raw random bf16 bit patterns (all exponents, NaN, Inf),
     default kernel and the per-block variants, against the CPU and the GPU reference."""
-    impls = [dict(), dict(impl="blocked"), dict(impl="pairs")]
+    impls = [dict(), dict(impl="blocked"), dict(impl="pairs"), dict(impl="pairs", recip="table"),
+             dict(impl="pairs", recip="table", scale_cvt=True), dict(impl="pairs", scale_cvt=True)]
     x = jax.random.normal(jax.random.key(0), (1 << 20, 128), jnp.bfloat16)
     gs = nvfp4.global_scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32))
     want_gpu, want_cpu = jax.jit(nvfp4.quantize)(x, gs), _cpu_reference_quant(x, gs)
     diffs = [_quant_diff(want_gpu, want_cpu, "1M x 128: XLA GPU reference vs CPU reference")]
     for kw in impls:
-        got = jax.jit(functools.partial(K.quantize, **kw))(x, gs)
+        got, err = _run(jax.jit(functools.partial(K.quantize, **kw)), x, gs)
+        if err:
+            diffs.append(f"1M x 128 {kw} failed: {err}")
+            continue
         diffs += [_quant_diff(got, want_cpu, f"1M x 128 {kw}: kernel vs CPU reference"),
                   _quant_diff(got, want_gpu, f"1M x 128 {kw}: kernel vs GPU reference")]
     bits = jax.random.bits(jax.random.key(1), (1 << 16, 128), jnp.uint16)
@@ -379,12 +419,16 @@ def test_gpu_large_and_random_bit_patterns():
     for gs in (jnp.float32(1.0), jnp.float32(2.0 ** -90), jnp.float32(2.0 ** 90)):
         want_gpu, want_cpu = jax.jit(nvfp4.quantize)(xr, gs), _cpu_reference_quant(xr, gs)
         for kw in impls:
-            got = jax.jit(functools.partial(K.quantize, **kw))(xr, gs)
+            got, err = _run(jax.jit(functools.partial(K.quantize, **kw)), xr, gs)
+            if err:
+                diffs.append(f"random bits {kw} failed: {err}")
+                continue
             diffs += [_quant_diff(got, want_cpu, f"random bits gs={float(gs)} {kw}: kernel vs CPU reference"),
                       _quant_diff(got, want_gpu, f"random bits gs={float(gs)} {kw}: kernel vs GPU reference")]
-        out = K.dequantize(*want_cpu, gs)
+        q = jax.device_put(want_cpu, jax.devices()[0])
+        out = K.dequantize(*q, gs)
         diffs += [_bits_diff(out, _on_cpu(nvfp4.dequantize, *want_cpu, gs), "dequantize random bits vs CPU ref"),
-                  _bits_diff(out, jax.jit(nvfp4.dequantize)(*want_cpu, gs), "dequantize random bits vs GPU ref")]
+                  _bits_diff(out, jax.jit(nvfp4.dequantize)(*q, gs), "dequantize random bits vs GPU ref")]
     _check_all(diffs)
 
 
