@@ -50,8 +50,22 @@ from pallas_kernels.decode_attention import default_num_splits, paged_decode_att
 H, HQ, D, PAGE, FIRST_N, LAST_N = 8, 32, 128, 16, 64, 64
 CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
 NF, NR = CFG.num_fixed_pages, CFG.num_ring_pages
-OURS_CONFIGS = [dict(block_k=64, num_warps=4), dict(block_k=128, num_warps=4), dict(block_k=128, num_warps=8),
-                dict(block_k=256, num_warps=8), dict(block_k=64, num_warps=4, split_mult=2)]
+# Kernel variants (block_k tokens per step, num_warps, num_stages, split multiplier vs default_num_splits,
+# precise P @ V). The first shape of a run sweeps them all; later shapes of a --quick run time only the best
+# TOP_K of the first shape (compiles dominate the budget). precise=False is timed for information only (its
+# error is ~1e-3, at the accuracy limit) and never reported as the best.
+MIXED_CONFIGS = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, num_warps=4, num_stages=2),
+                 dict(block_k=128, num_warps=4, num_stages=3), dict(block_k=256, num_warps=8, num_stages=2),
+                 dict(block_k=256, num_warps=8, num_stages=3),
+                 dict(block_k=128, num_warps=4, num_stages=3, split_mult=2),
+                 dict(block_k=128, num_warps=4, num_stages=3, split_mult=0.5),
+                 dict(block_k=128, num_warps=4, num_stages=3, precise=False)]
+PLAIN_CONFIGS = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, num_warps=4, num_stages=3),
+                 dict(block_k=128, num_warps=8, num_stages=3), dict(block_k=256, num_warps=8, num_stages=3)]
+FULL_EXTRA = [dict(block_k=128, num_warps=8, num_stages=3), dict(block_k=64, num_warps=4, num_stages=4), dict(block_k=256, num_warps=4, num_stages=2),
+              dict(block_k=128, num_warps=8, num_stages=4), dict(block_k=64, num_warps=4, num_stages=3, split_mult=2)]
+TOP_K = 3
+STAGE_MAX_TOKENS = 1 << 22   # (d) materializes f32 dequant temporaries of the whole batch: skip above this
 JAX_PA_CONFIGS = [(ppcb, ks) for ppcb in (8, 16) for ks in (1, 4, 16)]
 INTERPRET = False   # --smoke: tiny shapes in interpret mode on CPU (checks the script, times nothing real)
 CHECK_LENS = (1, 15, 16, 17, 100, 1000, 2047, 4096)
@@ -113,19 +127,47 @@ def tables(key, b, ctx):
     return perm.reshape(b, npg), ht
 
 
-def rand_bf16(key, shape):
-    """Random finite bf16 in +-[0.5, 1) straight from random bits (no f32 intermediate of a 34 GiB pool)."""
+CHUNK_ELEMS = 1 << 26   # random fills generate at most this many elements and tile them along the page axis
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "axis", "gen"))
+def _tiled(key, *, shape, axis, gen):
+    """``gen(key, chunk_shape)`` tiled along ``axis`` up to ``shape``: big pools without full-size random
+    temporaries (jax.random.bits of a 32 GiB u16 pool goes through u32 / converts and ran out of memory)."""
+    per = int(np.prod(shape)) // shape[axis]
+    chunk = max(1, min(shape[axis], CHUNK_ELEMS // max(per, 1)))
+    cshape = shape[:axis] + (chunk,) + shape[axis + 1:]
+    x = gen(key, cshape)
+    reps = -(-shape[axis] // chunk)
+    x = jnp.tile(x, tuple(reps if i == axis else 1 for i in range(len(shape))))
+    return jax.lax.slice_in_dim(x, 0, shape[axis], axis=axis)
+
+
+def _bf16_bits(key, shape):
     bits = (jax.random.bits(key, shape, jnp.uint16) & jnp.uint16(0x807F)) | jnp.uint16(0x3F00)
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def _u8_bits(key, shape):
+    return jax.random.bits(key, shape, jnp.uint8)
+
+
+def _e4m3_scales(key, shape):
+    sbytes = jax.random.randint(key, shape, 0x28, 0x58, jnp.int32).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(sbytes, jnp.float8_e4m3fn)
+
+
+def rand_bf16(key, shape, axis=1):
+    """Random finite bf16 in +-[0.5, 1) from random bits, generated in chunks along ``axis`` (the page axis)."""
+    return _tiled(key, shape=tuple(shape), axis=axis, gen=_bf16_bits)
 
 
 def mixed_pools(key, b, ctx):
     """Random NVFP4 low pool (valid E4M3 scales, gs from amax) + bf16 twin, ``L = 1``."""
     pages = b * ctx // PAGE
     k1, k2, k3 = jax.random.split(key, 3)
-    data = jax.random.bits(k1, (1, pages, 2, H, PAGE, D // 2), jnp.uint8)
-    sbytes = jax.random.randint(k2, (1, pages, 2, H, PAGE, D // 16), 0x28, 0x58, jnp.int32).astype(jnp.uint8)
-    scales = jax.lax.bitcast_convert_type(sbytes, jnp.float8_e4m3fn)
+    data = _tiled(k1, shape=(1, pages, 2, H, PAGE, D // 2), axis=1, gen=_u8_bits)
+    scales = _tiled(k2, shape=(1, pages, 2, H, PAGE, D // 16), axis=1, gen=_e4m3_scales)
     gs = jnp.broadcast_to(nvfp4.global_scale_from_amax(8.0), (1, 2)).astype(jnp.float32)
     high = rand_bf16(k3, (1, b * (NF + NR), 2, H, PAGE, D))
     return LowPool(data, scales, gs), RowPool(high, jnp.ones((1, 2), jnp.float32))
@@ -140,7 +182,7 @@ def jax_layout_pages(key, b, ctx):
     """k_pages, v_pages bf16[H, pages, PAGE, D] for jax's paged_attention."""
     k1, k2 = jax.random.split(key)
     shape = (H, b * ctx // PAGE, PAGE, D)
-    return rand_bf16(k1, shape), rand_bf16(k2, shape)
+    return rand_bf16(k1, shape, axis=1), rand_bf16(k2, shape, axis=1)
 
 
 # --------------------------------------------------------------------------------------------- (d) staging
@@ -182,8 +224,9 @@ def stage_xla(low, high, page_table, high_table, kv_lens, layer=0, *, first_n, l
 # --------------------------------------------------------------------------------------------- runners
 def ours_fn(mode, cfg, b, npg):
     blocks = max(1, npg // max(1, cfg["block_k"] // PAGE))
-    splits = min(blocks, default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))
-    kw = dict(block_k=cfg["block_k"], num_warps=cfg["num_warps"], num_splits=splits, interpret=INTERPRET)
+    splits = max(1, min(blocks, int(default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
+    kw = dict(block_k=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
+              precise=cfg.get("precise", True), num_splits=splits, interpret=INTERPRET)
     if mode == "mixed":
         return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
             q, pt, lens, 0, low, high, None, ht, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
@@ -198,16 +241,25 @@ def jax_pa_fn(ppcb, ks):
                                                              k_splits=ks, interpret=INTERPRET))
 
 
+def cfg_name(c):
+    """``k128w4s3x1`` (+ ``-imprecise``): block_k, num_warps, num_stages, split multiplier."""
+    name = f"k{c['block_k']}w{c['num_warps']}s{c.get('num_stages', 2)}x{c.get('split_mult', 1)}"
+    return name + ("" if c.get("precise", True) else "-imprecise")
+
+
 def best_of(label, candidates):
-    """candidates: list of (name, thunk -> ms). Returns (best_ms, best_name, all)."""
+    """candidates: list of (name, thunk -> ms). Returns (best_ms, best_name, all); names ending in
+    ``-imprecise`` are timed and printed but never the best."""
     results = {}
     for name, thunk in candidates:
+        t0 = time.time()
         try:
             results[name] = thunk()
+            print(f"  {label} {name}: {results[name]:.3f} ms ({time.time() - t0:.0f}s incl. compile)", flush=True)
         except Exception as e:  # a config that does not compile is reported, not fatal
             results[name] = None
             print(f"  {label} {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    ok = {k: v for k, v in results.items() if v is not None}
+    ok = {k: v for k, v in results.items() if v is not None and not k.endswith("-imprecise")}
     if not ok:
         return None, None, results
     name = min(ok, key=ok.get)
@@ -275,7 +327,7 @@ def check_correctness(torch):
 
 
 # --------------------------------------------------------------------------------------------- main
-def run_shape(b, ctx, bw, torch_ms, quick):
+def run_shape(b, ctx, bw, torch_ms, quick, first_shape_best=None):
     key = jax.random.PRNGKey(b * 1000 + ctx // 1024)
     npg = ctx // PAGE
     tokens = b * ctx
@@ -287,29 +339,47 @@ def run_shape(b, ctx, bw, torch_ms, quick):
     q4 = jax.random.normal(key, (b, 1, HQ, D), jnp.bfloat16)
     lens = jnp.full((b,), ctx, jnp.int32)
     pt, ht = tables(jax.random.fold_in(key, 1), b, ctx)
-    configs = OURS_CONFIGS[:2] if quick else OURS_CONFIGS
+    mixed_cfgs = MIXED_CONFIGS + ([] if quick else FULL_EXTRA)
+    plain_cfgs = PLAIN_CONFIGS + ([] if quick else FULL_EXTRA)
+    if quick and first_shape_best:          # later shapes of a quick run: the first shape's TOP_K only
+        mixed_cfgs = [c for c in mixed_cfgs if cfg_name(c) in first_shape_best.get("mixed", ())]
+        plain_cfgs = [c for c in plain_cfgs if cfg_name(c) in first_shape_best.get("plain", ())]
 
     # (a) mixed
     low, high = mixed_pools(jax.random.fold_in(key, 2), b, ctx)
     jax.block_until_ready((low, high))
 
+    first_out = {}
+
     def ours(mode, cfg, *args):
+        """Time one config; its output must agree with the mode's first config (same inputs) to 1e-2."""
         fn, splits = ours_fn(mode, cfg, b, npg)
+        out = np.asarray(fn(*args), np.float32)
+        if not np.isfinite(out).all():
+            raise FloatingPointError(f"{mode} {cfg_name(cfg)}: non-finite output")
+        ref = first_out.setdefault(mode, out)
+        rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+        if rel > 1e-2:
+            raise ValueError(f"{mode} {cfg_name(cfg)}: output differs from the first config by {rel:.2e}")
         return time_jax(fn, *args)
-    cand = [(f"k{c['block_k']}w{c['num_warps']}x{c.get('split_mult', 1)}",
-             functools.partial(ours, "mixed", c, q4, pt, lens, ht, low, high)) for c in configs]
+    cand = [(cfg_name(c), functools.partial(ours, "mixed", c, q4, pt, lens, ht, low, high)) for c in mixed_cfgs]
     row["mixed_ms"], row["mixed_cfg"], row["mixed_all"] = best_of("mixed", cand)
 
     # (d) staging path: stage (XLA) + jax paged attention (best config found in (c), filled in below)
     stage = functools.partial(stage_xla, first_n=FIRST_N, last_n=LAST_N, nf=NF, nr=NR)
-    row["stage_only_ms"] = time_jax(lambda *a: stage(*a), low, high, pt, ht, lens, reps=3, trials=7)
+    do_stage = b * ctx <= STAGE_MAX_TOKENS
+    if do_stage:
+        row["stage_only_ms"] = time_jax(lambda *a: stage(*a), low, high, pt, ht, lens, reps=3, trials=7)
+    else:
+        row["stage_skipped"] = (f"(d) skipped: {b}x{ctx} = {b * ctx} tokens > {STAGE_MAX_TOKENS}; staging "
+                                f"materializes the whole batch's dequantized K/V and does not fit")
+        print("  " + row["stage_skipped"])
     staged_args = (low, high, pt, ht, lens)
     del high
 
     # (b) plain bf16 pages, our kernel
     plain = plain_pool(jax.random.fold_in(key, 3), b, ctx)
-    cand = [(f"k{c['block_k']}w{c['num_warps']}x{c.get('split_mult', 1)}",
-             functools.partial(ours, "plain", c, q4, pt, lens, plain)) for c in configs]
+    cand = [(cfg_name(c), functools.partial(ours, "plain", c, q4, pt, lens, plain)) for c in plain_cfgs]
     row["plain_ms"], row["plain_cfg"], row["plain_all"] = best_of("plain", cand)
     del plain
 
@@ -322,7 +392,7 @@ def run_shape(b, ctx, bw, torch_ms, quick):
     del kp, vp
 
     # (d) full staging path with (c)'s best config
-    if row["jax_pa_cfg"] is not None:
+    if row["jax_pa_cfg"] is not None and do_stage:
         p_, k_ = [int(x) for x in row["jax_pa_cfg"].replace("ppcb", "").split("ks")]
         pa = jax_pa_fn(p_, k_)
         bt = jnp.arange(b * npg, dtype=jnp.int32).reshape(b, npg)
@@ -343,6 +413,12 @@ def run_shape(b, ctx, bw, torch_ms, quick):
             if row.get(other):
                 row[f"speedup_vs_{other[:-3]}"] = row[other] / a
     return row
+
+
+def top_configs(results, k=None):
+    """Names of the ``k`` (default TOP_K) fastest precise configs in ``{name: ms or None}``."""
+    ok = sorted((v, n) for n, v in results.items() if v is not None and not n.endswith("-imprecise"))
+    return tuple(n for _, n in ok[:k or TOP_K])
 
 
 def torch_sdpa_all(torch, shapes):
@@ -455,6 +531,7 @@ def main(argv=None):
                   skipped=[list(s) for s in skipped], rows=[])
     tag = f"b{args.batches}-c{args.contexts}".replace(",", "_")
     path = os.path.join(args.out, f"decode_bench-{tag}.json")
+    first_best = None
     for b, ctx in shapes:
         if time.time() - t0 > args.budget_s:
             print(f"-- time budget {args.budget_s:.0f}s spent: skipping {b}x{ctx} and the rest")
@@ -462,7 +539,10 @@ def main(argv=None):
             continue
         print(f"-- batch {b} x context {ctx} ({time.time() - t0:.0f}s)", flush=True)
         try:
-            row = run_shape(b, ctx, bw, torch_ms, args.quick)
+            row = run_shape(b, ctx, bw, torch_ms, args.quick, first_best)
+            if first_best is None:
+                first_best = {k: top_configs(row.get(f"{k}_all") or {}) for k in ("mixed", "plain")}
+                print(f"   best configs carried to later shapes: {first_best}", flush=True)
         except Exception as e:  # OOM or a failure on one shape must not lose the rest
             row = dict(batch=b, context=ctx, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
                        floor_nvfp4_ms=float("nan"), floor_bf16_ms=float("nan"))

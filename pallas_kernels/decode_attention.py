@@ -35,12 +35,13 @@ from jax import lax
 
 from jmixedkv.compat import pl, pltriton, triton_params
 
-__all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "NUM_SMS"]
+__all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "NUM_SMS", "DEFAULT_BLOCK_K"]
 
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
 _F16_BIAS = 16384.0    # f16 bits (m << 9) read as 2^-14 * e2m1 value
 _dot = getattr(pltriton, "dot", None) or pl.dot
+DEFAULT_BLOCK_K = {"nvfp4": 128, "plain": 64}   # tokens per inner step when block_k is None
 
 
 def _next_pow2(x: int) -> int:
@@ -56,33 +57,47 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
 
 # --------------------------------------------------------------------------------------------- in-kernel helpers
 def _dequant_low(data_ref, scales_ref, gs, layer, ids, kvi, k_tok, d, dtype):
-    """NVFP4 rows of pages ``ids`` -> ``[k_tok, d]`` in ``dtype`` (exact reference order)."""
-    packed = data_ref[layer, ids, kvi].reshape(k_tok, d // 2)
-    sc = scales_ref[layer, ids, kvi].reshape(k_tok, d // 16).astype(jnp.float32) * _F16_BIAS
-    codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(k_tok, d).astype(jnp.uint16)
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-    e2m1 = lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)  # value * 2^-14, exact
-    x = (e2m1.reshape(k_tok, d // 16, 16) * sc[:, :, None]) * gs
-    return x.reshape(k_tok, d).astype(dtype)
+    """NVFP4 rows of pages ``ids`` -> ``(even, odd)`` columns, each ``[k_tok, d/2]`` in ``dtype``.
+
+    No nibble interleave: byte ``c`` of a row holds elements ``2c`` (low nibble) and ``2c + 1`` (high nibble), so
+    the low nibbles are the even columns and the high nibbles the odd ones; the caller permutes q / o to match.
+    Per element: 4 integer ops on the widened byte (f16 bits ``sign << 15 | magnitude << 9`` = value * 2^-14),
+    one f16 -> f32 convert, one multiply by the per-block factor ``f32(s) * 2^14 * gs`` (a ``[k_tok, d/16]`` tile
+    broadcast over 8 columns), one cast to ``dtype``."""
+    half = d // 2
+    b = data_ref[layer, ids, kvi].reshape(k_tok, half).astype(jnp.uint16)
+    sc = scales_ref[layer, ids, kvi].reshape(k_tok, d // 16).astype(jnp.float32) * (gs * _F16_BIAS)
+    u = lambda v: jnp.uint16(v)  # noqa: E731
+    lo = ((b << u(12)) & u(0x8000)) | ((b << u(9)) & u(0x0E00))
+    hi = ((b << u(8)) & u(0x8000)) | ((b << u(5)) & u(0x0E00))
+
+    def scale(bits):
+        e = lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)        # value * 2^-14, exact
+        return (e.reshape(k_tok, d // 16, 8) * sc[:, :, None]).reshape(k_tok, half).astype(dtype)
+    return scale(lo), scale(hi)
 
 
-def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool):
-    """Row-pool rows of pages ``ids`` -> ``[k_tok, d]`` in ``dtype`` (fp8: ``f32(e4m3) * scale``)."""
-    x = rows_ref[layer, ids, kvi].reshape(k_tok, d)
-    if fp8:
-        return (x.astype(jnp.float32) * scale).astype(dtype)
-    return x.astype(dtype)
+def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, parts: int):
+    """Row-pool rows of pages ``ids`` -> ``parts`` column groups (1: ``[k_tok, d]``; 2: even / odd columns
+    ``[k_tok, d/2]``, strided loads) in ``dtype`` (fp8: ``f32(e4m3) * scale``)."""
+    out = []
+    for p in range(parts):
+        cols = slice(None) if parts == 1 else pl.ds(p, d // parts, stride=parts)
+        x = rows_ref[layer, ids, kvi, :, cols].reshape(k_tok, d // parts)
+        out.append((x.astype(jnp.float32) * scale).astype(dtype) if fp8 else x.astype(dtype))
+    return tuple(out)
 
 
 def _kernel(layer_ref, q_ref, pt_ref, len_ref, ht_ref, gs_ref, hs_ref, data_ref, scales_ref, high_ref, plain_ref,
             o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, first_n, last_n, nf, nr, ht_width, sm_scale,
-            window, cap, num_splits, dtype, precise, high_fp8, plain_fp8):
+            window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts):
     s = pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[0]
     k_tok = nb * page
-    q = q_ref[...]
-    m_rows, d = q.shape
+    qs = [q_ref[p] for p in range(parts)]                                   # parts x [M, D/parts]
+    m_rows, dp = qs[0].shape
+    d = dp * parts
     has_low, has_high = data_ref is not None, high_ref is not None
 
     rows = lax.broadcasted_iota(jnp.int32, (m_rows,), 0)
@@ -92,6 +107,16 @@ def _kernel(layer_ref, q_ref, pt_ref, len_ref, ht_ref, gs_ref, hs_ref, data_ref,
     per = (n_blocks - lo_blk + num_splits - 1) // num_splits
     start = lo_blk + s * per
     end = jnp.minimum(start + per, n_blocks)
+    # "clean" blocks [i0, i1): every key visible to every query, no retained row, no row at or past n
+    c_lo = first_n if has_high else 0
+    if window is not None:
+        c_lo = jnp.maximum(c_lo, n - window)
+    c_hi = jnp.minimum(n - (last_n if has_high else 0), n - tq + 1)
+    i0 = (jnp.maximum(c_lo, 0) + k_tok - 1) // k_tok
+    i1 = jnp.maximum(c_hi, 0) // k_tok
+    a = jnp.clip(i0, start, jnp.maximum(end, start))
+    c = jnp.clip(i1, a, jnp.maximum(end, a))
+    e = jnp.maximum(end, c)
 
     gs = [gs_ref[i] for i in range(kv_factor)] if has_low else None
     hs = [hs_ref[i] for i in range(kv_factor)] if (high_fp8 or plain_fp8) else [None] * kv_factor
@@ -99,7 +124,7 @@ def _kernel(layer_ref, q_ref, pt_ref, len_ref, ht_ref, gs_ref, hs_ref, data_ref,
     def load(kvi, ids):
         if has_low:
             return _dequant_low(data_ref, scales_ref, gs[kvi], layer, ids, kvi, k_tok, d, dtype)
-        return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8)
+        return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8, parts)
 
     def overlay(blk, kpos, kv):
         qpg = blk * nb + lax.broadcasted_iota(jnp.int32, (nb,), 0)
@@ -108,47 +133,57 @@ def _kernel(layer_ref, q_ref, pt_ref, len_ref, ht_ref, gs_ref, hs_ref, data_ref,
         held = (col >= 0) & (hid >= 0)
         hid = jnp.maximum(hid, 0)
         held_row = jnp.broadcast_to(held[:, None], (nb, page)).reshape(k_tok)
-        keep = held_row & ((kpos < first_n) | ((kpos >= n - last_n) & (kpos < n)))
+        keep = (held_row & ((kpos < first_n) | ((kpos >= n - last_n) & (kpos < n))))[:, None]
         out = []
-        for kvi, x in enumerate(kv):
-            hx = _load_rows(high_ref, hs[kvi], layer, hid, kvi, k_tok, d, dtype, high_fp8)
-            out.append(jnp.where(keep[:, None], hx, x))
+        for kvi, xs in enumerate(kv):
+            hx = _load_rows(high_ref, hs[kvi], layer, hid, kvi, k_tok, d, dtype, high_fp8, parts)
+            out.append(tuple(jnp.where(keep, h_, x_) for h_, x_ in zip(hx, xs)))
         return tuple(out)
 
-    def body(i, carry):
+    def step(blk, carry, edge):
         o, m, l = carry
-        blk = start + i
         ids = jnp.maximum(pt_ref[pl.ds(blk * nb, nb)], 0)
         kpos = blk * k_tok + lax.broadcasted_iota(jnp.int32, (k_tok,), 0)
         kv = tuple(load(kvi, ids) for kvi in range(kv_factor))
-        if has_high:
-            b0 = blk * k_tok
-            need = (b0 < first_n) | (b0 + k_tok > n - last_n)
-            kv = lax.cond(need, lambda: overlay(blk, kpos, kv), lambda: kv)
-        k, v = kv[0], kv[-1]
-        logits = _dot(q, k, trans_b=True) * sm_scale                        # [M, K] f32
+        if edge and has_high:
+            kv = overlay(blk, kpos, kv)
+        ks, vs = kv[0], kv[-1]
+        logits = _dot(qs[0], ks[0], trans_b=True)
+        for p in range(1, parts):
+            logits += _dot(qs[p], ks[p], trans_b=True)
+        logits = logits * sm_scale                                          # [M, K] f32
         if cap is not None:
             logits = cap * jnp.tanh(logits / cap)
-        mask = kpos[None, :] <= qpos[:, None]
-        if window is not None:
-            mask &= kpos[None, :] > qpos[:, None] - window
-        logits = jnp.where(mask, logits, -jnp.inf)
+        if edge:
+            mask = kpos[None, :] <= qpos[:, None]
+            if window is not None:
+                mask &= kpos[None, :] > qpos[:, None] - window
+            logits = jnp.where(mask, logits, -jnp.inf)
+            # rows at or past n may hold anything (NaN poison): zero them so that p == 0 never meets NaN
+            vs = tuple(jnp.where((kpos < n)[:, None], v_, jnp.zeros((), dtype)) for v_ in vs)
         m_new = jnp.maximum(m, logits.max(axis=-1))
         alpha = jnp.exp(m - m_new)
-        p = jnp.exp(logits - m_new[:, None])
-        l_new = alpha * l + p.sum(axis=-1)
-        v = lax.cond(blk * k_tok + k_tok > n,                                # poisoned rows past n (last block)
-                     lambda: jnp.where((kpos < n)[:, None], v, jnp.zeros((), dtype)), lambda: v)
-        p_hi = p.astype(dtype)
-        pv = _dot(p_hi, v)
-        if precise:
-            pv += _dot((p - p_hi.astype(jnp.float32)).astype(dtype), v)
-        return alpha[:, None] * o + pv, m_new, l_new
+        pr = jnp.exp(logits - m_new[:, None])
+        l_new = alpha * l + pr.sum(axis=-1)
+        p_hi = pr.astype(dtype)
+        p_lo = (pr - p_hi.astype(jnp.float32)).astype(dtype) if precise else None
+        o_new = []
+        for p in range(parts):
+            pv = _dot(p_hi, vs[p])
+            if precise:
+                pv += _dot(p_lo, vs[p])
+            o_new.append(alpha[:, None] * o[p] + pv)
+        return tuple(o_new), m_new, l_new
 
-    init = (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), _M_INIT, jnp.float32),
-            jnp.zeros((m_rows,), jnp.float32))
-    o, m, l = lax.fori_loop(0, jnp.maximum(end - start, 0), body, init)
-    o_ref[...] = o
+    edge_body = lambda i, carry: step(i, carry, True)    # noqa: E731
+    clean_body = lambda i, carry: step(i, carry, False)  # noqa: E731
+    init = (tuple(jnp.zeros((m_rows, dp), jnp.float32) for _ in range(parts)),
+            jnp.full((m_rows,), _M_INIT, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
+    carry = lax.fori_loop(start, a, edge_body, init)          # head: first_n / window edge
+    carry = lax.fori_loop(a, c, clean_body, carry)            # interior: no masks, no twin, pipelined loads
+    o, m, l = lax.fori_loop(c, e, edge_body, carry)           # tail: last_n window, causal, rows past n
+    for p in range(parts):
+        o_ref[p] = o[p]
     m_ref[...] = m
     l_ref[...] = l
 
@@ -179,7 +214,8 @@ def _pad_cols(x, multiple, fill):
 def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
                            first_n: int = 0, last_n: int = 0, num_fixed: int = 0, num_ring: int = 0,
                            sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
-                           soft_cap: Optional[float] = None, num_splits: Optional[int] = None, block_k: int = 64,
+                           soft_cap: Optional[float] = None, num_splits: Optional[int] = None,
+                           block_k: Optional[int] = None,
                            num_warps: int = 4, num_stages: int = 2, precise: bool = True, interpret: bool = False,
                            out_dtype=None):
     """Paged decode / verify attention over raw pool arrays (one layer).
@@ -196,7 +232,9 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       high_table: i32[B, F + R] high page ids (needed with ``high``).
       first_n, last_n, num_fixed, num_ring: retained-set geometry (`KVCacheConfig`).
       num_splits: split-K programs per (row, head); None = `default_num_splits`.
-      block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens).
+      block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens); None =
+        `DEFAULT_BLOCK_K` of the format (128 for NVFP4 pages, 64 for plain row pages).
+      num_warps, num_stages: Triton launch / software-pipelining depth of the interior loop.
       precise: P @ V with P split into two attention-dtype halves (output error ~ its final rounding).
       out_dtype: output dtype (default ``q.dtype``).
 
@@ -215,15 +253,23 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     group = hq // h
     dtype = jnp.dtype(q.dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if block_k is None:
+        block_k = DEFAULT_BLOCK_K["nvfp4" if low is not None else "plain"]
+    if block_k < 1 or num_warps < 1 or num_stages < 1:
+        raise ValueError(f"paged_decode_attention: block_k={block_k}, num_warps={num_warps}, "
+                         f"num_stages={num_stages} must be >= 1")
     nb = max(1, block_k // page, -(-16 // page))
     k_tok = nb * page
     max_blocks = max(1, -(-page_table.shape[1] // nb))
     splits = default_num_splits(b, h, max_blocks) if num_splits is None else int(num_splits)
     m_rows = _next_pow2(max(16, tq * group))
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    parts = 2 if low is not None else 1          # NVFP4: even / odd columns (low / high nibbles) kept apart
+    dp = d // parts
 
     qg = q.reshape(b, tq, h, group, d).transpose(0, 2, 1, 3, 4).reshape(b, h, tq * group, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - tq * group), (0, 0)))
+    qg = qg.reshape(b, h, m_rows, dp, parts).transpose(0, 1, 4, 2, 3)       # [B, H, parts, M, D/parts]
     pt = _pad_cols(jnp.asarray(page_table, jnp.int32), nb, 0)
     lens = jnp.asarray(kv_lens, jnp.int32)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -249,7 +295,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     vec = lambda x: pl.BlockSpec(x.shape, lambda bi, hi, si: (0,))  # noqa: E731
     in_specs = [
         vec(layer_arr),
-        pl.BlockSpec((None, None, m_rows, d), lambda bi, hi, si: (bi, hi, 0, 0)),
+        pl.BlockSpec((None, None, parts, m_rows, dp), lambda bi, hi, si: (bi, hi, 0, 0, 0)),
         pl.BlockSpec((None, pt.shape[1]), lambda bi, hi, si: (bi, 0)),
         pl.BlockSpec((1,), lambda bi, hi, si: (bi,)),
         pl.BlockSpec((None, ht_width), lambda bi, hi, si: (bi, 0)) if use_high else None,
@@ -266,22 +312,23 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     kernel = functools.partial(
         _kernel, page=page, nb=nb, tq=tq, group=group, kv_factor=kv_factor, first_n=first_n, last_n=last_n,
         nf=num_fixed, nr=num_ring, ht_width=ht_width, sm_scale=sm_scale, window=sliding_window, cap=soft_cap,
-        num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8)
+        num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts)
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, h, splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda bi, hi, si: (si, bi, hi, 0, 0)),
+        out_specs=[pl.BlockSpec((None, None, None, parts, m_rows, dp), lambda bi, hi, si: (si, bi, hi, 0, 0, 0)),
                    pl.BlockSpec((None, None, None, m_rows), lambda bi, hi, si: (si, bi, hi, 0)),
                    pl.BlockSpec((None, None, None, m_rows), lambda bi, hi, si: (si, bi, hi, 0))],
-        out_shape=[jax.ShapeDtypeStruct((splits, b, h, m_rows, d), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((splits, b, h, parts, m_rows, dp), jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, h, m_rows), jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, h, m_rows), jnp.float32)],
         interpret=interpret,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         name=f"decode_attention_{fmt}_k{k_tok}_m{m_rows}",
     )(*args)
+    o = jnp.moveaxis(o, 3, -1).reshape(splits, b, h, m_rows, d)               # re-interleave the columns
     out, lse = merge_partials(o, m, l)                                        # [B, H, M, D], [B, H, M]
     out = out[:, :, :tq * group].reshape(b, h, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
     lse = lse[:, :, :tq * group].reshape(b, h, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hq)

@@ -60,9 +60,13 @@ def make_state(dtype="mixed_nvfp4_bf16", first_n=5, last_n=7, page=16, lens=(1, 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def reference(st, layer, q, seq, sm_scale=None, sliding_window=None, soft_cap=None):
+    """float32 attention over the staged cache; query rows that see no key (position < 0 when Tq > n) give zeros
+    and LSE -inf, as the kernel (the raw reference gives NaN there: softmax over nothing)."""
     staged = jm.stage_reference(st, layer, seq)
-    return jm.attention_reference(q, staged[:, 0], staged[:, 1], st.kv_lens[seq], sm_scale=sm_scale,
-                                  sliding_window=sliding_window, soft_cap=soft_cap)
+    out, lse = jm.attention_reference(q, staged[:, 0], staged[:, 1], st.kv_lens[seq], sm_scale=sm_scale,
+                                      sliding_window=sliding_window, soft_cap=soft_cap)
+    ok = lse > -jnp.inf
+    return jnp.where(ok[..., None], out, 0.0), jnp.where(ok, lse, -jnp.inf)
 
 
 def queries(st, tq, hq, seed=1):
@@ -117,6 +121,27 @@ def test_plain_fp8_pages():
     """Plain FP8 pool (scale 0.02), read as f32(e4m3) * scale in the bf16 compute dtype."""
     st = make_state("fp8", first_n=0, last_n=0, lens=(3, 16, 21), page=16, d=32, heads=1, max_draft_len=1)
     check(st, tq=2, hq=2, num_splits=2)
+
+
+def test_tq_longer_than_sequence_small_blocks_poisoned_splits():
+    """GPU failure repro: Tq = 3 > n = 1 (query rows with no key), 16-token blocks and 5 splits so that every
+    split ends on a block holding NaN-poisoned rows past n or twin rows outside the retained set; interior
+    (unmasked, twin-free) blocks run the fast loop. float32 output checked against the float32 reference."""
+    st = make_state(lens=(1, 2, 17, 70, 150), first_n=5, last_n=20, max_draft_len=2)
+    q = queries(st, 3, 4)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    cfg, pools = st.config, st.pools[0]
+    for kw in (dict(), dict(sliding_window=40, soft_cap=8.0)):
+        ref_o, ref_lse = reference(st, 1, q, seq, **kw)
+        assert np.isfinite(np.asarray(ref_o)).all()
+        out, lse = paged_decode_attention(
+            q, st.page_table, st.kv_lens, 1, pools.low, pools.high, None, st.high_table, first_n=cfg.first_n,
+            last_n=cfg.last_n, num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages, num_splits=5,
+            block_k=16, interpret=True, out_dtype=jnp.float32, **kw)
+        assert np.isfinite(np.asarray(out)).all()
+        assert rel_l2(out, ref_o) < 1e-4, kw
+        np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
+        assert (np.asarray(out[0, :2]) == 0).all() and np.isneginf(np.asarray(lse[0, :2])).all()
 
 
 def test_float32_output_three_splits():
@@ -194,13 +219,21 @@ def test_validation_errors():
         decode_attention(st, 0, q, seq, backend="cuda")
     with pytest.raises(ValueError, match="exactly one"):
         paged_decode_attention(q, st.page_table, st.kv_lens)
+    with pytest.raises(ValueError, match="block_k=0"):
+        paged_decode_attention(q, st.page_table, st.kv_lens, 0, st.pools[0].low, block_k=0)
     assert default_num_splits(16, 8, 4096) == 8 and default_num_splits(64, 8, 4096) == 2
     assert default_num_splits(1, 8, 3) == 3
 
 
 # ------------------------------------------------------------------------------------------ CUDA cross-lowering
+# every kernel variant the bench sweeps (block_k, num_warps, num_stages, precise) lowers for CUDA
+TUNINGS = [dict(block_k=64), dict(block_k=128, num_stages=3), dict(block_k=256, num_warps=8, num_stages=3),
+           dict(block_k=128, num_warps=8, num_stages=4, precise=False)]
+
+
+@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 @pytest.mark.parametrize("variant", ["mixed_bf16", "mixed_fp8_verify", "nvfp4", "plain"])
-def test_cross_lowers_for_cuda(variant):
+def test_cross_lowers_for_cuda(variant, tuning):
     L, P, kv, H, page, D, B = 2, 16, 2, 2, 16, 128, 2
     low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
            jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
@@ -209,17 +242,17 @@ def test_cross_lowers_for_cuda(variant):
     tq = 3 if variant == "mixed_fp8_verify" else 1
     q = jnp.zeros((B, tq, 8, D), jnp.bfloat16)
     pt, lens, ht = jnp.zeros((B, 8), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
-    kw = dict(first_n=5, last_n=7, num_fixed=1, num_ring=3, num_splits=2)
+    kw = dict(first_n=5, last_n=7, num_fixed=1, num_ring=3, num_splits=2, **tuning)
     if variant.startswith("mixed"):
         extra = dict(sliding_window=64, soft_cap=30.0) if tq > 1 else {}
         fn = lambda q, pt, lens, ht, low, high: paged_decode_attention(  # noqa: E731
             q, pt, lens, 1, low, high, None, ht, **kw, **extra)
         text = cross_lower_cuda(fn, q, pt, lens, ht, low, high)
     elif variant == "nvfp4":
-        fn = lambda q, pt, lens, low: paged_decode_attention(q, pt, lens, 0, low, num_splits=2)  # noqa: E731
+        fn = lambda q, pt, lens, low: paged_decode_attention(q, pt, lens, 0, low, num_splits=2, **tuning)  # noqa
         text = cross_lower_cuda(fn, q, pt, lens, low)
     else:
-        fn = lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, 0, None, None, plain)  # noqa: E731
+        fn = lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, 0, None, None, plain, **tuning)  # noqa
         text = cross_lower_cuda(fn, q, pt, lens, high)
     assert "triton" in text.lower()
 

@@ -342,7 +342,7 @@ def test_kernel_ir_uses_rounded_ptx_ops():
     slots = jnp.arange(16, dtype=jnp.int32)
     k = jnp.zeros((16, 1, 64), jnp.bfloat16)
     text = W.dump_kernel_ir(st.pools[0], k, k, 0, slots, slots, PAGE, positions=slots, rope=jk.RopeSpec())
-    assert "mul.rn.f32 t1" in text and "sub.rn.f32" in text and "div.rn.f32" in text
+    assert "mul.rn.f32 $0" in text and "sub.rn.f32 $0" in text and "div.rn.f32 $0" in text
     assert not re.search(r"\barith\.divf\b.*f32", text)  # Triton would emit div.full.f32 (approximate)
 
 
@@ -394,16 +394,3 @@ def test_gpu_fma_sensitive_rows_match_numpy():
     rows = np.asarray(out.pools[0].high.rows[0][hslot // PAGE, 0, :, hslot % PAGE, :])  # [T, H, D]
     want = numpy_rope(k, cos[:, None, :], sin[:, None, :], rope).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(_bits(rows), _bits(want))
-
-
-@gpu
-def test_gpu_ptx_has_no_fma(tmp_path):
-    """Compile the kernel with an XLA dump in a subprocess and count fma instructions in its PTX."""
-    import os
-    import subprocess
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "write_bench.py")
-    r = subprocess.run([sys.executable, bench, "--dump-ptx", str(tmp_path)], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "kernel fma count: 0" in r.stdout, r.stdout[-3000:]
