@@ -64,16 +64,19 @@ def _dequant_low(data_ref, scales_ref, gs, layer, ids, kvi, k_tok, d, dtype):
     Per element: 4 integer ops on the widened byte (f16 bits ``sign << 15 | magnitude << 9`` = value * 2^-14),
     one f16 -> f32 convert, one multiply by the per-block factor ``f32(s) * 2^14 * gs`` (a ``[k_tok, d/16]`` tile
     broadcast over 8 columns), one cast to ``dtype``."""
-    half = d // 2
-    b = data_ref[layer, ids, kvi].reshape(k_tok, half).astype(jnp.uint16)
-    sc = scales_ref[layer, ids, kvi].reshape(k_tok, d // 16).astype(jnp.float32) * (gs * _F16_BIAS)
+    half, nblk = d // 2, d // 16
+    # [tokens, scale blocks, 8 bytes]: the only reshapes act on the u8 input and the final dtype tile (if Triton
+    # cannot make a reshape free it moves 1-2 bytes per element, never f32)
+    b = data_ref[layer, ids, kvi].reshape(k_tok, nblk, 8).astype(jnp.uint16)
+    sc = scales_ref[layer, ids, kvi].reshape(k_tok, nblk).astype(jnp.float32) * (gs * _F16_BIAS)
+    sc = sc[:, :, None]
     u = lambda v: jnp.uint16(v)  # noqa: E731
     lo = ((b << u(12)) & u(0x8000)) | ((b << u(9)) & u(0x0E00))
     hi = ((b << u(8)) & u(0x8000)) | ((b << u(5)) & u(0x0E00))
 
     def scale(bits):
         e = lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)        # value * 2^-14, exact
-        return (e.reshape(k_tok, d // 16, 8) * sc[:, :, None]).reshape(k_tok, half).astype(dtype)
+        return (e * sc).astype(dtype).reshape(k_tok, half)
     return scale(lo), scale(hi)
 
 

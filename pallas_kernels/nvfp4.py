@@ -59,7 +59,9 @@ __all__ = ["quantize", "dequantize", "kernel_width", "QUANT_DEFAULTS", "QUANT_IM
 
 BLOCK = 16
 #: kernel tiling defaults (kernel rows are ``W`` wide, see `kernel_width`; W = 128 for D = 128)
-QUANT_DEFAULTS = dict(block_rows=512, sub_rows=32, num_warps=4, num_stages=2, code_impl="magic", impl="v1")
+#: fastest bit-exact variant on the H200 (2026-11-29, bench/nvfp4_bench.py --quick: 0.535 ms for 1 GiB bf16,
+#: 60% of copy bandwidth; v1 at 512/32/4/2 was 0.621 ms). "pairs" falls back to "blocked" for non-bf16 input.
+QUANT_DEFAULTS = dict(block_rows=32, sub_rows=32, num_warps=4, num_stages=1, code_impl="magic", impl="pairs")
 #: quantize kernel variants (see `quantize`): "v1" = the original 2-D kernel; the others are per-block 3-D kernels
 QUANT_IMPLS = ("v1", "blocked", "strided", "pairs")
 DEQUANT_DEFAULTS = dict(block_rows=512, sub_rows=32, num_warps=4, num_stages=2)
