@@ -3,8 +3,10 @@
 Side by side, one run, batch x context grid (default {1, 16, 64} x {4k, 32k, 128k}), 8 KV heads, 32 query heads,
 head_dim 128, page 16, one query token:
 
-  (a) ``mixed``   our fused kernel on mixed_nvfp4_bf16 pools (first_n = last_n = 64), best of a few configs
-  (b) ``plain``   the same kernel family over plain bf16 pages
+  (a) ``mixed``   our fused kernel on mixed_nvfp4_bf16 pools (first_n = last_n = 64), best of the sweep
+                  `MIXED_CONFIGS` (block_k x num_warps x num_stages x split multiplier; every config's output is
+                  checked finite and equal to the first config's to 1e-2 before it is timed)
+  (b) ``plain``   the same kernel family over plain bf16 pages (`PLAIN_CONFIGS`)
   (c) ``jax_pa``  ``jax.experimental.pallas.ops.gpu.paged_attention`` over bf16 pages (best of
                   pages_per_compute_block x k_splits)
   (d) ``stage``   "stage (XLA) + paged attention": jnp gather + NVFP4 dequant + retained-row overlay into a bf16
@@ -472,6 +474,16 @@ def table(rows):
     return "\n".join(lines)
 
 
+def best_lines(rows):
+    """One line per shape: the best config of (a) / (b) / (c) and all of (a)'s timings."""
+    out = []
+    for r in rows:
+        allm = " ".join(f"{k}={v:.3f}" for k, v in (r.get("mixed_all") or {}).items() if v is not None)
+        out.append(f"{r['batch']} x {r['context']}: best (a) {r.get('mixed_cfg')} (b) {r.get('plain_cfg')} "
+                   f"(c) {r.get('jax_pa_cfg')}; (a) sweep: {allm}")
+    return "\n".join(out)
+
+
 def versions(torch):
     v = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
     try:
@@ -493,7 +505,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="4096,32768,131072")
-    ap.add_argument("--quick", action="store_true", help="fewer configs per kernel")
+    ap.add_argument("--quick", action="store_true",
+                    help="sweep MIXED/PLAIN_CONFIGS on the first shape only, then its TOP_K; fewer jax_pa configs")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes in interpret mode (script check)")
     ap.add_argument("--budget-s", type=float, default=520.0,
                     help="stop starting new shapes after this many seconds (the device runs commands for <= 600 s)")
@@ -551,7 +564,7 @@ def main(argv=None):
         with open(path, "w") as f:
             json.dump(result, f, indent=1, default=str)
         print(table([row]).splitlines()[-1], flush=True)
-    text = table(result["rows"])
+    text = table(result["rows"]) + "\n" + best_lines(result["rows"])
     print(text)
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)

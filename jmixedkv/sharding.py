@@ -149,8 +149,14 @@ def sharded_stage(mesh: Mesh, state: CacheState, layer, seq_slots, group: int = 
 
 
 def sharded_gather_rows(mesh: Mesh, state: CacheState, layer, seq_slots, indices, group: int = 0, **kwargs):
-    """`jmixedkv.read.gather_rows` per shard: the scratch ``[B, K, kv, H, D]`` sharded over H."""
+    """`jmixedkv.read.gather_rows` per shard: the scratch ``[B, K, kv, H, D]`` sharded over H.
+
+    Only attention-dtype scratches: the FP8 scratch's per-row scale is a maximum over *all* heads, which a shard
+    cannot compute alone (it would need a cross-device max before the encode)."""
     from .read import gather_rows
+    if kwargs.get("scratch_dtype") is not None:
+        raise ValueError(f"sharded_gather_rows: scratch_dtype={kwargs['scratch_dtype']!r} is not supported under "
+                         f"tensor parallelism (the FP8 scale spans all heads); use the attention-dtype scratch")
 
     def fn(st, l_, s_, i_):
         return gather_rows(st, l_, s_, i_, group=group, **kwargs)

@@ -124,10 +124,11 @@ def test_plain_fp8_pages():
 
 
 def test_tq_longer_than_sequence_small_blocks_poisoned_splits():
-    """GPU failure repro: Tq = 3 > n = 1 (query rows with no key), 16-token blocks and 5 splits so that every
-    split ends on a block holding NaN-poisoned rows past n or twin rows outside the retained set; interior
-    (unmasked, twin-free) blocks run the fast loop. float32 output checked against the float32 reference."""
-    st = make_state(lens=(1, 2, 17, 70, 150), first_n=5, last_n=20, max_draft_len=2)
+    """GPU failure repro: Tq = 3 > n = 1 (query rows with no key: the raw reference gives NaN there). 16-token
+    blocks and 3 splits: each split holds head / tail edge blocks (twin overlay, NaN-poisoned rows past n,
+    poisoned twin rows outside the retained set) and interior blocks run the unmasked fast loop; with a
+    sliding window the interior shrinks to one block. float32 output against the float32 reference."""
+    st = make_state(lens=(1, 17, 70, 150), first_n=5, last_n=20, max_draft_len=2)
     q = queries(st, 3, 4)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     cfg, pools = st.config, st.pools[0]
@@ -136,7 +137,7 @@ def test_tq_longer_than_sequence_small_blocks_poisoned_splits():
         assert np.isfinite(np.asarray(ref_o)).all()
         out, lse = paged_decode_attention(
             q, st.page_table, st.kv_lens, 1, pools.low, pools.high, None, st.high_table, first_n=cfg.first_n,
-            last_n=cfg.last_n, num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages, num_splits=5,
+            last_n=cfg.last_n, num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages, num_splits=3,
             block_k=16, interpret=True, out_dtype=jnp.float32, **kw)
         assert np.isfinite(np.asarray(out)).all()
         assert rel_l2(out, ref_o) < 1e-4, kw

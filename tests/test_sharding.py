@@ -74,3 +74,34 @@ def test_sharded_transitions_and_stage_match_unsharded(mesh):
 def test_head_count_must_divide(mesh):
     with pytest.raises(ValueError, match="num_kv_heads=2 is not divisible by the tensor-parallel size 4"):
         jm.init_state(CFG, jm.GroupSpec(1, 2, 32), 8, 2, mesh=mesh)
+
+
+def _filled(mesh):
+    """A mixed state with 3 ragged sequences, built unsharded, and its sharded copy."""
+    state = jm.init_state(CFG, jm.GroupSpec(L, H, D), 32, 3, 8, poison=True)
+    state = _drive(jax.jit(functools.partial(jm.append, backend="reference")), state, np.random.default_rng(1))
+    return state, sharding.shard_state(state, mesh)
+
+
+def test_sharded_readers_match_unsharded(mesh):
+    plain, shard = _filled(mesh)
+    seq = jnp.array([2, 0, -1, 1], jnp.int32)
+    # stage: the Pallas kernel (interpret mode on CPU) per shard
+    a = jax.jit(lambda st: sharding.sharded_stage(mesh, st, 1, seq, backend="pallas"))(shard)
+    b = jax.jit(lambda st: jm.stage(st, 1, seq, backend="pallas", validate=False))(plain)
+    assert_trees_bit_equal(jax.device_get(a), jax.device_get(b))
+    assert a.pages.sharding.spec[2] == "tp"
+    # gather_rows (attention-dtype scratch)
+    idx = jnp.array([[0, 3, 8, 13, -1], [1, 0, 4, 5, 6], [0, 0, 0, 0, 0], [2, 1, 0, -1, -1]], jnp.int32)
+    a = jax.jit(lambda st: sharding.sharded_gather_rows(mesh, st, 0, seq, idx, backend="pallas", validate=False))(shard)
+    b = jax.jit(lambda st: jm.gather_rows(st, 0, seq, idx, backend="pallas", validate=False))(plain)
+    assert_trees_bit_equal(jax.device_get(a), jax.device_get(b))
+    with pytest.raises(ValueError, match="not supported under tensor parallelism"):
+        sharding.sharded_gather_rows(mesh, shard, 0, seq, idx, scratch_dtype="fp8")
+    # decode attention: the fused kernel per shard, query heads sharded, split count fixed
+    q = jnp.asarray(np.random.default_rng(2).normal(size=(4, 2, 2 * H, D)), jnp.bfloat16)
+    for backend, kw in (("reference", {}), ("pallas", {"num_splits": 2})):
+        a = jax.jit(lambda st, q_: sharding.sharded_decode_attention(mesh, st, 1, q_, seq, backend=backend, **kw))(
+            shard, q)
+        b = jax.jit(lambda st, q_: jm.decode_attention(st, 1, q_, seq, backend=backend, **kw))(plain, q)
+        assert_trees_bit_equal(jax.device_get(a), jax.device_get(b))
