@@ -51,7 +51,9 @@ NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
 _F16_BIAS = 16384.0    # f16 bits (m << 9) read as 2^-14 * e2m1 value
 _dot = getattr(pltriton, "dot", None) or pl.dot
-DEFAULT_BLOCK_K = {"nvfp4": 128, "plain": 64}   # tokens per inner step when block_k is None
+# tokens per inner step when block_k is None; with num_stages=3 the fastest on the H200 (2026-11-29,
+# bench/decode_bench.py, 16 x 32k: NVFP4 k128/4 warps/3 stages 0.801-0.810 ms, plain bf16 k128/4/3 1.036 ms)
+DEFAULT_BLOCK_K = {"nvfp4": 128, "plain": 128}
 
 
 def _next_pow2(x: int) -> int:
@@ -229,7 +231,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                            sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            soft_cap: Optional[float] = None, num_splits: Optional[int] = None,
                            block_k: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 2, precise: bool = True, interpret: bool = False,
+                           num_warps: int = 4, num_stages: int = 3, precise: bool = True, interpret: bool = False,
                            out_dtype=None):
     """Paged decode / verify attention over raw pool arrays (one layer).
 
