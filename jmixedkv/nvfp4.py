@@ -130,7 +130,7 @@ def quantize(x, global_scale=1.0):
     sf = e4m3_values(s)
     prod = sf * gs
     r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / _keep(prod, prod))
-    codes = e2m1_codes(xf * r[..., None])
+    codes = e2m1_codes(xf * _keep(r, r)[..., None])  # opaque r: XLA may not rewrite x * (1/d) as x / d
     return pack_nibbles(codes.reshape(x.shape)), s
 
 
