@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 if "--smoke" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
@@ -25,9 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import sharding  # noqa: E402
 from jmixedkv.attention import decode_attention  # noqa: E402
+from read_bench import timeit as _median_s  # noqa: E402  (warm-up + median wall time, seconds)
+
+
+def timeit(fn, *args, iters=30):
+    return _median_s(fn, *args, iters=iters) * 1e3
 
 
 def random_state(cfg, spec, batch, ctx, seed=0):
@@ -55,17 +60,6 @@ def random_state(cfg, spec, batch, ctx, seed=0):
     return dataclasses.replace(
         state, pools=(dataclasses.replace(pool, low=low, high=high),), page_table=page_table, high_table=high_table,
         kv_lens=jnp.full((batch,), ctx, jnp.int32), active=jnp.ones((batch,), bool))
-
-
-def timeit(fn, *args, iters=30, warmup=3):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
 
 
 def main(argv=None):
