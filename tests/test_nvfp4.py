@@ -274,8 +274,13 @@ def test_bad_last_dim_raises():
 
 # ------------------------------------------------------------------------------------------ torchao 0.18.0
 def _torchao():
-    torch = pytest.importorskip("torch")
-    mod = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    """torch + torchao 0.18.0 (the `test` extra installs both: a missing one is a failure, not a skip)."""
+    import importlib
+
+    import torch
+    import torchao
+    assert torchao.__version__.startswith("0.18.0"), f"tests pin torchao 0.18.0, found {torchao.__version__}"
+    mod = importlib.import_module("torchao.prototype.mx_formats.nvfp4_tensor")
     return torch, mod.nvfp4_quantize, mod.per_tensor_amax_to_scale
 
 
