@@ -168,9 +168,9 @@ def _e2m1_codes(y):
     return jnp.where(jnp.isnan(y), zero, sign | mag)
 
 
-def _quantize_tile(x, gs, enc, ops):
-    """NVFP4 of ``x f32[BT, DP]`` with scalar decode scale ``gs``. ``enc = 1/gs`` is recomputed in-kernel with an
-    exact IEEE division on the block tile (the XLA-computed ``enc`` argument is kept only for the interface).
+def _quantize_tile(x, gs, ops):
+    """NVFP4 of ``x f32[BT, DP]`` with scalar decode scale ``gs``; ``enc = 1/gs`` is computed in-kernel with an
+    exact IEEE division on the block tile.
 
     Returns ``(packed u8[BT, DP/2], scales float8_e4m3fn[BT, DP/16])``; op order of `jmixedkv.nvfp4.quantize`."""
     bt, dp = x.shape
@@ -178,7 +178,6 @@ def _quantize_tile(x, gs, enc, ops):
     amax = jnp.max(jnp.abs(xb), axis=-1)
     has_nan = jnp.max(jnp.where(jnp.isnan(xb), jnp.int32(1), jnp.int32(0)), axis=-1) > 0
     amax = jnp.where(has_nan, jnp.float32(jnp.nan), amax)
-    del enc
     enc = ops.div(jnp.full(amax.shape, 1.0, jnp.float32), jnp.broadcast_to(gs, amax.shape))
     s = ops.mul(enc, ops.mul(amax, _SIXTH))
     s = jnp.where(jnp.isnan(s), s, jnp.minimum(jnp.maximum(s, 0.0), nvfp4.E4M3_MAX))
@@ -289,7 +288,7 @@ def _write_kernel(plan: _Plan, *refs):
     layer_ref, lslot_ref, hslot_ref, k_ref = take(), take(), take(), take()
     v_ref = take() if plan.kv == 2 else None
     cos_ref, sin_ref = (take(), take()) if plan.rope_style else (None, None)
-    gs_ref, enc_ref = (take(), take()) if plan.has_low else (None, None)
+    gs_ref = take() if plan.has_low else None
     rscale_ref = take() if plan.row_pool else None
     n_pool = (2 if plan.has_low else 0) + (1 if plan.row_pool else 0)
     refs = refs[n_pool:]  # aliased inputs: only the outputs are written
@@ -336,7 +335,7 @@ def _write_kernel(plan: _Plan, *refs):
                 rot = ops.rotate(xf, pf, cos_t, sin_t)
                 x = jnp.where(col < plan.rotary_dim, rot, xf).astype(x.dtype)
             if plan.has_low:
-                packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], enc_ref[layer, kvi], ops)
+                packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], ops)
                 pltriton.store(data_ref.at[layer, low_pg, kvi, h, low_row, c2], packed,
                                mask=_row_mask(low_ok, c2, d // 2, padded))
                 pltriton.store(scales_ref.at[layer, low_pg, kvi, h, low_row, c16], scales,
@@ -497,7 +496,7 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
     pools_flat = []
     if pools.low is not None:
         gs = pools.low.gs.astype(jnp.float32)
-        inputs += [gs, jnp.float32(1.0) / gs]
+        inputs.append(gs)
         pools_flat += [pools.low.data, pools.low.scales]
     row = pools.high if plan.row_pool == "high" else pools.plain
     if row is not None:

@@ -313,21 +313,21 @@ def _cpu_reference_quant(x, gs):
     return _on_cpu(nvfp4.quantize, x, gs)
 
 
-def _quant_diff(got, want, msg):
-    """None if bit-identical, else a one-line description (so a GPU run reports every failing pair at once)."""
+def _diff(check, got, want, msg):
+    """None if ``check`` passes, else its one-line message (so a GPU run reports every failing pair at once)."""
     try:
-        assert_same_quant(got, want, msg)
+        check(got, want, msg)
     except AssertionError as e:
         return str(e)
     return None
+
+
+def _quant_diff(got, want, msg):
+    return _diff(assert_same_quant, got, want, msg)
 
 
 def _bits_diff(got, want, msg):
-    try:
-        assert_same_bits(got, want, msg)
-    except AssertionError as e:
-        return str(e)
-    return None
+    return _diff(assert_same_bits, got, want, msg)
 
 
 def _run(fn, *args):
