@@ -53,15 +53,16 @@ H, HQ, D, PAGE, FIRST_N, LAST_N = 8, 32, 128, 16, 64, 64
 CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
 NF, NR = CFG.num_fixed_pages, CFG.num_ring_pages
 # Kernel variants (block_k tokens per step, num_warps, num_stages, split multiplier vs default_num_splits,
-# precise P @ V). The first shape of a run sweeps them all; later shapes of a --quick run time only the best
-# TOP_K of the first shape (compiles dominate the budget). precise=False is timed for information only (its
-# error is ~1e-3, at the accuracy limit) and never reported as the best.
-MIXED_CONFIGS = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, num_warps=4, num_stages=2),
-                 dict(block_k=128, num_warps=4, num_stages=3), dict(block_k=256, num_warps=8, num_stages=2),
-                 dict(block_k=256, num_warps=8, num_stages=3),
+# precise P @ V, dequant form). The first shape of a run sweeps them all; later shapes of a --quick run time only
+# the best TOP_K of the first shape (compiles dominate the budget). "-p": P split in two f16 halves (float32-output
+# accuracy); "-jnp": the NVFP4 dequantization in plain jnp ops instead of the packed inline PTX.
+MIXED_CONFIGS = [dict(block_k=128, num_warps=4, num_stages=3), dict(block_k=128, num_warps=4, num_stages=4),
+                 dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=128, num_warps=2, num_stages=3),
+                 dict(block_k=64, num_warps=2, num_stages=3), dict(block_k=64, num_warps=1, num_stages=3),
                  dict(block_k=128, num_warps=4, num_stages=3, split_mult=2),
-                 dict(block_k=128, num_warps=4, num_stages=3, split_mult=0.5),
-                 dict(block_k=128, num_warps=4, num_stages=3, precise=False)]
+                 dict(block_k=128, num_warps=4, num_stages=3, precise=True),
+                 dict(block_k=128, num_warps=4, num_stages=3, dequant="jnp"),
+                 dict(block_k=128, num_warps=4, num_stages=3, keys_major=True)]
 PLAIN_CONFIGS = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, num_warps=4, num_stages=3),
                  dict(block_k=128, num_warps=8, num_stages=3), dict(block_k=256, num_warps=8, num_stages=3)]
 FULL_EXTRA = [dict(block_k=128, num_warps=8, num_stages=3), dict(block_k=64, num_warps=4, num_stages=4), dict(block_k=256, num_warps=4, num_stages=2),
@@ -228,7 +229,11 @@ def ours_fn(mode, cfg, b, npg):
     blocks = max(1, npg // max(1, cfg["block_k"] // PAGE))
     splits = max(1, min(blocks, int(default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
     kw = dict(block_k=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
-              precise=cfg.get("precise", True), num_splits=splits, interpret=INTERPRET)
+              precise=cfg.get("precise"), num_splits=splits, interpret=INTERPRET)
+    if mode == "mixed" and "dequant" in cfg:
+        kw["dequant"] = cfg["dequant"]
+    if "keys_major" in cfg:
+        kw["keys_major"] = cfg["keys_major"]
     if mode == "mixed":
         return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
             q, pt, lens, 0, low, high, None, ht, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
@@ -244,14 +249,14 @@ def jax_pa_fn(ppcb, ks):
 
 
 def cfg_name(c):
-    """``k128w4s3x1`` (+ ``-imprecise``): block_k, num_warps, num_stages, split multiplier."""
+    """``k128w4s3x1`` (+ ``-p`` precise, ``-jnp`` dequant, ``-km`` keys-major): block_k, num_warps, num_stages, split multiplier."""
     name = f"k{c['block_k']}w{c['num_warps']}s{c.get('num_stages', 2)}x{c.get('split_mult', 1)}"
-    return name + ("" if c.get("precise", True) else "-imprecise")
+    return (name + ("-p" if c.get("precise") else "") + (f"-{c['dequant']}" if "dequant" in c else "")
+            + ("-km" if c.get("keys_major") else ""))
 
 
 def best_of(label, candidates):
-    """candidates: list of (name, thunk -> ms). Returns (best_ms, best_name, all); names ending in
-    ``-imprecise`` are timed and printed but never the best."""
+    """candidates: list of (name, thunk -> ms). Returns (best_ms, best_name, all)."""
     results = {}
     for name, thunk in candidates:
         t0 = time.time()
@@ -261,7 +266,7 @@ def best_of(label, candidates):
         except Exception as e:  # a config that does not compile is reported, not fatal
             results[name] = None
             print(f"  {label} {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    ok = {k: v for k, v in results.items() if v is not None and not k.endswith("-imprecise")}
+    ok = {k: v for k, v in results.items() if v is not None}
     if not ok:
         return None, None, results
     name = min(ok, key=ok.get)
@@ -292,9 +297,23 @@ def check_correctness(torch):
     rel = lambda a: float(jnp.linalg.norm(a.astype(jnp.float32) - ref.astype(jnp.bfloat16).astype(jnp.float32))  # noqa
                           / jnp.linalg.norm(ref))
     out = {}
+    # the fused kernel reads NVFP4 / twin values exactly: its oracle is attention over the float32 staging
+    staged32 = jm.stage_reference(st, 0, slots, dtype=jnp.float32)
+    ref32, ref32_lse = jm.attention_reference(q, staged32[:, 0], staged32[:, 1], st.kv_lens)
+    rel32 = lambda a: float(jnp.linalg.norm(a.astype(jnp.float32) - ref32.astype(jnp.bfloat16).astype(jnp.float32))  # noqa
+                            / jnp.linalg.norm(ref32))
     o, lse = decode_attention(st, 0, q, slots, backend="pallas")
-    out["mixed_kernel"] = rel(o)
-    out["mixed_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref_lse)))
+    out["mixed_kernel"] = rel32(o)
+    out["mixed_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref32_lse)))
+    out["mixed_kernel_vs_bf16_staging"] = rel(o)
+    o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high,
+                                  None, st.high_table, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
+                                  dequant="jnp", interpret=INTERPRET)
+    out["mixed_kernel_jnp_dequant"] = rel32(o)
+    o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high, None, st.high_table,
+                                  first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR, precise=True,
+                                  out_dtype=jnp.float32, interpret=INTERPRET)
+    out["mixed_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
     # plain bf16 pages holding exactly the staged rows
     pools = st.pools[0]
     plain_rows = jnp.zeros((1, len(lens) * npg, 2, H, PAGE, D), jnp.bfloat16)
@@ -324,6 +343,7 @@ def check_correctness(torch):
         o = jnp.asarray(torch.cat(outs).cpu().numpy())
         out["torch_sdpa_f32"] = rel(o)
     ok = (out["mixed_kernel"] < 1e-3 and out["plain_kernel"] < 1e-3 and out["stage_xla_bitexact_k"]
+          and out["mixed_kernel_jnp_dequant"] < 1e-3 and out["mixed_kernel_f32_out_vs_f32"] < 1e-4
           and out["stage_plus_jax_pa"] < 1e-2 and out["mixed_kernel_lse_abs"] < 1e-3)
     return ok, out
 
@@ -419,7 +439,7 @@ def run_shape(b, ctx, bw, torch_ms, quick, first_shape_best=None):
 
 def top_configs(results, k=None):
     """Names of the ``k`` (default TOP_K) fastest precise configs in ``{name: ms or None}``."""
-    ok = sorted((v, n) for n, v in results.items() if v is not None and not n.endswith("-imprecise"))
+    ok = sorted((v, n) for n, v in results.items() if v is not None)
     return tuple(n for _, n in ok[:k or TOP_K])
 
 

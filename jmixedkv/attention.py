@@ -88,7 +88,9 @@ def _lens(state, seq):
 
 @functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap"))
 def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap):
-    staged = stage_reference(state, layer, seq, group)                      # [B, kv, H, S, D]
+    # NVFP4 groups: the decoded values exactly (float32 staging), as the fused kernel reads them
+    exact = jnp.float32 if state.kinds[group] != "plain" else None
+    staged = stage_reference(state, layer, seq, group, dtype=exact)         # [B, kv, H, S, D]
     k, v = staged[:, 0], staged[:, -1]
     lens = _lens(state, seq)
     out, lse = attention_reference(q, k, v, lens, sm_scale=sm_scale, sliding_window=sliding_window,

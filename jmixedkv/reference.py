@@ -19,12 +19,13 @@ from .pools import read_low_rows, read_row_pool
 __all__ = ["stage_reference", "rows_reference", "attention_reference"]
 
 
-def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None):
-    """Rows a reader sees at tokens ``(seq[...], pos[...])`` -> ``[..., kv, H, D]`` in the attention dtype.
+def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=None):
+    """Rows a reader sees at tokens ``(seq[...], pos[...])`` -> ``[..., kv, H, D]`` in ``dtype`` (default: the
+    attention dtype; ``float32`` gives the decoded values before any rounding to it).
 
     Positions outside ``[0, n)``, padding (``seq < 0``) and rows whose page is not held read as zero."""
     cfg, kind, pools = state.config, state.kinds[group], state.pools[group]
-    dtype = cfg.attention_dtype
+    dtype = cfg.attention_dtype if dtype is None else jnp.dtype(dtype)
     kv_lens = state.kv_lens if kv_lens is None else kv_lens
     page = cfg.page_size
     s = jnp.clip(seq, 0, state.max_seqs - 1)
@@ -48,7 +49,7 @@ def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None):
     return jnp.where(valid[..., None, None, None], out, jnp.zeros((), dtype))
 
 
-def stage_reference(state, layer, seq_slots, group: int = 0, kv_lens=None):
+def stage_reference(state, layer, seq_slots, group: int = 0, kv_lens=None, dtype=None):
     """Dense cache a reader must see: ``[B, kv, H, max_pages * page, D]`` in the attention dtype.
 
     Args:
@@ -56,11 +57,13 @@ def stage_reference(state, layer, seq_slots, group: int = 0, kv_lens=None):
       layer: layer index within the group.
       seq_slots: i32[B] sequence slots (-1 = padding row, all zeros).
       kv_lens: optional override of the lengths (default ``state.kv_lens``).
+      dtype: output dtype (default the attention dtype). ``float32`` keeps the decoded NVFP4 / FP8 values exact
+        (``(e2m1 * s) * gs`` in float32): the oracle of the fused decode kernel, which never rounds them.
     """
     seq = jnp.asarray(seq_slots, jnp.int32)
     s_max = state.max_pages_per_seq * state.page_size
     pos = jnp.arange(s_max, dtype=jnp.int32)
-    rows = rows_reference(state, layer, seq[:, None], pos[None, :], group, kv_lens)  # [B, S, kv, H, D]
+    rows = rows_reference(state, layer, seq[:, None], pos[None, :], group, kv_lens, dtype)  # [B, S, kv, H, D]
     return jnp.transpose(rows, (0, 2, 3, 1, 4))
 
 

@@ -68,28 +68,64 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------- in-kernel helpers
-def _dequant_low(data_ref, scales_ref, gs, layer, ids, kvi, k_tok, d, dtype):
-    """NVFP4 rows of pages ``ids`` -> ``(even, odd)`` columns, each ``[k_tok, d/2]`` in ``dtype``.
+# e2m1 -> f16 for 4 packed bytes, times the per-element f16 block factor: inline PTX with pack=4, one call for the
+# low nibbles (even columns) and one for the high nibbles (odd columns); $0,$1 = the f16 pairs of bytes 0-1 / 2-3,
+# $2 = the 4 bytes, $3,$4 = the f16 factors of bytes 0-1 / 2-3. The high byte of each f16 is
+# ``sign << 7 | magnitude << 1`` (f16 bits ``sign << 15 | magnitude << 9`` = e2m1 value * 2^-14, exact), built for
+# 4 bytes at once (shift + and + lop3), moved into place by prmt (low byte 0), then one packed ``mul.rn.f16x2`` per
+# 2 elements: ~2 integer ops and half an f16x2 multiply per element, and no conversion instruction (those run at
+# 16 per clock per SM on Hopper: they bound an f16 -> f32 -> multiply -> bf16 dequantization).
+_DEQUANT_ASM = {
+    "lo": """{
+.reg .b32 l, t, m;
+shl.b32 l, $2, 1;
+shl.b32 t, $2, 4;
+and.b32 t, t, 0x80808080;
+lop3.b32 l, l, 0x0E0E0E0E, t, 0xEA;
+prmt.b32 m, l, 0, 0x1404;
+mul.rn.f16x2 $0, m, $3;
+prmt.b32 m, l, 0, 0x3424;
+mul.rn.f16x2 $1, m, $4;
+}""",
+    "hi": """{
+.reg .b32 h, t, m;
+shr.b32 h, $2, 3;
+and.b32 t, $2, 0x80808080;
+lop3.b32 h, h, 0x0E0E0E0E, t, 0xEA;
+prmt.b32 m, h, 0, 0x1404;
+mul.rn.f16x2 $0, m, $3;
+prmt.b32 m, h, 0, 0x3424;
+mul.rn.f16x2 $1, m, $4;
+}"""}
+LOW_DOMAIN = 128.0     # low rows dequantize to x / (gs * 2^7) in f16 (e2m1 * 2^-14 times e4m3 * 2^7: exact)
+
+
+def _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm: bool):
+    """NVFP4 rows of pages ``ids`` -> ``(even, odd)`` columns, each f16 ``[k_tok, d/2]``, in the *low domain*
+    ``x / (gs * 2^7)`` (``gs`` is applied by the caller: folded into the logit scale for K and the output scale
+    for V).
 
     No nibble interleave: byte ``c`` of a row holds elements ``2c`` (low nibble) and ``2c + 1`` (high nibble), so
     the low nibbles are the even columns and the high nibbles the odd ones; the caller permutes q / o to match.
-    Per element: 4 integer ops on the widened byte (f16 bits ``sign << 15 | magnitude << 9`` = value * 2^-14),
-    one f16 -> f32 convert, one multiply by the per-block factor ``f32(s) * 2^14 * gs`` (a ``[k_tok, d/16]`` tile
-    broadcast over 8 columns), one cast to ``dtype``."""
+    Value of an element: ``(e2m1 * 2^-14) * (f16(s) * 2^7)`` in f16 = ``e2m1 * s * 2^-7`` **exactly** (<= 6
+    significant bits, magnitude in [2^-17, 21]; f16 keeps subnormals), so this path adds no rounding at all
+    before the f16 x f16 -> f32 dot. ``use_asm``: the packed inline-PTX form (GPU); otherwise the same arithmetic in
+    jnp (interpret mode)."""
     half, nblk = d // 2, d // 16
-    # [tokens, scale blocks, 8 bytes]: the only reshapes act on the u8 input and the final dtype tile (if Triton
-    # cannot make a reshape free it moves 1-2 bytes per element, never f32)
-    b = data_ref[layer, ids, kvi].reshape(k_tok, nblk, 8).astype(jnp.uint16)
-    sc = scales_ref[layer, ids, kvi].reshape(k_tok, nblk).astype(jnp.float32) * (gs * _F16_BIAS)
-    sc = sc[:, :, None]
-    u = lambda v: jnp.uint16(v)  # noqa: E731
-    lo = ((b << u(12)) & u(0x8000)) | ((b << u(9)) & u(0x0E00))
-    hi = ((b << u(8)) & u(0x8000)) | ((b << u(5)) & u(0x0E00))
-
-    def scale(bits):
-        e = lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)        # value * 2^-14, exact
-        return (e * sc).astype(dtype).reshape(k_tok, half)
-    return scale(lo), scale(hi)
+    b = data_ref[layer, ids, kvi].reshape(k_tok, nblk, 8)                              # u8
+    sc = scales_ref[layer, ids, kvi].reshape(k_tok, nblk).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
+    sc = jnp.broadcast_to(sc[:, :, None], (k_tok, nblk, 8))
+    if use_asm:
+        out = [jax.ShapeDtypeStruct(b.shape, jnp.float16)]
+        lo, hi = (pltriton.elementwise_inline_asm(_DEQUANT_ASM[half_], args=[b, sc], constraints="=r,=r,r,r,r",
+                                                  pack=4, result_shape_dtypes=out)[0] for half_ in ("lo", "hi"))
+    else:
+        w = b.astype(jnp.uint16)
+        u = lambda v: jnp.uint16(v)  # noqa: E731
+        f16 = lambda bits: lax.bitcast_convert_type(bits, jnp.float16)  # noqa: E731
+        lo = f16(((w & u(7)) << u(9)) | ((w & u(8)) << u(12))) * sc
+        hi = f16(((w & u(0x70)) << u(5)) | ((w & u(0x80)) << u(8))) * sc
+    return lo.reshape(k_tok, half), hi.reshape(k_tok, half)
 
 
 def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, parts: int):
@@ -103,17 +139,23 @@ def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, par
     return tuple(out)
 
 
-def _kernel(layer_ref, q_ref, pt_ref, len_ref, ht_ref, gs_ref, hs_ref, data_ref, scales_ref, high_ref, plain_ref,
-            o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, first_n, last_n, nf, nr, ht_width, sm_scale,
-            window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts):
+def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, lowmul_ref, hs_ref, data_ref,
+            scales_ref, high_ref, plain_ref, o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, first_n, last_n,
+            nf, nr, ht_width, sm_scale, window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts,
+            use_asm, keys_major):
     s = pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[0]
     k_tok = nb * page
-    qs = [q_ref[p] for p in range(parts)]                                   # parts x [M, D/parts]
-    m_rows, dp = qs[0].shape
-    d = dp * parts
     has_low, has_high = data_ref is not None, high_ref is not None
+    qs = [q_ref[p] for p in range(parts)] if q_ref is not None else None               # attention dtype
+    m_rows, dp = q_ref.shape[-2:] if q_ref is not None else qlow_ref.shape[-2:]
+    if keys_major:      # q / o tiles are [D/parts, M]; scores are [keys, M]
+        dp, m_rows = m_rows, dp
+    qv = (lambda x: x[None, :]) if keys_major else (lambda x: x[:, None])    # noqa: E731  per-query vector
+    kvec = (lambda x: x[:, None]) if keys_major else (lambda x: x[None, :])  # noqa: E731  per-key vector
+    kax = 0 if keys_major else 1                                             # the keys axis of the scores
+    d = dp * parts
 
     rows = lax.broadcasted_iota(jnp.int32, (m_rows,), 0)
     qpos = n - tq + jnp.minimum(rows // group, tq - 1)                       # [M]
@@ -133,72 +175,109 @@ def _kernel(layer_ref, q_ref, pt_ref, len_ref, ht_ref, gs_ref, hs_ref, data_ref,
     c = jnp.clip(i1, a, jnp.maximum(end, a))
     e = jnp.maximum(end, c)
 
-    gs = [gs_ref[i] for i in range(kv_factor)] if has_low else None
     hs = [hs_ref[i] for i in range(kv_factor)] if (high_fp8 or plain_fp8) else [None] * kv_factor
+    twin_dtype = jnp.float16 if high_fp8 else dtype
+    if has_low:
+        qlow = [qlow_ref[p] for p in range(parts)]                            # f16, rows scaled by powers of 2
+        rowmul = rowmul_ref[...]                                              # [M]: sm_scale * gs_k * 2^7 / 2^e
+        vmul = lowmul_ref[kv_factor - 1]                                      # gs_v * 2^7 (output scale)
+        inv_v = 1.0 / vmul
 
     def load(kvi, ids):
         if has_low:
-            return _dequant_low(data_ref, scales_ref, gs[kvi], layer, ids, kvi, k_tok, d, dtype)
+            return _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm)
         return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8, parts)
 
-    def overlay(blk, kpos, kv):
+    def retained(blk, kpos):
+        """(keep bool[k_tok], twin rows per K/V: parts x [k_tok, D/parts] in ``twin_dtype``, zero where not
+        kept or at / past ``n``)."""
         qpg = blk * nb + lax.broadcasted_iota(jnp.int32, (nb,), 0)
         col = jnp.where(qpg < nf, qpg, (nf + qpg % nr) if nr else -1)
         hid = ht_ref[jnp.clip(col, 0, ht_width - 1)]
         held = (col >= 0) & (hid >= 0)
         hid = jnp.maximum(hid, 0)
         held_row = jnp.broadcast_to(held[:, None], (nb, page)).reshape(k_tok)
-        keep = (held_row & ((kpos < first_n) | ((kpos >= n - last_n) & (kpos < n))))[:, None]
-        out = []
-        for kvi, xs in enumerate(kv):
-            hx = _load_rows(high_ref, hs[kvi], layer, hid, kvi, k_tok, d, dtype, high_fp8, parts)
-            out.append(tuple(jnp.where(keep, h_, x_) for h_, x_ in zip(hx, xs)))
-        return tuple(out)
+        keep = held_row & ((kpos < first_n) | (kpos >= n - last_n)) & (kpos < n)
+        zero = jnp.zeros((), twin_dtype)
+        # FP8 twin rows enter the dot as their exact e4m3 values in f16 (the scale goes to the f32 side)
+        rows_ = tuple(tuple(jnp.where(keep[:, None], h_, zero) for h_ in
+                            _load_rows(high_ref, None, layer, hid, kvi, k_tok, d, twin_dtype, False, parts))
+                      for kvi in range(kv_factor))
+        return keep, rows_
+
+    def qk(qparts, kparts):
+        """Scores: ``[M, K] = sum_p q_p k_p^T`` or, keys-major, ``[K, M] = sum_p k_p q_p`` (q tiles ``[D/p, M]``)."""
+        out = None
+        for q_, k_ in zip(qparts, kparts):
+            t = _dot(k_, q_) if keys_major else _dot(q_, k_, trans_b=True)
+            out = t if out is None else out + t
+        return out
+
+    def pv1(pr, v_):
+        return _dot(v_.T, pr) if keys_major else _dot(pr, v_)
+
+    def pv(pr, vs, mma_dtype, split):
+        p_hi = pr.astype(mma_dtype)
+        out = [pv1(p_hi, v_) for v_ in vs]
+        if split:
+            p_lo = (pr - p_hi.astype(jnp.float32)).astype(mma_dtype)
+            out = [o_ + pv1(p_lo, v_) for o_, v_ in zip(out, vs)]
+        return out
 
     def step(blk, carry, edge):
         o, m, l = carry
         ids = jnp.maximum(pt_ref[pl.ds(blk * nb, nb)], 0)
         kpos = blk * k_tok + lax.broadcasted_iota(jnp.int32, (k_tok,), 0)
         kv = tuple(load(kvi, ids) for kvi in range(kv_factor))
-        if edge and has_high:
-            kv = overlay(blk, kpos, kv)
         ks, vs = kv[0], kv[-1]
-        logits = _dot(qs[0], ks[0], trans_b=True)
-        for p in range(1, parts):
-            logits += _dot(qs[p], ks[p], trans_b=True)
-        logits = logits * sm_scale                                          # [M, K] f32
+        if has_low:
+            logits = qk(qlow, ks) * qv(rowmul)                               # [M, K] (or [K, M]) f32
+        else:
+            logits = qk(qs, ks) * sm_scale
+        keep = None
+        if edge and has_high:
+            # retained rows: a second dot in the attention dtype on the exact twin rows (no domain change)
+            keep, twin = retained(blk, kpos)
+            if high_fp8:
+                twin_logits = qk(qlow, twin[0]) * qv(rowmul * (hs[0] / lowmul_ref[0]))
+            else:
+                twin_logits = qk(qs, twin[0]) * sm_scale
+            logits = jnp.where(kvec(keep), twin_logits, logits)
         if cap is not None:
             logits = cap * jnp.tanh(logits / cap)
         if edge:
-            mask = kpos[None, :] <= qpos[:, None]
+            mask = kvec(kpos) <= qv(qpos)
             if window is not None:
-                mask &= kpos[None, :] > qpos[:, None] - window
+                mask &= kvec(kpos) > qv(qpos) - window
             logits = jnp.where(mask, logits, -jnp.inf)
             # rows at or past n may hold anything (NaN poison): zero them so that p == 0 never meets NaN
-            vs = tuple(jnp.where((kpos < n)[:, None], v_, jnp.zeros((), dtype)) for v_ in vs)
-        m_new = jnp.maximum(m, logits.max(axis=-1))
+            zero = jnp.zeros((), vs[0].dtype)
+            vs = tuple(jnp.where((kpos < n)[:, None], v_, zero) for v_ in vs)
+        m_new = jnp.maximum(m, logits.max(axis=kax))
         alpha = jnp.exp(m - m_new)
-        pr = jnp.exp(logits - m_new[:, None])
-        l_new = alpha * l + pr.sum(axis=-1)
-        p_hi = pr.astype(dtype)
-        p_lo = (pr - p_hi.astype(jnp.float32)).astype(dtype) if precise else None
-        o_new = []
-        for p in range(parts):
-            pv = _dot(p_hi, vs[p])
-            if precise:
-                pv += _dot(p_lo, vs[p])
-            o_new.append(alpha[:, None] * o[p] + pv)
-        return tuple(o_new), m_new, l_new
+        pr = jnp.exp(logits - qv(m_new))
+        l_new = alpha * l + pr.sum(axis=kax)
+        if has_low:
+            p_low = pr if keep is None else jnp.where(kvec(keep), 0.0, pr)
+            acc = pv(p_low, vs, jnp.float16, precise)                         # low domain (x / (gs_v 2^7))
+            if keep is not None:
+                twin_v = pv(jnp.where(kvec(keep), pr, 0.0), twin[-1], twin_dtype, True)
+                t_mul = hs[-1] * inv_v if high_fp8 else inv_v
+                acc = [a_ + t_ * t_mul for a_, t_ in zip(acc, twin_v)]
+        else:
+            acc = pv(pr, vs, dtype, precise)
+        o_new = tuple(qv(alpha) * o_ + a_ for o_, a_ in zip(o, acc))
+        return o_new, m_new, l_new
 
     edge_body = lambda i, carry: step(i, carry, True)    # noqa: E731
     clean_body = lambda i, carry: step(i, carry, False)  # noqa: E731
-    init = (tuple(jnp.zeros((m_rows, dp), jnp.float32) for _ in range(parts)),
+    init = (tuple(jnp.zeros((dp, m_rows) if keys_major else (m_rows, dp), jnp.float32) for _ in range(parts)),
             jnp.full((m_rows,), _M_INIT, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
     carry = lax.fori_loop(start, a, edge_body, init)          # head: first_n / window edge
     carry = lax.fori_loop(a, c, clean_body, carry)            # interior: no masks, no twin, pipelined loads
     o, m, l = lax.fori_loop(c, e, edge_body, carry)           # tail: last_n window, causal, rows past n
     for p in range(parts):
-        o_ref[p] = o[p]
+        o_ref[p] = o[p] * vmul if has_low else o[p]
     m_ref[...] = m
     l_ref[...] = l
 
@@ -225,14 +304,15 @@ def _pad_cols(x, multiple, fill):
 
 @functools.partial(jax.jit, static_argnames=(
     "first_n", "last_n", "num_fixed", "num_ring", "sm_scale", "sliding_window", "soft_cap", "num_splits",
-    "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype"))
+    "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype", "dequant", "keys_major"))
 def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
                            first_n: int = 0, last_n: int = 0, num_fixed: int = 0, num_ring: int = 0,
                            sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            soft_cap: Optional[float] = None, num_splits: Optional[int] = None,
                            block_k: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 3, precise: bool = True, interpret: bool = False,
-                           out_dtype=None):
+                           num_warps: int = 4, num_stages: int = 3, precise: Optional[bool] = None,
+                           interpret: bool = False, out_dtype=None, dequant: Optional[str] = None,
+                           keys_major: bool = False):
     """Paged decode / verify attention over raw pool arrays (one layer).
 
     Args:
@@ -250,8 +330,15 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens); None =
         `DEFAULT_BLOCK_K` of the format (128 for NVFP4 pages, 64 for plain row pages).
       num_warps, num_stages: Triton launch / software-pipelining depth of the interior loop.
-      precise: P @ V with P split into two attention-dtype halves (output error ~ its final rounding).
+      precise: P @ V with P split into two halves of the MMA dtype (f16 for NVFP4 pages, the attention dtype for
+        plain pages), so the output error is that of float32 accumulation. None (default): True for a float32
+        ``out_dtype`` or bf16 plain pages, else False (f16 P leaves ~1e-4 relative error, well below a bf16 / fp16
+        output's rounding; bf16 P would leave ~1e-3).
       out_dtype: output dtype (default ``q.dtype``).
+      dequant: NVFP4 dequantization form, ``"asm"`` (packed inline PTX; the default when compiled) or ``"jnp"``
+        (the same arithmetic in plain ops; the only form in interpret mode).
+      keys_major: compute the scores transposed, ``[keys, M] = K q^T`` and ``o^T = V^T P^T``, so the key tiles
+        are the MMA's A operand (the query rows its N side) instead of its B operand.
 
     Returns:
       ``(out [B, Tq, Hq, D] out_dtype, lse f32[B, Tq, Hq])``: natural-log LSE of the scaled (capped) logits;
@@ -282,18 +369,36 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     parts = 2 if low is not None else 1          # NVFP4: even / odd columns (low / high nibbles) kept apart
     dp = d // parts
 
+    if precise is None:       # f16 P (NVFP4 pages) is fine for 16-bit outputs; bf16 P (plain bf16 pages) is not
+        precise = out_dtype == jnp.dtype(jnp.float32) or (low is None and dtype == jnp.dtype(jnp.bfloat16))
+    dequant = ("jnp" if interpret else "asm") if dequant is None else dequant
+    if dequant not in ("asm", "jnp") or (dequant == "asm" and interpret):
+        raise ValueError(f"paged_decode_attention: dequant={dequant!r} must be 'asm' (compiled) or 'jnp'")
+
     qg = q.reshape(b, tq, h, group, d).transpose(0, 2, 1, 3, 4).reshape(b, h, tq * group, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - tq * group), (0, 0)))
-    qg = qg.reshape(b, h, m_rows, dp, parts).transpose(0, 1, 4, 2, 3)       # [B, H, parts, M, D/parts]
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - tq * group), (0, 0)))    # [B, H, M, D]
+    qperm = (0, 1, 4, 3, 2) if keys_major else (0, 1, 4, 2, 3)     # -> [B, H, parts, M, D/p] or [B, H, parts, D/p, M]
+    split = lambda x: x.reshape(b, h, m_rows, dp, parts).transpose(qperm)  # noqa: E731
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    qlow = rowmul = lowmul = None
+    if low is not None:
+        # the low-page dot runs in f16: each query row is scaled by a power of two 2^-e into [2^7, 2^8) (exact),
+        # and 2^e, sm_scale and the low domain's gs_k * 2^7 are applied to its f32 logits
+        gs_l = jnp.asarray(low[2], jnp.float32)[layer_arr[0]]                 # [kv]
+        lowmul = gs_l * LOW_DOMAIN
+        qf = qg.astype(jnp.float32)
+        _, ex = jnp.frexp(jnp.max(jnp.abs(qf), axis=-1))                       # [B, H, M]
+        shift = 8 - ex
+        qlow = split(jnp.ldexp(qf, shift[..., None]).astype(jnp.float16))
+        rowmul = jnp.ldexp(jnp.float32(sm_scale) * lowmul[0], -shift)         # [B, H, M]
+    use_high = high is not None and high_table is not None and high_table.shape[1] > 0
+    high_fp8 = use_high and jnp.dtype(high[0].dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    qg = split(qg) if (low is None or (use_high and not high_fp8)) else None    # attention-dtype dots
     pt = _pad_cols(jnp.asarray(page_table, jnp.int32), nb, 0)
     lens = jnp.asarray(kv_lens, jnp.int32)
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    use_high = high is not None and high_table is not None and high_table.shape[1] > 0
     ht = jnp.asarray(high_table, jnp.int32) if use_high else None
     ht_width = ht.shape[1] if use_high else 1
-    high_fp8 = use_high and jnp.dtype(high[0].dtype) == jnp.dtype(jnp.float8_e4m3fn)
     plain_fp8 = plain is not None and jnp.dtype(plain[0].dtype) == jnp.dtype(jnp.float8_e4m3fn)
-    gs_l = jnp.asarray(low[2], jnp.float32)[layer_arr[0]] if low is not None else None
     if high_fp8:
         hs_l = jnp.asarray(high[1], jnp.float32)[layer_arr[0]]
     elif plain_fp8:
@@ -308,41 +413,48 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                                                              for i in range(nd)))
 
     vec = lambda x: pl.BlockSpec(x.shape, lambda bi, hi, si: (0,))  # noqa: E731
+    qtile = (dp, m_rows) if keys_major else (m_rows, dp)
+    qspec = pl.BlockSpec((None, None, parts) + qtile, lambda bi, hi, si: (bi, hi, 0, 0, 0))
     in_specs = [
         vec(layer_arr),
-        pl.BlockSpec((None, None, parts, m_rows, dp), lambda bi, hi, si: (bi, hi, 0, 0, 0)),
+        qspec if qg is not None else None,
+        qspec if qlow is not None else None,
+        pl.BlockSpec((None, None, m_rows), lambda bi, hi, si: (bi, hi, 0)) if rowmul is not None else None,
         pl.BlockSpec((None, pt.shape[1]), lambda bi, hi, si: (bi, 0)),
         pl.BlockSpec((1,), lambda bi, hi, si: (bi,)),
         pl.BlockSpec((None, ht_width), lambda bi, hi, si: (bi, 0)) if use_high else None,
-        vec(gs_l) if gs_l is not None else None,
+        vec(lowmul) if lowmul is not None else None,
         vec(hs_l) if hs_l is not None else None,
         full(low[0], True) if low is not None else None,
         full(low[1], True) if low is not None else None,
         full(high[0], True) if use_high else None,
         full(plain[0], True) if plain is not None else None,
     ]
-    args = [layer_arr, qg, pt, lens, ht, gs_l, hs_l,
+    args = [layer_arr, qg, qlow, rowmul, pt, lens, ht, lowmul, hs_l,
             low[0] if low is not None else None, low[1] if low is not None else None,
             high[0] if use_high else None, plain[0] if plain is not None else None]
     kernel = functools.partial(
         _kernel, page=page, nb=nb, tq=tq, group=group, kv_factor=kv_factor, first_n=first_n, last_n=last_n,
         nf=num_fixed, nr=num_ring, ht_width=ht_width, sm_scale=sm_scale, window=sliding_window, cap=soft_cap,
-        num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts)
+        num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts,
+        use_asm=dequant == "asm", keys_major=keys_major)
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, h, splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, parts, m_rows, dp), lambda bi, hi, si: (si, bi, hi, 0, 0, 0)),
+        out_specs=[pl.BlockSpec((None, None, None, parts) + qtile, lambda bi, hi, si: (si, bi, hi, 0, 0, 0)),
                    pl.BlockSpec((None, None, None, m_rows), lambda bi, hi, si: (si, bi, hi, 0)),
                    pl.BlockSpec((None, None, None, m_rows), lambda bi, hi, si: (si, bi, hi, 0))],
-        out_shape=[jax.ShapeDtypeStruct((splits, b, h, parts, m_rows, dp), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((splits, b, h, parts) + qtile, jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, h, m_rows), jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, h, m_rows), jnp.float32)],
         interpret=interpret,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         name=f"decode_attention_{fmt}_k{k_tok}_m{m_rows}",
     )(*args)
+    if keys_major:
+        o = jnp.swapaxes(o, -1, -2)                                           # [S, B, H, parts, M, D/parts]
     o = jnp.moveaxis(o, 3, -1).reshape(splits, b, h, m_rows, d)               # re-interleave the columns
     out, lse = merge_partials(o, m, l)                                        # [B, H, M, D], [B, H, M]
     out = out[:, :, :tq * group].reshape(b, h, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)

@@ -64,6 +64,7 @@ from jmixedkv.backend import interpret as _default_interpret
 from jmixedkv.compat import pl, pltriton, triton_params
 from jmixedkv.pools import GroupPools, LowPool, RowPool, is_fp8
 from jmixedkv.rope import RopeSpec, rope_cos_sin
+from pallas_kernels import nvfp4 as _kcodec
 
 __all__ = ["write_rows", "lowering_for_cuda", "dump_kernel_ir", "plan_for", "KERNEL_NAME", "rope_rows_f32"]
 
@@ -189,6 +190,29 @@ def _quantize_tile(x, gs, ops):
     return (lo | (hi << 4)).astype(jnp.uint8), s8
 
 
+def _quantize_tile_codec(x, gs, exact_asm: bool):
+    """NVFP4 of ``x f32[BT, DP]`` with the GPU-verified arithmetic of `pallas_kernels.nvfp4` (the "blocked"
+    quantize kernel): block amax as an int max over the float bits (NaN sorts last), the pinned scale order with
+    exact ``div.rn`` reciprocals (`_block_quant`), E2M1 codes by the magic-constant add, signs from the bits.
+
+    Returns ``(packed u8[BT, DP/2], scales float8_e4m3fn[BT, DP/16])``, bit-identical to `jmixedkv.nvfp4.quantize`."""
+    bt, dp = x.shape
+    nb = dp // nvfp4.BLOCK
+    xb = jax.lax.bitcast_convert_type(x, jnp.int32).reshape(bt, nb, nvfp4.BLOCK // 2, 2)
+    xl, xh = jnp.unstack(xb, axis=-1)                                             # [BT, B, 8] even / odd
+    lo, hi = xl & 0x7FFFFFFF, xh & 0x7FFFFFFF
+    signs = ((xl >> 28) & 0x08) | ((xh >> 24) & 0x80)
+    amax_bits = jnp.max(jnp.maximum(lo, hi), axis=-1)                             # [BT, B]
+    byte, r, nan = _kcodec._block_quant(amax_bits, jnp.reshape(gs, (1, 1)), exact_asm)
+    r3 = r[:, :, None]
+    packed = (_kcodec._magnitude(lo, r3, "magic") | (_kcodec._magnitude(hi, r3, "magic") << 4) | signs)
+    packed = jnp.where(nan[:, :, None], 0, packed).astype(jnp.uint8).reshape(bt, dp // 2)
+    return packed, jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
+
+
+QUANT_IMPLS = ("codec", "compare")
+
+
 def _encode_row(x, dtype, scale, ops):
     """Store form of rows ``x`` (already in the row's source dtype) for a row pool of ``dtype`` (see
     `jmixedkv.pools.encode_rows`)."""
@@ -225,6 +249,7 @@ class _Plan:
     block_t: int
     heads_per_program: int
     interpret: bool
+    quant_impl: str = "codec"
 
     @property
     def grid(self):
@@ -335,7 +360,11 @@ def _write_kernel(plan: _Plan, *refs):
                 rot = ops.rotate(xf, pf, cos_t, sin_t)
                 x = jnp.where(col < plan.rotary_dim, rot, xf).astype(x.dtype)
             if plan.has_low:
-                packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], ops)
+                if plan.quant_impl == "codec":
+                    packed, scales = _quantize_tile_codec(x.astype(jnp.float32), gs_ref[layer, kvi],
+                                                          not plan.interpret)
+                else:
+                    packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], ops)
                 pltriton.store(data_ref.at[layer, low_pg, kvi, h, low_row, c2], packed,
                                mask=_row_mask(low_ok, c2, d // 2, padded))
                 pltriton.store(scales_ref.at[layer, low_pg, kvi, h, low_row, c16], scales,
@@ -405,7 +434,8 @@ def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions,
 
 
 def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
-             heads_per_program: Optional[int] = None, interpret: Optional[bool] = None) -> _Plan:
+             heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
+             quant_impl: str = "codec") -> _Plan:
     """The static plan `write_rows` would use (shapes only; for benches and tests)."""
     num_layers, kv, heads, page, d = _geometry(pools)
     num_tokens = k.shape[-3]
@@ -416,6 +446,8 @@ def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *,
     hb = hb0 if heads_per_program is None else heads_per_program
     if block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"write_rows: block_t must be a power of two, got {block_t}")
+    if quant_impl not in QUANT_IMPLS:
+        raise ValueError(f"write_rows: quant_impl={quant_impl!r} must be one of {QUANT_IMPLS}")
     if hb < 1 or heads % hb:
         raise ValueError(f"write_rows: heads_per_program={hb} must divide num_kv_heads={heads}")
     row_pool = "high" if pools.high is not None else ("plain" if pools.plain is not None else None)
@@ -431,7 +463,7 @@ def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *,
         k_dtype=jnp.dtype(k.dtype).name, v_dtype=jnp.dtype(v.dtype).name if v is not None else None,
         rope_style=rope.style if rope is not None else None,
         rotary_dim=(rope.rotary_dim or d) if rope is not None else 0,
-        block_t=block_t, heads_per_program=hb, interpret=bool(interpret))
+        block_t=block_t, heads_per_program=hb, interpret=bool(interpret), quant_impl=quant_impl)
 
 
 def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
@@ -453,7 +485,7 @@ def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
 
 def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: int, positions=None,
                rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
-               heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
+               heads_per_program: Optional[int] = None, interpret: Optional[bool] = None, quant_impl: str = "codec",
                debug: bool = False) -> GroupPools:
     """Store new rows of one layer or all layers into a group's pools, in place (one fused kernel).
 
@@ -469,6 +501,8 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
       rope: optional `RopeSpec`, applied to K only.
       block_t / heads_per_program: tokens and heads per program (powers of two / divisor of H; default heuristic).
       interpret: force interpret mode (default: interpret when no GPU, unless inside `lowering_for_cuda`).
+      quant_impl: in-kernel NVFP4 arithmetic: ``"codec"`` (default; that of the `pallas_kernels.nvfp4` quantize
+        kernel, bit-exact on the H200) or ``"compare"`` (threshold compares and a float8 cast; kept for the bench).
       debug: print the kernel jaxpr and Triton IR while lowering (pallas ``debug=True``).
 
     Returns:
@@ -481,6 +515,7 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
     positions = None if positions is None else jnp.asarray(positions)
     _, kv, _, _, d = _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions, rope)
     plan = plan_for(pools, k, v, layer, rope, block_t=block_t, heads_per_program=heads_per_program,
+                    quant_impl=quant_impl,
                     interpret=interpret)
     if plan.num_tokens == 0:
         return pools

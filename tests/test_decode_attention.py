@@ -60,9 +60,10 @@ def make_state(dtype="mixed_nvfp4_bf16", first_n=5, last_n=7, page=16, lens=(1, 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def reference(st, layer, q, seq, sm_scale=None, sliding_window=None, soft_cap=None):
-    """float32 attention over the staged cache; query rows that see no key (position < 0 when Tq > n) give zeros
+    """float32 attention over the staged cache (float32 staging for NVFP4 groups: the exact decoded values); query rows that see no key (position < 0 when Tq > n) give zeros
     and LSE -inf, as the kernel (the raw reference gives NaN there: softmax over nothing)."""
-    staged = jm.stage_reference(st, layer, seq)
+    exact = st.kinds[0] != "plain"      # NVFP4 / twin values are read exactly by the kernel (never rounded)
+    staged = jm.stage_reference(st, layer, seq, dtype=jnp.float32 if exact else None)
     out, lse = jm.attention_reference(q, staged[:, 0], staged[:, 1], st.kv_lens[seq], sm_scale=sm_scale,
                                       sliding_window=sliding_window, soft_cap=soft_cap)
     ok = lse > -jnp.inf
@@ -227,9 +228,10 @@ def test_validation_errors():
 
 
 # ------------------------------------------------------------------------------------------ CUDA cross-lowering
-# every kernel variant the bench sweeps (block_k, num_warps, num_stages, precise) lowers for CUDA
+# every kernel variant the bench sweeps (block_k, num_warps, num_stages, precise, keys_major, dequant) lowers for CUDA
 TUNINGS = [dict(block_k=64), dict(block_k=128, num_stages=3), dict(block_k=256, num_warps=8, num_stages=3),
-           dict(block_k=128, num_warps=8, num_stages=4, precise=False)]
+           dict(block_k=128, num_warps=8, num_stages=4, precise=True), dict(block_k=64, num_warps=2, keys_major=True),
+           dict(block_k=64, num_warps=1, dequant="jnp")]
 
 
 @pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
