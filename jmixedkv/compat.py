@@ -3,8 +3,6 @@
 * Pallas Triton backend: always pass `triton_params(...)` explicitly (0.10.2 would otherwise pick Mosaic GPU).
 * The Triton backend warns that it is deprecated on 0.11+; `silence_triton_deprecation()` filters that warning.
 * `shard_map`: top-level `jax.shard_map` in both.
-* `x64_scope()`: a context manager that enables float64 while tracing (``jax.enable_x64(True)``; older jax:
-  ``jax.experimental.enable_x64()``), used by the reference codec for its correctly rounded divisions.
 * `cross_lower_cuda(fn, *args)`: lower a jitted function for CUDA on a machine without a GPU (CI check that a
   kernel can compile), `jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))`.
 """
@@ -17,7 +15,7 @@ from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernel
 from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["pl", "pltriton", "triton_params", "on_gpu", "shard_map", "cross_lower_cuda",
-           "silence_triton_deprecation", "JAX_VERSION", "x64_scope"]
+           "silence_triton_deprecation", "JAX_VERSION"]
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 shard_map = jax.shard_map
@@ -26,15 +24,6 @@ shard_map = jax.shard_map
 def triton_params(num_warps: int = 4, num_stages: int = 2):
     """Explicit Triton compiler params (selects the Triton backend on every jax version)."""
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def x64_scope():
-    """Context manager: float64 arrays may be created (and traced) inside it, whatever ``jax_enable_x64`` says."""
-    enable = getattr(jax, "enable_x64", None)
-    if enable is not None:
-        return enable(True)
-    from jax.experimental import enable_x64  # jax < 0.9
-    return enable_x64()
 
 
 def on_gpu() -> bool:

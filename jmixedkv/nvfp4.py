@@ -18,12 +18,12 @@ Exact operation order, all float32, every op rounded separately (no FMA, no reas
     code = e2m1_rne_sat(x * r)
     x̂    = (e2m1(code) * f32(s)) * gs, then cast to the output dtype
 
-This is TensorRT-LLM's kernel order with exact reciprocals (FlashInfer with fast math off). The two reciprocals are
-computed as ``f32(1 / f64(d))`` (`ieee_div`): XLA on the GPU lowers a float32 division to an approximation that is
-not correctly rounded (``1 / 0.0011160715`` gives 896.0 there, IEEE gives 895.99994; seen on the H200, jax
-0.11.2), while float64 division is IEEE everywhere, and rounding a float64 quotient of float32 operands to float32
-is exactly the correctly rounded float32 quotient (double rounding is innocuous for division when the wide
-format has >= 2p + 2 bits: 53 >= 50). Under ``jax.jit`` XLA
+This is TensorRT-LLM's kernel order with exact reciprocals (FlashInfer with fast math off). The convention is this
+code evaluated with IEEE float32 arithmetic, i.e. on the CPU: XLA on the GPU lowers a float32 division to an
+approximation that is not always correctly rounded (``1 / 0.0011160715`` gives 896.0 there, IEEE 895.99994; H200,
+jax 0.11.2; routing it through float64 does not help, XLA folds the converts away), so a GPU run of this module can
+differ from the convention in rare E2M1 ties. The Pallas kernels use ``div.rn.f32`` and match the CPU evaluation;
+GPU tests therefore compare them with the reference evaluated on the host CPU. Under ``jax.jit`` XLA
 would reassociate ``enc * (amax * 1/6)`` into ``amax * (enc * 1/6)`` (scalar hoisting); intermediate products are
 therefore routed through `_keep` (an integer OR with a zero XLA cannot prove), so eager, jitted CPU, jitted GPU and
 the Pallas kernels all compute the same bits. ``gs`` must be positive and finite.
@@ -38,10 +38,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .compat import x64_scope
-
 __all__ = ["quantize", "dequantize", "global_scale_from_amax", "pack_nibbles", "unpack_nibbles",
-           "e2m1_codes", "e2m1_values", "e4m3_values", "ieee_div", "BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_TABLE"]
+           "e2m1_codes", "e2m1_values", "e4m3_values", "BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_TABLE"]
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -57,7 +55,7 @@ def global_scale_from_amax(amax):
     """Decode global scale ``amax / 2688`` (= amax / (6 * 448)); 1.0 where ``amax`` is 0 or not finite."""
     amax = jnp.asarray(amax, jnp.float32)
     ok = jnp.isfinite(amax) & (amax > 0)
-    return jnp.where(ok, ieee_div(amax, E2M1_MAX * E4M3_MAX), jnp.float32(1.0))
+    return jnp.where(ok, amax / jnp.float32(E2M1_MAX * E4M3_MAX), jnp.float32(1.0))
 
 
 def e2m1_codes(y):
@@ -104,20 +102,13 @@ def _keep(a, nonneg):
     return jax.lax.bitcast_convert_type(bits_, jnp.float32)
 
 
-def ieee_div(a, b):
-    """Correctly rounded float32 ``a / b`` on every backend: ``f32(f64(a) / f64(b))`` (see the module docstring)."""
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    with x64_scope():
-        return (a.astype(jnp.float64) / b.astype(jnp.float64)).astype(jnp.float32)
-
-
 def _check_last_dim(d: int) -> None:
     if d % BLOCK:
         raise ValueError(f"NVFP4 needs the last dimension to be a multiple of {BLOCK}, got {d}")
 
 
 def _block_scale(amax_block, gs):
-    enc = ieee_div(1.0, gs)
+    enc = jnp.float32(1.0) / gs
     t = amax_block * _SIXTH
     s = enc * _keep(t, t)
     s = jnp.where(jnp.isnan(s), s, jnp.clip(s, 0.0, E4M3_MAX))
@@ -143,7 +134,7 @@ def quantize(x, global_scale=1.0):
     s = _block_scale(amax, gs)
     sf = e4m3_values(s)
     prod = sf * gs
-    r = jnp.where(sf == 0, jnp.float32(0.0), ieee_div(1.0, _keep(prod, prod)))
+    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / _keep(prod, prod))
     codes = e2m1_codes(xf * _keep(r, r)[..., None])  # opaque r: XLA may not rewrite x * (1/d) as x / d
     return pack_nibbles(codes.reshape(x.shape)), s
 

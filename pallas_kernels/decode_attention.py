@@ -45,15 +45,18 @@ from jax import lax
 
 from jmixedkv.compat import pl, pltriton, triton_params
 
-__all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "NUM_SMS", "DEFAULT_BLOCK_K"]
+__all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "NUM_SMS", "DEFAULT_BLOCK_K",
+           "DEFAULT_NUM_WARPS"]
 
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
 _F16_BIAS = 16384.0    # f16 bits (m << 9) read as 2^-14 * e2m1 value
 _dot = getattr(pltriton, "dot", None) or pl.dot
-# tokens per inner step when block_k is None; with num_stages=3 the fastest on the H200 (2026-11-29,
-# bench/decode_bench.py, 16 x 32k: NVFP4 k128/4 warps/3 stages 0.801-0.810 ms, plain bf16 k128/4/3 1.036 ms)
-DEFAULT_BLOCK_K = {"nvfp4": 128, "plain": 128}
+# tokens per inner step and warps per program when block_k / num_warps are None: the fastest on the H200
+# (2026-11-29, bench/decode_bench.py, jax 0.11.2 / triton 3.6): NVFP4 pages 64 tokens / 2 warps / 3 stages at every
+# batch x context but 1 x 4k (16 x 32k: 0.547 ms; 128 / 4 warps 0.590 ms); plain bf16 pages 128 / 4 / 3.
+DEFAULT_BLOCK_K = {"nvfp4": 64, "plain": 128}
+DEFAULT_NUM_WARPS = {"nvfp4": 2, "plain": 4}
 
 
 def _next_pow2(x: int) -> int:
@@ -310,7 +313,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                            sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            soft_cap: Optional[float] = None, num_splits: Optional[int] = None,
                            block_k: Optional[int] = None,
-                           num_warps: int = 4, num_stages: int = 3, precise: Optional[bool] = None,
+                           num_warps: Optional[int] = None, num_stages: int = 3, precise: Optional[bool] = None,
                            interpret: bool = False, out_dtype=None, dequant: Optional[str] = None,
                            keys_major: bool = False):
     """Paged decode / verify attention over raw pool arrays (one layer).
@@ -328,8 +331,9 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       first_n, last_n, num_fixed, num_ring: retained-set geometry (`KVCacheConfig`).
       num_splits: split-K programs per (row, head); None = `default_num_splits`.
       block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens); None =
-        `DEFAULT_BLOCK_K` of the format (128 for NVFP4 pages, 64 for plain row pages).
-      num_warps, num_stages: Triton launch / software-pipelining depth of the interior loop.
+        `DEFAULT_BLOCK_K` of the format (64 for NVFP4 pages, 128 for plain row pages).
+      num_warps: Triton warps per program; None = `DEFAULT_NUM_WARPS` of the format (2 NVFP4, 4 plain).
+      num_stages: software-pipelining depth of the interior loop.
       precise: P @ V with P split into two halves of the MMA dtype (f16 for NVFP4 pages, the attention dtype for
         plain pages), so the output error is that of float32 accumulation. None (default): True for a float32
         ``out_dtype`` or bf16 plain pages, else False (f16 P leaves ~1e-4 relative error, well below a bf16 / fp16
@@ -355,8 +359,9 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     group = hq // h
     dtype = jnp.dtype(q.dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
-    if block_k is None:
-        block_k = DEFAULT_BLOCK_K["nvfp4" if low is not None else "plain"]
+    fmt_key = "nvfp4" if low is not None else "plain"
+    block_k = DEFAULT_BLOCK_K[fmt_key] if block_k is None else block_k
+    num_warps = DEFAULT_NUM_WARPS[fmt_key] if num_warps is None else num_warps
     if block_k < 1 or num_warps < 1 or num_stages < 1:
         raise ValueError(f"paged_decode_attention: block_k={block_k}, num_warps={num_warps}, "
                          f"num_stages={num_stages} must be >= 1")
