@@ -124,16 +124,25 @@ def copy_pools(pools):
 
 
 def check_bit_exact(pools, k, v, ls, hs, pos, page, rope, fn):
-    """Kernel result vs the reference with an eager (separately rounded) RoPE; returns mismatching bytes."""
-    got = fn(copy_pools(pools), k, v, ls, hs, pos)
-    k_rot = jk.apply_rope(k, pos, rope).astype(k.dtype)  # eager: every op rounded separately
-    want = jax.jit(lambda p, x: write_rows_reference(p, x, None, ls, hs, page), donate_argnums=0)(
-        copy_pools(pools), jnp.stack([k_rot, v], axis=-3))
+    """Kernel result vs the reference with an eager (separately rounded) RoPE, the reference evaluated on the host
+    CPU (XLA on the GPU does not round float32 division correctly, see `jmixedkv.nvfp4`); returns mismatching
+    bytes (NaN payloads aside: float rows where both sides are NaN count as equal)."""
+    got = jax.device_get(fn(copy_pools(pools), k, v, ls, hs, pos))
+    cpu = jax.devices("cpu")[0]
+    pools_c, k, v, ls, hs, pos = jax.device_put((pools, k, v, ls, hs, pos), cpu)
+    with jax.default_device(cpu):
+        k_rot = jk.apply_rope(k, pos, rope).astype(k.dtype)  # eager: every op rounded separately
+        want = jax.jit(lambda p, x: write_rows_reference(p, x, None, ls, hs, page))(
+            pools_c, jnp.stack([k_rot, v], axis=-3))
     bad = 0
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        ua = jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize])
-        ub = jax.lax.bitcast_convert_type(b, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[b.dtype.itemsize])
-        bad += int(jnp.sum(ua != ub))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.device_get(want))):
+        a, b = np.asarray(a), np.asarray(b)
+        ua = a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+        ub = b.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[b.dtype.itemsize])
+        diff = ua != ub
+        if a.dtype.itemsize > 1:
+            diff &= ~(np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32)))
+        bad += int(diff.sum())
     return bad
 
 
