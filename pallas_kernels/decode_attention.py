@@ -50,7 +50,6 @@ __all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "NU
 
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
-_F16_BIAS = 16384.0    # f16 bits (m << 9) read as 2^-14 * e2m1 value
 _dot = getattr(pltriton, "dot", None) or pl.dot
 # tokens per inner step and warps per program when block_k / num_warps are None: the fastest on the H200
 # (2026-11-29, bench/decode_bench.py, jax 0.11.2 / triton 3.6): NVFP4 pages 64 tokens / 2 warps / 3 stages at every

@@ -12,7 +12,8 @@ handles K and V (or the MLA latent). It loads the slot ids of its tokens, the ro
 head_dim padded to a power of two, padded columns clamped on load and masked on store), rotates K, rounds it
 to K's dtype, then
 
-* NVFP4-quantizes the row (same op order as `jmixedkv.nvfp4.quantize`) into ``low.data`` / ``low.scales`` at
+* NVFP4-quantizes the row (the arithmetic of the `pallas_kernels.nvfp4` quantize kernel, bit-identical to
+  `jmixedkv.nvfp4.quantize`) into ``low.data`` / ``low.scales`` at
   ``low_slot`` (mixed and low groups),
 * stores the row into ``high.rows`` at ``high_slot`` (mixed groups) or ``plain.rows`` at ``low_slot`` (plain
   groups): a cast for bf16 / fp16, ``e4m3(clip(x / scale, -448, 448))`` for fp8.
@@ -70,7 +71,6 @@ __all__ = ["write_rows", "lowering_for_cuda", "dump_kernel_ir", "plan_for", "KER
 
 KERNEL_NAME = "jmixedkv_write_rows"
 _ANY = getattr(pl, "ANY", None) or pl.MemorySpace.ANY
-_SIXTH = float(np.float32(1.0) / np.float32(6.0))
 _FORCE_COMPILED = [False]
 
 
@@ -101,10 +101,6 @@ class _PtxOps:
     """Float32 ops with explicit PTX rounding (compiled GPU path): never contracted, IEEE division."""
 
     @staticmethod
-    def mul(a, b):
-        return _asm("mul.rn.f32 $0, $1, $2;", a, b)
-
-    @staticmethod
     def div(a, b):
         return _asm("div.rn.f32 $0, $1, $2;", a, b)
 
@@ -123,11 +119,6 @@ class _JnpOps:
     ``a * (e * c)``)."""
 
     @staticmethod
-    def mul(a, b):
-        p = a * b
-        return _launder(p, _opaque_zero_of_nonneg(jnp.abs(p)))
-
-    @staticmethod
     def div(a, b):
         return a / b
 
@@ -135,11 +126,6 @@ class _JnpOps:
     def rotate(x, p, c, s):
         z = _opaque_zero(c)
         return _launder(x * c, z) - _launder(p * s, z)
-
-
-def _opaque_zero_of_nonneg(a):
-    """int32 zeros from the (clear) sign bit of a non-negative float32 array."""
-    return jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(a, jnp.int32), jnp.int32(31))
 
 
 def _opaque_zero(c):
@@ -156,41 +142,7 @@ def _launder(a, z):
 
 
 # --------------------------------------------------------------------------------------------- in-kernel codec
-def _e2m1_codes(y):
-    """int32 E2M1 codes of f32 ``y`` (RNE, saturating, sign of zero kept, NaN -> 0); see `nvfp4.e2m1_codes`."""
-    a = jnp.abs(y)
-    one, zero = jnp.int32(1), jnp.int32(0)
-    mag = zero
-    for thr, strict in ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False),
-                        (5.0, True)):
-        hit = (a > thr) if strict else (a >= thr)
-        mag = mag + jnp.where(hit, one, zero)
-    sign = jnp.where(jax.lax.bitcast_convert_type(y, jnp.int32) < 0, jnp.int32(8), zero)
-    return jnp.where(jnp.isnan(y), zero, sign | mag)
-
-
-def _quantize_tile(x, gs, ops):
-    """NVFP4 of ``x f32[BT, DP]`` with scalar decode scale ``gs``; ``enc = 1/gs`` is computed in-kernel with an
-    exact IEEE division on the block tile.
-
-    Returns ``(packed u8[BT, DP/2], scales float8_e4m3fn[BT, DP/16])``; op order of `jmixedkv.nvfp4.quantize`."""
-    bt, dp = x.shape
-    xb = x.reshape(bt, dp // nvfp4.BLOCK, nvfp4.BLOCK)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
-    has_nan = jnp.max(jnp.where(jnp.isnan(xb), jnp.int32(1), jnp.int32(0)), axis=-1) > 0
-    amax = jnp.where(has_nan, jnp.float32(jnp.nan), amax)
-    enc = ops.div(jnp.full(amax.shape, 1.0, jnp.float32), jnp.broadcast_to(gs, amax.shape))
-    s = ops.mul(enc, ops.mul(amax, _SIXTH))
-    s = jnp.where(jnp.isnan(s), s, jnp.minimum(jnp.maximum(s, 0.0), nvfp4.E4M3_MAX))
-    s8 = s.astype(jnp.float8_e4m3fn)
-    sf = s8.astype(jnp.float32)
-    r = jnp.where(sf == 0, jnp.float32(0.0), ops.div(1.0, ops.mul(sf, gs)))
-    y = ops.mul(xb, jnp.broadcast_to(r[..., None], xb.shape)).reshape(bt, dp)
-    lo, hi = jnp.unstack(_e2m1_codes(y).reshape(bt, dp // 2, 2), axis=-1)
-    return (lo | (hi << 4)).astype(jnp.uint8), s8
-
-
-def _quantize_tile_codec(x, gs, exact_asm: bool):
+def _quantize_tile(x, gs, exact_asm: bool):
     """NVFP4 of ``x f32[BT, DP]`` with the GPU-verified arithmetic of `pallas_kernels.nvfp4` (the "blocked"
     quantize kernel): block amax as an int max over the float bits (NaN sorts last), the pinned scale order with
     exact ``div.rn`` reciprocals (`_block_quant`), E2M1 codes by the magic-constant add, signs from the bits.
@@ -208,9 +160,6 @@ def _quantize_tile_codec(x, gs, exact_asm: bool):
     packed = (_kcodec._magnitude(lo, r3, "magic") | (_kcodec._magnitude(hi, r3, "magic") << 4) | signs)
     packed = jnp.where(nan[:, :, None], 0, packed).astype(jnp.uint8).reshape(bt, dp // 2)
     return packed, jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
-
-
-QUANT_IMPLS = ("codec", "compare")
 
 
 def _encode_row(x, dtype, scale, ops):
@@ -249,7 +198,6 @@ class _Plan:
     block_t: int
     heads_per_program: int
     interpret: bool
-    quant_impl: str = "codec"
 
     @property
     def grid(self):
@@ -360,11 +308,7 @@ def _write_kernel(plan: _Plan, *refs):
                 rot = ops.rotate(xf, pf, cos_t, sin_t)
                 x = jnp.where(col < plan.rotary_dim, rot, xf).astype(x.dtype)
             if plan.has_low:
-                if plan.quant_impl == "codec":
-                    packed, scales = _quantize_tile_codec(x.astype(jnp.float32), gs_ref[layer, kvi],
-                                                          not plan.interpret)
-                else:
-                    packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], ops)
+                packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], not plan.interpret)
                 pltriton.store(data_ref.at[layer, low_pg, kvi, h, low_row, c2], packed,
                                mask=_row_mask(low_ok, c2, d // 2, padded))
                 pltriton.store(scales_ref.at[layer, low_pg, kvi, h, low_row, c16], scales,
@@ -434,8 +378,7 @@ def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions,
 
 
 def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
-             heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
-             quant_impl: str = "codec") -> _Plan:
+             heads_per_program: Optional[int] = None, interpret: Optional[bool] = None) -> _Plan:
     """The static plan `write_rows` would use (shapes only; for benches and tests)."""
     num_layers, kv, heads, page, d = _geometry(pools)
     num_tokens = k.shape[-3]
@@ -446,8 +389,6 @@ def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *,
     hb = hb0 if heads_per_program is None else heads_per_program
     if block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"write_rows: block_t must be a power of two, got {block_t}")
-    if quant_impl not in QUANT_IMPLS:
-        raise ValueError(f"write_rows: quant_impl={quant_impl!r} must be one of {QUANT_IMPLS}")
     if hb < 1 or heads % hb:
         raise ValueError(f"write_rows: heads_per_program={hb} must divide num_kv_heads={heads}")
     row_pool = "high" if pools.high is not None else ("plain" if pools.plain is not None else None)
@@ -463,7 +404,7 @@ def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *,
         k_dtype=jnp.dtype(k.dtype).name, v_dtype=jnp.dtype(v.dtype).name if v is not None else None,
         rope_style=rope.style if rope is not None else None,
         rotary_dim=(rope.rotary_dim or d) if rope is not None else 0,
-        block_t=block_t, heads_per_program=hb, interpret=bool(interpret), quant_impl=quant_impl)
+        block_t=block_t, heads_per_program=hb, interpret=bool(interpret))
 
 
 def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
@@ -485,7 +426,7 @@ def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
 
 def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: int, positions=None,
                rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
-               heads_per_program: Optional[int] = None, interpret: Optional[bool] = None, quant_impl: str = "codec",
+               heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
                debug: bool = False) -> GroupPools:
     """Store new rows of one layer or all layers into a group's pools, in place (one fused kernel).
 
@@ -501,8 +442,6 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
       rope: optional `RopeSpec`, applied to K only.
       block_t / heads_per_program: tokens and heads per program (powers of two / divisor of H; default heuristic).
       interpret: force interpret mode (default: interpret when no GPU, unless inside `lowering_for_cuda`).
-      quant_impl: in-kernel NVFP4 arithmetic: ``"codec"`` (default; that of the `pallas_kernels.nvfp4` quantize
-        kernel, bit-exact on the H200) or ``"compare"`` (threshold compares and a float8 cast; kept for the bench).
       debug: print the kernel jaxpr and Triton IR while lowering (pallas ``debug=True``).
 
     Returns:
@@ -515,7 +454,6 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
     positions = None if positions is None else jnp.asarray(positions)
     _, kv, _, _, d = _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions, rope)
     plan = plan_for(pools, k, v, layer, rope, block_t=block_t, heads_per_program=heads_per_program,
-                    quant_impl=quant_impl,
                     interpret=interpret)
     if plan.num_tokens == 0:
         return pools

@@ -396,6 +396,19 @@ def test_gpu_kernels_bit_exact(d, per_row):
     _check_all(diffs)
 
 
+def _impl_diffs(impls, x, gs, want_cpu, want_gpu, label):
+    """Each quantize variant of ``impls`` on ``x`` against both references: a list of difference reports."""
+    diffs = []
+    for kw in impls:
+        got, err = _run(jax.jit(functools.partial(K.quantize, **kw)), x, gs)
+        if err:
+            diffs.append(f"{label} {kw} failed: {err}")
+            continue
+        diffs += [_quant_diff(got, want_cpu, f"{label} {kw}: kernel vs CPU reference"),
+                  _quant_diff(got, want_gpu, f"{label} {kw}: kernel vs GPU reference")]
+    return diffs
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_large_and_random_bit_patterns():
@@ -407,24 +420,12 @@ def test_gpu_large_and_random_bit_patterns():
     gs = nvfp4.global_scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32))
     want_gpu, want_cpu = jax.jit(nvfp4.quantize)(x, gs), _cpu_reference_quant(x, gs)
     diffs = [_quant_diff(want_gpu, want_cpu, "1M x 128: XLA GPU reference vs CPU reference")]
-    for kw in impls:
-        got, err = _run(jax.jit(functools.partial(K.quantize, **kw)), x, gs)
-        if err:
-            diffs.append(f"1M x 128 {kw} failed: {err}")
-            continue
-        diffs += [_quant_diff(got, want_cpu, f"1M x 128 {kw}: kernel vs CPU reference"),
-                  _quant_diff(got, want_gpu, f"1M x 128 {kw}: kernel vs GPU reference")]
+    diffs += _impl_diffs(impls, x, gs, want_cpu, want_gpu, "1M x 128")
     bits = jax.random.bits(jax.random.key(1), (1 << 16, 128), jnp.uint16)
     xr = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
     for gs in (jnp.float32(1.0), jnp.float32(2.0 ** -90), jnp.float32(2.0 ** 90)):
         want_gpu, want_cpu = jax.jit(nvfp4.quantize)(xr, gs), _cpu_reference_quant(xr, gs)
-        for kw in impls:
-            got, err = _run(jax.jit(functools.partial(K.quantize, **kw)), xr, gs)
-            if err:
-                diffs.append(f"random bits {kw} failed: {err}")
-                continue
-            diffs += [_quant_diff(got, want_cpu, f"random bits gs={float(gs)} {kw}: kernel vs CPU reference"),
-                      _quant_diff(got, want_gpu, f"random bits gs={float(gs)} {kw}: kernel vs GPU reference")]
+        diffs += _impl_diffs(impls, xr, gs, want_cpu, want_gpu, f"random bits gs={float(gs)}")
         q = jax.device_put(want_cpu, jax.devices()[0])
         out = K.dequantize(*q, gs)
         diffs += [_bits_diff(out, _on_cpu(nvfp4.dequantize, *want_cpu, gs), "dequantize random bits vs CPU ref"),

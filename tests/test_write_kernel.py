@@ -42,7 +42,7 @@ def _both_nan(x, y):
     invalid operation (RoPE of an Inf row: ``inf * c - inf * s``), so NaN payloads are not part of the convention.
     NVFP4 bytes and E4M3 scales encode NaN explicitly (codes 0, scale 0x7F) and stay compared bit for bit."""
     x, y = np.asarray(x), np.asarray(y)
-    if x.dtype == np.uint8 or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize == 1:
+    if x.dtype.itemsize == 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         return np.zeros(x.shape, bool)
     xf, yf = x.astype(np.float32), y.astype(np.float32)
     return np.isnan(xf) & np.isnan(yf)

@@ -41,7 +41,6 @@ for trial in range(6):
     amax = float(rng.choice([9.0, 3.0, 20.0, 0.5]))
     gs = N.global_scale_from_amax(jnp.float32(amax))
     g = jax.jit(stages)(x, gs)
-    c = jax.jit(stages, device=cpu)(jax.device_put(x, cpu), jax.device_put(gs, cpu)) if False else None
     with jax.default_device(cpu):
         c = jax.jit(stages)(jax.device_put(x, cpu), jax.device_put(gs, cpu))
     qg = jax.jit(N.quantize)(x, gs)
