@@ -42,6 +42,10 @@ def _parse():
 
 
 ARGS = _parse() if __name__ == "__main__" else None
+from jmixedkv.compat import xla_flags_with_ieee_division  # noqa: E402  (no jax backend started yet)
+
+# IEEE float32 division in XLA on the GPU, so the reference checked against runs on the GPU as well (jmixedkv.compat)
+os.environ["XLA_FLAGS"] = xla_flags_with_ieee_division(os.environ.get("XLA_FLAGS", ""))
 if ARGS is not None and ARGS.dump_ptx:
     os.makedirs(ARGS.dump_ptx, exist_ok=True)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={ARGS.dump_ptx}").strip()
@@ -55,6 +59,16 @@ from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.pools import write_rows_reference  # noqa: E402
 from jmixedkv.state import GroupSpec, write_slots, _ensure_pages  # noqa: E402
 from pallas_kernels import write as W  # noqa: E402
+from decode_bench import copy_bandwidth_tbs  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+
+
+def _torch_cuda():
+    """torch, when it can see the GPU (the copy-bandwidth ceiling is then torch's ``copy_``), else None."""
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except ImportError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------- setup
@@ -92,8 +106,8 @@ def traffic_bytes(k, low_slot, high_slot):
 
 
 # --------------------------------------------------------------------------------------------- functions
-def fns(page, rope, block_t=None, heads_per_program=None):
-    kw = dict(block_t=block_t, heads_per_program=heads_per_program)
+def fns(page, rope, block_t=None, heads_per_program=None, num_warps=4):
+    kw = dict(block_t=block_t, heads_per_program=heads_per_program, num_warps=num_warps)
 
     def all_layers(pools, k, v, ls, hs, pos):
         return W.write_rows(pools, k, v, None, ls, hs, page, positions=pos, rope=rope, **kw)
@@ -124,18 +138,25 @@ def copy_pools(pools):
 
 
 def check_bit_exact(pools, k, v, ls, hs, pos, page, rope, fn):
-    """Kernel result vs the reference with an eager (separately rounded) RoPE, the reference evaluated on the host
-    CPU (XLA on the GPU does not round float32 division correctly, see `jmixedkv.nvfp4`); returns mismatching
-    bytes (NaN payloads aside: float rows where both sides are NaN count as equal)."""
+    """Kernel result vs the reference: an eager (separately rounded) RoPE on the default device (``cos``/``sin`` are
+    backend-dependent in the last bit), then the row store + NVFP4 quantization on the GPU (XLA with IEEE division,
+    see `jmixedkv.compat`) and on the host CPU; returns {platform: mismatching bytes} (NaN payloads aside: float
+    rows where both sides are NaN count as equal)."""
     got = jax.device_get(fn(copy_pools(pools), k, v, ls, hs, pos))
-    cpu = jax.devices("cpu")[0]
-    pools_c, k, v, ls, hs, pos = jax.device_put((pools, k, v, ls, hs, pos), cpu)
-    with jax.default_device(cpu):
-        k_rot = jk.apply_rope(k, pos, rope).astype(k.dtype)  # eager: every op rounded separately
-        want = jax.jit(lambda p, x: write_rows_reference(p, x, None, ls, hs, page))(
-            pools_c, jnp.stack([k_rot, v], axis=-3))
+    kv = jnp.stack([jk.apply_rope(k, pos, rope).astype(k.dtype), v], axis=-3)
+    return {dev.platform: _bytes_differ(got, _reference_on(dev, pools, kv, ls, hs, page))
+            for dev in dict.fromkeys([jax.devices()[0], jax.devices("cpu")[0]])}
+
+
+def _reference_on(device, pools, kv, ls, hs, page):
+    pools, kv, ls, hs = jax.device_put((pools, kv, ls, hs), device)
+    with jax.default_device(device):
+        return jax.device_get(jax.jit(lambda p, x: write_rows_reference(p, x, None, ls, hs, page))(pools, kv))
+
+
+def _bytes_differ(got, want):
     bad = 0
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.device_get(want))):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         a, b = np.asarray(a), np.asarray(b)
         ua = a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
         ub = b.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[b.dtype.itemsize])
@@ -160,18 +181,6 @@ def time_fn(fn, pools, args, iters):
         times.append(time.perf_counter() - t0)
     del pools
     return statistics.median(times)
-
-
-def copy_bandwidth(nbytes, iters):
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    f = jax.jit(jnp.copy)
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / statistics.median(times)
 
 
 # --------------------------------------------------------------------------------------------- PTX dump
@@ -221,14 +230,18 @@ def bench_case(name, case, rope, iters, sweep, with_append):
     all_fn, per_fn = fns(page, rope)
     bad = check_bit_exact(pools, k, v, ls, hs, pos, page, rope, all_fn)
     plan = W.plan_for(pools, k, v, None, rope)
-    print(f"[{name}] bit-exact vs reference: {'OK' if bad == 0 else f'{bad} BYTES DIFFER'} "
+    verdict = ", ".join(f"reference on {d}: " + ("OK" if n == 0 else f"{n} BYTES DIFFER") for d, n in bad.items())
+    print(f"[{name}] bit-exact? {verdict} "
           f"(default block_t={plan.block_t}, heads_per_program={plan.heads_per_program}, grid={plan.grid})")
     args = (k, v, ls, hs, pos)
     rows.append(dict(case=name, path="pallas all-layers (default)", s=time_fn(all_fn, pools, args, iters)))
-    for bt, hb in sweep:
-        f, _ = fns(page, rope, bt, hb)
-        rows.append(dict(case=name, path=f"pallas all-layers bt={bt} hb={hb}", s=time_fn(f, pools, args, iters)))
+    for bt, hb, nw in sweep:
+        f, _ = fns(page, rope, bt, hb, nw)
+        rows.append(dict(case=name, path=f"pallas all-layers bt={bt} hb={hb} warps={nw}",
+                         s=time_fn(f, pools, args, iters)))
     rows.append(dict(case=name, path=f"pallas {k.shape[0]}x per-layer", s=time_fn(per_fn, pools, args, iters)))
+    rows.append(dict(case=name, path="pallas all-layers, no RoPE (timing only)",
+                     s=time_fn(fns(page, None)[0], pools, args, iters)))
     ref_all, ref_per = reference_fns(page, rope)
     rows.append(dict(case=name, path="XLA reference all-layers", s=time_fn(ref_all, pools, args, iters)))
     rows.append(dict(case=name, path="XLA reference per-layer", s=time_fn(ref_per, pools, args, iters)))
@@ -249,7 +262,8 @@ def bench_case(name, case, rope, iters, sweep, with_append):
             rows.append(dict(case=name, path=f"append() transition, {backend}", s=statistics.median(ts)))
             del s0
     for r in rows:
-        r.update(bytes=nbytes, tbps=nbytes / r["s"] / 1e12, bit_exact=bad == 0)
+        r.update(bytes=nbytes, tbps=nbytes / r["s"] / 1e12, bit_exact=not any(bad.values()),
+                 bytes_differ=bad)
     return rows, parts
 
 
@@ -268,12 +282,14 @@ def main():
     if args.smoke:
         cases = [("decode", make_case(2, 2, 128, 4, 1, 100, page=32), False),
                  ("prefill", make_case(2, 2, 128, 2, 16, 0, page=32), False)]
-        iters, sweep, copy_mb = 2, [(16, 1)], 4
+        iters, sweep = 2, [(16, 1, 4)]
     else:
         cases = [("decode L32 H8 D128 B64", make_case(32, 8, 128, 64, 1, 1000), True),
                  ("prefill 8x1024 tokens", make_case(32, 8, 128, 8, 1024, 0), False)]
-        iters, sweep, copy_mb = args.iters, [(16, 1), (32, 1), (64, 1), (32, 2), (32, 8), (64, 8), (128, 8)], 2048
-    copy_bw = copy_bandwidth(copy_mb << 20, 20 if not args.smoke else 2)
+        iters, sweep = args.iters, [(16, 1, 2), (16, 1, 8), (32, 1, 4), (64, 1, 4), (16, 2, 4),
+                                   (32, 8, 4)]
+    copy_tbs, copy_how = (4.3, "nominal (smoke)") if args.smoke else copy_bandwidth_tbs(_torch_cuda())
+    copy_bw = copy_tbs * 1e12
     all_rows, parts = [], {}
     for name, case, with_append in cases:
         rows, parts[name] = bench_case(name, case, rope, iters, sweep, with_append)
@@ -286,12 +302,13 @@ def main():
     except Exception:  # noqa: BLE001
         triton_version = "n/a"
     header = (f"device: {dev.device_kind}, jax {jax.__version__}, triton {triton_version}, "
-              f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (in-run, {copy_mb} MiB)")
+              f"copy bandwidth {copy_tbs:.2f} TB/s ({copy_how}, 2 GiB)")
     print(header)
-    lines = ["| case | path | time (us) | bytes (MB) | TB/s | x copy BW | bit-exact |", "|---|---|---|---|---|---|---|"]
+    lines = ["| case | path | time (us) | bytes (MB) | TB/s | x copy BW | bytes differing from reference on |", "|---|---|---|---|---|---|---|"]
     for r in all_rows:
         lines.append(f"| {r['case']} | {r['path']} | {r['s'] * 1e6:.1f} | {r['bytes'] / 1e6:.2f} | {r['tbps']:.3f} | "
-                     f"{r['tbps'] * 1e12 / copy_bw:.2f} | {r['bit_exact']} |")
+                     f"{r['tbps'] * 1e12 / copy_bw:.2f} | "
+                     + " ".join(f"{d} {n}" for d, n in r["bytes_differ"].items()) + " |")
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "write_bench.json"), "w") as f:

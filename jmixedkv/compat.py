@@ -5,6 +5,10 @@
 * `shard_map`: top-level `jax.shard_map` in both.
 * `cross_lower_cuda(fn, *args)`: lower a jitted function for CUDA on a machine without a GPU (CI check that a
   kernel can compile), `jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))`.
+* `xla_flags_with_ieee_division(flags)`: XLA on NVIDIA GPUs lowers float32 division to ``div.full.f32`` (it passes
+  ``-nvptx-prec-divf32=1`` to LLVM; up to 2 ulp off: ``1 / 0.0011160715`` gives 896.0, IEEE 895.99994). The
+  returned ``XLA_FLAGS`` add ``--xla_backend_extra_options=-nvptx-prec-divf32=2`` (``div.rn.f32``), so jnp code
+  run by XLA on the GPU divides like the CPU. It must be in the environment before jax starts its backends.
 """
 from __future__ import annotations
 
@@ -15,7 +19,12 @@ from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernel
 from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["pl", "pltriton", "triton_params", "on_gpu", "shard_map", "cross_lower_cuda",
-           "silence_triton_deprecation", "JAX_VERSION"]
+           "silence_triton_deprecation", "JAX_VERSION", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
+           "cuda_plugin_installed"]
+
+#: LLVM option (NVPTX backend) for IEEE float32 division, passed through ``--xla_backend_extra_options``
+IEEE_DIVISION_OPTION = "-nvptx-prec-divf32=2"
+_EXTRA = "--xla_backend_extra_options="
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 shard_map = jax.shard_map
@@ -28,6 +37,27 @@ def triton_params(num_warps: int = 4, num_stages: int = 2):
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def cuda_plugin_installed() -> bool:
+    """True when a jax CUDA plugin package (``jax-cuda12-plugin``, ``jax-cuda13-plugin``, ...) is installed."""
+    from importlib import metadata
+    return any((d.metadata["Name"] or "").lower().replace("_", "-").startswith("jax-cuda")
+               for d in metadata.distributions())
+
+
+def xla_flags_with_ieee_division(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` string) with `IEEE_DIVISION_OPTION` added: merged into an existing
+    ``--xla_backend_extra_options=...`` (comma-separated) or appended as a new flag; unchanged if already there."""
+    if IEEE_DIVISION_OPTION in flags:
+        return flags
+    parts = flags.split()
+    for i, part in enumerate(parts):
+        if part.startswith(_EXTRA):
+            value = part[len(_EXTRA):]
+            parts[i] = _EXTRA + (value + "," if value else "") + IEEE_DIVISION_OPTION
+            return " ".join(parts)
+    return " ".join(parts + [_EXTRA + IEEE_DIVISION_OPTION])
 
 
 def silence_triton_deprecation() -> None:

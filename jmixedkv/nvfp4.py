@@ -19,11 +19,11 @@ Exact operation order, all float32, every op rounded separately (no FMA, no reas
     x̂    = (e2m1(code) * f32(s)) * gs, then cast to the output dtype
 
 This is TensorRT-LLM's kernel order with exact reciprocals (FlashInfer with fast math off). The convention is this
-code evaluated with IEEE float32 arithmetic, i.e. on the CPU: XLA on the GPU lowers a float32 division to an
-approximation that is not always correctly rounded (``1 / 0.0011160715`` gives 896.0 there, IEEE 895.99994; H200,
-jax 0.11.2; routing it through float64 does not help, XLA folds the converts away), so a GPU run of this module can
-differ from the convention in rare E2M1 ties. The Pallas kernels use ``div.rn.f32`` and match the CPU evaluation;
-GPU tests therefore compare them with the reference evaluated on the host CPU. Under ``jax.jit`` XLA
+code evaluated with IEEE float32 arithmetic. XLA on NVIDIA GPUs lowers a float32 division to ``div.full.f32`` by
+default, which is not always correctly rounded (``1 / 0.0011160715`` gives 896.0 there, IEEE 895.99994; H200,
+jax 0.11.2), so a GPU run of this module then differs from the convention in rare E2M1 ties;
+`jmixedkv.compat.xla_flags_with_ieee_division` gives the ``XLA_FLAGS`` that make it ``div.rn.f32`` (the test suite
+sets them on CUDA machines). The Pallas kernels use ``div.rn.f32`` themselves and need no flag. Under ``jax.jit`` XLA
 would reassociate ``enc * (amax * 1/6)`` into ``amax * (enc * 1/6)`` (scalar hoisting); intermediate products are
 therefore routed through `_keep` (an integer OR with a zero XLA cannot prove), so eager, jitted CPU, jitted GPU and
 the Pallas kernels all compute the same bits. ``gs`` must be positive and finite.

@@ -198,6 +198,7 @@ class _Plan:
     block_t: int
     heads_per_program: int
     interpret: bool
+    num_warps: int = 4
 
     @property
     def grid(self):
@@ -209,15 +210,13 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _default_blocks(num_tokens: int, num_layer_programs: int, heads: int, dp: int):
-    """(block_t, heads_per_program): ~32 tokens x 128 columns per program; heads grouped when there are
-    programs enough to fill the GPU (>= 1024) without them."""
-    block_t = max(1, min(_pow2_ceil(num_tokens), max(1, 4096 // dp), 32))
-    programs = pl.cdiv(num_tokens, block_t) * num_layer_programs
-    hb = 1
-    while hb * 2 <= heads and heads % (hb * 2) == 0 and programs * heads // (hb * 2) >= 1024:
-        hb *= 2
-    return block_t, hb
+def _default_blocks(num_tokens: int, dp: int):
+    """(block_t, heads_per_program): at most 16 tokens x 256 columns per program, one head per program.
+
+    From the H200 sweep of `bench/write_bench.py` (32 layers x 8 heads x 128): one head and 16 tokens per program
+    beat 32 tokens and grouped heads for both the 8k-token prefill chunk (1.08 vs 1.33 ms) and the 64-sequence decode
+    step (latency-bound, ~90 us either way)."""
+    return max(1, min(_pow2_ceil(num_tokens), max(1, 4096 // dp), 16)), 1
 
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -284,16 +283,51 @@ def _write_kernel(plan: _Plan, *refs):
         row_pg, row_row, row_ok = _slot_rows(hslot_ref, t_in, t_ok, plan.page, plan.high_pages)
     else:
         row_pg, row_row, row_ok = low_pg, low_row, low_ok
-    if plan.rope_style:
+    # neox over the whole (power-of-two) head: rotate the two halves as separate contiguous tiles (vector loads);
+    # otherwise one tile with a gathered partner column
+    halves = plan.rope_style == "neox" and plan.rotary_dim == d and not padded
+    if halves:
+        col_h = jax.lax.broadcasted_iota(jnp.int32, (1, d // 2), 1)
+        cos_h, sin_h = cos_ref[t_in[:, None], col_h], sin_ref[t_in[:, None], col_h]
+    elif plan.rope_style:
         cos_t, sin_t, partner = _rope_tables(plan, cos_ref, sin_ref, t_in, col)
-
-    c2 = jax.lax.broadcasted_iota(jnp.int32, (1, dp // 2), 1)
-    c16 = jax.lax.broadcasted_iota(jnp.int32, (1, dp // nvfp4.BLOCK), 1)
 
     def load(src, h, cols):
         if plan.all_layers:
             return src[layer, t_in[:, None], h, cols]
         return src[t_in[:, None], h, cols]
+
+    def segments(src, h, rotate):
+        """``[(first column, rows [BT, W] in the source dtype)]`` covering the head, RoPE applied if ``rotate``."""
+        x = None if (rotate and halves) else load(src, h, col_in)
+        if not rotate:
+            return [(0, x)]
+        if halves:
+            x1 = load(src, h, col_h)
+            x2 = load(src, h, col_h + d // 2)
+            a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
+            # x' = x c - y s;  y' = y c + x s = y c - x (-s): the same separately rounded ops as the reference
+            return [(0, ops.rotate(a, b, cos_h, sin_h).astype(x1.dtype)),
+                    (d // 2, ops.rotate(b, a, cos_h, -sin_h).astype(x1.dtype))]
+        xf = x.astype(jnp.float32)
+        rot = ops.rotate(xf, load(src, h, partner).astype(jnp.float32), cos_t, sin_t)
+        return [(0, jnp.where(col < plan.rotary_dim, rot, xf).astype(x.dtype))]
+
+    def store(h, kvi, c0, x):
+        w = x.shape[1]
+        cw = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1)
+        c2 = c0 // 2 + jax.lax.broadcasted_iota(jnp.int32, (1, w // 2), 1)
+        c16 = c0 // nvfp4.BLOCK + jax.lax.broadcasted_iota(jnp.int32, (1, w // nvfp4.BLOCK), 1)
+        if plan.has_low:
+            packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], not plan.interpret)
+            pltriton.store(data_ref.at[layer, low_pg, kvi, h, low_row, c2], packed,
+                           mask=_row_mask(low_ok, c2, d // 2, padded))
+            pltriton.store(scales_ref.at[layer, low_pg, kvi, h, low_row, c16], scales,
+                           mask=_row_mask(low_ok, c16, d // nvfp4.BLOCK, padded))
+        if plan.row_pool:
+            enc = _encode_row(x, jnp.dtype(plan.row_dtype), rscale_ref[layer, kvi], ops)
+            pltriton.store(rows_ref.at[layer, row_pg, kvi, h, row_row, cw], enc,
+                           mask=_row_mask(row_ok, cw, d, padded))
 
     head0 = pl.program_id(2) * plan.heads_per_program  # program ids must be read outside the loop body
 
@@ -301,22 +335,8 @@ def _write_kernel(plan: _Plan, *refs):
         h = head0 + hh
         for kvi in range(plan.kv):
             src = k_ref if kvi == 0 else v_ref
-            x = load(src, h, col_in)
-            if kvi == 0 and plan.rope_style:
-                xf = x.astype(jnp.float32)
-                pf = load(src, h, partner).astype(jnp.float32)
-                rot = ops.rotate(xf, pf, cos_t, sin_t)
-                x = jnp.where(col < plan.rotary_dim, rot, xf).astype(x.dtype)
-            if plan.has_low:
-                packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], not plan.interpret)
-                pltriton.store(data_ref.at[layer, low_pg, kvi, h, low_row, c2], packed,
-                               mask=_row_mask(low_ok, c2, d // 2, padded))
-                pltriton.store(scales_ref.at[layer, low_pg, kvi, h, low_row, c16], scales,
-                               mask=_row_mask(low_ok, c16, d // nvfp4.BLOCK, padded))
-            if plan.row_pool:
-                enc = _encode_row(x, jnp.dtype(plan.row_dtype), rscale_ref[layer, kvi], ops)
-                pltriton.store(rows_ref.at[layer, row_pg, kvi, h, row_row, col], enc,
-                               mask=_row_mask(row_ok, col, d, padded))
+            for c0, x in segments(src, h, kvi == 0 and plan.rope_style is not None):
+                store(h, kvi, c0, x)
         return carry
 
     jax.lax.fori_loop(0, plan.heads_per_program, one_head, 0)
@@ -378,19 +398,22 @@ def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions,
 
 
 def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
-             heads_per_program: Optional[int] = None, interpret: Optional[bool] = None) -> _Plan:
+             heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
+             num_warps: int = 4) -> _Plan:
     """The static plan `write_rows` would use (shapes only; for benches and tests)."""
     num_layers, kv, heads, page, d = _geometry(pools)
     num_tokens = k.shape[-3]
     dp = _pow2_ceil(d)
     all_layers = layer is None
-    bt0, hb0 = _default_blocks(num_tokens, num_layers if all_layers else 1, heads, dp)
+    bt0, hb0 = _default_blocks(num_tokens, dp)
     block_t = bt0 if block_t is None else block_t
     hb = hb0 if heads_per_program is None else heads_per_program
     if block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"write_rows: block_t must be a power of two, got {block_t}")
     if hb < 1 or heads % hb:
         raise ValueError(f"write_rows: heads_per_program={hb} must divide num_kv_heads={heads}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"write_rows: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
     row_pool = "high" if pools.high is not None else ("plain" if pools.plain is not None else None)
     row = getattr(pools, row_pool) if row_pool else None
     if interpret is None:
@@ -404,7 +427,7 @@ def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *,
         k_dtype=jnp.dtype(k.dtype).name, v_dtype=jnp.dtype(v.dtype).name if v is not None else None,
         rope_style=rope.style if rope is not None else None,
         rotary_dim=(rope.rotary_dim or d) if rope is not None else 0,
-        block_t=block_t, heads_per_program=hb, interpret=bool(interpret))
+        block_t=block_t, heads_per_program=hb, interpret=bool(interpret), num_warps=num_warps)
 
 
 def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
@@ -418,7 +441,7 @@ def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
         out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools_flat],
         input_output_aliases={n_in + i: i for i in range(len(pools_flat))},
         interpret=plan.interpret,
-        compiler_params=triton_params(num_warps=4, num_stages=1),
+        compiler_params=triton_params(num_warps=plan.num_warps, num_stages=1),
         name=KERNEL_NAME,
         debug=debug,
     )(*inputs, *pools_flat)
@@ -427,7 +450,7 @@ def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
 def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: int, positions=None,
                rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
                heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
-               debug: bool = False) -> GroupPools:
+               num_warps: int = 4, debug: bool = False) -> GroupPools:
     """Store new rows of one layer or all layers into a group's pools, in place (one fused kernel).
 
     Args:
@@ -441,6 +464,7 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
       positions: i32[T] token positions (needed with ``rope``).
       rope: optional `RopeSpec`, applied to K only.
       block_t / heads_per_program: tokens and heads per program (powers of two / divisor of H; default heuristic).
+      num_warps: Triton warps per program (GPU only).
       interpret: force interpret mode (default: interpret when no GPU, unless inside `lowering_for_cuda`).
       debug: print the kernel jaxpr and Triton IR while lowering (pallas ``debug=True``).
 
@@ -454,7 +478,7 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
     positions = None if positions is None else jnp.asarray(positions)
     _, kv, _, _, d = _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions, rope)
     plan = plan_for(pools, k, v, layer, rope, block_t=block_t, heads_per_program=heads_per_program,
-                    interpret=interpret)
+                    interpret=interpret, num_warps=num_warps)
     if plan.num_tokens == 0:
         return pools
     if plan.row_pool == "high" and high_slot is None:
@@ -526,5 +550,5 @@ def rope_rows_f32(x, positions, rope: RopeSpec, *, interpret: Optional[bool] = N
     return pl.pallas_call(kernel, grid=(1,), in_specs=[spec] * 3,
                           out_specs=pl.BlockSpec((t, d), lambda i: (0, 0)),
                           out_shape=jax.ShapeDtypeStruct((t, d), jnp.float32), interpret=plan.interpret,
-                          compiler_params=triton_params(num_warps=4, num_stages=1),
+                          compiler_params=triton_params(num_warps=plan.num_warps, num_stages=1),
                           name="jmixedkv_rope_rows")(x, cos, sin)

@@ -2,13 +2,22 @@
 
 Tests run with 4 host CPU devices (``--xla_force_host_platform_device_count=4``) so the tensor-parallel tests
 can build a ``("tp",)`` mesh; single-device code is unaffected (it runs on device 0).
+
+Where a jax CUDA plugin is installed, XLA's float32 division on the GPU is made IEEE
+(`jmixedkv.compat.xla_flags_with_ieee_division`), so the jnp references run on the GPU follow the NVFP4 convention
+and the GPU tests can compare kernels with the reference run on the same GPU.
 """
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
-import jax
+from jmixedkv.compat import cuda_plugin_installed, xla_flags_with_ieee_division  # noqa: E402  (no backend yet)
+
+if cuda_plugin_installed():
+    os.environ["XLA_FLAGS"] = xla_flags_with_ieee_division(os.environ.get("XLA_FLAGS", ""))
+
+import jax  # noqa: E402
 import numpy as np
 
 

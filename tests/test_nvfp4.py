@@ -343,3 +343,40 @@ def test_agrees_with_torchao_0_18():
 
     m_ours, m_torch = mse(p, s), mse(p_t, s_t)
     assert abs(m_ours - m_torch) <= 0.01 * m_torch, (m_ours, m_torch)
+
+
+# --------------------------------------------------------------------------- IEEE division in XLA (compat)
+_DIVISION_PROBE = """
+import os, sys
+import numpy as np
+import jax, jax.numpy as jnp
+d = np.concatenate([np.float32([0.0011160715, 3.0, 7.0]),
+                    np.random.default_rng(0).uniform(1e-4, 1e4, 1 << 16).astype(np.float32)])
+got = np.asarray(jax.jit(lambda a: jnp.float32(1.0) / a)(jnp.asarray(d)))
+want = np.float32(1.0) / d
+print(jax.default_backend(), int((got.view(np.uint32) != want.view(np.uint32)).sum()), got[0])
+"""
+
+
+def division_probe(env_flags):
+    """Run `_DIVISION_PROBE` in a fresh process with ``XLA_FLAGS=env_flags``: (backend, mismatches, 1/0.0011160715)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_FLAGS=env_flags)
+    r = subprocess.run([sys.executable, "-c", _DIVISION_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    backend, bad, inv = r.stdout.split()[-3:]
+    return backend, int(bad), np.float32(inv)
+
+
+def test_xla_flags_with_ieee_division_merges_and_is_accepted():
+    """The flag string merges with other flags and XLA accepts it (an unknown LLVM option aborts the process);
+    on this backend the division it compiles is IEEE (on an H200 see the GPU test in test_nvfp4_kernels)."""
+    from jmixedkv.compat import IEEE_DIVISION_OPTION, xla_flags_with_ieee_division as f
+    assert f("") == "--xla_backend_extra_options=" + IEEE_DIVISION_OPTION
+    assert f("--a=1 --xla_backend_extra_options=-x=1") == ("--a=1 --xla_backend_extra_options=-x=1,"
+                                                           + IEEE_DIVISION_OPTION)
+    assert f(f("--a=1")) == f("--a=1")
+    _, bad, inv = division_probe(f("--xla_force_host_platform_device_count=2"))
+    assert bad == 0 and inv == np.float32(1.0) / np.float32(0.0011160715)

@@ -343,6 +343,21 @@ def _check_all(diffs):
     assert not bad, f"{len(bad)} of {len(diffs)} comparisons differ:\n" + "\n".join(bad)
 
 
+@pytest.mark.gpu
+@gpu
+def test_gpu_xla_division_ieee_only_with_the_flag():
+    """XLA's default float32 division on the GPU is ``div.full.f32`` (not IEEE: ``1 / 0.0011160715`` = 896.0);
+    with `xla_flags_with_ieee_division` it matches numpy bit for bit (what lets GPU tests run the jnp reference on
+    the GPU itself)."""
+    from jmixedkv.compat import xla_flags_with_ieee_division
+    from test_nvfp4 import division_probe
+    backend, bad_default, inv_default = division_probe("")
+    _, bad_ieee, inv_ieee = division_probe(xla_flags_with_ieee_division(""))
+    assert backend == "gpu"
+    assert bad_ieee == 0 and inv_ieee == np.float32(1.0) / np.float32(0.0011160715), (bad_ieee, inv_ieee)
+    assert bad_default > 0 and inv_default == np.float32(896.0), (bad_default, inv_default)
+
+
 GPU_TILINGS = [dict(), dict(block_rows=32, sub_rows=32, num_warps=8), dict(block_rows=1024, sub_rows=64, num_warps=8),
                dict(code_impl="compare"), dict(block_rows=256, sub_rows=16, num_warps=4, num_stages=1),
                dict(block_rows=4096, sub_rows=256, num_warps=4, width=16),

@@ -101,22 +101,30 @@ def _jit_append(rope, backend):
                                                            backend=backend))
 
 
-def reference_append(st, k, v, seq, pos, layer, rope):
+def reference_append(st, k, v, seq, pos, layer, rope, device=None):
     """The reference path of `state._write`, with its RoPE step run eagerly (every op rounded separately) and
     the rest jitted: ``append(k=apply_rope(k).astype(k.dtype), rope=None)`` is exactly what ``_write`` does.
 
-    Always evaluated on the host CPU (the result is put back on the default device): the pinned convention is IEEE
-    float32 arithmetic, and XLA on the GPU rounds a float32 division approximately (``1 / 0.0011160715`` gives
-    896.0 there, IEEE 895.99994; H200, jax 0.11.2, `bench/probes/write_probe3.py`), so the reference run by XLA on
-    the GPU itself differs from the convention in rare E2M1 ties (`bench/probes/write_probe2.py`: kernel vs
-    CPU reference 0 bytes, XLA-GPU reference vs CPU reference 1-6 bytes per step)."""
-    cpu = jax.devices("cpu")[0]
-    st, k, v, seq, pos, layer = jax.device_put((st, k, v, seq, pos, layer), cpu)
-    with jax.default_device(cpu):
-        if rope is not None:
-            k = jk.apply_rope(k, jnp.asarray(pos), rope).astype(k.dtype)
+    RoPE runs on the default device: ``cos``/``sin`` are not correctly rounded and XLA CPU and CUDA's libdevice
+    differ in the last bit, so the in-kernel RoPE matches the one of the backend it runs on. The row store and
+    NVFP4 quantization run on ``device`` (default: the default device) and the result is put back on the default
+    device. On the GPU this needs IEEE float32 division in XLA (`conftest` sets it:
+    `jmixedkv.compat.xla_flags_with_ieee_division`); without it the reference run by XLA on the GPU differs from the
+    convention in rare E2M1 ties (``1 / 0.0011160715`` gives 896.0 with XLA's default ``div.full.f32``;
+    `bench/probes/write_probe2.py`: 1-6 bytes per step)."""
+    if rope is not None:
+        k = jk.apply_rope(k, jnp.asarray(pos), rope).astype(k.dtype)
+    device = device or jax.devices()[0]
+    st, k, v, seq, pos, layer = jax.device_put((st, k, v, seq, pos, layer), device)
+    with jax.default_device(device):
         out = _jit_append(None, "reference")(st, k, v, seq, pos, layer)
     return jax.device_put(out, jax.devices()[0])
+
+
+def reference_devices():
+    """Where the reference is evaluated: the default device and, on a GPU, also the host CPU (IEEE by nature)."""
+    cpu = jax.devices("cpu")[0]
+    return [jax.devices()[0]] + ([cpu] if jax.devices()[0] != cpu else [])
 
 
 def run_scenario(st, rope, *, all_layers=True, k_dtype=jnp.bfloat16, v_dtype=jnp.bfloat16, seed=1,
@@ -135,9 +143,10 @@ def run_scenario(st, rope, *, all_layers=True, k_dtype=jnp.bfloat16, v_dtype=jnp
         v = _rows(rng, shape, v_dtype, 1.0) if spec.kv_factor == 2 else None
         layer = None if all_layers else jnp.int32(step % spec.num_layers)
         got = fn(st, k, v, seq, pos, layer)
-        want = reference_append(st, k, v, seq, pos, layer, rope)
-        assert int(want.error) == 0
-        assert_pools_equal(got.pools, want.pools, f"step {step}")
+        for device in reference_devices():
+            want = reference_append(st, k, v, seq, pos, layer, rope, device)
+            assert int(want.error) == 0
+            assert_pools_equal(got.pools, want.pools, f"step {step}, reference on {device}")
         st = want
     return st
 
@@ -347,6 +356,7 @@ def _check_in_place(text, n_pools):
 def test_cross_lower_cuda_mixed_all_layers_in_place():
     st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=2, num_kv_heads=4, head_dim=128))
     _check_in_place(_lower_append(st, jk.RopeSpec("neox", rotary_dim=64)), 3)
+    _check_in_place(_lower_append(st, jk.RopeSpec("neox")), 3)    # whole-head neox: the two-halves path
 
 
 def test_cross_lower_cuda_fp8_and_mla():
