@@ -54,6 +54,7 @@ import numpy as np
 from jax import lax
 
 from jmixedkv.compat import pl, pltriton, triton_params
+from jmixedkv.nvfp4 import _keep  # opaque to XLA's simplifier; in the kernel two integer ops per block
 
 __all__ = ["quantize", "dequantize", "kernel_width", "QUANT_DEFAULTS", "QUANT_IMPLS", "DEQUANT_DEFAULTS", "SUPPORTED_DTYPES"]
 
@@ -92,14 +93,6 @@ def _bits(x):
 
 def _f32(i):
     return lax.bitcast_convert_type(i, jnp.float32)
-
-
-def _keep(a, nonneg):
-    """``a`` unchanged but opaque to XLA's algebraic simplifier (as `jmixedkv.nvfp4._keep`): ORs in the sign bit
-    of ``nonneg`` (>= 0 or +NaN, so a zero XLA cannot prove). Interpret mode runs through XLA, which would
-    otherwise reassociate ``enc * (amax * 1/6)``; on the GPU it costs two integer ops per block."""
-    z = lax.shift_right_logical(_bits(nonneg), jnp.int32(31))
-    return _f32(_bits(a) | z)
 
 
 def _recip(d, exact_asm: bool):

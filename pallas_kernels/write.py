@@ -64,7 +64,7 @@ from jmixedkv import nvfp4
 from jmixedkv.backend import interpret as _default_interpret
 from jmixedkv.compat import pl, pltriton, triton_params
 from jmixedkv.pools import GroupPools, LowPool, RowPool, is_fp8
-from jmixedkv.rope import RopeSpec, rope_cos_sin
+from jmixedkv.rope import RopeSpec, _launder, _opaque_zero, rope_cos_sin
 from pallas_kernels import nvfp4 as _kcodec
 
 __all__ = ["write_rows", "lowering_for_cuda", "dump_kernel_ir", "plan_for", "KERNEL_NAME", "rope_rows_f32"]
@@ -128,17 +128,12 @@ class _JnpOps:
         return _launder(x * c, z) - _launder(p * s, z)
 
 
-def _opaque_zero(c):
-    """int32 zeros the compiler cannot prove zero: bit 30 (exponent MSB) of ``|c| <= 1`` values is clear."""
-    return (jax.lax.bitcast_convert_type(c, jnp.int32) >> 30) & 1
-
-
-def _launder(a, z):
-    """``a`` unchanged, routed through an integer OR so that no FMA can absorb the product that made it.
-
-    (``lax.optimization_barrier`` is not enough: XLA CPU expands barriers before fusion and its LLVM backend
-    always allows FP-op fusion, so ``barrier(x*c) - barrier(y*s)`` still becomes an FMA under jit.)"""
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.int32) | z, jnp.float32)
+def _negate(a):
+    """``-a`` by flipping the sign bit. Pallas Triton lowers ``-a`` as ``0 - a``, which maps +0.0 to +0.0; RoPE's
+    signed ``sin`` must give -0.0 at angle 0 so that ``y*c - x*(-s)`` equals the reference's ``y*c + x*s`` for
+    every sign of zero."""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.int32) ^ jnp.int32(-2 ** 31),
+                                        jnp.float32)
 
 
 # --------------------------------------------------------------------------------------------- in-kernel codec
@@ -250,7 +245,7 @@ def _rope_tables(plan: _Plan, cos_ref, sin_ref, t_in, col):
     partner = jnp.minimum(partner, plan.head_dim - 1)
     c = cos_ref[t_in[:, None], fcol]
     s = sin_ref[t_in[:, None], fcol]
-    return c, jnp.where(second, -s, s), partner
+    return c, jnp.where(second, _negate(s), s), partner
 
 
 def _write_kernel(plan: _Plan, *refs):
@@ -289,6 +284,7 @@ def _write_kernel(plan: _Plan, *refs):
     if halves:
         col_h = jax.lax.broadcasted_iota(jnp.int32, (1, d // 2), 1)
         cos_h, sin_h = cos_ref[t_in[:, None], col_h], sin_ref[t_in[:, None], col_h]
+        neg_sin_h = _negate(sin_h)
     elif plan.rope_style:
         cos_t, sin_t, partner = _rope_tables(plan, cos_ref, sin_ref, t_in, col)
 
@@ -299,16 +295,15 @@ def _write_kernel(plan: _Plan, *refs):
 
     def segments(src, h, rotate):
         """``[(first column, rows [BT, W] in the source dtype)]`` covering the head, RoPE applied if ``rotate``."""
-        x = None if (rotate and halves) else load(src, h, col_in)
-        if not rotate:
-            return [(0, x)]
-        if halves:
-            x1 = load(src, h, col_h)
-            x2 = load(src, h, col_h + d // 2)
+        if rotate and halves:
+            x1, x2 = load(src, h, col_h), load(src, h, col_h + d // 2)
             a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
             # x' = x c - y s;  y' = y c + x s = y c - x (-s): the same separately rounded ops as the reference
             return [(0, ops.rotate(a, b, cos_h, sin_h).astype(x1.dtype)),
-                    (d // 2, ops.rotate(b, a, cos_h, -sin_h).astype(x1.dtype))]
+                    (d // 2, ops.rotate(b, a, cos_h, neg_sin_h).astype(x1.dtype))]
+        x = load(src, h, col_in)
+        if not rotate:
+            return [(0, x)]
         xf = x.astype(jnp.float32)
         rot = ops.rotate(xf, load(src, h, partner).astype(jnp.float32), cos_t, sin_t)
         return [(0, jnp.where(col < plan.rotary_dim, rot, xf).astype(x.dtype))]

@@ -269,16 +269,19 @@ def _rope_rows_check(style, interpret):
     rope = jk.RopeSpec(style, theta=10000.0, rotary_dim=96 if style == "neox" else None)
     rng = np.random.default_rng(3)
     t, d = 32, 128
-    pos = rng.integers(0, 100000, t).astype(np.int32)
-    x = (rng.standard_normal((t, d)) * 3).astype(np.float32)
-    got = np.asarray(W.rope_rows_f32(x, pos, rope, interpret=interpret))
-    cos, sin = map(np.asarray, rope_cos_sin(jnp.asarray(pos), rope.rotary_dim or d, rope.theta))
-    want = numpy_rope(x, cos, sin, rope)
-    np.testing.assert_array_equal(_bits(got), _bits(want))
-    # sensitivity: an FMA in the first output of each pair would change many of these values
     rd = rope.rotary_dim or d
     xi, yi = ((np.arange(rd // 2), np.arange(rd // 2) + rd // 2) if style == "neox"
               else (np.arange(0, rd, 2), np.arange(1, rd, 2)))
+    pos = rng.integers(0, 100000, t).astype(np.int32)
+    x = (rng.standard_normal((t, d)) * 3).astype(np.float32)
+    pos[:2] = 0                           # sin = +0: y' = -0 * 1 + x * 0 is +0 or -0 by the sign of x
+    x[:2, yi] = -0.0
+    x[1, xi] = -np.abs(x[1, xi])
+    got = np.asarray(W.rope_rows_f32(x, pos, rope, interpret=interpret))
+    cos, sin = map(np.asarray, rope_cos_sin(jnp.asarray(pos), rd, rope.theta))
+    want = numpy_rope(x, cos, sin, rope)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    # sensitivity: an FMA in the first output of each pair would change many of these values
     _, fma = _sep_and_fma(x[:, xi], cos, (x[:, yi] * sin).astype(np.float32))
     assert (fma != want[:, xi]).sum() > 100
 
@@ -419,6 +422,7 @@ def test_gpu_fma_sensitive_rows_match_numpy():
     cos, sin = map(np.asarray, jax.jit(lambda p: rope_cos_sin(p, 128, rope.theta))(jnp.asarray(pos)))
     k, hits = fma_sensitive_rows(np.random.default_rng(5), (n, 4, 128), pos, rope, host_cos_sin=(cos, sin))
     assert hits > 500
+    k[pos == 0, :, 64:] = -0.0                 # sin = +0 at position 0: the sign of each rotated zero is tested
     seq = np.zeros(n, np.int32)
     out = jk.append(st, jnp.asarray(k), jnp.asarray(k), seq, pos, layer=0, rope=rope, backend="pallas")
     hslot = np.asarray(jk.state.write_slots(out, jnp.asarray(seq), jnp.asarray(pos))[1])

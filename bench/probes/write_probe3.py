@@ -16,17 +16,16 @@ def stages(x, gs):
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
     gs = jnp.broadcast_to(gs, x.shape[:-1])[..., None]
     amax = jnp.max(jnp.abs(xf), axis=-1)
-    enc = N.ieee_div(1.0, gs)
-    enc_xla = jnp.float32(1.0) / gs
+    enc = jnp.float32(1.0) / gs
     t = amax * N._SIXTH
     s_f32 = enc * N._keep(t, t)
     s8 = N._block_scale(amax, gs)
     sf = N.e4m3_values(s8)
     prod = sf * gs
-    r = jnp.where(sf == 0, jnp.float32(0.0), N.ieee_div(1.0, N._keep(prod, prod)))
+    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / N._keep(prod, prod))
     y = xf * N._keep(r, r)[..., None]
     codes = N.e2m1_codes(y)
-    return dict(amax=amax, enc=enc, enc_xla_f32_div=enc_xla, s_f32=s_f32, s8=jax.lax.bitcast_convert_type(s8, jnp.uint8), sf=sf, prod=prod,
+    return dict(amax=amax, enc=enc, s_f32=s_f32, s8=jax.lax.bitcast_convert_type(s8, jnp.uint8), sf=sf, prod=prod,
                 r=r, y=y, codes=codes)
 
 
