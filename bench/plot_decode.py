@@ -1,4 +1,4 @@
-"""Plot decode-attention time vs context for (a)-(e) and the bytes floors, one panel per batch size.
+"""Plot decode-attention time vs context for (a)-(f) and the bytes floors, one panel per batch size.
 
 Reads every ``decode_bench*.json`` under ``--json-dir`` (written by `bench/decode_bench.py`; rows of several runs
 are merged, the latest run wins for a repeated shape) and writes ``decode_attention.png`` under ``--out``.
@@ -13,7 +13,9 @@ import json
 import os
 import sys
 
-SERIES = [("mixed_ms", "(a) fused NVFP4 mixed (ours)", "o-"), ("plain_ms", "(b) same kernel, bf16 pages", "s-"),
+SERIES = [("mixed_ms", "(a) fused NVFP4 mixed (ours)", "o-"),
+          ("mgpu_ms", "(f) Mosaic GPU NVFP4 mixed (ours)", "x-"),
+          ("plain_ms", "(b) same kernel, bf16 pages", "s-"),
           ("jax_pa_ms", "(c) JAX Pallas paged_attention bf16", "^-"),
           ("stage_ms", "(d) stage (XLA) + paged attention", "v-"), ("sdpa_ms", "(e) torch SDPA bf16", "d-"),
           ("floor_nvfp4_ms", "NVFP4 bytes floor", "k--"), ("floor_bf16_ms", "bf16 bytes floor", "k:")]

@@ -71,7 +71,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jmixedkv as jm  # noqa: E402
-from jmixedkv import sharding  # noqa: E402
+from jmixedkv import layout, sharding  # noqa: E402
 from jmixedkv.attention import decode_attention  # noqa: E402
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_K, default_num_splits  # noqa: E402
 from read_bench import timeit as _median_s  # noqa: E402  (warm-up + median wall time, seconds)
@@ -125,22 +125,17 @@ def _rand_u8(key, shape, lo=0, hi=256):
 
 
 def pool_pages(cfg, spec, batch, ctx):
-    """``(num_pages, padded)``: pages of the low pool for ``batch`` full sequences of ``ctx`` tokens.
-
-    The Pallas Triton lowering picks 32-bit pointer offsets for arrays of at most 2^32 bytes, but Triton adds
-    offsets as *signed* i32: a pool of (2^31, 2^32] bytes would wrap to negative offsets (illegal address; e.g.
-    batch 128 x 32k on one device is exactly 2^32 bytes). Such a pool is padded past 2^32 bytes (64-bit offsets;
-    the padding pages are never referenced, so head-sharded halves keep offsets < 2^31)."""
+    """``(num_pages, padded)``: pages of the low pool for ``batch`` full sequences of ``ctx`` tokens, and whether
+    `init_state` pads the one-device data array past the Pallas Triton offset hole ((2^31, 2^32] bytes, e.g.
+    batch 128 x 32k on one device is exactly 2^32 bytes; `jmixedkv.layout.offset_safe_count`)."""
     used = batch * -(-ctx // cfg.page_size)
-    page_bytes = spec.kv_factor * spec.num_kv_heads * cfg.page_size * spec.head_dim // 2
-    if 2 ** 31 < used * page_bytes <= 2 ** 32:
-        return 2 ** 32 // page_bytes + 1, True
-    return used, False
+    per_page = spec.num_layers * spec.kv_factor * spec.num_kv_heads * cfg.page_size * spec.head_dim // 2
+    return used, layout.offset_safe_count(used, per_page, 1) != used
 
 
 def random_state(cfg, spec, batch, ctx, seed=0):
     """A full cache: every sequence has ``ctx`` tokens of random NVFP4 bytes and random twin rows (page ids: a
-    random permutation of ``0 .. batch * pages_per_seq - 1``; see `pool_pages` for the padding)."""
+    random permutation of ``0 .. batch * pages_per_seq - 1``; `init_state` pads pools out of the offset hole)."""
     page = cfg.page_size
     ppseq = -(-ctx // page)
     used = batch * ppseq
@@ -590,7 +585,7 @@ def main(argv=None):
             seq = jnp.arange(b, dtype=jnp.int32)
             rec = dict(batch=b, num_splits=ns)
             if pool_pages(cfg, spec, b, ctx)[1]:
-                rec["note"] = "1-device pool padded past 2^32 B: the kernel uses 64-bit offsets there"
+                rec["note"] = "1-device pool padded past 2^32 B by init_state: the kernel uses 64-bit offsets there"
             R["sweep"].append(rec)
             f1, f4, fs = attn(ns), attn(ns), sharded_attn(mesh, ns)
             one, q0 = jax.device_put(st, d0), jax.device_put(q, d0)

@@ -1,14 +1,19 @@
-"""PyTorch side of jmixedkv: zero-copy DLPack bridges, a torch-facing cache, and layout exports.
+"""PyTorch side of jmixedkv: zero-copy DLPack bridges, a torch-facing cache, a transformers Cache, layout exports.
 
 * `interop.dlpack`: `to_torch`, `from_torch` (zero-copy, pointer-checked, stream-safe), `nvfp4_to_torch`.
-* `interop.torch_cache`: `TorchKVCache` (append / stage / gather_rows / decode_attention / accept from torch),
-  and the read calls as ``torch.ops.jmixedkv.decode_attention`` / ``stage_dense`` custom ops.
+* `interop.torch_cache`: `TorchKVCache` (append / stage / gather_rows / decode_attention / accept / fork from
+  torch; per-call ``sync=`` / ``validate=``), `lse_to_base2` / `lse_from_base2` (our LSE is natural-log,
+  FlashInfer's base 2), and the reads as ``torch.ops.jmixedkv.decode_attention`` / ``stage_dense`` custom ops.
+* `interop.hf` (needs ``transformers``; import it explicitly): `JMixedKVCache`, a ``transformers.Cache`` for
+  ``model.generate(..., cache=...)``, and the ``attn_implementation="jmixedkv"`` attention function.
 * `interop.layouts`: FlashInfer CSR page tables, vLLM block tables and slot mappings, NHD/HND page views, NVFP4
   pages in FlashInfer's paged NVFP4 layout.
-* `interop.llama_torch`: a tiny Llama-style torch decoder using the cache (``python -m interop.llama_torch``).
+* `interop.llama_torch`: transformers' ``LlamaForCausalLM`` (tiny, random) on the cache vs ``DynamicCache``
+  (``python -m interop.llama_torch``).
 """
 from .dlpack import ZeroCopyError, from_torch, nvfp4_to_torch, same_buffer, to_torch
-from .torch_cache import TorchKVCache, TorchStaged
+from .torch_cache import TorchKVCache, TorchStaged, lse_from_base2, lse_to_base2
 from . import layouts
 
-__all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "ZeroCopyError", "TorchKVCache", "TorchStaged", "layouts"]
+__all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "ZeroCopyError", "TorchKVCache", "TorchStaged",
+           "lse_to_base2", "lse_from_base2", "layouts"]

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-__all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "torch_dtype", "jax_dtype", "ZeroCopyError",
-           "ZERO_COPY_DTYPES", "torch_device_of", "jax_device_of"]
+__all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "torch_dtype", "ZeroCopyError",
+           "ZERO_COPY_DTYPES", "torch_device_of"]
 
 CPU_ALIGNMENT = 64
 
@@ -77,13 +77,6 @@ def torch_dtype(dtype) -> torch.dtype:
     return ZERO_COPY_DTYPES[d]
 
 
-def jax_dtype(dtype: torch.dtype):
-    if dtype not in _TORCH_TO_JAX:
-        raise ValueError(f"torch dtype {dtype} does not cross DLPack zero-copy; supported: "
-                         f"{sorted(str(k) for k in _TORCH_TO_JAX)}")
-    return _TORCH_TO_JAX[dtype]
-
-
 def torch_device_of(device: jax.Device) -> torch.device:
     """torch device holding the same memory as JAX device ``device``."""
     if device.platform == "cpu":
@@ -91,24 +84,6 @@ def torch_device_of(device: jax.Device) -> torch.device:
     if device.platform in ("gpu", "cuda", "rocm"):
         return torch.device("cuda", device.local_hardware_id)
     raise ValueError(f"no torch device for JAX platform {device.platform!r}")
-
-
-def jax_device_of(device: torch.device) -> jax.Device:
-    """JAX device for torch device ``device`` (raises if JAX has none)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return jax.devices("cpu")[0]
-    if device.type == "cuda":
-        try:
-            gpus = jax.devices("gpu")
-        except RuntimeError as e:
-            raise ValueError(f"torch tensor is on {device} but JAX has no GPU backend ({e})") from None
-        index = torch.cuda.current_device() if device.index is None else device.index
-        for d in gpus:
-            if d.local_hardware_id == index:
-                return d
-        raise ValueError(f"JAX has no GPU with hardware id {index} (has {[d.local_hardware_id for d in gpus]})")
-    raise ValueError(f"no JAX device for torch device {device}")
 
 
 def _pointer(x: jax.Array) -> int:

@@ -1,6 +1,9 @@
 """Exports of our page tables and pools into the layouts other engines' kernels take (FlashInfer, vLLM).
 
-Page tables (host side, numpy int32 unless said otherwise; ``seq_slots i32[B]``, -1 = padding row):
+Page tables (the functions here compute on the host and return NumPy int32; the torch-facing exporters of
+`interop.torch_cache` -- ``TorchKVCache.flashinfer_page_table`` / ``block_table``, ``TorchStaged.flashinfer_csr``
+/ ``block_table`` -- return int32 **torch tensors on the pages' device**, ready for FlashInfer's ``plan()`` and
+vLLM's metadata, NumPy only with ``as_numpy=True``; `csr_to_torch` converts. ``seq_slots i32[B]``, -1 = padding):
 
 * **FlashInfer CSR** (`flashinfer_csr`): ``kv_indptr i32[B+1]``, ``kv_indices i32[kv_indptr[-1]]`` (physical page
   ids in sequence order), ``kv_last_page_len i32[B]`` with ``1 <= last <= page_size`` for a non-empty sequence
@@ -8,8 +11,9 @@ Page tables (host side, numpy int32 unless said otherwise; ``seq_slots i32[B]``,
   ``last_page_len = 0``, so FlashInfer's ``get_seq_lens`` (``clamp(pages - 1, 0) * page + last``) gives 0.
   `flashinfer_csr_padded` is the jittable fixed-shape twin (``kv_indices`` padded to ``B * max_pages`` with -1,
   CUDA-graph friendly); `seq_lens_from_csr` inverts the form.
-* **vLLM block tables** (`block_table`): ``i32[B, max_pages]`` with -1 past each sequence's last used page,
-  plus ``seq_lens i32[B]``; **slot mappings** (`slot_mapping`): ``slot = page_id * page + pos % page`` per token,
+* **vLLM block tables** (`block_table`): ``i32[B, max_pages]`` with ``pad`` past each sequence's last used page
+  (default -1 here; vLLM pads with 0 and reserves block 0 as its null block: ``pad=0``, and
+  ``TorchKVCache(reserve_null_page=True)`` keeps page 0 out of the allocator), plus ``seq_lens i32[B]``; **slot mappings** (`slot_mapping`): ``slot = page_id * page + pos % page`` per token,
   -1 (vLLM's ``PAD_SLOT_ID``) for padding or unheld rows; int64 by default as in vLLM.
 
 Pool page views (`page_view`): our row pools are ``rows[L, P, kv, H, page, D]`` (HND inside a page), so per
@@ -17,8 +21,12 @@ layer the pool *is* FlashInfer's 5-D HND paged cache ``[P, 2, H, page, D]`` (K/V
 and K/V a zero-copy strided view gives ``HND [P, H, page, D]`` or ``NHD [P, page, H, D]`` (a permuted,
 non-contiguous view; FlashInfer accepts strided pages, call ``.contiguous()`` for kernels that do not).
 
-Staged caches: `interop.torch_cache.TorchStaged` (from ``jmixedkv.read.stage``) is already a paged HND cache
-``[N, kv, H, page, D]`` with a compact page table; its ``flashinfer_csr()`` uses `flashinfer_csr` above.
+What a table over which pool means. A CSR / block table over the **NVFP4 pool** (``TorchKVCache.
+flashinfer_page_table`` / ``block_table``, with `nvfp4_pages`) gives *history only*: plain NVFP4, the
+high-precision twin (first-N / last-N rows) is dropped. The **mixed** semantics (retained rows bit-exact from the
+twin, the rest dequantized NVFP4) is the staged cache: `interop.torch_cache.TorchStaged` (from
+``jmixedkv.read.stage``) is a paged HND cache ``[N, kv, H, page, D]`` with a compact page table; its
+``flashinfer_csr()`` / ``block_table()`` index those staged pages.
 
 NVFP4 pages (`nvfp4_pages`): FlashInfer's paged NVFP4 KV layout (``nvfp4_quantize_append_paged_kv_cache``,
 ``nvfp4_kv_dequantize_paged``): per layer, K and V separately, data ``uint8 [P, H, page, D/2]`` (HND) or
@@ -37,15 +45,27 @@ import numpy as np
 import torch
 
 __all__ = ["FlashInferCSR", "flashinfer_csr", "flashinfer_csr_padded", "seq_lens_from_csr", "block_table",
-           "slot_mapping", "page_view", "nvfp4_pages", "NVFP4Pages"]
+           "slot_mapping", "page_view", "nvfp4_pages", "NVFP4Pages", "csr_to_torch", "to_device"]
 
 LAYOUTS = ("HND", "NHD")
 
 
 class FlashInferCSR(NamedTuple):
+    """FlashInfer's paged-KV CSR (NumPy or torch int32, see the producer)."""
     kv_indptr: np.ndarray          # i32[B+1]
     kv_indices: np.ndarray         # i32[kv_indptr[-1]]
     kv_last_page_len: np.ndarray   # i32[B]
+
+
+def to_device(a: np.ndarray, device) -> torch.Tensor:
+    """Host int32 NumPy array -> int32 torch tensor on ``device`` (one host-to-device copy)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+    return t.to(device) if torch.device(device).type != "cpu" else t
+
+
+def csr_to_torch(csr: FlashInferCSR, device) -> FlashInferCSR:
+    """`FlashInferCSR` of NumPy arrays -> the same of int32 torch tensors on ``device`` (what ``plan()`` takes)."""
+    return FlashInferCSR(*(to_device(a, device) for a in csr))
 
 
 def _host(x, what: str) -> np.ndarray:
@@ -121,10 +141,13 @@ def seq_lens_from_csr(kv_indptr, kv_last_page_len, page_size: int) -> np.ndarray
     return (np.maximum(np.diff(indptr) - 1, 0) * page_size + last).astype(np.int32)
 
 
-def block_table(page_table, kv_lens, seq_slots, page_size: int):
-    """vLLM-style ``(block_table i32[B, max_pages], seq_lens i32[B])``: page ids of the used pages, -1 after."""
+def block_table(page_table, kv_lens, seq_slots, page_size: int, *, pad: int = -1):
+    """vLLM-style ``(block_table i32[B, max_pages], seq_lens i32[B])``: page ids of the used pages, ``pad`` after
+    (-1 by default; vLLM's convention is 0, its reserved null block)."""
+    if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or pad < -1:
+        raise ValueError(f"block_table: pad must be an integer >= -1, got {pad!r}")
     rows, n, _, used = _rows(page_table, kv_lens, seq_slots, page_size, "block_table")
-    return np.where(used, rows, -1).astype(np.int32), n.astype(np.int32)
+    return np.where(used, rows, pad).astype(np.int32), n.astype(np.int32)
 
 
 def slot_mapping(page_table, seq, positions, page_size: int, dtype=np.int64) -> np.ndarray:

@@ -1,51 +1,49 @@
 """A torch-facing mixed-precision KV cache for engines written in PyTorch.
 
-`TorchKVCache` owns one `jmixedkv.CacheManager` (host capacity checks, jitted transitions with the state
-donated) and speaks torch: K/V, queries and indices come in as torch tensors, staged caches, gathered rows and
-attention outputs go out as torch tensors, all through the zero-copy DLPack bridge (`interop.dlpack`). Every
-input is validated on the host first (dtype, device, shape, slot / layer / page ids) and a bad one raises a
-``ValueError`` naming the offending value.
-
-Read and speculative calls are resolved lazily at call time (``importlib`` on first use), so this module works
-with or without those modules and picks up the real implementations when they are importable; `implementations()`
-reports which one each call uses:
-
-===================  ===========================================================  =====================================
-call                 real implementation (when importable)                        fallback
-===================  ===========================================================  =====================================
-``stage``            ``jmixedkv.read.stage(state, layer, seq_slots, group=,         ``reference.stage_reference``, paged
-                     backend=) -> StagedCache``                                   like ``read.stage`` (compact ids)
-``gather_rows``      ``jmixedkv.read.gather_rows(state, layer, seq_slots,          ``reference.rows_reference``
-                     indices, group=, scratch_dtype=, backend=)``                 (attention dtype only, scale 1)
-``decode_attention`` ``jmixedkv.attention.decode_attention(state, layer, q,        ``stage_reference`` +
-                     seq_slots, group=, sm_scale=, backend=) -> (out, lse)``      ``attention_reference``
-``correct_kv_lens``  ``jmixedkv.speculative.correct_kv_lens(state, offsets)``     ``kv_lens + offsets``
-                                                                                  (``dataclasses.replace``)
-``accept``           ``jmixedkv.speculative.accept(state, seq_slots,               ``correct_kv_lens`` with
-                     num_accepted, num_drafts)``                                  ``num_accepted - num_drafts``
-===================  ===========================================================  =====================================
+`TorchKVCache` only converts torch <-> JAX and delegates: one `jmixedkv.CacheManager` owns the state, the host
+capacity mirror and the jitted, donated transitions; the reads call `jmixedkv.read.stage` /
+`jmixedkv.read.gather_rows` / `jmixedkv.attention.decode_attention`, the speculative calls
+`jmixedkv.speculative.correct_kv_lens` / `accept`, and `fork` calls `jmixedkv.prefix.fork`. K/V, queries and
+indices come in as torch tensors; staged caches, gathered rows and attention outputs go out as torch tensors, all
+through the zero-copy DLPack bridge (`interop.dlpack`). Inputs are checked on the host first (dtype, device,
+shape, slot / layer / page ids); a bad one raises a ``ValueError`` naming the offending value.
 
 Length correction follows `jmixedkv.speculative`: ``offsets i32[S] <= 0`` are *added* (``kv_lens += offsets``,
 ``-min(max_draft_len, kv_len) <= offset <= 0``, 0 on idle slots); ``accept`` keeps the verified token plus
 ``num_accepted`` of ``num_drafts`` drafts (``kv_len += num_accepted - num_drafts``). Pages are kept.
 
-Streams and aliasing: inputs cross with `from_torch` (default ``sync=True``: the tensor's CUDA device is
-synchronized first, so K/V written on any torch stream are complete) and outputs with `to_torch` (JAX work is
-finished before torch sees the tensor). Outputs are zero-copy views of fresh JAX arrays; ``kv_lens()`` is a view of
-the live state: drop it before the next append (JAX silently skips donating a buffer torch still views).
+Hot path. Every call takes ``sync=`` and ``validate=`` (default: the cache's own settings). ``sync=True`` makes
+inputs complete on every torch stream before JAX reads them and outputs complete before torch sees them;
+``sync="stream"`` relies on the DLPack stream protocol only (torch's *current* stream; no host round trip);
+``sync=False`` does nothing (see `interop.dlpack`). ``validate=False`` skips the host checks of the page tables
+(a device-to-host copy per read). ``stage(None, ...)`` stages every layer of a group in one call.
+
+Aliasing: outputs are zero-copy views of fresh JAX arrays; ``kv_lens()`` is a view of the live state: drop it
+before the next append (JAX silently skips donating a buffer torch still views).
+
+LSE convention: every LSE returned here is the **natural-log** log-sum-exp of the scaled logits (JAX's). FlashInfer
+returns and takes base-2 LSE by default (``log2(sum 2^(x * log2 e))``); convert with `lse_to_base2` /
+`lse_from_base2`.
+
+What a page table means (FlashInfer / vLLM handoff, see `interop.layouts`):
+
+* ``flashinfer_page_table`` / ``block_table`` index the **NVFP4 pool** (``state.pools[g].low``): an engine
+  reading them sees *history only* -- plain NVFP4, the high-precision twin (first-N / last-N rows) is dropped.
+* ``stage(...).flashinfer_csr()`` / ``stage(...).block_table()`` index the **staged pages**: the mixed semantics
+  (retained rows bit-exact from the twin, others dequantized NVFP4), in the attention dtype.
 
 torch.library: ``torch.ops.jmixedkv.decode_attention(handle, layer, q, seq_slots)`` and
 ``torch.ops.jmixedkv.stage_dense(handle, layer, seq_slots)`` wrap the reads as custom ops with fake kernels
 (``cache.handle`` names the cache), so torch.compile / torch.export can trace an engine around them.
 
-Shapes: ``T`` tokens, ``B`` sequences, ``H`` KV heads, ``Hq`` query heads, ``D`` head_dim, ``S`` =
-``max_pages_per_seq * page_size``. Staged / gathered K and V are in the config's attention dtype.
+Shapes: ``T`` tokens, ``B`` sequences, ``L`` layers, ``H`` KV heads, ``Hq`` query heads, ``D`` head_dim,
+``S = max_pages_per_seq * page_size``. Staged / gathered K and V are in the config's attention dtype.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
+import math
 import weakref
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -54,7 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jmixedkv import reference
+from jmixedkv import prefix, read, speculative
+from jmixedkv.allocator import Allocator
+from jmixedkv.attention import decode_attention as _jax_decode_attention
 from jmixedkv.config import KVCacheConfig
 from jmixedkv.manager import CacheCapacityError, CacheManager
 from jmixedkv.rope import RopeSpec
@@ -63,129 +63,97 @@ from jmixedkv.state import GroupSpec
 from . import layouts
 from .dlpack import from_torch, to_torch, torch_device_of
 
-__all__ = ["TorchKVCache", "TorchStaged", "CacheCapacityError", "implementations", "cache_from_handle"]
+__all__ = ["TorchKVCache", "TorchStaged", "CacheCapacityError", "cache_from_handle", "lse_to_base2",
+           "lse_from_base2"]
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_INPUTS = (torch.int32, torch.int64)
+LOG2_E = 1.0 / math.log(2.0)
+SYNC_MODES = (True, False, "stream")
 
-# (module, attribute) of each real implementation; resolved at call time
-_REAL = {
-    "stage": ("jmixedkv.read", "stage"),
-    "gather_rows": ("jmixedkv.read", "gather_rows"),
-    "decode_attention": ("jmixedkv.attention", "decode_attention"),
-    "correct_kv_lens": ("jmixedkv.speculative", "correct_kv_lens"),
-    "accept": ("jmixedkv.speculative", "accept"),
-}
+# host validation off inside jit: TorchKVCache validates before calling
+_stage_jit = jax.jit(read.stage, static_argnames=("group", "backend", "validate", "num_staged_pages"))
+_gather_jit = jax.jit(read.gather_rows, static_argnames=("group", "backend", "validate", "scratch_dtype", "overlay"))
+_fork_jit = jax.jit(prefix.fork, donate_argnums=0)
 
 
-def _real(name: str):
-    """The real implementation of ``name``, or None if its module (or the function) does not exist yet."""
-    module, attr = _REAL[name]
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:      # the module exists but one of its own imports is broken: surface that
-            raise
-        return None
-    return getattr(mod, attr, None)
+def lse_to_base2(lse):
+    """Natural-log LSE (ours) -> base-2 LSE (FlashInfer's default): ``lse * log2(e)``; -inf stays -inf.
+
+    Works on torch tensors, JAX / NumPy arrays and floats; float32 math, the input's type back."""
+    return lse * LOG2_E
 
 
-_JITTED: dict = {}
-
-
-def _real_jit(name: str, static=("group", "backend", "validate", "scratch_dtype")):
-    """`_real(name)` wrapped in ``jax.jit`` (host validation off: `TorchKVCache` validates before calling)."""
-    fn = _real(name)
-    if fn is None:
-        return None
-    if _JITTED.get(name, (None,))[0] is not fn:
-        import inspect
-        params = inspect.signature(fn).parameters
-        _JITTED[name] = (fn, jax.jit(fn, static_argnames=[a for a in static if a in params]))
-    return _JITTED[name][1]
-
-
-def implementations() -> dict[str, str]:
-    """Which implementation each lazily resolved call uses right now (``"module.fn"`` or ``"fallback"``)."""
-    return {k: (".".join(_REAL[k]) if _real(k) is not None else "fallback") for k in _REAL}
-
-
-# ---------------------------------------------------------------------------------------------- jitted fallbacks
-def _batch_lens(kv_lens, seq):
-    return jnp.where(seq >= 0, kv_lens[jnp.clip(seq, 0, kv_lens.shape[0] - 1)], 0)
-
-
-def _stage_fallback(state, layer, seq, group):
-    """(pages [B*W, kv, H, page, D], page_table i32[B, W], kv_lens i32[B]): `read.stage`'s compact layout."""
-    dense = reference.stage_reference(state, layer, seq, group)                  # [B, kv, H, W*page, D]
-    b, kv, h, _, d = dense.shape
-    page, w = state.page_size, state.max_pages_per_seq
-    lens = _batch_lens(state.kv_lens, seq)
-    npages = (lens + page - 1) // page
-    j = jnp.arange(w, dtype=jnp.int32)[None, :]
-    table = jnp.where(j < npages[:, None], (jnp.cumsum(npages) - npages)[:, None] + j, -1).astype(jnp.int32)
-    per_page = jnp.transpose(dense.reshape(b, kv, h, w, page, d), (0, 3, 1, 2, 4, 5)).reshape(b * w, kv, h, page, d)
-    dst = jnp.where(table >= 0, table, b * w).reshape(-1)
-    pages = jnp.zeros((b * w, kv, h, page, d), dense.dtype).at[dst].set(per_page, mode="drop")
-    return pages, table, lens
-
-
-def _rows_fallback(state, layer, seq, idx, group):
-    return reference.rows_reference(state, layer, seq[:, None], idx, group), jnp.ones(seq.shape, jnp.float32)
-
-
-def _attention_fallback(state, layer, q, seq, group, sm_scale):
-    staged = reference.stage_reference(state, layer, seq, group)
-    k, v = staged[:, 0], staged[:, -1]
-    out, lse = reference.attention_reference(q, k, v, _batch_lens(state.kv_lens, seq), sm_scale=sm_scale)
-    ok = jnp.isfinite(lse)
-    out = jnp.where(ok[..., None], out, 0.0).astype(state.config.attention_dtype)
-    return out, jnp.where(ok, lse, -jnp.inf)
-
-
-def _correct_fallback(state, offsets):
-    return dataclasses.replace(state, kv_lens=state.kv_lens + offsets)
-
-
-_stage_fallback_jit = jax.jit(_stage_fallback, static_argnames=("group",))
-_rows_fallback_jit = jax.jit(_rows_fallback, static_argnames=("group",))
-_attention_fallback_jit = jax.jit(_attention_fallback, static_argnames=("group", "sm_scale"))
-_correct_fallback_jit = jax.jit(_correct_fallback)
+def lse_from_base2(lse2):
+    """Base-2 LSE (FlashInfer's default) -> natural-log LSE (ours, `jmixedkv.attention.merge_attention`):
+    ``lse2 / log2(e)``; -inf stays -inf."""
+    return lse2 / LOG2_E
 
 
 class TorchStaged(NamedTuple):
-    """A staged (plain paged) cache as torch tensors, zero-copy views of the JAX result.
+    """A staged (plain paged) cache as torch tensors, zero-copy views of the JAX result: the **mixed** semantics
+    (retained rows from the twin bit-exact, others dequantized NVFP4) in the attention dtype.
 
-    ``pages [N, kv, H, page, D]`` (FlashInfer's 5-D HND cache; ``k_pages = pages[:, 0]``), ``page_table i32[B, W]``
-    (compact staged ids, -1 past each row's pages), ``kv_lens i32[B]``."""
+    ``pages [N, kv, H, page, D]`` (FlashInfer's 5-D HND cache; ``k_pages = pages[:, 0]``) or
+    ``[L, N, kv, H, page, D]`` when every layer was staged (``stage(None, ...)``; pick one with ``layer(i)``),
+    ``page_table i32[B, W]`` (compact staged ids, -1 past each row's pages), ``kv_lens i32[B]``."""
 
     pages: torch.Tensor
     page_table: torch.Tensor
     kv_lens: torch.Tensor
 
+    def layer(self, i: int) -> "TorchStaged":
+        """One layer of an all-layer staging (``pages [L, N, ...]`` -> ``[N, ...]``; shares the page table)."""
+        if self.pages.dim() != 6:
+            raise ValueError(f"TorchStaged.layer: pages {list(self.pages.shape)} hold one layer already")
+        if not 0 <= i < self.pages.shape[0]:
+            raise ValueError(f"TorchStaged.layer: layer {i} out of range [0, {self.pages.shape[0]})")
+        return TorchStaged(self.pages[i], self.page_table, self.kv_lens)
+
+    def _one_layer(self, what):
+        if self.pages.dim() == 6:
+            raise ValueError(f"TorchStaged.{what}: all-layer staging, pick a layer first: staged.layer(i).{what}")
+        return self.pages
+
     @property
     def k_pages(self) -> torch.Tensor:
-        return self.pages[:, 0]
+        return self._one_layer("k_pages")[:, 0]
 
     @property
     def v_pages(self) -> Optional[torch.Tensor]:
-        return self.pages[:, 1] if self.pages.shape[1] == 2 else None
+        pages = self._one_layer("v_pages")
+        return pages[:, 1] if pages.shape[1] == 2 else None
 
     def dense(self):
         """``(k, v)`` each ``[B, H, W * page, D]`` (a copy), zero at rows ``>= kv_len`` (``v`` None for a latent)."""
+        pages = self._one_layer("dense")
         b, w = self.page_table.shape
-        page = self.pages.shape[-2]
-        got = self.pages[self.page_table.clamp(min=0).long()]                      # [B, W, kv, H, page, D]
-        got = got.permute(0, 2, 3, 1, 4, 5).reshape(b, self.pages.shape[1], self.pages.shape[2], w * page, -1)
+        page = pages.shape[-2]
+        got = pages[self.page_table.clamp(min=0).long()]                           # [B, W, kv, H, page, D]
+        got = got.permute(0, 2, 3, 1, 4, 5).reshape(b, pages.shape[1], pages.shape[2], w * page, -1)
         pos = torch.arange(w * page, device=got.device)
         ok = (self.page_table[:, pos // page] >= 0) & (pos[None, :] < self.kv_lens[:, None])
         got = torch.where(ok[:, None, None, :, None], got, torch.zeros((), dtype=got.dtype, device=got.device))
         return got[:, 0], (got[:, 1] if got.shape[1] == 2 else None)
 
-    def flashinfer_csr(self):
-        """FlashInfer ``(kv_indptr, kv_indices, kv_last_page_len)`` (numpy int32) over ``pages``."""
-        return layouts.flashinfer_csr(self.page_table.cpu().numpy(), self.kv_lens.cpu().numpy(),
-                                      np.arange(self.page_table.shape[0]), self.pages.shape[-2])
+    def flashinfer_csr(self, *, as_numpy: bool = False) -> layouts.FlashInferCSR:
+        """FlashInfer ``(kv_indptr i32[B+1], kv_indices i32[nnz], kv_last_page_len i32[B])`` over the **staged**
+        pages (mixed semantics): int32 torch tensors on the pages' device (NumPy with ``as_numpy=True``); pass
+        them with ``pages`` to ``BatchDecodeWithPagedKVCacheWrapper.plan`` / ``run``."""
+        csr = layouts.flashinfer_csr(self.page_table, self.kv_lens, np.arange(self.page_table.shape[0]),
+                                     self.pages.shape[-2])
+        return csr if as_numpy else layouts.csr_to_torch(csr, self.pages.device)
+
+    def block_table(self, *, pad: int = 0, as_numpy: bool = False):
+        """vLLM ``(block_table i32[B, W], seq_lens i32[B])`` over the staged pages (mixed semantics), int32 torch
+        tensors on the pages' device (NumPy with ``as_numpy=True``). Entries past a row's pages hold ``pad``
+        (vLLM pads with 0): a padded entry names a real staged page, which a reader never uses (it stops at
+        ``seq_lens``) and nobody writes (staged pages are a read-only snapshot)."""
+        table, lens = layouts.block_table(self.page_table, self.kv_lens, np.arange(self.page_table.shape[0]),
+                                          self.pages.shape[-2], pad=pad)
+        if as_numpy:
+            return table, lens
+        return layouts.to_device(table, self.pages.device), layouts.to_device(lens, self.pages.device)
 
 
 # ---------------------------------------------------------------------------------------------- the cache
@@ -203,7 +171,12 @@ class TorchKVCache:
         (slot -1, skipped), so the jitted append compiles once per bucket instead of once per token count
         (a power-of-two count crosses without a copy).
       validate: before every read, check the page tables, lengths and indices on the host
-        (``jmixedkv.read.validate_read`` when importable; costs a device-to-host copy of the tables).
+        (``jmixedkv.read.validate_read``; costs a device-to-host copy of the tables). Default for every call;
+        each call takes ``validate=`` too.
+      sync: ``True`` | ``"stream"`` | ``False``, the DLPack stream policy (`interop.dlpack`); default for every
+        call, each call takes ``sync=`` too (``"stream"`` keeps a hot loop on torch's current stream).
+      reserve_null_page: keep low page 0 out of the allocator (vLLM's null block), so ``block_table(pad=0)``
+        padding never names a page holding data. Costs one page of ``num_pages``.
       init_kwargs: passed to `jmixedkv.init_state` (``gs``, ``poison``, ``page_order``, ...).
     """
 
@@ -211,8 +184,10 @@ class TorchKVCache:
                  head_dim: Optional[int] = None, *, num_pages: int, max_seqs: int,
                  max_pages_per_seq: Optional[int] = None, groups: Optional[Sequence[GroupSpec]] = None,
                  device: Union[str, torch.device, None] = None, backend: str = "auto", validate: bool = True,
-                 token_buckets: bool = True,
+                 token_buckets: bool = True, sync: Union[bool, str] = True, reserve_null_page: bool = False,
                  **init_kwargs):
+        if sync not in SYNC_MODES:
+            raise ValueError(f"TorchKVCache: sync must be one of {SYNC_MODES}, got {sync!r}")
         if groups is None:
             if None in (num_layers, num_kv_heads, head_dim):
                 raise ValueError("TorchKVCache needs num_layers, num_kv_heads and head_dim (or groups=)")
@@ -222,17 +197,18 @@ class TorchKVCache:
         self.config = config
         self.backend = backend
         self.validate = validate
+        self.sync = sync
+        self.reserve_null_page = bool(reserve_null_page)
         self.handle = next(_HANDLE_IDS)          # for the torch.library ops (see the end of this module)
         _HANDLES[self.handle] = weakref.ref(self)
         self.token_buckets = token_buckets
-        jax_dev = next(iter(self.manager.state.kv_lens.devices()))
-        # commit the fresh state to its device: jit outputs are committed, so the second append would otherwise
-        # compile again for the changed committed-ness of its inputs
-        self.manager.state = jax.device_put(self.manager.state, jax_dev)
+        jax_dev = next(iter(self.manager.state.kv_lens.devices()))     # CacheManager committed the state there
         self.device = torch_device_of(jax_dev)
         if device is not None and not _same_device(torch.device(device), self.device):
             raise ValueError(f"TorchKVCache: device {device} does not match the JAX device {jax_dev} the cache "
                              f"lives on (torch {self.device}); set JAX's default device or pass device={self.device}")
+        if self.reserve_null_page:
+            self.manager.replace_state(_reserve_page_zero(self.manager.state))
 
     # ------------------------------------------------------------------ properties / queries
     @property
@@ -286,11 +262,12 @@ class TorchKVCache:
         self.manager.release(self._slot(slot, "release"))
 
     def append(self, layer: Optional[int], k: torch.Tensor, v: Optional[torch.Tensor], seq_slots, positions, *,
-               group: int = 0, rope: Optional[RopeSpec] = None) -> None:
+               group: int = 0, rope: Optional[RopeSpec] = None, sync: Union[bool, str, None] = None) -> None:
         """Store new K/V rows of one layer (``k, v [T, H, D]``) or all layers (``layer=None``: ``[L, T, H, D]``).
 
         ``seq_slots`` / ``positions``: int32 (or int64, converted on the host) ``[T]``; slot -1 = padding.
         ``v=None`` for an MLA-latent group. Raises `CacheCapacityError` if pages run out (nothing written)."""
+        sync = self._sync(sync, "append")
         spec = self._group(group, "append")
         seq, pos = self._index_pair(seq_slots, positions, "append")
         if layer is not None:
@@ -306,31 +283,35 @@ class TorchKVCache:
                 raise ValueError(f"append: k is {k.dtype} but v is {v.dtype}")
         if self.token_buckets:
             k, v, seq, pos = _pad_tokens(k, v, seq, pos, token_axis=0 if layer is not None else 1)
-        kj = from_torch(k, copy=None)
-        vj = None if v is None else from_torch(v, copy=None)
+        kj = from_torch(k, copy=None, sync=sync)
+        vj = None if v is None else from_torch(v, copy=None, sync=sync)
         self.manager.append(kj, vj, seq, pos, layer=layer, group=group, rope=rope)
 
-    def stage(self, layer: int, seq_slots, *, group: int = 0) -> TorchStaged:
+    def stage(self, layer: Optional[int], seq_slots, *, group: int = 0, sync: Union[bool, str, None] = None,
+              validate: Optional[bool] = None) -> TorchStaged:
         """Plain paged cache a reader sees, in the attention dtype, for batch rows ``seq_slots [B]`` (-1 = padding):
-        retained positions are the high rows bit-for-bit, others dequantized NVFP4; see `TorchStaged`."""
-        spec = self._group(group, "stage")
-        self._layer(layer, spec, "stage")
-        seq = self._slots(seq_slots, "stage")
-        self._validate_read(layer, seq, None, group, "stage")
-        fn = _real_jit("stage")
-        if fn is not None:
-            st = fn(self.state, jnp.int32(layer), jnp.asarray(seq), group=group, backend=self.backend, validate=False)
-            pages, table, lens = st.pages, st.page_table, st.kv_lens
-        else:
-            pages, table, lens = _stage_fallback_jit(self.state, jnp.int32(layer), jnp.asarray(seq), group=group)
-        return TorchStaged(to_torch(pages), to_torch(table), to_torch(lens))
+        retained positions are the high rows bit-for-bit, others dequantized NVFP4; see `TorchStaged`.
 
-    def gather_rows(self, layer: int, seq_slots, indices, *, group: int = 0, scratch_dtype: Optional[str] = None):
+        ``layer=None`` stages every layer of the group in one call (``pages [L, N, kv, H, page, D]``)."""
+        sync = self._sync(sync, "stage")
+        spec = self._group(group, "stage")
+        if layer is not None:
+            self._layer(layer, spec, "stage")
+        seq = self._slots(seq_slots, "stage")
+        self._validate_read(layer, seq, None, group, "stage", validate)
+        st = _stage_jit(self.state, None if layer is None else jnp.int32(layer), jnp.asarray(seq), group=group,
+                        backend=self.backend, validate=False)
+        return TorchStaged(to_torch(st.pages, sync=sync), to_torch(st.page_table, sync=sync),
+                           to_torch(st.kv_lens, sync=sync))
+
+    def gather_rows(self, layer: int, seq_slots, indices, *, group: int = 0, scratch_dtype: Optional[str] = None,
+                    sync: Union[bool, str, None] = None, validate: Optional[bool] = None):
         """Rows at positions ``indices [B, K]`` (-1 = padding) of sequences ``seq_slots [B]``.
 
         Returns ``(k, v, scale)``: ``k, v [B, K, H, D]`` (``v`` None for a latent group) in the attention dtype, or
         float8_e4m3fn with ``scratch_dtype="fp8"`` (value = f32(row) * scale[b]); ``scale f32[B]``. Positions
         outside ``[0, n)`` read as zero."""
+        sync = self._sync(sync, "gather_rows")
         spec = self._group(group, "gather_rows")
         self._layer(layer, spec, "gather_rows")
         seq = self._slots(seq_slots, "gather_rows")
@@ -339,55 +320,45 @@ class TorchKVCache:
             raise ValueError(f"gather_rows: indices has {idx.shape[0]} rows for {seq.shape[0]} sequences")
         if scratch_dtype not in (None, "fp8", "float8_e4m3fn"):
             raise ValueError(f"gather_rows: scratch_dtype must be None or 'fp8', got {scratch_dtype!r}")
-        self._validate_read(layer, seq, idx, group, "gather_rows")
-        fn = _real_jit("gather_rows")
-        if fn is not None:
-            rows, scale = fn(self.state, jnp.int32(layer), jnp.asarray(seq), jnp.asarray(idx), group=group,
-                             scratch_dtype=scratch_dtype, backend=self.backend, validate=False)
-        elif scratch_dtype is not None:
-            raise NotImplementedError("gather_rows: the fp8 scratch needs jmixedkv.read (not importable)")
-        else:
-            rows, scale = _rows_fallback_jit(self.state, jnp.int32(layer), jnp.asarray(seq), jnp.asarray(idx),
-                                             group=group)
-        k = to_torch(rows[:, :, 0])
-        v = to_torch(rows[:, :, 1]) if spec.kv_factor == 2 else None
-        return k, v, to_torch(scale)
+        self._validate_read(layer, seq, idx, group, "gather_rows", validate)
+        rows, scale = _gather_jit(self.state, jnp.int32(layer), jnp.asarray(seq), jnp.asarray(idx), group=group,
+                                  scratch_dtype=scratch_dtype, backend=self.backend, validate=False)
+        k = to_torch(rows[:, :, 0], sync=sync)
+        v = to_torch(rows[:, :, 1], sync=sync) if spec.kv_factor == 2 else None
+        return k, v, to_torch(scale, sync=sync)
 
     def decode_attention(self, layer: int, q: torch.Tensor, seq_slots, *, group: int = 0,
-                         sm_scale: Optional[float] = None):
+                         sm_scale: Optional[float] = None, sync: Union[bool, str, None] = None,
+                         validate: Optional[bool] = None):
         """Attention of queries ``q [B, Tq, Hq, D]`` (or ``[B, Hq, D]``) in the attention dtype over the cache.
 
         Query token ``t`` sits at position ``n - Tq + t`` (append the new K/V first); ``Tq <= max_draft_len + 1``;
         GQA: ``Hq % H == 0``. Returns ``(out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])`` (no ``Tq`` axis
-        for a 3-D ``q``); padding rows give zeros and LSE -inf."""
+        for a 3-D ``q``); ``lse`` is the **natural-log** LSE of the scaled logits (FlashInfer's is base 2: see
+        `lse_to_base2`); padding rows give zeros and LSE -inf."""
+        sync = self._sync(sync, "decode_attention")
         spec = self._group(group, "decode_attention")
         self._layer(layer, spec, "decode_attention")
         seq = self._slots(seq_slots, "decode_attention")
         self._check_query(q, spec, seq.shape[0])
         squeeze = q.dim() == 3
-        self._validate_read(layer, seq, None, group, "decode_attention")
-        qj = from_torch(q.unsqueeze(1) if squeeze else q, copy=None)
-        fn = _real("decode_attention")
-        if fn is not None:
-            out, lse = fn(self.state, jnp.int32(layer), qj, jnp.asarray(seq), group=group, sm_scale=sm_scale,
-                          backend=self.backend)
-        else:
-            out, lse = _attention_fallback_jit(self.state, jnp.int32(layer), qj, jnp.asarray(seq), group=group,
-                                               sm_scale=sm_scale)
-        out, lse = to_torch(out), to_torch(lse)
+        self._validate_read(layer, seq, None, group, "decode_attention", validate)
+        qj = from_torch(q.unsqueeze(1) if squeeze else q, copy=None, sync=sync)
+        out, lse = _jax_decode_attention(self.state, jnp.int32(layer), qj, jnp.asarray(seq), group=group,
+                                         sm_scale=sm_scale, backend=self.backend)
+        out, lse = to_torch(out, sync=sync), to_torch(lse, sync=sync)
         return (out[:, 0], lse[:, 0]) if squeeze else (out, lse)
 
-    # ------------------------------------------------------------------ speculative decoding
+    # ------------------------------------------------------------------ speculative decoding / beams
     def correct_kv_lens(self, offsets, seq_slots=None) -> None:
         """Add non-positive ``offsets`` to the lengths (rewind rejected drafts): ``kv_lens += offsets``.
 
-        ``offsets``: int ``[max_seqs]``, or ``[B]`` aligned with ``seq_slots``; each in
-        ``[-min(max_draft_len, kv_len), 0]`` and 0 on idle slots (else `ValueError`)."""
+        ``offsets``: int ``[max_seqs]``, or ``[B]`` aligned with ``seq_slots``. The rule is
+        `jmixedkv.speculative.correct_kv_lens`'s (a `ValueError` names the slot): ``offset <= 0``, 0 on idle
+        slots, and ``kv_len + offset >= max(written - max_draft_len, 0)`` (``written``: one past the highest
+        row written since admit, so rewinds never add up past the twin ring's slack)."""
         full = self._offsets(offsets, seq_slots, "correct_kv_lens")
-        fn = _real("correct_kv_lens")
-        off = jnp.asarray(full, jnp.int32)
-        state = fn(self.state, off) if fn is not None else _correct_fallback_jit(self.state, off)
-        self.manager.replace_state(state)
+        self.manager.replace_state(speculative.correct_kv_lens(self.state, jnp.asarray(full, jnp.int32)))
 
     def accept(self, seq_slots, num_accepted, num_drafts) -> None:
         """After a verify append of ``num_drafts[b] + 1`` rows (the verified token + drafts) to ``seq_slots[b]``,
@@ -404,28 +375,56 @@ class TorchKVCache:
                              f"num_drafts={dra[i]}")
         if len(set(seq[live].tolist())) != int(live.sum()):
             raise ValueError(f"accept: seq_slots must be distinct, got {seq.tolist()}")
-        fn = _real("accept")
-        if fn is not None:
-            state = fn(self.state, jnp.asarray(seq), jnp.asarray(acc), jnp.asarray(dra))
-            self.manager.replace_state(state)
-        else:
-            self.correct_kv_lens(np.where(live, acc - dra, 0), seq)
+        state = speculative.accept(self.state, jnp.asarray(seq), jnp.asarray(acc), jnp.asarray(dra))
+        self.manager.replace_state(state)
+
+    def fork(self, src: int, dst: Optional[int] = None) -> int:
+        """Copy sequence ``src`` into the free slot ``dst`` (default: the first free one) for beam search /
+        parallel sampling (`jmixedkv.prefix.fork`: full pages shared, the partial page and the twin copied).
+        Returns ``dst``. Raises `CacheCapacityError` (nothing changed) when no slot or page is free."""
+        src = self._slot(src, "fork src")
+        if not bool(np.asarray(self.state.active)[src]):
+            raise ValueError(f"fork: source slot {src} is not admitted")
+        if dst is None:
+            free = self.manager.free_slots()
+            if not free:
+                raise CacheCapacityError(f"fork: no free sequence slot (all {self.max_seqs} are admitted)")
+            dst = free[0]
+        dst = self._slot(dst, "fork dst")
+        if dst == src or bool(np.asarray(self.state.active)[dst]):
+            raise ValueError(f"fork: destination slot {dst} is admitted already (or equals src {src})")
+        before = int(self.state.error)                      # read before the donated call
+        new = _fork_jit(self.state, jnp.int32(src), jnp.int32(dst))
+        if int(new.error) != before:                        # on error fork changed nothing but the error bits
+            self.manager.replace_state(dataclasses.replace(new, error=jnp.full_like(new.error, before)))
+            raise CacheCapacityError(f"fork: not enough free pages to fork slot {src} into slot {dst} "
+                                     f"({self.free_pages} low / {self.free_high_pages} high pages free)")
+        self.manager.replace_state(new)
+        return dst
 
     # ------------------------------------------------------------------ layout exports (see interop.layouts)
-    def flashinfer_page_table(self, seq_slots):
-        """FlashInfer CSR ``(kv_indptr, kv_indices, kv_last_page_len)`` int32 torch tensors on ``self.device``
-        for the low (NVFP4) pages of ``seq_slots``."""
+    def flashinfer_page_table(self, seq_slots, *, as_numpy: bool = False) -> layouts.FlashInferCSR:
+        """FlashInfer CSR ``(kv_indptr i32[B+1], kv_indices i32[nnz], kv_last_page_len i32[B])`` over the **NVFP4
+        pool** (`layouts.nvfp4_pages`) of ``seq_slots``: int32 torch tensors on ``self.device`` (NumPy with
+        ``as_numpy=True``). Semantics: *history only*, plain NVFP4 -- the twin (first-N / last-N rows) is dropped.
+        For the mixed semantics use the staged pages: ``stage(layer, seq).flashinfer_csr()``."""
         seq = self._slots(seq_slots, "flashinfer_page_table")
         csr = layouts.flashinfer_csr(np.asarray(self.state.page_table), np.asarray(self.state.kv_lens), seq,
                                      self.page_size)
-        return tuple(torch.from_numpy(a).to(self.device) for a in csr)
+        return csr if as_numpy else layouts.csr_to_torch(csr, self.device)
 
-    def block_table(self, seq_slots):
-        """vLLM-style ``(block_table i32[B, max_pages] (-1 padded), seq_lens i32[B])`` torch tensors."""
+    def block_table(self, seq_slots, *, pad: int = 0, as_numpy: bool = False):
+        """vLLM ``(block_table i32[B, max_pages], seq_lens i32[B])`` over the **NVFP4 pool** (history only, the
+        twin dropped), int32 torch tensors on ``self.device`` (NumPy with ``as_numpy=True``). Entries past a
+        row's pages hold ``pad`` (vLLM: 0, its null block); with ``pad=0`` on a cache without
+        ``reserve_null_page=True`` a padded 0 may name a page holding data (harmless for readers, which stop at
+        ``seq_lens``). Padding rows (slot -1) are all ``pad`` with length 0."""
         seq = self._slots(seq_slots, "block_table")
         table, lens = layouts.block_table(np.asarray(self.state.page_table), np.asarray(self.state.kv_lens), seq,
-                                          self.page_size)
-        return torch.from_numpy(table).to(self.device), torch.from_numpy(lens).to(self.device)
+                                          self.page_size, pad=pad)
+        if as_numpy:
+            return table, lens
+        return layouts.to_device(table, self.device), layouts.to_device(lens, self.device)
 
     # ------------------------------------------------------------------ validation helpers
     def _group(self, group, what):
@@ -487,13 +486,7 @@ class TorchKVCache:
                 raise ValueError(f"{what}: seq_slots {seq.shape} and offsets {off.shape} must have the same length")
             full = np.zeros(self.max_seqs, np.int32)
             np.add.at(full, seq[seq >= 0], off[seq >= 0])
-        lens, active = np.asarray(self.state.kv_lens), np.asarray(self.state.active)
-        lim = np.where(active, np.minimum(self.config.max_draft_len, lens), 0)
-        bad = [(s, int(lens[s]), int(full[s])) for s in range(self.max_seqs) if full[s] > 0 or full[s] < -lim[s]]
-        if bad:
-            raise ValueError(f"{what}: offsets must lie in [-min(max_draft_len={self.config.max_draft_len}, kv_len), "
-                             f"0] and be 0 on idle slots; (slot, kv_len, offset) = {bad}")
-        return full
+        return full        # the range rule (written - max_draft_len <= kv_len + offset) is checked by speculative
 
     def _check_float(self, x, name, shape, what):
         if not isinstance(x, torch.Tensor):
@@ -522,25 +515,17 @@ class TorchKVCache:
             raise ValueError(f"decode_attention: Tq={tq} query tokens per sequence; expected 1..max_draft_len+1 = "
                              f"{self.config.max_draft_len + 1} (use stage() for prefill attention)")
 
-    def _validate_read(self, layer, seq, indices, group, what):
-        """Host checks of the tables (real ``validate_read`` when importable) and of ``indices`` (-1 <= i < n)."""
-        if not self.validate:
+    def _validate_read(self, layer, seq, indices, group, what, validate=None):
+        """Host checks of the tables and of ``indices`` (`jmixedkv.read.validate_read`), unless switched off."""
+        if not (self.validate if validate is None else validate):
             return
-        try:
-            from jmixedkv.read import validate_read
-        except ImportError:
-            validate_read = None
-        if validate_read is not None:
-            validate_read(self.state, layer, seq, indices, group=group, op=what)
-            return
-        if indices is not None:
-            lens = np.asarray(self.state.kv_lens)
-            for b, s in enumerate(seq):
-                n = int(lens[s]) if s >= 0 else 0
-                bad = np.flatnonzero((indices[b] < -1) | ((indices[b] >= n) & (s >= 0)))
-                if bad.size:
-                    raise ValueError(f"{what}: indices[{b}, {bad[0]}]={indices[b, bad[0]]} out of range [-1, {n}) "
-                                     f"for sequence slot {s}")
+        read.validate_read(self.state, layer, seq, indices, group=group, op=what)
+
+    def _sync(self, sync, what):
+        sync = self.sync if sync is None else sync
+        if sync not in SYNC_MODES:
+            raise ValueError(f"{what}: sync must be one of {SYNC_MODES}, got {sync!r}")
+        return sync
 
     def _counts(self, x, seq, what):
         """Per-row counts: a scalar or ``[B]`` aligned with ``seq``."""
@@ -553,6 +538,18 @@ class TorchKVCache:
         if out.shape != seq.shape:
             raise ValueError(f"{what}: {out.shape[0]} entries for {seq.shape[0]} sequence slots")
         return out
+
+
+def _reserve_page_zero(state):
+    """Take low page 0 out of the free stack for good (refcount 1, never released): vLLM's null block."""
+    alloc = state.alloc
+    free = np.asarray(alloc.free)
+    n = int(alloc.num_free)
+    if n != alloc.num_pages:
+        raise ValueError("reserve_null_page: the cache must be fresh (all low pages free)")
+    order = np.concatenate([free[free != 0], [0]]).astype(np.int32)   # page 0 below the stack top: never popped
+    new = Allocator(jnp.asarray(order), jnp.int32(n - 1), alloc.refcount.at[0].set(1))
+    return dataclasses.replace(state, alloc=jax.device_put(new, next(iter(state.kv_lens.devices()))))
 
 
 def _bucket(n: int, minimum: int = 8) -> int:
@@ -602,7 +599,8 @@ def cache_from_handle(handle: int) -> TorchKVCache:
 @torch.library.custom_op("jmixedkv::decode_attention", mutates_args=())
 def decode_attention_op(handle: int, layer: int, q: torch.Tensor,
                         seq_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.jmixedkv.decode_attention(handle, layer, q [B, Tq, Hq, D], seq_slots i32[B]) -> (out, lse)``."""
+    """``torch.ops.jmixedkv.decode_attention(handle, layer, q [B, Tq, Hq, D], seq_slots i32[B]) -> (out, lse)``;
+    ``lse f32[B, Tq, Hq]`` natural-log (FlashInfer's is base 2: `lse_to_base2`)."""
     return cache_from_handle(handle).decode_attention(layer, q, seq_slots)
 
 

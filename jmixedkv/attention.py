@@ -17,6 +17,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from . import checks
 from .backend import interpret, resolve
 from .reference import attention_reference, stage_reference
 
@@ -42,8 +43,12 @@ def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_
     if jnp.dtype(q.dtype) != jnp.dtype(cfg.attention_dtype):
         raise ValueError(f"decode_attention: q dtype {jnp.dtype(q.dtype)} != attention dtype "
                          f"{jnp.dtype(cfg.attention_dtype)}")
-    seq = jnp.asarray(seq_slots)
-    if seq.shape != (b,) or not jnp.issubdtype(seq.dtype, jnp.integer):
+    if not checks.is_jax(layer):
+        checks.host_int(layer, "layer", "decode_attention", 0, spec.num_layers)
+    elif not jnp.issubdtype(layer.dtype, jnp.integer) or layer.ndim != 0:
+        raise ValueError(f"decode_attention: layer must be an integer scalar, got {layer.dtype}{tuple(layer.shape)}")
+    seq = checks.index_array(seq_slots, "seq_slots", "decode_attention", -1, state.max_seqs)
+    if seq.shape != (b,):
         raise ValueError(f"decode_attention: seq_slots must be an int vector of length B={b}, got "
                          f"{seq.dtype}{tuple(seq.shape)}")
     if sm_scale is not None and not sm_scale > 0:
@@ -73,13 +78,31 @@ def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Op
 
     Returns:
       ``(out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])``.
+
+    Bad input (`jmixedkv.checks`): host values (Python / NumPy slots, an int layer) out of range raise
+    `ValueError`; inside jit a batch row whose slot is outside ``[-1, max_seqs)`` -- every row when the layer is
+    outside the group -- gets ``out = NaN`` and ``lse = NaN`` (it never reads another sequence). A NaN (or inf)
+    in a key or value the query sees propagates: that head's output and LSE are NaN, never those of an empty
+    sequence (``out = 0, lse = -inf`` only when no key is visible).
     """
     _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits)
-    seq = jnp.asarray(seq_slots, jnp.int32)
+    seq = checks.index_array(seq_slots, "seq_slots", "decode_attention")
+    spec = state.groups[group]
+    layer_c, layer_ok = checks.layer_in_range(layer, spec.num_layers)
+    bad = (seq < -1) | (seq >= state.max_seqs) | ~layer_ok
+    seq = jnp.where(bad, -1, seq)
     kw = dict(group=group, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if resolve(backend) == "reference":
-        return _reference(state, layer, q, seq, **kw)
-    return _pallas(state, layer, q, seq, num_splits=num_splits, interpret=interpret(), **kw)
+        out, lse = _reference(state, layer_c, q, seq, **kw)
+    else:
+        out, lse = _pallas(state, layer_c, q, seq, num_splits=num_splits, interpret=interpret(), **kw)
+    # a query that must see at least its own key but reports "no key" (lse = -inf) met a NaN logit: flag it
+    tq = q.shape[1]
+    qpos = _lens(state, seq)[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None, :]
+    hidden = (seq >= 0)[:, None, None] & (qpos >= 0)[..., None] & (lse == -jnp.inf)
+    bad = bad[:, None, None] | hidden
+    out = jnp.where(bad[..., None], jnp.array(jnp.nan, out.dtype), out)
+    return out, jnp.where(bad, jnp.nan, lse)
 
 
 def _lens(state, seq):
@@ -95,9 +118,8 @@ def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_ca
     lens = _lens(state, seq)
     out, lse = attention_reference(q, k, v, lens, sm_scale=sm_scale, sliding_window=sliding_window,
                                    soft_cap=soft_cap)
-    ok = jnp.isfinite(lse) & (lse > -jnp.inf)
-    out = jnp.where(ok[..., None], out, 0.0)
-    lse = jnp.where(ok, lse, -jnp.inf)
+    empty = lse == -jnp.inf                  # no visible key: zeros (a NaN key gives NaN: propagated, not hidden)
+    out = jnp.where(empty[..., None], 0.0, out)
     return out.astype(state.config.attention_dtype), lse
 
 
@@ -110,6 +132,16 @@ def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
     page_table = state.page_table[s]
     lens = _lens(state, seq)
     mixed = kind == "mixed" and pools.high is not None
+    from pallas_kernels import decode_mgpu   # Mosaic GPU kernel: opt-in (JMIXEDKV_DECODE_KERNEL=mgpu), H5
+    if kind != "plain" and decode_mgpu.preferred(
+            head_dim=q.shape[-1], page=pools.low.data.shape[4], tq=q.shape[1],
+            group=q.shape[2] // pools.low.data.shape[3], high_dtype=pools.high.rows.dtype if mixed else None,
+            sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret):
+        return decode_mgpu.paged_decode_attention_mgpu(
+            q, page_table, lens, layer, pools.low, pools.high if mixed else None,
+            state.high_table[s] if mixed else None, first_n=cfg.first_n if mixed else 0,
+            last_n=cfg.last_n if mixed else 0, num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages,
+            sm_scale=sm_scale, num_splits=num_splits, interpret=interpret, out_dtype=cfg.attention_dtype)
     return paged_decode_attention(
         q, page_table, lens, layer,
         low=pools.low if kind != "plain" else None,
@@ -130,7 +162,7 @@ def merge_attention(o1, lse1, o2, lse2):
         (``-inf`` = no keys).
 
     Returns:
-      ``(o [..., D] in o1's dtype, lse f32[...])``.
+      ``(o [..., D] in o1's dtype, lse f32[...])``; NaN in either input's LSE gives NaN (never hidden).
     """
     if o1.shape != o2.shape or lse1.shape != lse2.shape or o1.shape[:-1] != lse1.shape:
         raise ValueError(f"merge_attention: shapes o1 {o1.shape}, lse1 {lse1.shape}, o2 {o2.shape}, "
@@ -140,7 +172,7 @@ def merge_attention(o1, lse1, o2, lse2):
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w1, w2 = jnp.exp(lse1 - m_safe), jnp.exp(lse2 - m_safe)
     tot = w1 + w2
-    ok = tot > 0
+    ok = tot != 0                           # empty on both sides: zeros, -inf; a NaN side propagates (not hidden)
     den = jnp.where(ok, tot, 1.0)
     o = (w1[..., None] * o1.astype(jnp.float32) + w2[..., None] * o2.astype(jnp.float32)) / den[..., None]
     o = jnp.where(ok[..., None], o, 0.0)

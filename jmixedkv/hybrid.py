@@ -2,26 +2,51 @@
 attention cache, the layer-id mapping, and speculative rollback of the recurrent state.
 
 `HybridState` is one pytree: the attention `CacheState` (one mixed group for the model's attention layers, plus an
-optional plain group of draft layers) and per-sequence recurrent state for every recurrent layer::
+optional plain group of draft layers) and per-sequence recurrent state for every recurrent layer (``D`` =
+``max_draft_len``)::
 
-    conv      dtype[S, L_rec, conv_dim, kernel - 1]            causal-conv shift register
-    ssm       f32[S, L_rec, heads, head_dim, state_dim]         SSM state
-    conv_snap dtype[S, max_draft_len + 1, L_rec, conv_dim, kernel - 1]
-    ssm_snap  f32[S, max_draft_len + 1, L_rec, heads, head_dim, state_dim]
+    conv        dtype[S, L_rec, conv_dim, kernel - 1]            causal-conv shift register
+    ssm         f32[S, L_rec, heads, head_dim, state_dim]         SSM state
+    conv_snap   dtype[S, D + 1, L_rec, conv_dim, kernel - 1]      rewind snapshots of the last block
+    ssm_snap    f32[S, D + 1, L_rec, heads, head_dim, state_dim]
+    snap_tokens i32[S, L_rec]                                     valid tokens of the last block (0 = none / used)
 
 Layer ids (`HybridLayout`, TensorRT-LLM's hybrid-manager convention): ``[0, M)`` are the model's layers in order
 (recurrent or attention), ``[M, M + Dr)`` the appended draft layers (plain cache, never NVFP4), and the retained
 (twin) group's ids ``[M + Dr, M + Dr + A)`` come last, one per attention layer. The recurrent layer mask is True
 exactly on the model's recurrent layers: draft and retained ids stay out of it.
 
-Speculative rollback: a verify block runs ``k + 1 <= max_draft_len + 1`` tokens through each recurrent layer and
-keeps the state after every token (``snap[j]`` = state after tokens ``0..j``). Accepting ``a`` drafts restores
-``snap[a]``. Why snapshots: the SSM update ``h' = exp(dt A) h + dt x B`` is not invertible in finite precision
-(decays underflow, every step rounds), so rejected tokens cannot be subtracted; recomputing the accepted prefix
-would cost a second forward. A snapshot restore is a gather and bit-exact. The conv state is a shift register and
-could be rebuilt from the block's inputs, but one mechanism for both keeps rollback a single select; its
-snapshots are small (``conv_dim * (kernel - 1)`` per layer). Cost: ``(max_draft_len + 1)`` copies of the recurrent
-state per sequence, TensorRT-LLM's "intermediate states" trade-off.
+Speculative rollback -- the contract between `recurrent_forward` and `accept_hybrid` / `rollback`:
+
+* `recurrent_forward` runs one *block* (a verify block of ``k + 1`` tokens or a prefill chunk of any length) and,
+  for every row with ``n >= 1`` valid tokens, records rewind snapshots counted **from the end of the block**:
+  ``snap[r]`` = the state with the last ``r`` valid tokens undone (``r = 0 .. D``; ``snap[0]`` is the state after
+  the whole block, ``r >= n`` gives the state before it), and ``snap_tokens = n``. Rows without a valid token
+  change nothing (state, snapshots and ``snap_tokens`` keep the previous block).
+* `accept_hybrid(slots, num_accepted=a, num_drafts=k)` rewinds each listed sequence by ``r = k - a`` tokens,
+  exactly like the attention side's ``kv_len += a - k``: ``r = 0`` keeps the current state bit for bit (a prefill
+  chunk listed with ``num_drafts = 0`` keeps its full state, however long the chunk), ``r > 0`` restores
+  ``snap[r]`` and needs ``r < snap_tokens`` (the verified token of a block is never undone; a rewind with no
+  block to rewind into is refused). Each block is accepted at most once: listed slots get ``snap_tokens = 0``.
+  Sequences that are not listed keep everything.
+
+Why snapshots: the SSM update ``h' = exp(dt A) h + dt x B`` is not invertible in finite precision (decays
+underflow, every step rounds), so rejected tokens cannot be subtracted; recomputing the accepted prefix would cost
+a second forward. A snapshot restore is a gather and bit-exact. The conv state is a shift register and could be
+rebuilt from the block's inputs, but one mechanism for both keeps rollback a single select; its snapshots are small
+(``conv_dim * (kernel - 1)`` per layer). Cost: ``D + 1`` copies of the recurrent state per sequence,
+TensorRT-LLM's "intermediate states" trade-off.
+
+Bad input (docs/DESIGN.md, "bad input never touches another sequence"): every slot and recurrent-layer index is
+range-checked where it is used (the rule and helpers of `jmixedkv.checks`). Host (Python / NumPy) values out of
+range raise `ValueError` naming the value. For JAX values (traced or not) a transition sets a bit in
+``state.attn.error`` (``ERR_BAD_SLOT`` for a slot out of ``[-1, S)``, not admitted,
+admitted twice or listed twice; `ERR_BAD_LAYER` for a recurrent layer out of range; ``ERR_BAD_CORRECTION`` for a
+bad accept count or a rewind the snapshots cannot serve) and leaves **every** sequence -- attention and recurrent
+state -- bitwise unchanged (all-or-nothing, like the attention transitions). The recurrent state follows the
+attention state's rules: a refused admit changes nothing, ``-1`` is a no-op everywhere, release of an idle slot is
+refused. Readers (`recurrent_state`, `recurrent_forward`'s outputs) return NaN rows for a bad slot or layer, never
+another sequence's data.
 """
 from __future__ import annotations
 
@@ -30,14 +55,18 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import speculative as spec
+from . import checks
 from .config import KVCacheConfig
+from .checks import ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_SLOT
 from .state import CacheState, GroupSpec, admit, init_state, release
 
 __all__ = ["HybridModelConfig", "HybridLayout", "HybridState", "hybrid_layout", "init_hybrid_state", "hybrid_admit",
            "hybrid_release", "layer_buffers", "layer_page_table", "init_recurrent_params", "mamba_step_reference",
-           "recurrent_forward", "rollback", "accept_hybrid", "RECURRENT_KINDS", "ATTENTION_KINDS"]
+           "recurrent_forward", "rollback", "accept_hybrid", "recurrent_state", "RECURRENT_KINDS", "ATTENTION_KINDS",
+           "ERR_BAD_LAYER"]
 
 RECURRENT_KINDS = ("mamba", "mamba2", "linear_attention")
 ATTENTION_KINDS = ("attention", "full_attention")
@@ -164,9 +193,20 @@ class HybridState:
     ssm: jax.Array
     conv_snap: jax.Array
     ssm_snap: jax.Array
+    snap_tokens: jax.Array
+
+    @property
+    def max_seqs(self) -> int:
+        return self.conv.shape[0]
+
+    @property
+    def error(self) -> jax.Array:
+        """i32[] sticky error bits (``state.attn.error``)."""
+        return self.attn.error
 
 
-jax.tree_util.register_dataclass(HybridState, data_fields=["attn", "conv", "ssm", "conv_snap", "ssm_snap"],
+jax.tree_util.register_dataclass(HybridState,
+                                 data_fields=["attn", "conv", "ssm", "conv_snap", "ssm_snap", "snap_tokens"],
                                  meta_fields=["layout"])
 
 
@@ -186,32 +226,110 @@ def init_hybrid_state(model: HybridModelConfig, kv: KVCacheConfig, num_pages: in
     conv = jnp.zeros((max_seqs, lr, model.conv_dim, model.conv_kernel - 1), recurrent_dtype)
     ssm = jnp.zeros((max_seqs, lr, model.ssm_heads, model.ssm_head_dim, model.ssm_state_dim), jnp.float32)
     return HybridState(layout, attn, conv, ssm, jnp.zeros((max_seqs, snaps) + conv.shape[1:], recurrent_dtype),
-                       jnp.zeros((max_seqs, snaps) + ssm.shape[1:], jnp.float32))
+                       jnp.zeros((max_seqs, snaps) + ssm.shape[1:], jnp.float32),
+                       jnp.zeros((max_seqs, lr), jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------- index checks
+# The shared rule and helpers of `jmixedkv.checks`: host values (Python / NumPy) are checked here and raise
+# `ValueError` naming the value; JAX arrays (traced or not) are checked inside jit (error bits / NaN rows).
+def _slots_arg(what: str, seq_slots, num_seqs: int, distinct: bool = False):
+    """``seq_slots`` -> i32[B] JAX array; host values must lie in ``[-1, num_seqs)`` (and be distinct)."""
+    seq = checks.index_array(seq_slots, "seq_slots", what, -1, num_seqs, ndim=1)
+    if distinct and not checks.is_jax(seq_slots):
+        live = np.asarray(seq_slots).reshape(-1)
+        vals, counts = np.unique(live[live >= 0], return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"{what}: seq_slots lists slot {int(vals[counts > 1][0])} more than once")
+    return seq
+
+
+def _layer_arg(what: str, layer, num_layers: int):
+    """Recurrent layer -> i32 scalar; a host value must be an integer in ``[0, num_layers)``."""
+    return jnp.asarray(checks.check_layer_arg(layer, num_layers, what, "recurrent"), jnp.int32)
+
+
+def _slot_checks(state: HybridState, seq):
+    """Checks of i32[B] slots inside jit: (clipped slot, live (>= 0 and in range), per-row ok (-1, or in range
+    and admitted), any live slot listed twice)."""
+    s_max = state.max_seqs
+    in_range = (seq >= -1) & (seq < s_max)
+    live = (seq >= 0) & in_range
+    safe = jnp.clip(seq, 0, s_max - 1)
+    row_ok = in_range & (~live | state.attn.active[safe])
+    counts = jnp.zeros((s_max,), jnp.int32).at[jnp.where(live, seq, s_max)].add(1, mode="drop")
+    return safe, live, row_ok, jnp.any(counts > 1)
+
+
+def _select(ok, new, old):
+    """``new`` where ``ok`` else ``old``, leaf by leaf (leaves a transition did not replace are passed through)."""
+    return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, old)
+
+
+def _with_error(state: HybridState, err) -> HybridState:
+    return dataclasses.replace(state, attn=dataclasses.replace(state.attn, error=state.attn.error | err))
+
+
+def _clear_error(state: HybridState) -> HybridState:
+    return dataclasses.replace(state, attn=dataclasses.replace(state.attn, error=jnp.zeros_like(state.attn.error)))
+
+
+def _zero_slot(state: HybridState, slot, ok) -> HybridState:
+    """Zero slot ``slot``'s recurrent state, snapshots and ``snap_tokens`` where ``ok`` (else unchanged)."""
+    dst = jnp.where(ok, slot, state.max_seqs)
+    z = lambda a: a.at[dst].set(0, mode="drop")  # noqa: E731
+    return dataclasses.replace(state, conv=z(state.conv), ssm=z(state.ssm), conv_snap=z(state.conv_snap),
+                               ssm_snap=z(state.ssm_snap), snap_tokens=z(state.snap_tokens))
+
+
+# ---------------------------------------------------------------------------------------------- admit / release
+def _admit_or_release(state: HybridState, seq_slot, fn, what: str) -> HybridState:
+    slot = checks.check_slot_arg(seq_slot, state.max_seqs, "seq_slot", what)
+    tried = fn(_clear_error(state).attn, slot)
+    added = tried.error
+    ok = added == 0
+    attn = _select(ok, tried, state.attn)
+    out = _zero_slot(dataclasses.replace(state, attn=attn), jnp.clip(slot, 0, state.max_seqs - 1),
+                     ok & (slot >= 0) & (slot < state.max_seqs))
+    return dataclasses.replace(out, attn=dataclasses.replace(attn, error=state.attn.error | added))
 
 
 def hybrid_admit(state: HybridState, seq_slot) -> HybridState:
-    """`admit` the attention slot and zero its recurrent state."""
-    slot = jnp.asarray(seq_slot, jnp.int32)
-    return dataclasses.replace(state, attn=admit(state.attn, slot), conv=state.conv.at[slot].set(0),
-                               ssm=state.ssm.at[slot].set(0))
+    """`admit` the attention slot and zero its recurrent state (and snapshots), all or nothing.
+
+    ``seq_slot``: int or i32 scalar array; -1 = no-op. A host slot outside ``[-1, S)`` raises `ValueError`. A JAX
+    slot out of range, or an already admitted slot, sets ``ERR_BAD_SLOT`` (too few twin pages ``ERR_HIGH_OOM``)
+    and leaves the whole state -- attention and recurrent -- unchanged."""
+    return _admit_or_release(state, seq_slot, admit, "hybrid_admit")
 
 
 def hybrid_release(state: HybridState, seq_slot) -> HybridState:
-    return dataclasses.replace(state, attn=release(state.attn, jnp.asarray(seq_slot, jnp.int32)))
+    """`release` the attention slot and zero its recurrent state (so no later reader sees it), all or nothing.
+
+    ``seq_slot`` as in `hybrid_admit`; releasing a slot that is not admitted (or a JAX slot out of range) sets
+    ``ERR_BAD_SLOT`` and changes nothing."""
+    return _admit_or_release(state, seq_slot, release, "hybrid_release")
 
 
 # ---------------------------------------------------------------------------------------------- buffers
-def _check_id(state: HybridState, layer_id: int) -> str:
-    if not 0 <= layer_id < state.layout.num_layer_ids:
-        raise ValueError(f"layer id {layer_id} out of range [0, {state.layout.num_layer_ids})")
-    return state.layout.kinds[layer_id]
+def _check_id(state: HybridState, layer_id) -> str:
+    if isinstance(layer_id, jax.core.Tracer):
+        raise ValueError("layer id must be a Python int (it selects arrays of different shapes), got a traced value")
+    a = np.asarray(layer_id)
+    if a.ndim != 0 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"layer id must be an integer, got {layer_id!r}")
+    if not 0 <= int(a) < state.layout.num_layer_ids:
+        raise ValueError(f"layer id {int(a)} out of range [0, {state.layout.num_layer_ids})")
+    return state.layout.kinds[int(a)]
 
 
 def layer_buffers(state: HybridState, layer_id: int) -> dict:
     """The arrays behind one layer id: recurrent -> ``conv`` / ``ssm`` ``[S, ...]``; attention -> NVFP4 ``data`` /
     ``scales`` / ``gs`` (or ``rows`` for a plain / no-twin dtype); draft -> plain ``rows`` / ``scale``;
-    retained -> the twin's ``rows`` / ``scale`` of the attention layer it shadows."""
-    kind, i = _check_id(state, layer_id), state.layout.local[layer_id]
+    retained -> the twin's ``rows`` / ``scale`` of the attention layer it shadows. ``layer_id`` out of range
+    raises `ValueError`."""
+    kind = _check_id(state, layer_id)
+    i = state.layout.local[int(layer_id)]
     pools = state.attn.pools
     if kind == "recurrent":
         return {"conv": state.conv[:, i], "ssm": state.ssm[:, i]}
@@ -232,6 +350,25 @@ def layer_page_table(state: HybridState, layer_id: int):
     if kind == "recurrent":
         raise ValueError(f"layer id {layer_id} is a recurrent layer: it has state slots, not a page table")
     return state.attn.high_table if kind == "retained" else state.attn.page_table
+
+
+def recurrent_state(state: HybridState, seq_slots, rec_layer):
+    """Reader: the recurrent state of sequences ``seq_slots i32[B]`` in recurrent layer ``rec_layer``.
+
+    Returns ``(conv [B, conv_dim, kernel - 1], ssm f32[B, heads, head_dim, state_dim])``. Padding rows (-1) are
+    zero; a slot out of range or not admitted, or a layer out of range (JAX values), gives NaN rows -- never
+    another sequence's state. Host (Python / NumPy) slots / layer out of range raise `ValueError`."""
+    seq = _slots_arg("recurrent_state", seq_slots, state.max_seqs)
+    layer = _layer_arg("recurrent_state", rec_layer, state.layout.num_recurrent)
+    safe, live, row_ok, _ = _slot_checks(state, seq)
+    row_ok = row_ok & (layer >= 0) & (layer < state.layout.num_recurrent)
+    lc = jnp.clip(layer, 0, state.layout.num_recurrent - 1)
+
+    def pick(a):
+        x = a[safe, lc]
+        bshape = (-1,) + (1,) * (x.ndim - 1)
+        return jnp.where(row_ok.reshape(bshape), jnp.where(live.reshape(bshape), x, 0), jnp.nan).astype(a.dtype)
+    return pick(state.conv), pick(state.ssm)
 
 
 # ---------------------------------------------------------------------------------------------- recurrence
@@ -267,20 +404,40 @@ def mamba_step_reference(conv, ssm, x, p):
 
 
 def recurrent_forward(state: HybridState, rec_layer, seq_slots, x, valid, params):
-    """Run a block of tokens through recurrent layer ``rec_layer`` (index among recurrent layers; may be traced).
+    """Run one block of tokens through recurrent layer ``rec_layer`` (index among recurrent layers; may be traced)
+    and record its rewind snapshots (see the module docstring for the contract with `accept_hybrid`).
 
     Args:
-      seq_slots: i32[B] (-1 = padding row).
-      x: ``[B, T, conv_dim]`` inputs; ``valid`` bool[B, T] (a row's valid tokens first; invalid ones leave the
-        state unchanged). A verify block has ``T <= max_draft_len + 1``; longer prefill chunks update the state
-        but only the first ``max_draft_len + 1`` snapshots are kept (rollback is for verify blocks).
+      seq_slots: i32[B] distinct admitted slots (-1 = padding row).
+      x: ``[B, T, conv_dim]`` float inputs; ``valid`` bool[B, T]: which tokens of a row are real (any pattern;
+        invalid tokens leave the state unchanged). ``T`` is free: a verify block has ``k + 1 <= D + 1`` valid
+        tokens, a prefill chunk any number; in both, ``snap[r]`` = state with the row's last ``r`` valid tokens
+        undone, ``r = 0 .. D``, and ``snap_tokens`` = the row's valid-token count. Rows with no valid token change
+        nothing.
       params: `init_recurrent_params` output (all layers).
-    Returns ``(state', y f32[B, T, conv_dim])``; ``snap[:, j]`` holds the state after tokens ``0..j``.
-    """
-    seq = jnp.asarray(seq_slots, jnp.int32)
-    s_max = state.conv.shape[0]
-    safe = jnp.clip(seq, 0, s_max - 1)
-    p = jax.tree.map(lambda a: a[rec_layer], params)
+    Returns ``(state', y f32[B, T, conv_dim])``; ``y`` of a padding row is computed from a zero state.
+
+    Host (Python / NumPy) slots out of ``[-1, S)`` or repeated, or a host layer out of range, raise `ValueError`.
+    JAX values (traced or not): any bad, repeated or not-admitted slot sets ``ERR_BAD_SLOT``, a bad layer
+    ``ERR_BAD_LAYER``; then nothing changes and ``y`` is all NaN."""
+    seq = _slots_arg("recurrent_forward", seq_slots, state.max_seqs, distinct=True)
+    layer = _layer_arg("recurrent_forward", rec_layer, state.layout.num_recurrent)
+    x = jnp.asarray(x)
+    valid = jnp.asarray(valid)
+    b, conv_dim = seq.shape[0], state.conv.shape[2]
+    if x.ndim != 3 or x.shape[0] != b or x.shape[2] != conv_dim or valid.shape != x.shape[:2]:
+        raise ValueError(f"recurrent_forward: need seq_slots i32[B], x [B, T, {conv_dim}], valid bool[B, T]; got "
+                         f"{seq.shape}, {x.shape}, {valid.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or valid.dtype != jnp.bool_:
+        raise ValueError(f"recurrent_forward: x must be float and valid bool, got {x.dtype}, {valid.dtype}")
+    s_max, n_rec, n_snap = state.max_seqs, state.layout.num_recurrent, state.conv_snap.shape[1]
+    safe, live, row_ok, dup = _slot_checks(state, seq)
+    layer_ok = (layer >= 0) & (layer < n_rec)
+    slots_ok = jnp.all(row_ok) & ~dup
+    ok = layer_ok & slots_ok
+    err = jnp.where(slots_ok, 0, ERR_BAD_SLOT) | jnp.where(layer_ok, 0, ERR_BAD_LAYER)
+    lc = jnp.clip(layer, 0, n_rec - 1)
+    p = jax.tree.map(lambda a: a[lc], params)
     step = jax.vmap(mamba_step_reference, in_axes=(0, 0, 0, None))
 
     def body(carry, inp):
@@ -291,34 +448,95 @@ def recurrent_forward(state: HybridState, rec_layer, seq_slots, x, valid, params
         ssm = jnp.where(vt[:, None, None, None], ns, ssm)
         return (conv, ssm), (conv, ssm, y)
 
-    init = (state.conv[safe, rec_layer], state.ssm[safe, rec_layer])
-    (conv, ssm), (cs, ss, y) = jax.lax.scan(body, init, (jnp.swapaxes(x, 0, 1), jnp.swapaxes(valid, 0, 1)))
-    dst = jnp.where(seq >= 0, seq, s_max)
-    nsnap = min(state.conv_snap.shape[1], x.shape[1])
-    conv_snap, ssm_snap = state.conv_snap, state.ssm_snap
-    for j in range(nsnap):
-        conv_snap = conv_snap.at[dst, j, rec_layer].set(cs[j], mode="drop")
-        ssm_snap = ssm_snap.at[dst, j, rec_layer].set(ss[j], mode="drop")
-    return dataclasses.replace(
-        state, conv=state.conv.at[dst, rec_layer].set(conv, mode="drop"),
-        ssm=state.ssm.at[dst, rec_layer].set(ssm, mode="drop"), conv_snap=conv_snap,
-        ssm_snap=ssm_snap), jnp.swapaxes(y, 0, 1)
+    conv0 = jnp.where(live[:, None, None], state.conv[safe, lc], 0).astype(state.conv.dtype)
+    ssm0 = jnp.where(live[:, None, None, None], state.ssm[safe, lc], 0)
+    (conv, ssm), (cs, ss, y) = jax.lax.scan(body, (conv0, ssm0), (jnp.swapaxes(x, 0, 1), jnp.swapaxes(valid, 0, 1)))
+    # snapshots from the end: after m = n - r valid tokens (index 0 = before the block, t + 1 = after token t)
+    n = jnp.sum(valid, axis=1, dtype=jnp.int32)                                            # [B]
+    count = jnp.cumsum(valid, axis=1, dtype=jnp.int32)                                     # [B, T]
+    m = n[:, None] - jnp.arange(n_snap, dtype=jnp.int32)[None, :]                          # [B, D + 1]
+    first = jnp.sum(count[:, None, :] < jnp.maximum(m, 1)[:, :, None], axis=2)              # token reaching m
+    idx = jnp.where(m <= 0, 0, first + 1)
+    rows = jnp.arange(b)[:, None]
+    conv_all = jnp.concatenate([conv0[None], cs], axis=0)                                  # [T + 1, B, ...]
+    ssm_all = jnp.concatenate([ssm0[None], ss], axis=0)
+    conv_snaps, ssm_snaps = conv_all[idx, rows], ssm_all[idx, rows]                        # [B, D + 1, ...]
+    dst = jnp.where(ok & live & (n > 0), seq, s_max)
+    out = dataclasses.replace(
+        state, conv=state.conv.at[dst, lc].set(conv, mode="drop"),
+        ssm=state.ssm.at[dst, lc].set(ssm, mode="drop"),
+        conv_snap=state.conv_snap.at[dst, :, lc].set(conv_snaps, mode="drop"),
+        ssm_snap=state.ssm_snap.at[dst, :, lc].set(ssm_snaps, mode="drop"),
+        snap_tokens=state.snap_tokens.at[dst, lc].set(n, mode="drop"))
+    y = jnp.where(ok, jnp.swapaxes(y, 0, 1), jnp.nan)
+    return _with_error(out, err), y
 
 
-def rollback(state: HybridState, seq_slots, num_accepted) -> HybridState:
-    """Recurrent state of the listed sequences after accepting ``num_accepted`` drafts of the last verify block:
-    ``snap[num_accepted]`` (state after the verified token and the accepted drafts), every recurrent layer.
-    ``num_accepted`` i32[B] or scalar in ``[0, max_draft_len]`` (clipped)."""
-    seq = jnp.asarray(seq_slots, jnp.int32)
-    a = jnp.clip(jnp.broadcast_to(jnp.asarray(num_accepted, jnp.int32), seq.shape), 0, state.conv_snap.shape[1] - 1)
-    s_max = state.conv.shape[0]
-    safe, dst = jnp.clip(seq, 0, s_max - 1), jnp.where(seq >= 0, seq, s_max)
-    return dataclasses.replace(state, conv=state.conv.at[dst].set(state.conv_snap[safe, a], mode="drop"),
-                               ssm=state.ssm.at[dst].set(state.ssm_snap[safe, a], mode="drop"))
+def _counts(state: HybridState, seq, num_accepted, num_drafts, what: str):
+    """Broadcast counts to i32[B]; host values are checked here (``0 <= a <= k <= D`` on live rows)."""
+    a = jnp.broadcast_to(jnp.asarray(num_accepted, jnp.int32), seq.shape)
+    k = jnp.broadcast_to(jnp.asarray(num_drafts, jnp.int32), seq.shape)
+    if not checks.is_jax(num_accepted) and not checks.is_jax(num_drafts) and not checks.is_jax(seq):
+        s_, a_, k_ = np.asarray(seq), np.asarray(a), np.asarray(k)
+        bad = np.flatnonzero((s_ >= 0) & ((a_ < 0) | (a_ > k_) | (k_ > state.attn.config.max_draft_len)))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{what}: need 0 <= num_accepted <= num_drafts <= max_draft_len "
+                             f"({state.attn.config.max_draft_len}); slot {s_[i]} has num_accepted={a_[i]}, "
+                             f"num_drafts={k_[i]}")
+    return a, k
+
+
+def rollback(state: HybridState, seq_slots, num_accepted, num_drafts) -> HybridState:
+    """Recurrent half of `accept_hybrid`: rewind each listed sequence by ``r = num_drafts - num_accepted`` tokens
+    of its last `recurrent_forward` block, every recurrent layer (``r = 0``: state kept bit for bit; ``r > 0``:
+    ``snap[r]``), and mark the block used (``snap_tokens = 0``). Does not touch the attention cache's lengths.
+
+    Args: ``seq_slots`` i32[B] distinct (-1 = padding); ``num_accepted`` / ``num_drafts`` i32[B] or scalars with
+    ``0 <= num_accepted <= num_drafts <= max_draft_len``.
+    Refused (all or nothing, error bit): a bad / repeated / idle slot (``ERR_BAD_SLOT``), bad counts or
+    ``r >= snap_tokens`` in some layer (``ERR_BAD_CORRECTION``). Host (Python / NumPy) bad slots or counts raise
+    `ValueError`."""
+    host_seq = not checks.is_jax(seq_slots)
+    seq = _slots_arg("rollback", seq_slots, state.max_seqs, distinct=True)
+    a, k = _counts(state, np.asarray(seq_slots) if host_seq else seq, num_accepted, num_drafts, "rollback")
+    s_max, n_snap = state.max_seqs, state.conv_snap.shape[1]
+    safe, live, row_ok, dup = _slot_checks(state, seq)
+    r = k - a
+    counts_ok = ~live | ((a >= 0) & (a <= k) & (k < n_snap))
+    need = live & (r > 0)
+    rewind_ok = ~need | jnp.all(r[:, None] < state.snap_tokens[safe], axis=1)
+    slots_ok = jnp.all(row_ok) & ~dup
+    good = jnp.all(counts_ok & rewind_ok)
+    ok = slots_ok & good
+    err = jnp.where(slots_ok, 0, ERR_BAD_SLOT) | jnp.where(good, 0, ERR_BAD_CORRECTION)
+    rc = jnp.clip(r, 0, n_snap - 1)
+    dst = jnp.where(ok & need, seq, s_max)
+    used = jnp.where(ok & live, seq, s_max)
+    out = dataclasses.replace(
+        state, conv=state.conv.at[dst].set(state.conv_snap[safe, rc], mode="drop"),
+        ssm=state.ssm.at[dst].set(state.ssm_snap[safe, rc], mode="drop"),
+        snap_tokens=state.snap_tokens.at[used].set(0, mode="drop"))
+    return _with_error(out, err)
 
 
 def accept_hybrid(state: HybridState, seq_slots, num_accepted, num_drafts, draft_tree=None) -> HybridState:
-    """`jmixedkv.speculative.accept` on the attention cache and `rollback` of the recurrent state, together."""
-    attn = spec.accept(state.attn, seq_slots, num_accepted, num_drafts, draft_tree=draft_tree)
-    return rollback(dataclasses.replace(state, attn=attn), seq_slots, num_accepted)
+    """`jmixedkv.speculative.accept` on the attention cache and `rollback` of the recurrent state, together and all
+    or nothing: both sides rewind by ``num_drafts - num_accepted`` tokens (``kv_len += a - k``). A prefill chunk of
+    a mixed batch may be left out or listed with ``num_drafts = num_accepted = 0``: it keeps its full state.
 
+    Arguments as in `rollback`. If either side refuses (error bit set), the whole state is unchanged and the bits of
+    both are OR-ed into ``state.attn.error``. A listed slot that is not admitted is refused even with
+    ``num_drafts = 0`` (``ERR_BAD_SLOT``)."""
+    spec.check_linear_drafts(state.attn.config, draft_tree, what="accept_hybrid")
+    host_seq = not checks.is_jax(seq_slots)
+    seq = _slots_arg("accept_hybrid", seq_slots, state.max_seqs, distinct=True)
+    a, k = _counts(state, np.asarray(seq_slots) if host_seq else seq, num_accepted, num_drafts, "accept_hybrid")
+    clean = _clear_error(state)
+    # spec.accept treats every negative slot as padding: give it only the in-range rows (rollback flags the rest)
+    attn = spec.accept(clean.attn, jnp.where(seq < state.max_seqs, seq, -1), a, k)
+    rec = rollback(clean, seq, a, k)
+    added = attn.error | rec.attn.error
+    new = dataclasses.replace(rec, attn=attn)
+    out = _select(added == 0, new, state)
+    return dataclasses.replace(out, attn=dataclasses.replace(out.attn, error=state.attn.error | added))

@@ -27,7 +27,52 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["is_retained", "high_column", "low_slots", "high_slots", "segment_max_position"]
+__all__ = ["is_retained", "high_column", "low_slots", "high_slots", "segment_max_position",
+           "OFFSET_HOLE", "in_offset_hole", "offset_safe_count", "check_offsets"]
+
+# --- Pallas Triton addressing -------------------------------------------------------------------------------
+#: Pallas Triton computes element offsets in int32 for an array of at most 2**32 bytes and Triton adds them to the
+#: base pointer as *signed* int32, so an array with more than 2**31 elements but at most 2**32 bytes (only possible
+#: with 1-byte elements: NVFP4 data, E4M3 scales, an FP8 twin) is misaddressed past element 2**31 - 1: wrong
+#: results or an illegal address, with no error. Arrays above 2**32 bytes get 64-bit offsets. This is "the hole"
+#: of docs/DESIGN.md; `init_state` pads pools and the codec pads its operands so that no kernel ever sees one.
+OFFSET_HOLE = (2 ** 31, 2 ** 32)
+
+
+def in_offset_hole(num_elements: int, itemsize: int) -> bool:
+    """True when an array of ``num_elements`` elements of ``itemsize`` bytes is misaddressed by Pallas Triton."""
+    return num_elements > OFFSET_HOLE[0] and num_elements * itemsize <= OFFSET_HOLE[1]
+
+
+def offset_safe_count(count: int, elements_per_unit: int, itemsize: int, shards: int = 1) -> int:
+    """Smallest ``n >= count`` such that an array of ``n * elements_per_unit`` elements, and each of its ``shards``
+    equal shards, lies outside the offset hole (``n`` counts pages of a pool, rows of a codec operand, ...).
+
+    Padding costs at most the distance to 2**32 bytes per shard (under 2 GiB); arrays outside the hole are
+    returned unchanged."""
+    n = count
+    for parts in (1, shards):
+        if in_offset_hole(n * elements_per_unit // parts, itemsize):
+            n = max(n, (OFFSET_HOLE[1] * parts) // (elements_per_unit * itemsize) + 1)
+    return n
+
+
+def check_offsets(op: str, **arrays) -> None:
+    """Raise ``ValueError`` naming the operand if a kernel operand (shape and dtype) lies in the offset hole.
+
+    Pools from `init_state` and the codec's padded operands never do; this guards arrays built by hand."""
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        n = 1
+        for d in a.shape:
+            n *= int(d)
+        itemsize = a.dtype.itemsize
+        if in_offset_hole(n, itemsize):
+            raise ValueError(
+                f"{op}: operand {name!r} {tuple(a.shape)} {a.dtype} is {n * itemsize} bytes, inside "
+                f"({OFFSET_HOLE[0]}, {OFFSET_HOLE[1]}] where Pallas Triton's 32-bit offsets wrap; build pools with "
+                f"init_state (it pads them past {OFFSET_HOLE[1]} bytes) or pad the array yourself")
 
 
 def is_retained(pos, n, first_n: int, last_n: int):

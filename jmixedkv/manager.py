@@ -1,10 +1,11 @@
 """Host-side cache manager for engines: capacity checks up front, jitted + donated transitions, clear errors.
 
 The pure transitions in `jmixedkv.state` never raise inside jit; they set an error bit and leave every sequence
-unchanged. `CacheManager` is the layer an engine talks to: it keeps a host mirror of what it has asked for
-(pages held per sequence, free pages), refuses requests that cannot be met with `CacheCapacityError` naming the
-shortfall *before* touching the device, and runs the transitions jitted with the state donated (pools update in
-place).
+unchanged. `CacheManager` is the layer an engine talks to: it keeps an exact host mirror of the device (pages held
+per sequence, lengths, written rows, free pages), refuses requests that the device would refuse -- bad slots,
+layers, positions (`ValueError`, the rule of `jmixedkv.checks`) and capacity (`CacheCapacityError`, naming the
+shortfall) -- *before* touching the device, runs the transitions jitted with the state donated (pools update in
+place), and re-reads the device after any transition it did not run itself (`replace_state`, `set_lengths`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import checks, layout
 from . import state as st
 from .config import KVCacheConfig
 from .rope import RopeSpec
@@ -45,9 +47,20 @@ class CacheManager:
         self.backend = backend
         self._pages_held = np.zeros(max_seqs, np.int64)      # low pages per slot
         self._lens = np.zeros(max_seqs, np.int64)
+        self._written = np.zeros(max_seqs, np.int64)
         self._active = np.zeros(max_seqs, bool)
         self._free_low = int(self.state.alloc.num_free)
         self._free_high = int(self.state.high_alloc.num_free)
+        self._read_shared()
+
+    def _read_shared(self) -> None:
+        """Mirror of which (slot, page) / (slot, twin column) entries are shared (refcount > 1): writes there are
+        refused (`ERR_SHARED_PAGE`). Re-read from the device after fork / prefix / release (a sync)."""
+        def shared(table, alloc):
+            t, r = np.asarray(table), np.asarray(alloc.refcount)
+            return (t >= 0) & (r[np.maximum(t, 0)] > 1)
+        self._shared = shared(self.state.page_table, self.state.alloc)
+        self._hshared = shared(self.state.high_table, self.state.high_alloc)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -63,19 +76,29 @@ class CacheManager:
         return self._free_high
 
     def kv_len(self, slot: int) -> int:
-        return int(self._lens[slot])
+        return int(self._lens[checks.host_int(slot, "slot", "kv_len", 0, self.max_seqs)])
 
     def free_slots(self) -> list[int]:
         return [int(s) for s in np.flatnonzero(~self._active)]
 
     def can_admit(self, slot: Optional[int] = None) -> bool:
         need = self.config.num_high_pages_per_seq
+        if slot is not None:
+            slot = checks.host_int(slot, "slot", "can_admit")
         slot_ok = (not self._active.all()) if slot is None else (0 <= slot < self.max_seqs and not self._active[slot])
         return slot_ok and need <= self._free_high
 
+    def _host_tokens(self, seq_slots, positions, op):
+        seq = np.asarray(checks.index_array(seq_slots, "seq_slots", op, -1, self.max_seqs))
+        pos = np.asarray(checks.index_array(positions, "positions", op))
+        if seq.shape != pos.shape or seq.ndim != 1:
+            raise ValueError(f"{op}: seq_slots and positions must be equal-length vectors, got {seq.shape}, "
+                             f"{pos.shape}")
+        return seq, pos
+
     def pages_needed(self, seq_slots, positions) -> dict[int, int]:
         """New low pages an append of tokens (seq_slots, positions) would allocate, per slot."""
-        seq, pos = np.asarray(seq_slots), np.asarray(positions)
+        seq, pos = self._host_tokens(seq_slots, positions, "pages_needed")
         out = {}
         for s in np.unique(seq[seq >= 0]):
             last = int(pos[seq == s].max())
@@ -97,8 +120,7 @@ class CacheManager:
             if not free:
                 raise CacheCapacityError(f"no free sequence slot: all {self.max_seqs} slots are admitted")
             slot = free[0]
-        if not 0 <= slot < self.max_seqs:
-            raise ValueError(f"admit: slot {slot} out of range [0, {self.max_seqs})")
+        slot = checks.host_int(slot, "slot", "admit", 0, self.max_seqs)
         if self._active[slot]:
             raise ValueError(f"admit: slot {slot} is already admitted")
         need = self.config.num_high_pages_per_seq
@@ -106,26 +128,29 @@ class CacheManager:
             raise CacheCapacityError(f"admit: a sequence needs {need} high (first-N/last-N) pages, "
                                      f"only {self._free_high} are free")
         self.state = _admit(self.state, jnp.int32(slot))
-        self._active[slot], self._lens[slot], self._pages_held[slot] = True, 0, 0
+        self._active[slot], self._lens[slot], self._written[slot], self._pages_held[slot] = True, 0, 0, 0
+        self._shared[slot], self._hshared[slot] = False, False
         self._free_high -= need
         return slot
 
     def release(self, slot: int) -> None:
+        slot = checks.host_int(slot, "slot", "release")
         if not (0 <= slot < self.max_seqs and self._active[slot]):
             raise ValueError(f"release: slot {slot} is not admitted")
         self.state = _release(self.state, jnp.int32(slot))
         self._active[slot] = False
         self._lens[slot] = 0
+        self._written[slot] = 0
         self._pages_held[slot] = 0
         self._free_low = int(self.state.alloc.num_free)
         self._free_high = int(self.state.high_alloc.num_free)
+        self._read_shared()
 
     def _check_append(self, seq_slots, positions):
-        seq, pos = np.asarray(seq_slots), np.asarray(positions)
-        if seq.shape != pos.shape or seq.ndim != 1:
-            raise ValueError(f"append: seq_slots and positions must be equal-length vectors, got {seq.shape}, "
-                             f"{pos.shape}")
-        bad = sorted({int(s) for s in seq[seq >= 0] if s >= self.max_seqs or not self._active[s]})
+        """Host mirror of `jmixedkv.append`'s refusals (`jmixedkv.checks`): `ValueError` for bad slots / positions,
+        `CacheCapacityError` for capacity. Returns the new pages per slot."""
+        seq, pos = self._host_tokens(seq_slots, positions, "append")
+        bad = sorted({int(s) for s in seq[seq >= 0] if not self._active[s]})
         if bad:
             raise ValueError(f"append: sequence slots {bad} are not admitted")
         if (pos[seq >= 0] < 0).any():
@@ -135,6 +160,24 @@ class CacheManager:
             worst = int(pos[seq >= 0].max())
             raise CacheCapacityError(f"append: position {worst} is past the page table's width "
                                      f"({self.state.max_pages_per_seq} pages x {self.config.page_size} = {limit} tokens)")
+        for s in np.unique(seq[seq >= 0]):
+            p = np.sort(pos[seq == s])
+            n = int(self._lens[s])
+            if (np.diff(p) != 1).any():
+                raise ValueError(f"append: slot {s}: positions must be distinct and contiguous, got "
+                                 f"{p[:16].tolist()}{'...' if p.size > 16 else ''}")
+            if not p[0] <= n <= p[-1] + 1:
+                raise ValueError(f"append: slot {s} has kv_len {n}; positions [{p[0]}, {p[-1]}] must start at or "
+                                 f"before it and reach it (extend from kv_len, or rewrite a suffix ending at "
+                                 f"kv_len - 1 or later)")
+            cfg = self.config
+            q = p // cfg.page_size
+            col = np.asarray(layout.high_column(p, cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages))
+            width = self._hshared.shape[1]
+            if self._shared[s, q].any() or (width and ((col >= 0) & self._hshared[s, np.clip(col, 0, width - 1)]).any()):
+                raise ValueError(f"append: slot {s}: positions [{p[0]}, {p[-1]}] write into a page shared with "
+                                 f"another sequence or the prefix index (fork / prefix reuse); shared pages are "
+                                 f"never written (copy-on-write happens at fork / admit)")
         need = self.pages_needed(seq, pos)
         total = sum(need.values())
         if total > self._free_low:
@@ -144,21 +187,39 @@ class CacheManager:
         return need
 
     def append(self, k, v, seq_slots, positions, layer=None, group: int = 0, rope: Optional[RopeSpec] = None):
-        """`jmixedkv.append` with capacity checked first; see it for shapes."""
+        """`jmixedkv.append` with capacity and positions checked first; see it for shapes."""
+        if not isinstance(group, int) or not 0 <= group < len(self.state.groups):
+            raise ValueError(f"append: group={group!r} out of range [0, {len(self.state.groups)})")
+        spec = self.state.groups[group]
+        if layer is not None:
+            layer = checks.host_int(np.asarray(layer).item() if checks.is_jax(layer) else layer, "layer", "append",
+                                    0, spec.num_layers)
         need = self._check_append(seq_slots, positions)
+        seq, pos = self._host_tokens(seq_slots, positions, "append")
         layer_arg = None if layer is None else jnp.int32(layer)
-        self.state = _append(self.state, k, v, jnp.asarray(seq_slots, jnp.int32), jnp.asarray(positions, jnp.int32),
-                             layer_arg, group=group, rope=rope, backend=self.backend)
+        self.state = _append(self.state, k, v, jnp.asarray(seq), jnp.asarray(pos), layer_arg, group=group,
+                             rope=rope, backend=self.backend)
         for s, n in need.items():
             self._pages_held[s] += n
             self._free_low -= n
-        seq, pos = np.asarray(seq_slots), np.asarray(positions)
         for s in np.unique(seq[seq >= 0]):
-            self._lens[s] = max(self._lens[s], int(pos[seq == s].max()) + 1)
+            last = int(pos[seq == s].max()) + 1
+            self._lens[s] = last
+            self._written[s] = max(self._written[s], last)
 
-    def set_lengths(self, lens) -> None:
-        """Host mirror update after a device-side length change (speculative accept / correction)."""
-        self._lens = np.asarray(lens, np.int64).copy()
+    def set_lengths(self, lens=None) -> None:
+        """Host mirror update after a device-side length change (speculative accept / correction): re-reads the
+        device lengths. ``lens`` (optional, host i32[S]) must equal them, else `ValueError` (the device refused or
+        did something else)."""
+        dev = np.asarray(self.state.kv_lens, np.int64)
+        if lens is not None:
+            want = np.asarray(checks.index_array(lens, "lens", "set_lengths"), np.int64)
+            if want.shape != dev.shape or (want != dev).any():
+                diff = np.flatnonzero(want != dev) if want.shape == dev.shape else []
+                raise ValueError(f"set_lengths: host lengths differ from the device at slots {list(diff)[:8]} "
+                                 f"(device error bits: {st.describe_error(int(self.state.error))})")
+        self._lens = dev.copy()
+        self._written = np.asarray(self.state.written, np.int64).copy()
 
     def check(self) -> None:
         """Raise if the device state recorded an error (syncs with the device)."""
@@ -170,7 +231,9 @@ class CacheManager:
         """Install a state produced by a pure transition outside the manager; re-reads the host mirror."""
         self.state = state
         self._lens = np.asarray(state.kv_lens, np.int64)
+        self._written = np.asarray(state.written, np.int64).copy()
         self._active = np.asarray(state.active).copy()
         self._pages_held = (np.asarray(state.page_table) >= 0).sum(axis=1).astype(np.int64)
         self._free_low = int(state.alloc.num_free)
         self._free_high = int(state.high_alloc.num_free)
+        self._read_shared()

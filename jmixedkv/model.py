@@ -32,13 +32,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import levers
 from .config import KVCacheConfig
 from .reference import attention_reference, stage_reference
 from .rope import RopeSpec, apply_rope
 from .state import GroupSpec, admit, append, init_state
 
 __all__ = ["ModelConfig", "Decoder", "init_params", "GenerationResult", "build_generate", "generate",
-           "cache_shape", "has_fused_attention"]
+           "cache_shape", "has_fused_attention", "exact_prefill", "score_decode", "sim_knobs", "calibrate",
+           "token_metrics", "SimulatedDecodeSession"]
 
 ATTENTION_MODES = ("auto", "fused", "reference")
 
@@ -58,6 +60,9 @@ class ModelConfig:
     qk_gain: float = 1.0
     logit_gain: float = 4.0
     seed: int = 0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_len: Optional[int] = None
 
     def __post_init__(self):
         for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
@@ -101,17 +106,25 @@ class CacheSession:
     ``attend(layer, q, k, v, positions)`` appends ``k, v [B, T, H, D]`` at ``positions i32[B, T]`` and returns
     the attention output ``f32[B, T, Hq, D]`` over the whole cache of each sequence (causal)."""
 
-    def __init__(self, state, seq_slots, attention: str = "auto", record: bool = False):
+    def __init__(self, state, seq_slots, attention: str = "auto", record: bool = False, k_means=None):
         self.state, self.seq_slots, self.attention = state, seq_slots, attention
         self.outputs = [] if record else None
+        self.k_means = k_means          # f32[L, B, H, D] frozen K means (k_smoothing), None: take them now
+        self.new_means = []
 
     def attend(self, layer: int, q, k, v, positions):
         b, t, h, d = k.shape
+        cfg = self.state.config
+        if cfg.k_smoothing:             # lever: subtract the prefill's per-channel K mean (softmax unchanged)
+            mean = levers.k_mean(k) if self.k_means is None else self.k_means[layer]
+            self.new_means.append(mean)
+            k = levers.smooth_k(k, mean)
         seq = jnp.repeat(self.seq_slots, t)
         self.state = append(self.state, k.reshape(b * t, h, d), v.reshape(b * t, h, d), seq,
-                            positions.reshape(-1), layer=layer)
-        dtype = self.state.config.attention_dtype
-        q = q.astype(dtype)             # readers take queries in the attention dtype (as the fused kernel does)
+                            positions.reshape(-1), layer=layer)     # rotation (lever) is applied by append
+        dtype = cfg.attention_dtype
+        # readers take queries in the attention dtype (as the fused kernel does); rotated like the stored K
+        q = levers.rotate(q, cfg.rotation).astype(dtype)
         if t == 1 and self.attention != "reference" and has_fused_attention():
             from .attention import decode_attention
             backend = "pallas" if self.attention == "fused" else "auto"
@@ -119,7 +132,7 @@ class CacheSession:
         else:
             staged = stage_reference(self.state, layer, self.seq_slots)     # [B, kv, H, S, D]
             out, _ = attention_reference(q, staged[:, 0], staged[:, 1], self.state.kv_lens[self.seq_slots])
-        out = out.astype(dtype).astype(jnp.float32)
+        out = levers.rotate(out.astype(dtype).astype(jnp.float32), cfg.rotation)     # un-rotate (self-inverse)
         if self.outputs is not None:
             self.outputs.append(out)
         return out
@@ -185,22 +198,29 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, session):
-        x = x + Attention(self.cfg, self.layer, name="attn")(RMSNorm(name="attn_norm")(x), positions, session)
-        return x + MLP(self.cfg, name="mlp")(RMSNorm(name="mlp_norm")(x))
+        eps = self.cfg.rms_eps
+        x = x + Attention(self.cfg, self.layer, name="attn")(RMSNorm(eps, name="attn_norm")(x), positions, session)
+        return x + MLP(self.cfg, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
 
 
 class Decoder(nn.Module):
-    """``tokens i32[B, T]``, ``positions i32[B, T]``, a session -> logits ``f32[B, T, V]``."""
+    """``tokens i32[B, T]``, ``positions i32[B, T]``, a session -> logits ``f32[B, T, V]`` (``last_only``:
+    ``f32[B, 1, V]``, the last token's only: a long prefill need not build ``T x V`` logits)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions, session):
+    def __call__(self, tokens, positions, session, last_only: bool = False):
         c = self.cfg
-        x = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(1.0), name="embed")(tokens)
+        embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(1.0), name="embed")
+        x = embed(tokens)
         for layer in range(c.num_layers):
             x = Block(c, layer, name=f"block{layer}")(x, positions, session)
-        x = RMSNorm(name="final_norm")(x)
+        if last_only:
+            x = x[:, -1:]
+        x = RMSNorm(c.rms_eps, name="final_norm")(x)
+        if c.tie_embeddings:              # output head = token embedding (SmolLM2 / GGUF without output.weight)
+            return embed.attend(x)
         return _dense(c.vocab_size, c.d_model, c.logit_gain, "lm_head")(x)
 
 
@@ -232,30 +252,45 @@ jax.tree_util.register_dataclass(GenerationResult, data_fields=["tokens", "logit
                                  meta_fields=[])
 
 
+def with_scales(state, scales):
+    """``state`` with traced per-layer K/V scales in its pools (``init_state`` takes only concrete ones):
+    ``scales["gs"] f32[L, 2]`` -> NVFP4 decode global scale, ``scales["high"] f32[L, 2]`` -> FP8 twin / plain
+    scale (ignored by bf16 / fp16 pools). Call it before anything is appended."""
+    from .pools import GroupPools
+    pools = []
+    for gp in state.pools:
+        rep_ = lambda pool, f, x: None if pool is None else dataclasses.replace(  # noqa: E731
+            pool, **{f: jnp.broadcast_to(jnp.asarray(x, jnp.float32), getattr(pool, f).shape)})
+        pools.append(GroupPools(rep_(gp.low, "gs", scales["gs"]), rep_(gp.high, "scale", scales["high"]),
+                                rep_(gp.plain, "scale", scales["high"])))
+    return dataclasses.replace(state, pools=tuple(pools))
+
+
 def _pages_needed(total: int, page: int) -> int:
     return -(-total // page)
 
 
-def _generate_impl(params, prompts, teacher, forced, *, model_cfg: ModelConfig, cache_cfg: KVCacheConfig,
-                   num_new: int, attention: str):
-    """The traced body: prefill the prompts, then ``num_new - 1`` decode steps in a ``fori_loop``."""
+def _generate_impl(params, prompts, teacher, forced, scales=None, *, model_cfg: ModelConfig,
+                   cache_cfg: KVCacheConfig, num_new: int, attention: str):
+    """The traced body: prefill the prompts, then ``num_new - 1`` decode steps in a ``fori_loop``.
+
+    ``scales`` (optional, see `calibrate`): ``{"gs": f32[L, 2], "high": f32[L, 2]}`` NVFP4 global / FP8 scales."""
     b, p = prompts.shape
     total = p + num_new
     max_pages = _pages_needed(total, cache_cfg.page_size)
     state = init_state(cache_cfg, cache_shape(model_cfg), num_pages=b * max_pages, max_seqs=b,
                        max_pages_per_seq=max_pages)
+    if scales is not None:
+        state = with_scales(state, scales)
     slots = jnp.arange(b, dtype=jnp.int32)
     state = jax.lax.fori_loop(0, b, lambda i, s: admit(s, i), state)
-    model = Decoder(model_cfg)
+    stacked = _stack_blocks(params, model_cfg)
 
-    def forward(state, tokens, positions):
-        session = CacheSession(state, slots, attention, record=True)
-        logits = model.apply(params, tokens, positions, session)
-        attn = jnp.stack([o[:, -1] for o in session.outputs], axis=1)        # [B, L, Hq, D] last token
-        return session.state, logits[:, -1].astype(jnp.float32), attn
+    def forward(state, tokens, positions, k_means=None):
+        return _scan_forward(params, stacked, model_cfg, state, slots, attention, tokens, positions, k_means)
 
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    state, logits0, attn0 = forward(state, prompts, positions)
+    state, logits0, attn0, k_means = forward(state, prompts, positions)   # k_means frozen from the prefill
     vocab = logits0.shape[-1]
     tokens = jnp.zeros((b, num_new), jnp.int32).at[:, 0].set(jnp.argmax(logits0, -1).astype(jnp.int32))
     all_logits = jnp.zeros((b, num_new, vocab), jnp.float32).at[:, 0].set(logits0)
@@ -265,7 +300,7 @@ def _generate_impl(params, prompts, teacher, forced, *, model_cfg: ModelConfig, 
         state, tokens, all_logits, all_attn = carry
         fed = jnp.where(forced, teacher[:, i - 1], tokens[:, i - 1])
         pos = jnp.full((b, 1), p + i - 1, jnp.int32)
-        state, logits, attn = forward(state, fed[:, None], pos)
+        state, logits, attn, _ = forward(state, fed[:, None], pos, k_means if cache_cfg.k_smoothing else None)
         tokens = tokens.at[:, i].set(jnp.argmax(logits, -1).astype(jnp.int32))
         return state, tokens, all_logits.at[:, i].set(logits), all_attn.at[:, i].set(attn)
 
@@ -273,9 +308,49 @@ def _generate_impl(params, prompts, teacher, forced, *, model_cfg: ModelConfig, 
     return GenerationResult(tokens, all_logits, all_attn, state)
 
 
+class _AtLayer:
+    """Session proxy for one scanned block: the block's static layer index is replaced by the traced one."""
+
+    def __init__(self, session, layer):
+        self.session, self.layer = session, layer
+
+    def attend(self, _static_layer, q, k, v, positions):
+        return self.session.attend(self.layer, q, k, v, positions)
+
+
+def _stack_blocks(params, cfg: ModelConfig):
+    """Per-block parameter trees stacked along a leading layer axis (for ``lax.scan`` over layers)."""
+    p = params["params"]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *[p[f"block{l}"] for l in range(cfg.num_layers)])
+
+
+def _scan_forward(params, stacked, cfg: ModelConfig, state, slots, attention, tokens, positions, k_means=None):
+    """`Decoder` through the cache with a ``lax.scan`` over layers (one traced block instead of ``L``: compile
+    time independent of depth; same operations as the unrolled `Decoder`). Returns ``(state, last-token logits
+    f32[B, V], attention outputs f32[B, L, Hq, D] of the last token, K means f32[L, B, H, D] or f32[0])``."""
+    p = params["params"]
+    x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
+
+    def body(carry, xs):
+        x, state = carry
+        block_params, layer = xs
+        session = CacheSession(state, slots, attention, record=True, k_means=k_means)
+        x = Block(cfg, 0).apply({"params": block_params}, x, positions, _AtLayer(session, layer))
+        mean = session.new_means[0] if session.new_means else jnp.zeros((0,), jnp.float32)
+        return (x, session.state), (session.outputs[0][:, -1], mean)
+
+    (x, state), (attn, means) = jax.lax.scan(body, (x, state), (stacked, jnp.arange(cfg.num_layers)))
+    x = RMSNorm(cfg.rms_eps).apply({"params": p["final_norm"]}, x[:, -1:])
+    if cfg.tie_embeddings:
+        logits = jnp.dot(x, p["embed"]["embedding"].T)
+    else:
+        logits = jnp.dot(x, p["lm_head"]["kernel"])
+    return state, logits[:, -1].astype(jnp.float32), jnp.swapaxes(attn, 0, 1), means
+
+
 def build_generate(model_cfg: ModelConfig, cache_cfg: KVCacheConfig, num_new: int, attention: str = "auto",
                    wrap: Optional[Callable] = None):
-    """Jitted ``fn(params, prompts i32[B, P], teacher i32[B, N], forced bool[]) -> GenerationResult``.
+    """Jitted ``fn(params, prompts i32[B, P], teacher i32[B, N], forced bool[], scales=None) -> GenerationResult``.
 
     ``forced=True`` feeds ``teacher[:, i-1]`` at step ``i`` (teacher forcing) instead of the model's own
     previous token; both modes share one compiled program. ``wrap`` (tests) wraps the traced function before
@@ -289,8 +364,8 @@ def build_generate(model_cfg: ModelConfig, cache_cfg: KVCacheConfig, num_new: in
     if wrap is None:
         return _cached_generate(model_cfg, cache_cfg, num_new, attention)
 
-    def fn(params, prompts, teacher, forced):
-        return _generate_impl(params, prompts, teacher, forced, model_cfg=model_cfg, cache_cfg=cache_cfg,
+    def fn(params, prompts, teacher, forced, scales=None):
+        return _generate_impl(params, prompts, teacher, forced, scales, model_cfg=model_cfg, cache_cfg=cache_cfg,
                               num_new=num_new, attention=attention)
     return jax.jit(wrap(fn))
 
@@ -317,3 +392,269 @@ def generate(params, prompts, model_cfg: ModelConfig, cache_cfg: KVCacheConfig, 
         raise ValueError(f"teacher must be i32[B={prompts.shape[0]}, N={num_new}], got {teacher.shape}")
     fn = build_generate(model_cfg, cache_cfg, num_new, attention)
     return fn(params, prompts, teacher, jnp.asarray(forced))
+
+
+# ---------------------------------------------------------------------------------------------- teacher-forced eval
+# Teacher-forced accuracy over a long text without running thousands of decode steps one by one: the text's first
+# ``P`` tokens are prefilled exactly (float32 attention over unquantized K/V, as a serving engine's context phase
+# attends over the fresh K/V of the chunk), their K/V recorded; then the next ``T`` tokens are scored in ONE
+# forward in which the query at position ``t`` sees, for every key ``j <= t``, exactly what the cache serves at the
+# decode step of length ``n = t + 1``: the high (twin) row where ``j`` is retained (``j < first_n`` or
+# ``n - last_n <= j < n``), the dequantized NVFP4 row elsewhere (or the plain pool's row). The rows go through the
+# cache's own codec functions (`jmixedkv.nvfp4.quantize` / `dequantize`, `jmixedkv.pools.encode_rows` /
+# `decode_rows`) with per-layer K/V scales calibrated on the prefix (NVFP4 ``gs = amax / 2688``, FP8
+# ``amax / 448``), queries and outputs are rounded to the attention dtype and the levers are applied as
+# `CacheSession` applies them, so this equals ``T`` teacher-forced decode steps of `build_generate` after an exact
+# prefill (tests/test_levers.py checks it against the real cache). One program per (high dtype, attention dtype):
+# first_n / last_n / levers are data.
+
+@functools.lru_cache(maxsize=8)
+def _prefill_fn(model_cfg: ModelConfig):
+    class Recorder:
+        """Exact causal attention in query chunks of ``CHUNK`` (keys up to the chunk's end only: half the work of
+        a masked dense pass, and no ``T x T`` logits in memory); records K/V."""
+
+        CHUNK = 512
+
+        def __init__(self):
+            self.k, self.v = [], []
+
+        def attend(self, layer, q, k, v, positions):
+            self.k.append(k.astype(jnp.float32))
+            self.v.append(v.astype(jnp.float32))
+            t, outs = q.shape[1], []
+            for lo in range(0, t, self.CHUNK):
+                hi_ = min(lo + self.CHUNK, t)
+                out, _ = attention_reference(q[:, lo:hi_], jnp.swapaxes(k[:, :hi_], 1, 2),
+                                             jnp.swapaxes(v[:, :hi_], 1, 2),
+                                             jnp.full((q.shape[0],), hi_, jnp.int32))
+                outs.append(out)
+            return jnp.concatenate(outs, axis=1)
+
+    def fn(params, tokens):
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+        def make(layer):
+            return Recorder()
+        logits, (k, v) = _scan_layers(params, model_cfg, tokens, pos, make, lambda r: (r.k[0], r.v[0]),
+                                      last_only=True)
+        return {"k": k, "v": v}, logits[:, -1].astype(jnp.float32)
+    return jax.jit(fn)
+
+
+def _scan_layers(params, cfg: ModelConfig, tokens, positions, make_session, emit, last_only=False):
+    """Cache-free forward with a ``lax.scan`` over layers: ``make_session(layer)`` (traced layer) gives the
+    attention session of a block, ``emit(session)`` what to stack over layers. Returns ``(logits, stacked)``."""
+    p = params["params"]
+    x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
+
+    def body(x, xs):
+        block_params, layer = xs
+        session = make_session(layer)
+        x = Block(cfg, 0).apply({"params": block_params}, x, positions, _AtLayer(session, layer))
+        return x, emit(session)
+
+    x, out = jax.lax.scan(body, x, (_stack_blocks(params, cfg), jnp.arange(cfg.num_layers)))
+    if last_only:
+        x = x[:, -1:]
+    x = RMSNorm(cfg.rms_eps).apply({"params": p["final_norm"]}, x)
+    logits = jnp.dot(x, p["embed"]["embedding"].T) if cfg.tie_embeddings else jnp.dot(x, p["lm_head"]["kernel"])
+    return logits, out
+
+
+def exact_prefill(params, model_cfg: ModelConfig, tokens):
+    """Exact (float32, cache-free) causal forward of ``tokens i32[B, P]``.
+
+    Returns ``(prefix, last_logits)``: ``prefix = {"k": f32[L, B, P, H, D] (post-RoPE), "v": f32[L, B, P, H, D]}``
+    and ``f32[B, V]`` logits of the last token."""
+    return _prefill_fn(model_cfg)(params, jnp.asarray(tokens, jnp.int32))
+
+
+def _sim_kind(cache_cfg: KVCacheConfig):
+    """(high storage dtype name, attention dtype name): the static part of a simulated cache."""
+    high = cache_cfg.high_dtype
+    high = "bfloat16" if high is None else jnp.dtype(high).name        # nvfp4: the twin is never selected
+    return high, jnp.dtype(cache_cfg.attention_dtype).name
+
+
+def sim_knobs(cache_cfg: KVCacheConfig, model_cfg: ModelConfig) -> dict:
+    """The data part of a simulated cache: ``first_n`` / ``last_n`` of the high view (everything for plain row
+    caches, nothing for ``nvfp4``), the rotation matrix (identity when off) and the K-smoothing switch."""
+    big = 1 << 30
+    if cache_cfg.is_mixed:
+        fn, ln = cache_cfg.first_n, cache_cfg.last_n
+    elif cache_cfg.has_low:
+        fn, ln = 0, 0
+    else:
+        fn, ln = big, 0
+    d = model_cfg.head_dim
+    rot = levers.hadamard(d) if cache_cfg.rotation else jnp.eye(d, dtype=jnp.float32)
+    return {"first_n": jnp.int32(fn), "last_n": jnp.int32(ln), "rot": rot,
+            "smooth": jnp.float32(1.0 if cache_cfg.k_smoothing else 0.0)}
+
+
+def _views(rows, high_dtype, attn_dtype, gs, hs):
+    """(low view, high view) of rows ``f32[..., 2, H, D]`` as the cache serves them (attention dtype)."""
+    from . import nvfp4
+    from .pools import decode_rows, encode_rows
+    data, sc = nvfp4.quantize(rows, gs[:, None])
+    low = nvfp4.dequantize(data, sc, gs[:, None], attn_dtype)
+    high = decode_rows(encode_rows(rows, high_dtype, hs), hs, attn_dtype)
+    return low, high
+
+
+def calibrate(prefix, knobs):
+    """Per-layer K/V scales from the prefix rows after the levers: ``{"gs": f32[L, 2], "high": f32[L, 2]}``
+    (NVFP4 decode global scale ``amax / 2688``, FP8 scale ``amax / 448``; 1.0 where amax is 0)."""
+    from . import nvfp4
+    k = prefix["k"] - knobs["smooth"] * jnp.mean(prefix["k"], axis=2, keepdims=True)
+    rot = knobs["rot"]
+    hi = jax.lax.Precision.HIGHEST
+    amax = jnp.stack([jnp.max(jnp.abs(jnp.einsum("...d,de->...e", x, rot, precision=hi)), axis=(1, 2, 3, 4))
+                      for x in (k, prefix["v"])], axis=1)                      # [L, 2]
+    ok = amax > 0
+    return {"gs": nvfp4.global_scale_from_amax(amax), "high": jnp.where(ok, amax / 448.0, 1.0)}
+
+
+class SimulatedDecodeSession:
+    """Scores ``T`` new tokens at positions ``P..P+T-1`` in one pass, each query seeing the cache of its own decode
+    step (see the section comment). ``prefix`` from `exact_prefill`, ``knobs`` from `sim_knobs`, ``scales`` from
+    `calibrate`. Records every layer's attention output ``f32[B, T, Hq, D]`` in ``outputs``."""
+
+    def __init__(self, prefix, knobs, scales, high_dtype, attn_dtype):
+        self.prefix, self.knobs, self.scales = prefix, knobs, scales
+        self.high_dtype, self.attn_dtype = jnp.dtype(high_dtype), jnp.dtype(attn_dtype)
+        self.outputs = []
+
+    def attend(self, layer, q, k, v, positions):
+        kn, hi = self.knobs, jax.lax.Precision.HIGHEST
+        pk, pv = self.prefix["k"][layer], self.prefix["v"][layer]              # [B, P, H, D]
+        b, t, h, d = k.shape
+        p = pk.shape[1]
+        mean = kn["smooth"] * jnp.mean(pk, axis=1, keepdims=True)              # frozen from the prefill
+        keys = jnp.concatenate([pk, k.astype(jnp.float32)], axis=1) - mean
+        vals = jnp.concatenate([pv, v.astype(jnp.float32)], axis=1)
+        rows = jnp.einsum("bshd,de->bshe", jnp.stack([keys, vals], axis=2).reshape(b, p + t, 2 * h, d), kn["rot"],
+                          precision=hi).reshape(b, p + t, 2, h, d)
+        low, high = _views(rows, self.high_dtype, self.attn_dtype, self.scales["gs"][layer],
+                           self.scales["high"][layer])
+        qr = jnp.einsum("bthd,de->bthe", q.astype(jnp.float32), kn["rot"], precision=hi)
+        qr = qr.astype(self.attn_dtype).astype(jnp.float32).reshape(b, t, h, -1, d)
+        scale = d ** -0.5
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        lg_lo = jnp.einsum("btkgd,bskd->btkgs", qr, f32(low[:, :, 0]), precision=hi) * scale
+        lg_hi = jnp.einsum("btkgd,bskd->btkgs", qr, f32(high[:, :, 0]), precision=hi) * scale
+        qpos = positions[:, :, None]                                           # [B, T, 1]
+        j = jnp.arange(p + t)[None, None, :]
+        n = qpos + 1
+        retained = (j < kn["first_n"]) | ((j >= n - kn["last_n"]) & (j < n))
+        causal = j <= qpos
+        ret = retained[:, :, None, None, :]
+        logits = jnp.where(causal[:, :, None, None, :], jnp.where(ret, lg_hi, lg_lo), -jnp.inf)
+        w = jax.nn.softmax(logits, axis=-1)
+        out = (jnp.einsum("btkgs,bskd->btkgd", jnp.where(ret, w, 0.0), f32(high[:, :, 1]), precision=hi)
+               + jnp.einsum("btkgs,bskd->btkgd", jnp.where(ret, 0.0, w), f32(low[:, :, 1]), precision=hi))
+        out = out.reshape(b, t, -1, d).astype(self.attn_dtype).astype(jnp.float32)
+        out = jnp.einsum("bthd,de->bthe", out, kn["rot"], precision=hi)        # un-rotate (self-inverse)
+        self.outputs.append(out)
+        return out
+
+
+@functools.lru_cache(maxsize=16)
+def _score_fn(model_cfg: ModelConfig, high_dtype: str, attn_dtype: str):
+    def fn(params, prefix, tokens, knobs):
+        scales = calibrate(prefix, knobs)
+        p = prefix["k"].shape[2]
+        pos = jnp.broadcast_to(p + jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        make = lambda layer: SimulatedDecodeSession(prefix, knobs, scales, high_dtype, attn_dtype)  # noqa: E731
+        logits, attn = _scan_layers(params, model_cfg, tokens, pos, make, lambda s: s.outputs[0])
+        return logits.astype(jnp.float32), attn, scales
+    return jax.jit(fn)
+
+
+def score_decode(params, model_cfg: ModelConfig, cache_cfg: KVCacheConfig, prefix, tokens):
+    """Teacher-forced decode of ``tokens i32[B, T]`` after the exact prefix, through a simulated ``cache_cfg``.
+
+    Returns ``(logits f32[B, T, V], attn f32[L, B, T, Hq, D], scales)`` (``scales`` from `calibrate`)."""
+    fn = _score_fn(model_cfg, *_sim_kind(cache_cfg))
+    return fn(params, prefix, jnp.asarray(tokens, jnp.int32), sim_knobs(cache_cfg, model_cfg))
+
+
+def token_metrics(logits, ref_logits, targets) -> dict:
+    """Next-token metrics of ``logits f32[B, T, V]`` vs a reference run's, for ``targets i32[B, T]``.
+
+    ``kl``: mean KL(reference || this) in nats; ``kl_per_position`` f32[T] (mean over B); ``nll`` / ``ppl`` of the
+    targets; ``top1``: share of positions whose argmax equals the reference's."""
+    import numpy as np
+    lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1)
+    lr = jax.nn.log_softmax(jnp.asarray(ref_logits, jnp.float32), -1)
+    kl = jnp.sum(jnp.exp(lr) * (lr - lp), -1)                                   # [B, T]
+    nll = -jnp.take_along_axis(lp, jnp.asarray(targets)[..., None], -1)[..., 0]
+    top1 = jnp.argmax(lp, -1) == jnp.argmax(lr, -1)
+    return {"kl": float(jnp.mean(kl)), "kl_per_position": np.asarray(jnp.mean(kl, 0)).tolist(),
+            "nll": float(jnp.mean(nll)), "ppl": float(jnp.exp(jnp.mean(nll))), "top1": float(jnp.mean(top1))}
+
+
+def builtin_text(name: str) -> str:
+    """A text shipped with the package (``jmixedkv/data/NAME.txt``): ``"prose"`` (English prose paragraphs of the
+    Python Language Reference, from CPython's ``pydoc_data``) or ``"code"`` (a snapshot of this package's Python
+    source). Nothing is downloaded."""
+    from importlib import resources
+    path = resources.files("jmixedkv").joinpath("data", f"{name}.txt")
+    if not path.is_file():
+        avail = sorted(p.name[:-4] for p in resources.files("jmixedkv").joinpath("data").iterdir()
+                       if p.name.endswith(".txt"))
+        raise ValueError(f"unknown built-in text {name!r}; available: {avail}")
+    return path.read_text(encoding="utf-8")
+
+
+def evaluate_caches(params, model_cfg: ModelConfig, tokens, caches, prefix_len: int, progress=None) -> dict:
+    """Teacher-forced accuracy of each cache against the first one (the bf16 baseline) on one token sequence.
+
+    Args:
+      tokens: ``i32[N]`` token ids; the first ``prefix_len`` are prefilled exactly, the next ``N - prefix_len - 1``
+        are decode steps scored against their next token.
+      caches: list of ``(label, KVCacheConfig)``; the first is the reference.
+      progress: optional callable ``(label) -> None`` called before each cache.
+
+    Returns a dict: ``prefix_len``, ``window``, ``seq_len`` (tokens in the cache at the last step) and ``results``:
+    ``prefix`` (the exact prefill's K/V, see `exact_prefill`), and ``results``:
+    per cache ``label``, ``config``, ``kl``, ``kl_per_position``, ``nll``, ``ppl``, ``top1``, ``attn_rel_err_per_layer``
+    (relative L2 error of each layer's attention output vs the reference, teacher-forced), ``seconds``.
+    """
+    import time
+    import numpy as np
+    toks = jnp.asarray(tokens, jnp.int32)[None]
+    n = toks.shape[1]
+    if not 1 <= prefix_len <= n - 2:
+        raise ValueError(f"prefix_len must be in [1, {n - 2}] for {n} tokens, got {prefix_len}")
+    if progress:
+        progress("exact prefill")
+    prefix, _ = exact_prefill(params, model_cfg, toks[:, :prefix_len])
+    window, targets = toks[:, prefix_len:n - 1], toks[:, prefix_len + 1:]
+    results, ref = [], None
+    for label, cfg in caches:
+        if progress:
+            progress(label)
+        t0 = time.perf_counter()
+        logits, attn, _ = score_decode(params, model_cfg, cfg, prefix, window)
+        logits = jax.block_until_ready(logits)
+        if ref is None:
+            ref = (logits, attn)
+        m = token_metrics(logits, ref[0], targets)
+        a, r = np.asarray(attn), np.asarray(ref[1])
+        err = (np.linalg.norm((a - r).reshape(a.shape[0], -1), axis=-1)
+               / np.maximum(np.linalg.norm(r.reshape(r.shape[0], -1), axis=-1), 1e-30))
+        m.update(label=label, config=cfg, attn_rel_err_per_layer=err.tolist(),
+                 seconds=time.perf_counter() - t0)
+        results.append(m)
+    return {"prefix_len": prefix_len, "window": n - 1 - prefix_len, "seq_len": n - 1, "results": results,
+            "prefix": prefix}
+
+
+def high_fraction(cfg: KVCacheConfig, seq_len: int) -> float:
+    """Share of a ``seq_len``-token sequence's rows served by the twin (1 for bf16 / fp16 / fp8, 0 for nvfp4)."""
+    if not cfg.is_mixed:
+        return 0.0 if cfg.has_low else 1.0
+    first = min(cfg.first_n, seq_len)
+    return (first + min(cfg.last_n, seq_len - first)) / seq_len

@@ -1,6 +1,6 @@
 """NVFP4 reference codec (pure jnp, runs anywhere): the one convention every kernel must match bit-exactly.
 
-Format (DESIGN.md §2):
+Format (docs/DESIGN.md §2):
 
 * E2M1 elements ±{0, .5, 1, 1.5, 2, 3, 4, 6}: round-to-nearest-even, saturating at ±6. The sign of zero
   is kept (``-0.1`` encodes as code 8, ``-0``), as the hardware ``cvt.rn.satfinite.e2m1x2`` does.
@@ -25,8 +25,8 @@ jax 0.11.2), so a GPU run of this module then differs from the convention in rar
 `jmixedkv.compat.xla_flags_with_ieee_division` gives the ``XLA_FLAGS`` that make it ``div.rn.f32`` (the test suite
 sets them on CUDA machines). The Pallas kernels use ``div.rn.f32`` themselves and need no flag. Under ``jax.jit`` XLA
 would reassociate ``enc * (amax * 1/6)`` into ``amax * (enc * 1/6)`` (scalar hoisting); intermediate products are
-therefore routed through `_keep` (an integer OR with a zero XLA cannot prove), so eager, jitted CPU, jitted GPU and
-the Pallas kernels all compute the same bits. ``gs`` must be positive and finite.
+therefore routed through `jmixedkv.numerics.keep` (an integer OR with a zero XLA cannot prove), so eager, jitted
+CPU, jitted GPU and the Pallas kernels all compute the same bits. ``gs`` must be positive and finite.
 
 Non-finite input: a block holding NaN gets scale byte 0x7F (E4M3 NaN) and all-zero codes, so it decodes to
 NaN in that block only; ±Inf gives scale 448 and element ±6. Nothing outside the block is touched.
@@ -38,15 +38,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from .numerics import BLOCK, E2M1_MAX, E4M3_MAX, SIXTH, keep
+
 __all__ = ["quantize", "dequantize", "global_scale_from_amax", "pack_nibbles", "unpack_nibbles",
            "e2m1_codes", "e2m1_values", "e4m3_values", "BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_TABLE"]
 
-BLOCK = 16
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
 #: value of each 4-bit code (bit 3 = sign)
 E2M1_TABLE = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-_SIXTH = np.float32(1.0) / np.float32(6.0)
 #: float32 value of every E4M3 byte (0x7F / 0xFF are NaN)
 E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
@@ -92,16 +90,6 @@ def unpack_nibbles(packed):
     return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(jnp.uint8)
 
 
-def _keep(a, nonneg):
-    """``a`` unchanged, but opaque to XLA's algebraic simplifier (no reassociation / contraction across it).
-
-    ``nonneg`` is a float32 array (broadcastable to ``a``) known to be >= 0 or +NaN: its sign bit is an int32 zero
-    that XLA cannot prove zero."""
-    z = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(nonneg, jnp.int32), jnp.int32(31))
-    bits_ = jax.lax.bitcast_convert_type(a, jnp.int32) | jnp.broadcast_to(z, jnp.shape(a))
-    return jax.lax.bitcast_convert_type(bits_, jnp.float32)
-
-
 def _check_last_dim(d: int) -> None:
     if d % BLOCK:
         raise ValueError(f"NVFP4 needs the last dimension to be a multiple of {BLOCK}, got {d}")
@@ -109,8 +97,8 @@ def _check_last_dim(d: int) -> None:
 
 def _block_scale(amax_block, gs):
     enc = jnp.float32(1.0) / gs
-    t = amax_block * _SIXTH
-    s = enc * _keep(t, t)
+    t = amax_block * SIXTH
+    s = enc * keep(t, t)
     s = jnp.where(jnp.isnan(s), s, jnp.clip(s, 0.0, E4M3_MAX))
     return s.astype(jnp.float8_e4m3fn)
 
@@ -134,8 +122,8 @@ def quantize(x, global_scale=1.0):
     s = _block_scale(amax, gs)
     sf = e4m3_values(s)
     prod = sf * gs
-    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / _keep(prod, prod))
-    codes = e2m1_codes(xf * _keep(r, r)[..., None])  # opaque r: XLA may not rewrite x * (1/d) as x / d
+    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / keep(prod, prod))
+    codes = e2m1_codes(xf * keep(r, r)[..., None])  # opaque r: XLA may not rewrite x * (1/d) as x / d
     return pack_nibbles(codes.reshape(x.shape)), s
 
 
@@ -150,5 +138,5 @@ def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16):
     vals = e2m1_values(unpack_nibbles(packed)).reshape(*packed.shape[:-1], d // BLOCK, BLOCK)
     gs = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), packed.shape[:-1])[..., None, None]
     sf = scales.astype(jnp.float32)[..., None]
-    out = _keep(vals * sf, sf) * gs
+    out = keep(vals * sf, sf) * gs
     return out.reshape(*packed.shape[:-1], d).astype(dtype)

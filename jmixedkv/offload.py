@@ -40,25 +40,41 @@ def page_bucket(count: int) -> int:
     return 1 << max(0, int(count - 1).bit_length()) if count > 1 else 1
 
 
+def _poison(arr):
+    """NaN-decoding fill for a pool array's dtype (NVFP4 data 0x77 with E4M3 scales 0x7F decode to NaN)."""
+    if arr.dtype == jnp.uint8:
+        return jnp.uint8(0x77)
+    return jnp.array(jnp.nan, jnp.float32).astype(arr.dtype)
+
+
 def gather_pages(state, low_ids, high_ids):
     """Copy pages out of the pools.
 
     Args:
       state: `CacheState`.
       low_ids, high_ids: i32[K] page ids (-1 = padding; the payload there is page 0's and must be ignored).
+        Ids outside ``[-1, num_pages)`` give a NaN-decoding payload (never another page's bytes); host ids
+        outside it raise `ValueError`.
     Returns:
       tuple (one per group) of dicts ``{"low_data", "low_scales", "plain_rows", "high_rows"}`` (present pools
       only) of arrays ``[L, K, kv, H, page, X]`` in the pool's storage dtype.
     """
-    ids = {"low": jnp.maximum(jnp.asarray(low_ids, jnp.int32), 0),
-           "high": jnp.maximum(jnp.asarray(high_ids, jnp.int32), 0)}
+    from .checks import index_array
+    raw = {"low": index_array(low_ids, "low_ids", "gather_pages", -1, state.alloc.num_pages),
+           "high": index_array(high_ids, "high_ids", "gather_pages", -1, state.high_alloc.num_pages)}
+    limit = {"low": state.alloc.num_pages, "high": state.high_alloc.num_pages}
     out = []
     for pools in state.pools:
         group = {}
         for pool_name, arr_name, which in _FIELDS:
             pool = getattr(pools, pool_name)
             if pool is not None:
-                group[_name(pool_name, arr_name)] = getattr(pool, arr_name)[:, ids[which]]
+                arr = getattr(pool, arr_name)
+                ids = raw[which]
+                bad = (ids < -1) | (ids >= limit[which])
+                got = arr[:, jnp.clip(ids, 0, limit[which] - 1)]
+                bad = bad.reshape((1, -1) + (1,) * (got.ndim - 2))
+                group[_name(pool_name, arr_name)] = jnp.where(bad, _poison(arr), got)
         out.append(group)
     return tuple(out)
 
@@ -68,12 +84,18 @@ def scatter_pages(state, low_ids, high_ids, payload):
 
     Args:
       state: `CacheState`.
-      low_ids, high_ids: i32[K] destination page ids.
+      low_ids, high_ids: i32[K] destination page ids: each in ``[-1, num_pages)``, listed once, not shared
+        (refcount <= 1; `jmixedkv.checks.write_dst_errors`); otherwise nothing is written and ``ERR_BAD_PAGE`` /
+        ``ERR_SHARED_PAGE`` is set (host ids out of range raise `ValueError`).
       payload: as returned by `gather_pages` (same K).
     Returns:
       the new `CacheState` (tables, lengths and allocators unchanged).
     """
-    ids = {"low": jnp.asarray(low_ids, jnp.int32), "high": jnp.asarray(high_ids, jnp.int32)}
+    from .checks import index_array, write_dst_errors
+    ids = {"low": index_array(low_ids, "low_ids", "scatter_pages", -1, state.alloc.num_pages),
+           "high": index_array(high_ids, "high_ids", "scatter_pages", -1, state.high_alloc.num_pages)}
+    err = write_dst_errors(state.alloc, ids["low"]) | write_dst_errors(state.high_alloc, ids["high"])
+    ok = err == 0
     new_pools = []
     for pools, group in zip(state.pools, payload):
         changes = {}
@@ -82,11 +104,11 @@ def scatter_pages(state, low_ids, high_ids, payload):
             if pool is None:
                 continue
             arr = getattr(pool, arr_name)
-            dst = jnp.where(ids[which] >= 0, ids[which], arr.shape[1])
+            dst = jnp.where((ids[which] >= 0) & ok, ids[which], arr.shape[1])
             arr = arr.at[:, dst].set(group[_name(pool_name, arr_name)].astype(arr.dtype), mode="drop")
             changes[pool_name] = dataclasses.replace(pool, **{arr_name: arr})
         new_pools.append(dataclasses.replace(pools, **changes))
-    return dataclasses.replace(state, pools=tuple(new_pools))
+    return dataclasses.replace(state, pools=tuple(new_pools), error=state.error | err)
 
 
 @dataclasses.dataclass

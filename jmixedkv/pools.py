@@ -5,8 +5,8 @@
   high twin of a mixed group and for the whole history of a plain group.
 * `GroupPools`: the pools of one layer group (``low`` / ``high`` / ``plain``; absent ones are None).
 
-Layouts: see `jmixedkv.layout`. FP8 rows are stored as ``e4m3(clip(x / scale, -448, 448))`` (IEEE
-division) and read back as ``f32(e4m3) * scale``.
+Layouts: see `jmixedkv.layout`. FP8 rows are stored as ``e4m3(clip(x / scale, ±E4M3_MAX))`` (IEEE division)
+and read back as ``f32(e4m3) * scale`` (the codec of `jmixedkv.numerics`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from . import nvfp4
+from . import numerics, nvfp4
 
 __all__ = ["LowPool", "RowPool", "GroupPools", "encode_rows", "decode_rows", "write_rows_reference",
            "read_low_rows", "read_row_pool"]
@@ -55,24 +55,15 @@ _register(RowPool, ("rows", "scale"))
 _register(GroupPools, ("low", "high", "plain"))
 
 
-def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
-
-
 def encode_rows(x, dtype, scale):
-    """Store form of rows ``x[..., kv, H, D]`` for a row pool of ``dtype`` (``scale`` f32[kv])."""
-    if is_fp8(dtype):
-        y = x.astype(jnp.float32) / scale[:, None, None]
-        y = jnp.where(jnp.isnan(y), y, jnp.clip(y, -448.0, 448.0))
-        return y.astype(dtype)
-    return x.astype(dtype)
+    """Store form of rows ``x[..., kv, H, D]`` for a row pool of ``dtype`` (``scale`` f32[kv]; see
+    `jmixedkv.numerics.encode_rows`)."""
+    return numerics.encode_rows(x, dtype, scale[:, None, None])
 
 
 def decode_rows(rows, scale, out_dtype):
-    """Read form of stored rows ``rows[..., kv, H, D]`` (``scale`` f32[kv])."""
-    if is_fp8(rows.dtype):
-        return (rows.astype(jnp.float32) * scale[:, None, None]).astype(out_dtype)
-    return rows.astype(out_dtype)
+    """Read form of stored rows ``rows[..., kv, H, D]`` (``scale`` f32[kv]; `numerics.decode_rows`)."""
+    return numerics.decode_rows(rows, scale[:, None, None], out_dtype)
 
 
 def _scatter(pool_l, slots, values, page_size):

@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import offload
+from . import checks, offload
 from .allocator import allocate_mask, release_pages, retain_pages
 from .compat import on_gpu
-from .state import (ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, CacheState, append, describe_error, release)
+from .state import (ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, ERR_SHARED_PAGE, CacheState, append, describe_error,
+                    release)
 
 __all__ = ["page_keys", "admit_with_prefix", "fork", "copy_pages", "Entry", "PrefixCache", "CapacityError"]
 
@@ -71,12 +72,26 @@ def page_keys(tokens: Sequence[int], page_size: int, salt=None) -> List[bytes]:
 
 # ----------------------------------------------------------------------------------------------- transitions
 def copy_pages(state: CacheState, src_low, dst_low, src_high, dst_high) -> CacheState:
-    """Device-side copy of whole pages (every layer of every group). i32[K] id vectors; -1 = skip that pair."""
-    src_low, dst_low = jnp.asarray(src_low, jnp.int32), jnp.asarray(dst_low, jnp.int32)
-    src_high, dst_high = jnp.asarray(src_high, jnp.int32), jnp.asarray(dst_high, jnp.int32)
+    """Device-side copy of whole pages (every layer of every group). i32[K] id vectors; -1 = skip that pair.
+
+    Every id must lie in ``[-1, num_pages)`` of its pool, a destination may appear once, and a shared destination
+    (refcount > 1) is never written (copy-on-write). Host ids out of range raise `ValueError`; JAX ids set
+    ``ERR_BAD_PAGE`` (range / repeated destination) or ``ERR_SHARED_PAGE`` and nothing changes. Destinations must
+    be pages the caller owns (fresh ones): a page id does not say which sequence holds it."""
+    op = "copy_pages"
+    ids = [checks.index_array(x, name, op, -1, n, ndim=1) for x, name, n in
+           ((src_low, "src_low", state.alloc.num_pages), (dst_low, "dst_low", state.alloc.num_pages),
+            (src_high, "src_high", state.high_alloc.num_pages), (dst_high, "dst_high", state.high_alloc.num_pages))]
+    src_low, dst_low, src_high, dst_high = ids
+    dst_low = jnp.where(src_low >= 0, dst_low, -1)
+    dst_high = jnp.where(src_high >= 0, dst_high, -1)
+    err = checks.write_dst_errors(state.alloc, dst_low) | checks.write_dst_errors(state.high_alloc, dst_high)
+    err = err | jnp.where(checks.page_ids_ok(src_low, state.alloc.num_pages)
+                          & checks.page_ids_ok(src_high, state.high_alloc.num_pages), 0, checks.ERR_BAD_PAGE)
+    ok = err == 0
     payload = offload.gather_pages(state, src_low, src_high)
-    return offload.scatter_pages(state, jnp.where(src_low >= 0, dst_low, -1),
-                                 jnp.where(src_high >= 0, dst_high, -1), payload)
+    out = offload.scatter_pages(state, jnp.where(ok, dst_low, -1), jnp.where(ok, dst_high, -1), payload)
+    return dataclasses.replace(out, error=state.error | err)
 
 
 def _tables(state, ok, **new):
@@ -89,30 +104,53 @@ def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, 
     """Admit ``seq_slot`` holding a shared prefix of ``length`` tokens.
 
     Args:
-      seq_slot: i32 scalar, must not be active.
+      seq_slot: i32 scalar, must not be active (-1 = no-op).
       low_pages: i32[max_pages] low page ids shared by reference (-1 = none); gets one extra reference each.
-      high_fixed_pages: i32[F] first-N fixed high pages to share (-1 = allocate a fresh page).
-      length: i32 scalar, the new ``kv_lens`` (the caller guarantees ``low_pages`` hold positions ``< length``).
-    The R ring pages (and unshared fixed pages) are allocated fresh. Errors: ``ERR_BAD_SLOT`` (slot active),
-    ``ERR_HIGH_OOM``; on error nothing changes but ``state.error``.
+        Pages ``j < ceil(length / page)`` must be given, later ones -1; every given page must be allocated
+        (refcount >= 1) and listed once.
+      high_fixed_pages: i32[F] first-N fixed high pages to share (-1 = allocate a fresh page); a shared one must be
+        allocated and cover a full page of the prefix (``(j + 1) * page <= length``).
+      length: i32 scalar in ``[0, max_pages * page]``, the new ``kv_lens`` (and ``written``).
+    The R ring pages (and unshared fixed pages) are allocated fresh. Errors: ``ERR_BAD_SLOT`` (slot active or out
+    of range), ``ERR_BAD_PAGE`` (ids / length inconsistent), ``ERR_HIGH_OOM``; on error nothing changes but
+    ``state.error``. Host values breaking these rules raise `ValueError`.
     """
-    cfg = state.config
+    cfg, page = state.config, state.page_size
     nf, nr = cfg.num_fixed_pages, state.high_table.shape[1] - cfg.num_fixed_pages
-    slot = jnp.asarray(seq_slot, jnp.int32)
-    low_pages = jnp.asarray(low_pages, jnp.int32).reshape(state.max_pages_per_seq)
-    fixed = jnp.asarray(high_fixed_pages, jnp.int32).reshape(nf)
-    free_slot = ~state.active[slot]
+    op = "admit_with_prefix"
+    slot, in_range, none = checks.slot_in_range(checks.check_slot_arg(seq_slot, state.max_seqs, "seq_slot", op),
+                                                state.max_seqs)
+    low_pages = checks.index_array(low_pages, "low_pages", op, -1, state.alloc.num_pages)
+    low_pages = low_pages.reshape(state.max_pages_per_seq)
+    fixed = checks.index_array(high_fixed_pages, "high_fixed_pages", op, -1, state.high_alloc.num_pages).reshape(nf)
+    length = checks.index_array(length, "length", op, 0, state.max_pages_per_seq * page + 1, ndim=0)
+    cols = jnp.arange(state.max_pages_per_seq, dtype=jnp.int32)
+    npg = -(-length // page)
+    n_low = state.alloc.num_pages
+    count = jnp.zeros((n_low,), jnp.int32).at[jnp.where(low_pages >= 0, low_pages, n_low)].add(1, mode="drop")
+    low_ok = (checks.page_ids_ok(low_pages, n_low) & jnp.all((cols < npg) == (low_pages >= 0))
+              & jnp.all((low_pages < 0) | (state.alloc.refcount[jnp.clip(low_pages, 0, n_low - 1)] >= 1))
+              & ~jnp.any(count > 1))
+    fcols = jnp.arange(nf, dtype=jnp.int32)
+    n_high = state.high_alloc.num_pages
+    fixed_ok = (checks.page_ids_ok(fixed, n_high)
+                & jnp.all((fixed < 0) | (((fcols + 1) * page <= length)
+                                         & (state.high_alloc.refcount[jnp.clip(fixed, 0, n_high - 1)] >= 1))))
+    pages_ok = low_ok & fixed_ok & (length >= 0) & (length <= state.max_pages_per_seq * page)
+    free_slot = in_range & ~state.active[slot]
+    pre_ok = free_slot & pages_ok
     shared_high = jnp.concatenate([fixed, jnp.full((nr,), -1, jnp.int32)])
-    need = (shared_high < 0) & free_slot
+    need = (shared_high < 0) & pre_ok
     high_alloc, ids, ok = allocate_mask(state.high_alloc, need)
-    ok = ok & free_slot
+    ok = ok & pre_ok
     alloc = retain_pages(state.alloc, jnp.where(ok, low_pages, -1))
     high_alloc = retain_pages(high_alloc, jnp.where(ok, shared_high, -1))
-    err = jnp.where(free_slot, jnp.where(ok, 0, ERR_HIGH_OOM), ERR_BAD_SLOT)
+    err = jnp.where(none, 0, jnp.where(free_slot, jnp.where(pages_ok, jnp.where(ok, 0, ERR_HIGH_OOM),
+                                                            checks.ERR_BAD_PAGE), ERR_BAD_SLOT))
     out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
                   page_table=state.page_table.at[slot].set(low_pages),
                   high_table=state.high_table.at[slot].set(jnp.where(need, ids, shared_high)),
-                  kv_lens=state.kv_lens.at[slot].set(jnp.asarray(length, jnp.int32)),
+                  kv_lens=state.kv_lens.at[slot].set(length), written=state.written.at[slot].set(length),
                   active=state.active.at[slot].set(True))
     return dataclasses.replace(out, error=state.error | err)
 
@@ -122,12 +160,17 @@ def fork(state: CacheState, src, dst) -> CacheState:
 
     Shares the full low pages and the full fixed high pages by reference; copies the partial last low page, the
     partially filled / empty fixed high pages and every ring page into fresh pages. ``dst`` gets ``src``'s
-    length and reads exactly what ``src`` reads. Errors: ``ERR_BAD_SLOT`` (src not active, dst active or equal),
-    ``ERR_LOW_OOM`` / ``ERR_HIGH_OOM``; on error nothing changes but ``state.error``."""
+    length and reads exactly what ``src`` reads. -1 for either slot is a no-op. Errors: ``ERR_BAD_SLOT`` (a slot
+    out of range, src not active, dst active or equal), ``ERR_LOW_OOM`` / ``ERR_HIGH_OOM``; on error nothing
+    changes but ``state.error``. Host slots outside [-1, max_seqs) raise `ValueError`."""
     cfg, page = state.config, state.page_size
     nf, width = cfg.num_fixed_pages, state.high_table.shape[1]
-    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
-    ok_slots = state.active[src] & ~state.active[dst] & (src != dst)
+    src, src_in, src_none = checks.slot_in_range(checks.check_slot_arg(src, state.max_seqs, "src", "fork"),
+                                                 state.max_seqs)
+    dst, dst_in, dst_none = checks.slot_in_range(checks.check_slot_arg(dst, state.max_seqs, "dst", "fork"),
+                                                 state.max_seqs)
+    none = src_none | dst_none
+    ok_slots = src_in & dst_in & state.active[src] & ~state.active[dst] & (src != dst) & ~none
     n = state.kv_lens[src]
     full = n // page
     row = state.page_table[src]
@@ -146,13 +189,18 @@ def fork(state: CacheState, src, dst) -> CacheState:
     dst_row = jnp.where(share_low, row, -1)
     dst_row = jnp.where((cols == full) & (cow_src >= 0), cow_dst[0], dst_row)
     dst_hrow = jnp.where(share_high, hrow, jnp.where(copy_high, new_high, -1))
-    err = jnp.where(ok_slots, jnp.where(ok_low, 0, ERR_LOW_OOM) | jnp.where(ok_high, 0, ERR_HIGH_OOM), ERR_BAD_SLOT)
+    err = jnp.where(none, 0, jnp.where(ok_slots, jnp.where(ok_low, 0, ERR_LOW_OOM)
+                                       | jnp.where(ok_high, 0, ERR_HIGH_OOM), ERR_BAD_SLOT))
     out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
                   page_table=state.page_table.at[dst].set(dst_row),
                   high_table=state.high_table.at[dst].set(dst_hrow),
-                  kv_lens=state.kv_lens.at[dst].set(n), active=state.active.at[dst].set(True))
-    out = copy_pages(out, jnp.where(ok, cow_src, -1)[None], cow_dst,
-                     jnp.where(copy_high & ok, hrow, -1), new_high)
+                  kv_lens=state.kv_lens.at[dst].set(n), written=state.written.at[dst].set(state.written[src]),
+                  active=state.active.at[dst].set(True))
+    # the fresh destination pages are held once (allocated above): copy_pages' checks pass whenever ok
+    src_l, dst_l = jnp.where(ok, cow_src, -1)[None], jnp.where(ok, cow_dst, -1)
+    src_h, dst_h = jnp.where(copy_high & ok, hrow, -1), jnp.where(copy_high & ok, new_high, -1)
+    payload = offload.gather_pages(out, src_l, src_h)
+    out = offload.scatter_pages(out, dst_l, dst_h, payload)
     return dataclasses.replace(out, error=state.error | err)
 
 

@@ -23,9 +23,13 @@ selected valid rows (the largest magnitude those rows can dequantize to; NaN blo
 nonzero). The scratch is ``e4m3(clip(f32(x) / scale, ±448))`` of the attention-dtype row ``x`` (retained high rows
 included: a high row above the NVFP4 ceiling saturates at ±448 * scale).
 
-Validation: with concrete inputs (``validate=None`` or True) the arrays are pulled to the host and out-of-range
-slots, page ids and indices raise `ValueError` naming the batch row, slot, column and value before any kernel runs;
-under jit (traced inputs) nothing is checked and -1 entries are skipped.
+Validation (`jmixedkv.checks`): with concrete inputs (``validate=None`` or True) the arrays are pulled to the host
+and out-of-range slots, layers, page ids and indices raise `ValueError` naming the batch row, slot, column and value
+before any kernel runs. Under jit (traced inputs) every reader still range-checks what it uses: a batch row whose
+slot is outside ``[-1, max_seqs)``, whose length is outside ``[0, max_pages * page]``, or any row when the layer is
+outside ``[0, num_layers)``, is *flagged* -- `stage` gives it one staged page of NaN (``kv_lens = page_size``),
+`gather_rows` / `overlay_retained_rows` give NaN rows -- and an index outside ``[-1, kv_len)`` gives a NaN row.
+Nothing ever reads another sequence's data; -1 entries (padding) stay zero.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import layout
+from . import checks, layout
 from .backend import interpret, resolve
 from .pools import read_row_pool
 from .reference import attention_reference, rows_reference, stage_reference
@@ -108,12 +112,30 @@ def _is_traced(*xs) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
 
 
+def _bad_rows(state, layer, seq, lens, group):
+    """(bool[B] flagged batch rows, clipped layer): slot outside [-1, S), length outside [0, W * page], bad layer."""
+    spec = state.groups[group]
+    layer, layer_ok = checks.layer_in_range(layer, spec.num_layers)
+    s = jnp.clip(seq, 0, state.max_seqs - 1)
+    n = lens[s]
+    bad = ((seq < -1) | (seq >= state.max_seqs)
+           | ((seq >= 0) & ((n < 0) | (n > state.max_pages_per_seq * state.page_size))) | ~layer_ok)
+    return bad, layer
+
+
+def _nan_like(x):
+    return jnp.array(jnp.nan, jnp.float32).astype(x.dtype)
+
+
 # ----------------------------------------------------------------------------------------------- validation
 def validate_read(state, layer, seq_slots, indices=None, *, group: int = 0, kv_lens=None, op: str = "read"):
     """Host-side checks (pulls the arrays); raises `ValueError` naming the offending entry."""
+    if not isinstance(group, int) or not 0 <= group < len(state.groups):
+        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
     spec = state.groups[group]
-    if layer is not None and not (0 <= int(layer) < spec.num_layers):
-        raise ValueError(f"{op}: layer={int(layer)} out of range [0, {spec.num_layers}) for group {spec.name!r}")
+    if layer is not None:
+        checks.host_int(np.asarray(layer).item() if np.ndim(layer) == 0 and not isinstance(layer, int) else layer,
+                        "layer", op, 0, spec.num_layers)
     seq = np.asarray(seq_slots)
     if seq.ndim != 1 or not np.issubdtype(seq.dtype, np.integer):
         raise ValueError(f"{op}: seq_slots must be an integer vector [B], got shape {seq.shape} dtype {seq.dtype}")
@@ -125,8 +147,8 @@ def validate_read(state, layer, seq_slots, indices=None, *, group: int = 0, kv_l
     lens = np.asarray(state.kv_lens if kv_lens is None else kv_lens)
     pt, ht = np.asarray(state.page_table), np.asarray(state.high_table)
     pools = state.pools[group]
-    num_pages = (pools.plain.rows if pools.plain is not None else pools.low.data).shape[1]
-    num_high = pools.high.rows.shape[1] if pools.high is not None else 0
+    num_pages = state.alloc.num_pages          # pool arrays may carry padding pages past it (layout.offset_safe_count)
+    num_high = state.high_alloc.num_pages if pools.high is not None else 0
     for b, s in enumerate(seq):
         if s < 0:
             continue
@@ -161,6 +183,10 @@ def validate_read(state, layer, seq_slots, indices=None, *, group: int = 0, kv_l
 
 
 def _maybe_validate(validate, state, layer, seq, indices, group, kv_lens, op):
+    spec = state.groups[group] if isinstance(group, int) and 0 <= group < len(state.groups) else None
+    if spec is None:
+        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
+    checks.check_layer_arg(layer, spec.num_layers, op, spec.name)     # host ints: always
     traced = _is_traced(state, layer, seq, indices, kv_lens)
     if validate and traced:
         raise ValueError(f"{op}: validate=True needs concrete arrays (call it outside jit, or pass validate=False)")
@@ -192,13 +218,29 @@ def stage(state, layer, seq_slots, *, group: int = 0, backend: str = "auto", kv_
     Returns:
       `StagedCache` (pages ``[N, kv, H, page, D]`` or ``[L, N, kv, H, page, D]``).
     """
-    seq = jnp.asarray(seq_slots, jnp.int32)
+    seq = checks.index_array(seq_slots, "seq_slots", "stage", ndim=1)
     _maybe_validate(validate, state, layer, seq, None, group, kv_lens, "stage")
     lens, batch_lens = _lens_for(state, seq, kv_lens)
+    bad, layer_c = _bad_rows(state, layer, seq, lens, group)
+    if layer is not None:
+        layer = layer_c
+    seq = jnp.where(bad, -1, seq)                    # flagged rows read nothing ...
+    batch_lens = jnp.where(bad, state.page_size, batch_lens)   # ... and stage one page of NaN (below)
     width = state.max_pages_per_seq
     num_staged = seq.shape[0] * width if num_staged_pages is None else num_staged_pages
     table = staged_page_table(batch_lens, width, state.page_size)
     table = jnp.where(table < num_staged, table, -1)
+    out = _stage_dispatch(state, layer, seq, group, backend, lens, table, num_staged)
+    poison = jnp.where(bad, table[:, 0], num_staged)
+    poison = jnp.where(poison >= 0, poison, num_staged)
+    if layer is None:
+        out = out.at[:, poison].set(_nan_like(out), mode="drop")
+    else:
+        out = out.at[poison].set(_nan_like(out), mode="drop")
+    return StagedCache(out, table, batch_lens)
+
+
+def _stage_dispatch(state, layer, seq, group, backend, lens, table, num_staged):
     kind, pools, spec = state.kinds[group], state.pools[group], state.groups[group]
     if resolve(backend) == "reference" or kind == "plain":   # plain groups: rows are already in a row dtype
         if layer is None:
@@ -206,7 +248,7 @@ def stage(state, layer, seq_slots, *, group: int = 0, backend: str = "auto", kv_
                                for l in range(spec.num_layers)])
         else:
             pages = _stage_reference_pages(state, layer, seq, group, lens, table, num_staged)
-        return StagedCache(pages, table, batch_lens)
+        return pages
     from pallas_kernels.stage import stage_pages
     layers = (jnp.arange(spec.num_layers, dtype=jnp.int32) if layer is None
               else jnp.asarray(layer, jnp.int32).reshape(1))
@@ -215,7 +257,7 @@ def stage(state, layer, seq_slots, *, group: int = 0, backend: str = "auto", kv_
                         pools.low.scales, pools.low.gs, None if high is None else high.rows,
                         None if high is None else high.scale, geom=_geometry(state, group),
                         num_staged_pages=num_staged, out_dtype=state.config.attention_dtype, interpret=interpret())
-    return StagedCache(pages if layer is None else pages[0], table, batch_lens)
+    return pages if layer is None else pages[0]
 
 
 # ----------------------------------------------------------------------------------------------- gather / overlay
@@ -280,10 +322,25 @@ def gather_rows(state, layer, seq_slots, indices, *, group: int = 0, scratch_dty
       ``(scratch [B, K, kv, H, D], scale f32[B])`` (scale is 1.0 for an attention-dtype scratch).
     """
     fp8 = _check_scratch_dtype(scratch_dtype)
-    seq = jnp.asarray(seq_slots, jnp.int32)
-    indices = jnp.asarray(indices, jnp.int32)
+    seq = checks.index_array(seq_slots, "seq_slots", "gather_rows", ndim=1)
+    indices = checks.index_array(indices, "indices", "gather_rows", ndim=2)
     _maybe_validate(validate, state, layer, seq, indices, group, kv_lens, "gather_rows")
     lens = state.kv_lens if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
+    flag, layer, seq = _flag_selection(state, layer, seq, indices, lens, group)
+    out, scale = _gather_dispatch(state, layer, seq, indices, lens, group, fp8, backend, overlay)
+    return jnp.where(flag[..., None, None, None], _nan_like(out), out), scale
+
+
+def _flag_selection(state, layer, seq, indices, lens, group):
+    """(bool[B, K] NaN entries, clipped layer, seq with flagged rows set to -1) for a sparse read."""
+    bad, layer = _bad_rows(state, layer, seq, lens, group)
+    n = jnp.where(seq >= 0, lens[jnp.clip(seq, 0, state.max_seqs - 1)], 0)[:, None]
+    live = (seq >= 0)[:, None]
+    flag = bad[:, None] | (live & ((indices < -1) | (indices >= jnp.maximum(n, 0)) & (indices != -1)))
+    return flag, layer, jnp.where(bad, -1, seq)
+
+
+def _gather_dispatch(state, layer, seq, indices, lens, group, fp8, backend, overlay):
     scale = (fp8_scratch_scale(state, layer, seq, indices, group=group, kv_lens=lens) if fp8
              else jnp.ones(seq.shape, jnp.float32))
     kind, pools = state.kinds[group], state.pools[group]
@@ -330,18 +387,24 @@ def overlay_retained_rows(scratch, state, layer, seq_slots, indices, *, scale=No
     ``scratch`` in the attention dtype, or float8_e4m3fn with ``scale f32[B]`` (high rows are encoded with it).
     Other rows are returned unchanged. The Pallas kernel aliases the scratch: inside a jit that donates it the update
     is in place."""
-    seq = jnp.asarray(seq_slots, jnp.int32)
-    indices = jnp.asarray(indices, jnp.int32)
+    seq = checks.index_array(seq_slots, "seq_slots", "overlay_retained_rows", ndim=1)
+    indices = checks.index_array(indices, "indices", "overlay_retained_rows", ndim=2)
     fp8 = scratch.dtype == jnp.dtype(jnp.float8_e4m3fn)
     if fp8 and scale is None:
         raise ValueError("overlay_retained_rows: an fp8 scratch needs scale= (f32[B], from gather_rows)")
     if scratch.shape[:2] != indices.shape:
         raise ValueError(f"overlay_retained_rows: scratch {scratch.shape} does not match indices {indices.shape}")
     _maybe_validate(validate, state, layer, seq, indices, group, kv_lens, "overlay_retained_rows")
+    lens = state.kv_lens if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
+    flag, layer, seq = _flag_selection(state, layer, seq, indices, lens, group)
+    out = _overlay_dispatch(scratch, state, layer, seq, indices, scale, group, backend, lens, fp8)
+    return jnp.where(flag[..., None, None, None], _nan_like(out), out)
+
+
+def _overlay_dispatch(scratch, state, layer, seq, indices, scale, group, backend, lens, fp8):
     kind, pools = state.kinds[group], state.pools[group]
     if kind != "mixed" or pools.high is None:
         return scratch
-    lens = state.kv_lens if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
     scale = jnp.ones(seq.shape, jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
     att = state.config.attention_dtype
     if resolve(backend) == "reference":

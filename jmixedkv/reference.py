@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import layout
+from . import checks, layout
 from .pools import read_low_rows, read_row_pool
 
 __all__ = ["stage_reference", "rows_reference", "attention_reference"]
@@ -23,13 +23,22 @@ def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=N
     """Rows a reader sees at tokens ``(seq[...], pos[...])`` -> ``[..., kv, H, D]`` in ``dtype`` (default: the
     attention dtype; ``float32`` gives the decoded values before any rounding to it).
 
-    Positions outside ``[0, n)``, padding (``seq < 0``) and rows whose page is not held read as zero."""
+    Positions outside ``[0, n)``, padding (``seq == -1``) and rows whose page is not held read as zero. A bad
+    slot (outside ``[-1, max_seqs)``), a bad layer (outside ``[0, num_layers)``, traced) or a length outside
+    ``[0, max_pages * page]`` reads as NaN: never another sequence's rows (`jmixedkv.checks`)."""
     cfg, kind, pools = state.config, state.kinds[group], state.pools[group]
     dtype = cfg.attention_dtype if dtype is None else jnp.dtype(dtype)
-    kv_lens = state.kv_lens if kv_lens is None else kv_lens
+    kv_lens = state.kv_lens if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
     page = cfg.page_size
+    spec = state.groups[group]
+    layer = checks.check_layer_arg(layer, spec.num_layers, "rows_reference", spec.name)
+    layer, layer_ok = checks.layer_in_range(layer, spec.num_layers)
+    seq = jnp.asarray(seq, jnp.int32)
     s = jnp.clip(seq, 0, state.max_seqs - 1)
-    n = jnp.where(seq >= 0, kv_lens[s], 0)
+    n_raw = kv_lens[s]
+    bad = ((seq < -1) | (seq >= state.max_seqs)
+           | ((seq >= 0) & ((n_raw < 0) | (n_raw > state.max_pages_per_seq * page))) | ~layer_ok)
+    n = jnp.where((seq >= 0) & ~bad, n_raw, 0)
     q = pos // page
     low_page = state.page_table[s, jnp.clip(q, 0, state.max_pages_per_seq - 1)]
     valid = (seq >= 0) & (pos >= 0) & (pos < n) & (q < state.max_pages_per_seq) & (low_page >= 0)
@@ -46,7 +55,8 @@ def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=N
         keep = layout.is_retained(pos, n, cfg.first_n, cfg.last_n) & held & valid
         high = read_row_pool(pools.high, layer, jnp.maximum(hpage, 0), row, dtype)
         out = jnp.where(keep[..., None, None, None], high, out)
-    return jnp.where(valid[..., None, None, None], out, jnp.zeros((), dtype))
+    out = jnp.where(valid[..., None, None, None], out, jnp.zeros((), dtype))
+    return jnp.where(bad[..., None, None, None], jnp.array(jnp.nan, dtype), out)
 
 
 def stage_reference(state, layer, seq_slots, group: int = 0, kv_lens=None, dtype=None):

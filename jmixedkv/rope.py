@@ -7,20 +7,20 @@ Both styles rotate pairs ``(x, y)`` by the angle ``pos * inv_freq[i]``:
 
 ``x' = x*cos - y*sin`` and ``y' = y*cos + x*sin`` are computed in float32 with **every product and the
 difference rounded separately** (no fused multiply-add; the seed's GLM-5.2 lesson: one ulp from an FMA can
-flip a quantized value). Each product is routed through an integer OR with a zero the compiler cannot prove
-is zero (bit 30 of ``|cos| <= 1``), so no backend can contract it into an FMA. (``lax.optimization_barrier``
-is not enough: XLA CPU expands barriers before fusion and its LLVM backend allows FP contraction.)
-``cos``/``sin`` come from float32 ``pos * inv_freq`` with ``inv_freq = theta ** (-2i/rotary_dim)``.
+flip a quantized value): each product goes through the fence of `jmixedkv.numerics` (`launder` with
+`opaque_zero` of ``cos``), so no backend can contract it into an FMA (docs/DESIGN.md §2).
+``cos``/``sin`` come from float32 ``pos * inv_freq`` with ``inv_freq = theta ** (-2i/rotary_dim)``
+(`jmixedkv.numerics.rope_cos_sin`, shared with the write kernel).
 """
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-__all__ = ["RopeSpec", "rope_cos_sin", "apply_rope"]
+from .numerics import inv_freq, launder, opaque_zero, rope_cos_sin
+
+__all__ = ["RopeSpec", "rope_cos_sin", "inv_freq", "apply_rope"]
 
 STYLES = ("neox", "interleaved")
 
@@ -40,31 +40,9 @@ class RopeSpec:
             raise ValueError(f"RopeSpec.rotary_dim must be a positive even number, got {self.rotary_dim}")
 
 
-def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
-    """f32[rotary_dim/2], computed on the host (identical on every backend)."""
-    i = np.arange(0, rotary_dim, 2, dtype=np.float64)
-    return (1.0 / (theta ** (i / rotary_dim))).astype(np.float32)
-
-
-def rope_cos_sin(positions, rotary_dim: int, theta: float):
-    """``(cos, sin)`` f32[..., rotary_dim/2] for integer ``positions``."""
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(rotary_dim, theta))
-    return jnp.cos(ang), jnp.sin(ang)
-
-
-def _opaque_zero(c):
-    """int32 zeros the compiler cannot prove zero: bit 30 (exponent MSB) of ``|c| <= 1`` is clear."""
-    return (jax.lax.bitcast_convert_type(c, jnp.int32) >> 30) & 1
-
-
-def _launder(a, z):
-    """``a`` unchanged, routed through an integer OR so no FMA can absorb the product that made it."""
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.int32) | z, jnp.float32)
-
-
 def _rotate(x, y, cos, sin):
-    z = _opaque_zero(cos)
-    xc, ys, yc, xs = (_launder(t, z) for t in (x * cos, y * sin, y * cos, x * sin))
+    z = opaque_zero(cos)
+    xc, ys, yc, xs = (launder(t, z) for t in (x * cos, y * sin, y * cos, x * sin))
     return xc - ys, yc + xs
 
 

@@ -50,7 +50,7 @@ def state_specs(state: CacheState):
     """PartitionSpec pytree for ``state``: pool arrays on the head axis, everything else replicated."""
     pools = jax.tree.map(_pool_leaf_spec, state.pools)
     rest = {f: jax.tree.map(lambda _: P(), getattr(state, f))
-            for f in ("page_table", "high_table", "kv_lens", "active", "alloc", "high_alloc", "error")}
+            for f in ("page_table", "high_table", "kv_lens", "active", "written", "alloc", "high_alloc", "error")}
     return dataclasses.replace(state, pools=pools, **rest)
 
 
@@ -104,13 +104,29 @@ def sharded(fn: Callable, mesh: Mesh, state: CacheState, args=(), arg_specs=(), 
                      check_vma=False)(state, *args)
 
 
+def _host_checks(state, group, op, layer, seq_slots, positions=None):
+    """Validate host values before they become traced shard_map arguments (`jmixedkv.checks`)."""
+    from . import checks
+    if not isinstance(group, int) or not 0 <= group < len(state.groups):
+        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
+    spec = state.groups[group]
+    layer = checks.check_layer_arg(layer, spec.num_layers, op, spec.name)
+    seq = checks.index_array(seq_slots, "seq_slots", op, -1, state.max_seqs, ndim=1)
+    pos = None if positions is None else checks.index_array(positions, "positions", op)
+    return seq, pos, layer
+
+
 _KV_ROWS = P(None, None, AXIS, None)  # [L, T, H, D]
 _KV_ROWS_1 = P(None, AXIS, None)      # [T, H, D]
 
 
 def sharded_append(mesh: Mesh, state: CacheState, k, v, seq_slots, positions, layer=None, group: int = 0,
                    rope=None, backend: str = "auto") -> CacheState:
-    """`jmixedkv.append` with K/V sharded over heads; tables and allocators advance identically on every shard."""
+    """`jmixedkv.append` with K/V sharded over heads; tables and allocators advance identically on every shard.
+
+    Host (Python / NumPy) slots, positions and layer are range-checked first (`ValueError`); JAX values are
+    checked inside, on every shard alike, so the error bits and the all-or-nothing refusal stay replicated."""
+    seq_slots, positions, layer = _host_checks(state, group, "sharded_append", layer, seq_slots, positions)
     rows = _KV_ROWS_1 if layer is not None else _KV_ROWS
     args, specs = [k, seq_slots, positions], [rows, P(), P()]
     if v is not None:
@@ -130,6 +146,8 @@ def sharded_append(mesh: Mesh, state: CacheState, k, v, seq_slots, positions, la
 def sharded_stage_reference(mesh: Mesh, state: CacheState, layer, seq_slots, group: int = 0):
     """`stage_reference` per shard: ``[B, kv, H, S, D]`` sharded over H."""
     from .reference import stage_reference
+    seq_slots, _, layer = _host_checks(state, group, "sharded_stage_reference", layer, seq_slots)
+
     def fn(st, l_, s_):
         return stage_reference(st, l_, s_, group)
     return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), seq_slots), (P(), P()),
@@ -139,6 +157,7 @@ def sharded_stage_reference(mesh: Mesh, state: CacheState, layer, seq_slots, gro
 def sharded_stage(mesh: Mesh, state: CacheState, layer, seq_slots, group: int = 0, backend: str = "auto"):
     """`jmixedkv.read.stage` per shard: staged pages sharded over KV heads (page table / lengths replicated)."""
     from .read import stage
+    seq_slots, _, layer = _host_checks(state, group, "sharded_stage", layer, seq_slots)
 
     def fn(st, l_, s_):
         return stage(st, l_, s_, group=group, backend=backend)
@@ -154,6 +173,7 @@ def sharded_gather_rows(mesh: Mesh, state: CacheState, layer, seq_slots, indices
     Only attention-dtype scratches: the FP8 scratch's per-row scale is a maximum over *all* heads, which a shard
     cannot compute alone (it would need a cross-device max before the encode)."""
     from .read import gather_rows
+    seq_slots, _, layer = _host_checks(state, group, "sharded_gather_rows", layer, seq_slots)
     if kwargs.get("scratch_dtype") is not None:
         raise ValueError(f"sharded_gather_rows: scratch_dtype={kwargs['scratch_dtype']!r} is not supported under "
                          f"tensor parallelism (the FP8 scale spans all heads); use the attention-dtype scratch")
@@ -171,6 +191,7 @@ def sharded_decode_attention(mesh: Mesh, state: CacheState, layer, q, seq_slots,
     """`jmixedkv.attention.decode_attention` per shard: ``q [B, Tq, Hq, D]`` and the outputs sharded over
     query heads (each shard holds the KV heads its query heads attend to)."""
     from .attention import decode_attention
+    seq_slots, _, layer = _host_checks(state, group, "sharded_decode_attention", layer, seq_slots)
 
     def fn(st, l_, q_, s_):
         return decode_attention(st, l_, q_, s_, group=group, **kwargs)

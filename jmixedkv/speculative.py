@@ -17,8 +17,9 @@ stage / gather / fused-decode kernels, the last-N window (retained set ``[n - la
 in the pools past ``n``; nobody reads them, and the next append overwrites them (low pool by page id, twin by ring
 slot). The twin's ring has ``R = ceil((last_n + max_draft_len) / page) + 1`` pages indexed by ``(p // page) mod R``,
 so a rewind of up to ``max_draft_len`` never loses a retained row: the oldest row a later writer can clobber is
-``R * page > last_n + max_draft_len`` positions behind it. Rewinds are therefore limited to ``max_draft_len``
-per correction (and must not accumulate past it between two appends).
+``R * page > last_n + max_draft_len`` positions behind it. The state enforces this: ``state.written`` (one past
+the highest row written since admit) bounds every correction, ``kv_len >= written - max_draft_len``, so rewinds
+never accumulate past the ring's slack (`jmixedkv.checks`).
 
 Pages: `accept` / `correct_kv_lens` **keep** low pages allocated for rejected drafts past a page boundary (the
 next step writes there again, and under the overlap scheduler the host has already staged page tables assuming
@@ -44,6 +45,7 @@ import numpy as np
 from .allocator import release_pages
 from .config import KVCacheConfig
 from .pools import GroupPools
+from . import checks as _checks
 from . import state as _state
 from .state import CacheState, GroupSpec
 
@@ -111,7 +113,7 @@ def verify_tokens(state: CacheState, seq_slots, num_tokens: int, offsets=None):
     at positions ``kv_len .. kv_len + k`` read from the device lengths (``offsets`` i32[S], if given, are added
     first: positions staged before a pending `correct_kv_lens`). ``seq_slots`` i32[B], -1 = padding."""
     check_linear_drafts(state.config, what="verify_tokens")
-    seq = jnp.asarray(seq_slots, jnp.int32)
+    seq = _checks.index_array(seq_slots, "seq_slots", "verify_tokens", -1, state.max_seqs, ndim=1)
     lens = state.kv_lens if offsets is None else state.kv_lens + jnp.asarray(offsets, jnp.int32)
     base = lens[jnp.clip(seq, 0, state.max_seqs - 1)]
     pos = base[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
@@ -122,39 +124,50 @@ def verify_tokens(state: CacheState, seq_slots, num_tokens: int, offsets=None):
 def offset_positions(positions, seq_slots, offsets):
     """Host-staged positions (full acceptance assumed) corrected on the device: ``positions + offsets[seq]``
     (padding, ``seq < 0``, unchanged). ``offsets`` i32[S] as given to `correct_kv_lens`."""
-    seq = jnp.asarray(seq_slots, jnp.int32)
-    off = jnp.asarray(offsets, jnp.int32)
-    return jnp.where(seq >= 0, positions + off[jnp.clip(seq, 0, off.shape[0] - 1)], positions)
+    seq = _checks.index_array(seq_slots, "seq_slots", "offset_positions")
+    off = _checks.index_array(offsets, "offsets", "offset_positions")
+    # a slot outside the offsets (bad input) keeps its position: the append that follows refuses it (ERR_BAD_SLOT)
+    live = (seq >= 0) & (seq < off.shape[0])
+    return jnp.where(live, positions + off[jnp.clip(seq, 0, off.shape[0] - 1)], positions)
 
 
 # ---------------------------------------------------------------------------------------------- lengths
+def _rewind_floor(config, state):
+    """Smallest legal corrected length per slot: ``max(written - max_draft_len, 0)`` (active), ``kv_len`` (idle)."""
+    return jnp.where(state.active, jnp.maximum(state.written - config.max_draft_len, 0), state.kv_lens)
+
+
 def correct_kv_lens(state: CacheState, offsets) -> CacheState:
     """Add per-slot offsets ``offsets i32[S] <= 0`` to the device lengths (overlap-scheduler correction).
 
-    Valid offsets lie in ``[-min(max_draft_len, kv_len), 0]`` and are 0 on idle slots. Concrete (non-traced)
-    offsets outside that range raise `ValueError`; traced ones are clipped into it and set
-    ``ERR_BAD_CORRECTION`` in ``state.error``. Pages are kept (see `trim`)."""
+    Valid offsets keep ``kv_len + offset >= max(written - max_draft_len, 0)`` (``written``: one past the highest
+    row written since admit, so rewinds never accumulate past the twin ring's slack) and are 0 on idle slots.
+    Concrete (non-traced) offsets outside that range raise `ValueError`; traced ones set ``ERR_BAD_CORRECTION``
+    and change nothing (all-or-nothing). Pages are kept (see `trim`)."""
     check_linear_drafts(state.config, what="correct_kv_lens")
-    off = jnp.asarray(offsets, jnp.int32)
+    off = _checks.index_array(offsets, "offsets", "correct_kv_lens")
     if off.shape != state.kv_lens.shape:
         raise ValueError(f"correct_kv_lens: offsets must be i32[{state.max_seqs}] (one per slot), got {off.shape}")
-    if _is_concrete(offsets, state.kv_lens, state.active):
+    if _is_concrete(offsets, state.kv_lens, state.active, state.written):
         o = np.asarray(off)
-        lim = np.where(np.asarray(state.active), np.minimum(state.config.max_draft_len, np.asarray(state.kv_lens)), 0)
-        bad = np.flatnonzero((o > 0) | (o < -lim))
+        lens = np.asarray(state.kv_lens)
+        lo = np.asarray(_rewind_floor(state.config, state)) - lens
+        bad = np.flatnonzero((o > 0) | (o < lo))
         if bad.size:
-            detail = ", ".join(f"slot {s}: offset {o[s]} (allowed [{-lim[s]}, 0])" for s in bad[:8])
-            raise ValueError(f"correct_kv_lens: offsets must be <= 0, >= -max_draft_len "
-                             f"({state.config.max_draft_len}) and >= -kv_len, and 0 on idle slots; {detail}")
-    kv_lens, error = _apply_offsets(state.config.max_draft_len, state.kv_lens, state.active, state.error, off)
+            detail = ", ".join(f"slot {s}: offset {o[s]} (allowed [{lo[s]}, 0])" for s in bad[:8])
+            raise ValueError(f"correct_kv_lens: offsets must be <= 0, keep kv_len >= written - max_draft_len "
+                             f"({state.config.max_draft_len}) and >= 0, and be 0 on idle slots; {detail}")
+    kv_lens, error = _apply_offsets(state.config.max_draft_len, state.kv_lens, state.active, state.written,
+                                    state.error, off)
     return dataclasses.replace(state, kv_lens=kv_lens, error=error)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _apply_offsets(max_draft_len, kv_lens, active, error, off):
-    limit = jnp.where(active, jnp.minimum(max_draft_len, kv_lens), 0)
-    bad = jnp.any((off > 0) | (off < -limit))
-    return kv_lens + jnp.clip(off, -limit, 0), error | jnp.where(bad, ERR_BAD_CORRECTION, 0)
+def _apply_offsets(max_draft_len, kv_lens, active, written, error, off):
+    floor = jnp.where(active, jnp.maximum(written - max_draft_len, 0), kv_lens)
+    new = kv_lens + off
+    bad = jnp.any((off > 0) | (new < floor))
+    return jnp.where(bad, kv_lens, new), error | jnp.where(bad, ERR_BAD_CORRECTION, 0)
 
 
 def accept(state: CacheState, seq_slots, num_accepted, num_drafts, draft_tree=None) -> CacheState:
@@ -167,14 +180,15 @@ def accept(state: CacheState, seq_slots, num_accepted, num_drafts, draft_tree=No
         listed, or listed with ``num_drafts = 0``). Slots must be distinct.
       num_accepted: i32[B] or scalar, ``0 <= num_accepted <= num_drafts``.
       num_drafts: int or i32[B], ``k <= max_draft_len``.
-    Bad counts raise `ValueError` when concrete, else are clipped and set ``ERR_BAD_CORRECTION``.
+    Bad counts or slots raise `ValueError` when concrete; traced ones set ``ERR_BAD_CORRECTION`` (counts) /
+    ``ERR_BAD_SLOT`` (slot out of range or repeated) and change nothing.
     """
     check_linear_drafts(state.config, draft_tree, what="accept")
-    seq = jnp.asarray(seq_slots, jnp.int32)
+    seq = _checks.index_array(seq_slots, "seq_slots", "accept")
     if seq.ndim != 1:
         raise ValueError(f"accept: seq_slots must be i32[B], got shape {seq.shape}")
-    a = jnp.broadcast_to(jnp.asarray(num_accepted, jnp.int32), seq.shape)
-    k = jnp.broadcast_to(jnp.asarray(num_drafts, jnp.int32), seq.shape)
+    a = jnp.broadcast_to(_checks.index_array(num_accepted, "num_accepted", "accept"), seq.shape)
+    k = jnp.broadcast_to(_checks.index_array(num_drafts, "num_drafts", "accept"), seq.shape)
     if _is_concrete(seq_slots, num_accepted, num_drafts):
         s_, a_, k_ = np.asarray(seq), np.asarray(a), np.asarray(k)
         live = s_ >= 0
@@ -184,32 +198,50 @@ def accept(state: CacheState, seq_slots, num_accepted, num_drafts, draft_tree=No
             raise ValueError(f"accept: need 0 <= num_accepted <= num_drafts <= max_draft_len "
                              f"({state.config.max_draft_len}); slot {s_[i]} has num_accepted={a_[i]}, "
                              f"num_drafts={k_[i]}")
-        if len(set(s_[live].tolist())) != int(live.sum()) or (s_[live] >= state.max_seqs).any():
-            raise ValueError(f"accept: seq_slots must be distinct slots in [0, {state.max_seqs}), got {s_.tolist()}")
-    offsets, bad = _accept_offsets(state.max_seqs, seq, a, k)
+        if (len(set(s_[live].tolist())) != int(live.sum()) or (s_[live] >= state.max_seqs).any()
+                or (s_ < -1).any()):
+            raise ValueError(f"accept: seq_slots must be distinct slots in [0, {state.max_seqs}) or -1, "
+                             f"got {s_.tolist()}")
+    offsets, bad, bad_slot = _accept_offsets(state.max_seqs, state.config.max_draft_len, seq, a, k)
+    offsets = jnp.where(bad | bad_slot, 0, offsets)
     out = correct_kv_lens(state, offsets)
-    return dataclasses.replace(out, error=out.error | jnp.where(bad, ERR_BAD_CORRECTION, 0))
+    return dataclasses.replace(out, error=out.error | jnp.where(bad, ERR_BAD_CORRECTION, 0)
+                               | jnp.where(bad_slot, _checks.ERR_BAD_SLOT, 0))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _accept_offsets(num_seqs, seq, a, k):
-    """i32[S] offsets ``a - k`` at the listed slots (0 elsewhere) and whether any count was out of range."""
-    bad = jnp.any((seq >= 0) & ((a < 0) | (a > k)))
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _accept_offsets(num_seqs, max_draft_len, seq, a, k):
+    """i32[S] offsets ``a - k`` at the listed slots (0 elsewhere), whether any count was out of range, and whether
+    any slot was out of range or listed twice."""
+    live = seq >= 0
+    bad = jnp.any(live & ((a < 0) | (a > k) | (k > max_draft_len)))
+    idx = jnp.where(live, seq, num_seqs)
+    count = jnp.zeros((num_seqs,), jnp.int32).at[idx].add(1, mode="drop")
+    bad_slot = jnp.any((seq < -1) | (seq >= num_seqs)) | jnp.any(count > 1)
     a = jnp.clip(a, 0, k)
-    offsets = jnp.zeros((num_seqs,), jnp.int32).at[jnp.where(seq >= 0, seq, num_seqs)].set(a - k, mode="drop")
-    return offsets, bad
+    offsets = jnp.zeros((num_seqs,), jnp.int32).at[idx].set(a - k, mode="drop")
+    return offsets, bad, bad_slot
 
 
 # ---------------------------------------------------------------------------------------------- pages
 def trim(state: CacheState, seq_slots=None) -> CacheState:
     """Release low pages wholly past each sequence's length: page ``j`` with ``j * page >= kv_len`` loses one
     reference (freed at zero) and leaves the page table. ``seq_slots`` i32[B] (-1 = padding) or None for every
-    slot. Twin pages are per-sequence and fixed (F + R), so they are never trimmed."""
+    slot. Twin pages are per-sequence and fixed (F + R), so they are never trimmed.
+
+    Slots outside [-1, max_seqs) raise `ValueError` (host values) or set ``ERR_BAD_SLOT`` and change nothing.
+    ``written`` is kept: the twin ring still holds the rejected rows, so rewinds stay bounded by it."""
     num_seqs = state.max_seqs
-    sel = (jnp.ones((num_seqs,), bool) if seq_slots is None else
-           jnp.zeros((num_seqs,), bool).at[jnp.asarray(seq_slots, jnp.int32)].set(True, mode="drop"))
+    if seq_slots is None:
+        sel, bad = jnp.ones((num_seqs,), bool), jnp.bool_(False)
+    else:
+        seq = _checks.index_array(seq_slots, "seq_slots", "trim", -1, num_seqs, ndim=1)
+        sel = jnp.zeros((num_seqs,), bool).at[jnp.where(seq >= 0, seq, num_seqs)].set(True, mode="drop")
+        bad = jnp.any((seq < -1) | (seq >= num_seqs))
+    sel = sel & ~bad
     alloc, page_table = _trim_pages(state.page_size, state.alloc, state.page_table, state.kv_lens, sel)
-    return dataclasses.replace(state, alloc=alloc, page_table=page_table)
+    return dataclasses.replace(state, alloc=alloc, page_table=page_table,
+                               error=state.error | jnp.where(bad, _checks.ERR_BAD_SLOT, 0))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -5,8 +5,10 @@
 Nothing retraces when lengths, page tables or batch membership change: they are all traced arrays.
 
 A transition that cannot be met (no free page, a position past the page table, a sequence slot that is not
-admitted) sets a bit in ``state.error`` and leaves every sequence unchanged. The host-side `CacheManager`
-(`jmixedkv.manager`) checks capacity up front and raises a clear error instead.
+admitted or out of range, a bad layer, an illegal position, a write into a shared page) sets a bit in
+``state.error`` and leaves every leaf but ``error`` bitwise unchanged; host (Python / NumPy) arguments are
+range-checked first and raise `ValueError`. The rule and the bits live in `jmixedkv.checks`. The host-side
+`CacheManager` (`jmixedkv.manager`) checks capacity and positions up front and raises a clear error instead.
 """
 from __future__ import annotations
 
@@ -15,32 +17,27 @@ from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import layout
+from . import checks, layout
 from .allocator import Allocator, allocate_mask, new_allocator, release_pages
 from .config import KVCacheConfig
 from .pools import GroupPools, LowPool, RowPool, write_rows_reference
+from .checks import (ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_POSITION, ERR_BAD_SLOT,
+                     ERR_HIGH_OOM, ERR_LOW_OOM, ERR_SHARED_PAGE, ERR_TOO_LONG)
 from .rope import RopeSpec, apply_rope
 
 __all__ = ["GroupSpec", "CacheState", "init_state", "admit", "release", "append", "ERR_LOW_OOM",
-           "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "describe_error"]
+           "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER", "ERR_BAD_POSITION",
+           "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "describe_error"]
 
-ERR_LOW_OOM = 1     # not enough free low (history) pages
-ERR_HIGH_OOM = 2    # not enough free high (twin) pages
-ERR_TOO_LONG = 4    # a position past the page table's width
-ERR_BAD_SLOT = 8    # admit of an active slot, or append to a slot that is not admitted
-ERR_BAD_CORRECTION = 16  # a speculative length correction out of range (jmixedkv.speculative)
-_ERR_NAMES = {ERR_LOW_OOM: "out of low pages", ERR_HIGH_OOM: "out of high pages",
-              ERR_TOO_LONG: "position past max_pages_per_seq * page_size",
-              ERR_BAD_SLOT: "sequence slot not admitted (or admitted twice)",
-              ERR_BAD_CORRECTION: "bad speculative length correction (positive offset, rewind past max_draft_len or "
-                                  "kv_len, or an idle slot)"}
+# error bits and the validation rule: one implementation in jmixedkv.checks (see its docstring)
+_ERR_NAMES = checks.ERROR_NAMES
 
 GROUP_KINDS = ("mixed", "low", "plain")
 
 
-def describe_error(code: int) -> str:
-    return ", ".join(name for bit, name in _ERR_NAMES.items() if code & bit) or "ok"
+describe_error = checks.describe_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +92,9 @@ class CacheState:
       high_table: i32[S, F + R] high (twin) page ids (-1 = none).
       kv_lens: i32[S] corrected lengths.
       active: bool[S] admitted slots.
+      written: i32[S] one past the highest position written since admit (``kv_lens <= written <=
+        kv_lens + max_draft_len``; rows in ``[kv_lens, written)`` are rejected drafts). It bounds speculative
+        rewinds (`jmixedkv.checks`).
       alloc / high_alloc: `Allocator` for the low and high pools.
       error: i32[] sticky error bits (``ERR_*``).
     """
@@ -107,6 +107,7 @@ class CacheState:
     high_table: jax.Array
     kv_lens: jax.Array
     active: jax.Array
+    written: jax.Array
     alloc: Allocator
     high_alloc: Allocator
     error: jax.Array
@@ -126,21 +127,32 @@ class CacheState:
 
 jax.tree_util.register_dataclass(
     CacheState,
-    data_fields=["pools", "page_table", "high_table", "kv_lens", "active", "alloc", "high_alloc", "error"],
+    data_fields=["pools", "page_table", "high_table", "kv_lens", "active", "written", "alloc", "high_alloc",
+                 "error"],
     meta_fields=["config", "groups", "kinds"])
 
 
-def _row_pool(num_layers, num_pages, spec: GroupSpec, page, dtype, fill, scale):
+def _pool_pages(num_pages, spec: GroupSpec, page, width, dtype, shards):
+    """Pages of a pool array ``[L, P, kv, H, page, width]``: ``num_pages``, padded past the Pallas Triton offset
+    hole (`layout.offset_safe_count`) for 1-byte dtypes. Padding pages are never allocated or read."""
+    per_page = spec.num_layers * spec.kv_factor * spec.num_kv_heads * page * width
+    return layout.offset_safe_count(num_pages, per_page, jnp.dtype(dtype).itemsize, shards)
+
+
+def _row_pool(num_layers, num_pages, spec: GroupSpec, page, dtype, fill, scale, shards=1):
+    num_pages = _pool_pages(num_pages, spec, page, spec.head_dim, dtype, shards)
     shape = (num_layers, num_pages, spec.kv_factor, spec.num_kv_heads, page, spec.head_dim)
     rows = jnp.full(shape, fill, jnp.float32).astype(dtype) if fill is not None else jnp.zeros(shape, dtype)
     return RowPool(rows, jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (num_layers, spec.kv_factor)))
 
 
-def _low_pool(num_pages, spec: GroupSpec, page, poison, gs):
-    base = (spec.num_layers, num_pages, spec.kv_factor, spec.num_kv_heads, page)
-    data = jnp.full(base + (spec.head_dim // 2,), 0x77 if poison else 0, jnp.uint8)
+def _low_pool(num_pages, spec: GroupSpec, page, poison, gs, shards=1):
+    def base(width):
+        p = _pool_pages(num_pages, spec, page, width, jnp.uint8, shards)
+        return (spec.num_layers, p, spec.kv_factor, spec.num_kv_heads, page, width)
+    data = jnp.full(base(spec.head_dim // 2), 0x77 if poison else 0, jnp.uint8)
     scales = jax.lax.bitcast_convert_type(
-        jnp.full(base + (spec.head_dim // 16,), 0x7F if poison else 0, jnp.uint8), jnp.float8_e4m3fn)
+        jnp.full(base(spec.head_dim // 16), 0x7F if poison else 0, jnp.uint8), jnp.float8_e4m3fn)
     return LowPool(data, scales, jnp.broadcast_to(jnp.asarray(gs, jnp.float32), (spec.num_layers, spec.kv_factor)))
 
 
@@ -153,7 +165,10 @@ def init_state(config: KVCacheConfig, groups: Union[GroupSpec, Sequence[GroupSpe
     Args:
       config: validated options.
       groups: one `GroupSpec` or several (e.g. target layers + plain draft layers).
-      num_pages: low (history) pages, shared by every group (each group has its own arrays).
+      num_pages: low (history) pages, shared by every group (each group has its own arrays). A pool array of
+        1-byte elements (NVFP4 data / scales, FP8 rows) that would fall in (2**31, 2**32] bytes, where Pallas
+        Triton's 32-bit offsets wrap, gets padding pages past 2**32 bytes (per shard under ``mesh``): they are
+        never allocated or read (`jmixedkv.layout.offset_safe_count`); ``state.alloc`` holds ``num_pages``.
       max_seqs: sequence slots ``S``.
       max_pages_per_seq: width of ``page_table`` (default ``num_pages``).
       num_high_pages: twin pages (default ``max_seqs * (F + R)``).
@@ -165,55 +180,103 @@ def init_state(config: KVCacheConfig, groups: Union[GroupSpec, Sequence[GroupSpe
         replicated (`jmixedkv.sharding`).
     """
     groups = (groups,) if isinstance(groups, GroupSpec) else tuple(groups)
-    if not groups:
-        raise ValueError("init_state needs at least one GroupSpec")
-    if num_pages < 1 or max_seqs < 1:
-        raise ValueError(f"init_state: num_pages and max_seqs must be >= 1, got {num_pages}, {max_seqs}")
+    if not groups or not all(isinstance(g, GroupSpec) for g in groups):
+        raise ValueError(f"init_state needs one GroupSpec or a non-empty sequence of them, got {groups!r}")
+    num_pages = checks.host_int(num_pages, "num_pages", "init_state", 1)
+    max_seqs = checks.host_int(max_seqs, "max_seqs", "init_state", 1)
     page = config.page_size
     max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
+    max_pages_per_seq = checks.host_int(max_pages_per_seq, "max_pages_per_seq", "init_state", 1,
+                                        checks.INT32_MAX // page + 1)
     hp_per_seq = config.num_high_pages_per_seq
     num_high_pages = max_seqs * hp_per_seq if num_high_pages is None else num_high_pages
+    num_high_pages = checks.host_int(num_high_pages, "num_high_pages", "init_state", 0)
+    _check_init_scales(gs, high_scale, groups)
+    _check_order(page_order, num_pages, "page_order")
+    _check_order(high_page_order, max(num_high_pages, 1), "high_page_order")
     kinds = tuple(g.resolved_kind(config) for g in groups)
     gss = gs if isinstance(gs, (list, tuple)) else [gs] * len(groups)
     fill = float("nan") if poison else None
+    shards = 1 if mesh is None else mesh.shape["tp"]
     pools = []
     for spec, kind, g in zip(groups, kinds, gss):
-        low = _low_pool(num_pages, spec, page, poison, g) if kind in ("mixed", "low") else None
-        high = (_row_pool(spec.num_layers, max(num_high_pages, 1), spec, page, config.high_dtype, fill, high_scale)
-                if kind == "mixed" and hp_per_seq else None)
+        low = _low_pool(num_pages, spec, page, poison, g, shards) if kind in ("mixed", "low") else None
+        high = (_row_pool(spec.num_layers, max(num_high_pages, 1), spec, page, config.high_dtype, fill, high_scale,
+                          shards) if kind == "mixed" and hp_per_seq else None)
         plain = (_row_pool(spec.num_layers, num_pages, spec, page, config.high_dtype or config.attention_dtype,
-                           fill, high_scale) if kind == "plain" else None)
+                           fill, high_scale, shards) if kind == "plain" else None)
         pools.append(GroupPools(low, high, plain))
     state = CacheState(
         config=config, groups=groups, kinds=kinds, pools=tuple(pools),
         page_table=jnp.full((max_seqs, max_pages_per_seq), -1, jnp.int32),
         high_table=jnp.full((max_seqs, hp_per_seq), -1, jnp.int32),
         kv_lens=jnp.zeros((max_seqs,), jnp.int32), active=jnp.zeros((max_seqs,), bool),
+        written=jnp.zeros((max_seqs,), jnp.int32),
         alloc=new_allocator(num_pages, page_order), high_alloc=new_allocator(max(num_high_pages, 1), high_page_order),
-        error=jnp.int32(0))
+        error=_order_error(page_order, num_pages) | _order_error(high_page_order, max(num_high_pages, 1)))
     if mesh is not None:
         from .sharding import shard_state
         state = shard_state(state, mesh)
     return state
 
 
+def _check_init_scales(gs, high_scale, groups):
+    """gs / high_scale: finite and > 0 (a scale of 0 reads every row back as 0; NaN poisons every row)."""
+    gss = list(gs) if isinstance(gs, (list, tuple)) else [gs]
+    if isinstance(gs, (list, tuple)) and len(gss) != len(groups):
+        raise ValueError(f"init_state: gs is a list of {len(gss)} entries for {len(groups)} groups")
+    for name, vals in (("gs", gss), ("high_scale", [high_scale])):
+        for v in vals:
+            if checks.is_traced(v):
+                continue                                    # traced scales: the caller's responsibility
+            a = np.asarray(v, np.float64)
+            if a.size == 0 or not np.all(np.isfinite(a)) or not np.all(a > 0):
+                raise ValueError(f"init_state: {name} must be finite and > 0, got {np.ravel(a)[:8].tolist()}")
+
+
+def _check_order(order, count, name):
+    """A free-stack order must be a permutation of range(count): duplicates would hand one page to two users."""
+    if order is None:
+        return
+    if checks.is_traced(order):
+        return                                  # checked inside jit: init_state flags ERR_BAD_PAGE (_order_error)
+    a = np.asarray(order)
+    if a.shape != (count,) or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"init_state: {name} must be an integer permutation of range({count}), got "
+                         f"{a.dtype}{list(a.shape)}")
+    if not np.array_equal(np.sort(a), np.arange(count)):
+        vals, counts = np.unique(a, return_counts=True)
+        dup = vals[counts > 1]
+        out = a[(a < 0) | (a >= count)]
+        what = (f"duplicate ids {dup[:8].tolist()}" if dup.size else f"ids out of range {out[:8].tolist()}")
+        raise ValueError(f"init_state: {name} must be a permutation of range({count}): {what}")
+
+
+def _order_error(order, count):
+    """ERR_BAD_PAGE unless a (traced) free-stack order is a permutation of range(count)."""
+    if order is None or not checks.is_traced(order):
+        return jnp.int32(0)
+    o = jnp.asarray(order, jnp.int32).reshape(-1)
+    ok = (o.shape[0] == count) and jnp.all(jnp.sort(o) == jnp.arange(count, dtype=jnp.int32))
+    return jnp.where(ok, 0, ERR_BAD_PAGE).astype(jnp.int32)
+
+
 def _select(ok, new, old):
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def _slot(state: CacheState, seq_slot):
-    """(clipped slot, in range, is the -1 "none" sentinel)."""
-    slot = jnp.asarray(seq_slot, jnp.int32)
-    in_range = (slot >= 0) & (slot < state.max_seqs)
-    return jnp.clip(slot, 0, state.max_seqs - 1), in_range, slot == -1
+def _slot(state: CacheState, seq_slot, op: str = "transition"):
+    """(clipped slot, in range, is the -1 "none" sentinel). Host values outside [-1, max_seqs) raise."""
+    slot = checks.check_slot_arg(seq_slot, state.max_seqs, "seq_slot", op)
+    return checks.slot_in_range(slot, state.max_seqs)
 
 
 def admit(state: CacheState, seq_slot) -> CacheState:
     """Admit an empty sequence into ``seq_slot`` (traced int; -1 = no-op): allocates its F + R high pages.
 
-    An out-of-range or already-admitted slot sets ``ERR_BAD_SLOT``; too few high pages ``ERR_HIGH_OOM``;
-    either way nothing changes."""
-    slot, in_range, none = _slot(state, seq_slot)
+    An out-of-range or already-admitted slot sets ``ERR_BAD_SLOT`` (host ints outside [-1, max_seqs) raise
+    `ValueError`); too few high pages ``ERR_HIGH_OOM``; either way nothing changes."""
+    slot, in_range, none = _slot(state, seq_slot, "admit")
     free_slot = in_range & ~state.active[slot]
     need = jnp.broadcast_to(free_slot, state.high_table.shape[1:])
     high_alloc, ids, ok = allocate_mask(state.high_alloc, need)
@@ -221,7 +284,8 @@ def admit(state: CacheState, seq_slot) -> CacheState:
     err = jnp.where(none, 0, jnp.where(free_slot, jnp.where(ok, 0, ERR_HIGH_OOM), ERR_BAD_SLOT))
     new = dataclasses.replace(
         state, high_table=state.high_table.at[slot].set(ids), kv_lens=state.kv_lens.at[slot].set(0),
-        page_table=state.page_table.at[slot].set(-1), active=state.active.at[slot].set(True), high_alloc=high_alloc)
+        page_table=state.page_table.at[slot].set(-1), active=state.active.at[slot].set(True),
+        written=state.written.at[slot].set(0), high_alloc=high_alloc)
     out = _select(ok, new, state)
     return dataclasses.replace(out, error=state.error | err)
 
@@ -229,33 +293,63 @@ def admit(state: CacheState, seq_slot) -> CacheState:
 def release(state: CacheState, seq_slot) -> CacheState:
     """Release ``seq_slot`` (-1 = no-op): every low and high page loses a reference (freed at zero).
 
-    Releasing a slot that is not admitted sets ``ERR_BAD_SLOT`` and changes nothing."""
-    slot, in_range, none = _slot(state, seq_slot)
+    Releasing a slot that is not admitted or out of range sets ``ERR_BAD_SLOT`` and changes nothing."""
+    slot, in_range, none = _slot(state, seq_slot, "release")
     ok = in_range & state.active[slot]
     new = dataclasses.replace(
         state, alloc=release_pages(state.alloc, state.page_table[slot]),
         high_alloc=release_pages(state.high_alloc, state.high_table[slot]),
         page_table=state.page_table.at[slot].set(-1), high_table=state.high_table.at[slot].set(-1),
-        kv_lens=state.kv_lens.at[slot].set(0), active=state.active.at[slot].set(False))
+        kv_lens=state.kv_lens.at[slot].set(0), active=state.active.at[slot].set(False),
+        written=state.written.at[slot].set(0))
     out = _select(ok, new, state)
     return dataclasses.replace(out, error=state.error | jnp.where(ok | none, 0, ERR_BAD_SLOT))
 
 
-def _ensure_pages(state: CacheState, seq, pos):
-    """Allocate low pages for every (seq, page) the tokens touch. Returns (state', ok, err)."""
+def _write_errors(state: CacheState, seq, pos, layer_ok):
+    """Every refusal of an append, before anything is allocated: ``(err i32[], first i32[S], last i32[S])``.
+
+    ``seq`` / ``pos`` i32[T] as given (``seq == -1`` = padding). Checks slots (range, admitted), the layer,
+    the position rule of `jmixedkv.checks`, the page-table width, and writes into shared low / twin pages."""
+    cfg = state.config
     page, (num_seqs, max_pages) = state.page_size, state.page_table.shape
-    valid = (seq >= 0) & (pos >= 0)
+    pad = seq == -1
+    s, in_range, _ = checks.slot_in_range(seq, num_seqs)
+    bad_slot = jnp.any(~pad & ~(in_range & state.active[s]))
+    live = in_range & ~bad_slot                              # per token; all False when any slot is bad
+    seq_l = jnp.where(live, seq, -1)
+    bad_pos, first, last = checks.append_position_errors(seq_l, pos, state.kv_lens, num_seqs)
+    q = jnp.maximum(pos, 0) // page
+    too_long = jnp.any(live & (pos >= 0) & (q >= max_pages))
+    # shared pages: a held low page or twin page whose refcount > 1 (fork / prefix / index reference)
+    qc = jnp.clip(q, 0, max_pages - 1)
+    low_pg = state.page_table[s, qc]
+    low_shared = live & (q < max_pages) & (low_pg >= 0) & (state.alloc.refcount[jnp.maximum(low_pg, 0)] > 1)
+    width = state.high_table.shape[1]
+    if width:
+        col = layout.high_column(jnp.maximum(pos, 0), page, cfg.num_fixed_pages, cfg.num_ring_pages)
+        hp = state.high_table[s, jnp.clip(col, 0, width - 1)]
+        high_shared = live & (col >= 0) & (hp >= 0) & (state.high_alloc.refcount[jnp.maximum(hp, 0)] > 1)
+    else:
+        high_shared = jnp.zeros_like(live)
+    shared = jnp.any(low_shared | high_shared)
+    err = (jnp.where(bad_slot, ERR_BAD_SLOT, 0) | jnp.where(~layer_ok, ERR_BAD_LAYER, 0)
+           | jnp.where(bad_pos & ~bad_slot, ERR_BAD_POSITION, 0) | jnp.where(too_long, ERR_TOO_LONG, 0)
+           | jnp.where(shared, ERR_SHARED_PAGE, 0))
+    return err.astype(jnp.int32), first, last
+
+
+def _ensure_pages(state: CacheState, seq, pos, pre_ok):
+    """Allocate low pages for every (seq, page) the tokens touch (only when ``pre_ok``). Returns (state', ok, err)."""
+    page, (num_seqs, max_pages) = state.page_size, state.page_table.shape
+    valid = (seq >= 0) & (pos >= 0) & pre_ok
     q = pos // page
-    too_long = jnp.any(valid & (q >= max_pages))
-    bad_slot = jnp.any(valid & ~state.active[jnp.clip(seq, 0, num_seqs - 1)])
-    pre_ok = ~too_long & ~bad_slot
     touched = jnp.zeros((num_seqs, max_pages), bool).at[
-        jnp.where(valid & pre_ok, seq, num_seqs), jnp.clip(q, 0, max_pages - 1)].set(True, mode="drop")
+        jnp.where(valid, seq, num_seqs), jnp.clip(q, 0, max_pages - 1)].set(True, mode="drop")
     need = touched & (state.page_table < 0)
     alloc, ids, ok = allocate_mask(state.alloc, need)
+    err = jnp.where(pre_ok & ~ok, ERR_LOW_OOM, 0)
     ok = ok & pre_ok
-    err = (jnp.where(too_long, ERR_TOO_LONG, 0) | jnp.where(bad_slot, ERR_BAD_SLOT, 0)
-           | jnp.where(pre_ok & ~ok, ERR_LOW_OOM, 0))
     page_table = jnp.where(need & ok, ids, state.page_table)
     return dataclasses.replace(state, alloc=alloc, page_table=page_table), ok, err
 
@@ -314,24 +408,41 @@ def append(state: CacheState, k, v, seq_slots, positions, layer=None, group: int
       rope: optional `RopeSpec` applied to K before both stores.
       backend: ``"auto"`` (Pallas on GPU), ``"reference"`` or ``"pallas"``.
 
-    New low pages are allocated as sequences cross page boundaries; ``kv_lens`` becomes
-    ``max(kv_lens, last position + 1)``. All-or-nothing: on any error nothing is written.
+    Positions follow the rule of `jmixedkv.checks`: per slot contiguous ``[p0, p1]`` with
+    ``p0 <= kv_len <= p1 + 1`` (an extension from ``kv_len``, or a rewrite of a suffix reaching it, e.g. the
+    next layer of the same tokens). New low pages are allocated as sequences cross page boundaries;
+    ``kv_lens`` becomes ``p1 + 1``. All-or-nothing: on any error (``ERR_BAD_SLOT``, ``ERR_BAD_LAYER``,
+    ``ERR_BAD_POSITION``, ``ERR_TOO_LONG``, ``ERR_SHARED_PAGE``, ``ERR_LOW_OOM``) nothing is written and every
+    leaf but ``error`` is unchanged. Host (non-JAX) slots / positions / layer are range-checked first
+    (`ValueError`).
     """
+    if not isinstance(group, int) or not 0 <= group < len(state.groups):
+        raise ValueError(f"append: group={group!r} out of range [0, {len(state.groups)})")
     spec = state.groups[group]
-    seq = jnp.asarray(seq_slots, jnp.int32)
-    pos = jnp.asarray(positions, jnp.int32)
+    seq = checks.index_array(seq_slots, "seq_slots", "append", -1, state.max_seqs)
+    pos = checks.index_array(positions, "positions", "append")
     if seq.shape != pos.shape or seq.ndim != 1:
         raise ValueError(f"append: seq_slots and positions must be equal-length vectors, got {seq.shape}, {pos.shape}")
+    if not checks.is_jax(seq_slots) and not checks.is_jax(positions):
+        s_, p_ = np.asarray(seq), np.asarray(pos)
+        neg = np.flatnonzero((s_ >= 0) & (p_ < 0))
+        if neg.size:
+            raise ValueError(f"append: positions[{neg[0]}]={p_[neg[0]]} is negative (slot {s_[neg[0]]})")
+    layer = checks.check_layer_arg(layer, spec.num_layers, "append", spec.name)
     _check_rows(k, spec, layer, seq.shape[0])
     _check_v(k, v, spec)
-    state, ok, err = _ensure_pages(state, seq, pos)
+    layer_c, layer_ok = checks.layer_in_range(layer, spec.num_layers)
+    err, first, last = _write_errors(state, seq, pos, layer_ok)
+    state, ok, oom = _ensure_pages(state, seq, pos, err == 0)
+    err = err | oom
     seq = jnp.where(ok, seq, -1)
     low_slot, high_slot = write_slots(state, seq, pos)
-    pools = _write(state, group, k, v, pos, rope, layer, low_slot, high_slot, backend)
-    last = layout.segment_max_position(seq, pos, state.max_seqs)
-    kv_lens = jnp.maximum(state.kv_lens, last + 1)
+    pools = _write(state, group, k, v, pos, rope, layer_c, low_slot, high_slot, backend)
+    has = ok & (last >= 0)
+    kv_lens = jnp.where(has, last + 1, state.kv_lens)
+    written = jnp.where(has, jnp.maximum(state.written, last + 1), state.written)
     new_pools = state.pools[:group] + (pools,) + state.pools[group + 1:]
-    return dataclasses.replace(state, pools=new_pools, kv_lens=kv_lens, error=state.error | err)
+    return dataclasses.replace(state, pools=new_pools, kv_lens=kv_lens, written=written, error=state.error | err)
 
 
 def _write(state: CacheState, group, k, v, pos, rope, layer, low_slot, high_slot, backend):
@@ -339,6 +450,9 @@ def _write(state: CacheState, group, k, v, pos, rope, layer, low_slot, high_slot
     RoPE applied by the model followed by a plain append."""
     from .backend import resolve
     spec = state.groups[group]
+    if state.config.rotation is not None:   # lever (jmixedkv.levers): RoPE, then rotate K and V, then store
+        from .levers import rotate_rows
+        k, v, rope = rotate_rows(state.config.rotation, k, v, pos, rope)
     if resolve(backend) == "pallas":
         from pallas_kernels import write as write_kernel  # GPU kernel (interpret mode on CPU)
         return write_kernel.write_rows(state.pools[group], k, v, layer, low_slot, high_slot, state.page_size,

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jmixedkv.compat import pl, pltriton, triton_params
+from jmixedkv.layout import check_offsets
 
 __all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "NUM_SMS", "DEFAULT_BLOCK_K",
            "DEFAULT_NUM_WARPS"]
@@ -51,9 +52,9 @@ __all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "NU
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
 _dot = getattr(pltriton, "dot", None) or pl.dot
-# tokens per inner step and warps per program when block_k / num_warps are None: the fastest on the H200
-# (2026-11-29, bench/decode_bench.py, jax 0.11.2 / triton 3.6): NVFP4 pages 64 tokens / 2 warps / 3 stages at every
-# batch x context but 1 x 4k (16 x 32k: 0.547 ms; 128 / 4 warps 0.590 ms); plain bf16 pages 128 / 4 / 3.
+# tokens per inner step and warps per program when block_k / num_warps are None: the fastest in the H200 sweeps of
+# bench/decode_bench.py (NVFP4 pages 64 tokens / 2 warps / 3 stages; plain bf16 pages 128 / 4 / 3; figures in
+# bench/RESULTS.md)
 DEFAULT_BLOCK_K = {"nvfp4": 64, "plain": 128}
 DEFAULT_NUM_WARPS = {"nvfp4": 2, "plain": 4}
 
@@ -443,6 +444,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts,
         use_asm=dequant == "asm", keys_major=keys_major)
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
+    check_offsets("decode_attention", **{f"pool operand {i}": a for i, a in enumerate(args[9:])})
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, h, splits),

@@ -20,12 +20,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jmixedkv.compat import triton_params
+from jmixedkv.layout import check_offsets
+from jmixedkv.numerics import decode_rows, e4m3_saturate
 
-from .stage import ReadGeometry, column_chunks, decode_high_tile, dequant_tile, high_column, retained_mask
+from .nvfp4_ops import dequant_tile
+from .stage import ReadGeometry, column_chunks, high_column, retained_mask
 
 __all__ = ["gather_rows", "overlay_rows", "block_rows"]
-
-E4M3_MAX = 448.0
 
 
 def block_rows(k: int) -> int:
@@ -36,9 +37,7 @@ def block_rows(k: int) -> int:
 def _encode_fp8(x, inv_scale):
     """``e4m3(clip(f32(x) / scale))``; ``inv_scale = 1 / scale`` is exact for a power-of-two scale, so the product
     equals the IEEE quotient (Triton's f32 ``/`` is not IEEE-rounded by default)."""
-    y = x.astype(jnp.float32) * inv_scale
-    y = jnp.where(jnp.isnan(y), y, jnp.clip(y, -E4M3_MAX, E4M3_MAX))
-    return y.astype(jnp.float8_e4m3fn)
+    return e4m3_saturate(x.astype(jnp.float32) * inv_scale)
 
 
 def _row_setup(b, kb, seq_ref, lens_ref, pt_ref, ht_ref, idx_ref, geom: ReadGeometry, tk: int):
@@ -69,8 +68,8 @@ def _gather_kernel(layer_ref, seq_ref, lens_ref, pt_ref, ht_ref, idx_ref, fscale
     fscale = fscale_ref[b]
 
     def low_chunk(c0, w):
-        tile = dequant_tile(data_ref[lay, lp, kvi, hi, row, pl.ds(c0 // 2, w // 2)],
-                            scales_ref[lay, lp, kvi, hi, row, pl.ds(c0 // 16, w // 16)], gs, att_dtype)
+        scales = scales_ref[lay, lp, kvi, hi, row, pl.ds(c0 // 16, w // 16)].astype(jnp.float32)
+        tile = dequant_tile(data_ref[lay, lp, kvi, hi, row, pl.ds(c0 // 2, w // 2)], scales, gs, att_dtype)
         return jnp.where(valid[:, None], tile, jnp.zeros((), att_dtype))
 
     def store(c0, w, x):
@@ -92,7 +91,7 @@ def _gather_kernel(layer_ref, seq_ref, lens_ref, pt_ref, ht_ref, idx_ref, fscale
         def _():
             hscale = hscale_ref[lay, kvi]
             for c0, w in column_chunks(d):
-                high = decode_high_tile(hrows_ref[lay, hp, kvi, hi, row, pl.ds(c0, w)], hscale, att_dtype)
+                high = decode_rows(hrows_ref[lay, hp, kvi, hi, row, pl.ds(c0, w)], hscale, att_dtype)
                 store(c0, w, jnp.where(keep[:, None], high, low_chunk(c0, w)))
 
 
@@ -110,7 +109,7 @@ def _overlay_kernel(layer_ref, seq_ref, lens_ref, pt_ref, ht_ref, idx_ref, fscal
         hscale = hscale_ref[lay, kvi]
         fscale = fscale_ref[b]
         for c0, w in column_chunks(d):
-            high = decode_high_tile(hrows_ref[lay, hp, kvi, hi, row, pl.ds(c0, w)], hscale, att_dtype)
+            high = decode_rows(hrows_ref[lay, hp, kvi, hi, row, pl.ds(c0, w)], hscale, att_dtype)
             if fp8:
                 high = _encode_fp8(high, fscale)
             blk = out_ref[b, pl.ds(kb * tk, tk), kvi, hi, pl.ds(c0, w)]
@@ -157,6 +156,8 @@ def gather_rows(layer, seq, kv_lens, page_table, high_table, indices, fp8_scale,
     tk = block_rows(k)
     idx = _pad_indices(indices, tk)
     out_dtype = jnp.float8_e4m3fn if fp8 else att_dtype
+    check_offsets("gather_rows", data=data, scales=scales, high_rows=high_rows,
+                  scratch=jax.ShapeDtypeStruct((batch, idx.shape[1], kv, heads, d), out_dtype))
     kernel = functools.partial(_gather_kernel, geom=geom, tk=tk, kv=kv, heads=heads, d=d, has_high=has_high,
                                att_dtype=jnp.dtype(att_dtype), fp8=fp8)
     out = pl.pallas_call(
@@ -185,6 +186,7 @@ def overlay_rows(scratch, layer, seq, kv_lens, page_table, high_table, indices, 
     if high_table.shape[1] == 0:
         high_table = jnp.full((page_table.shape[0], 1), -1, jnp.int32)
     fp8 = scratch.dtype == jnp.dtype(jnp.float8_e4m3fn)
+    check_offsets("overlay_retained_rows", high_rows=high_rows, scratch=buf)
     kernel = functools.partial(_overlay_kernel, geom=geom, tk=tk, kv=kv, heads=heads, d=d,
                                att_dtype=jnp.dtype(att_dtype), fp8=fp8)
     out = pl.pallas_call(

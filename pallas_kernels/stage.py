@@ -1,7 +1,8 @@
 """Pallas Triton kernel: stage a mixed-precision paged cache into plain attention-dtype pages (one pass).
 
 Owns the staging copy of the read side (TensorRT-LLM's staging for generic backends) and the small in-kernel
-helpers the read kernels share (`dequant_tile`, `decode_high_tile`, `column_chunks`):
+helpers the read kernels share (`column_chunks`, `retained_mask`, `high_column`); the NVFP4 arithmetic is
+`pallas_kernels.nvfp4_ops.dequant_tile`, the twin's row read form `jmixedkv.numerics.decode_rows`:
 
 * one program per ``(batch row b, page column j, (layer, kv, head))``: it loads the NVFP4 page tile
   ``u8[page, D/2]`` + ``e4m3[page, D/16]``, dequantizes it in registers (``(e2m1 * f32(s)) * gs``, then the
@@ -23,9 +24,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jmixedkv.compat import triton_params
+from jmixedkv.layout import check_offsets
+from jmixedkv.numerics import decode_rows
 
-__all__ = ["ReadGeometry", "stage_pages", "dequant_tile", "decode_high_tile", "column_chunks",
-           "retained_mask"]
+from .nvfp4_ops import dequant_tile
+
+__all__ = ["ReadGeometry", "stage_pages", "column_chunks", "retained_mask", "high_column"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,47 +57,6 @@ def column_chunks(d: int):
         out.append((start, bit))
         start += bit
     return out
-
-
-def _e2m1_magnitude(m):
-    """f32 magnitude of E2M1 code bits ``m`` (0..7): 0, .5, 1, 1.5, 2, 3, 4, 6 (arithmetic, no table)."""
-    e, half = m >> 1, (m & 1).astype(jnp.float32) * 0.5
-    pw = jnp.where(e == 3, 4.0, jnp.where(e == 2, 2.0, 1.0)).astype(jnp.float32)
-    return jnp.where(e == 0, half, (1.0 + half) * pw)
-
-
-def _e2m1_value(code):
-    code = code.astype(jnp.int32)
-    mag = _e2m1_magnitude(code & 7)
-    # OR the sign bit in (not ``-mag``: Triton lowers negation as ``0 - x``, which turns -0.0 into +0.0)
-    sign = (code & 8) << 28
-    bits_ = jax.lax.bitcast_convert_type(mag, jnp.int32) | sign
-    return jax.lax.bitcast_convert_type(bits_, jnp.float32)  # -0.0 for code 8, like the reference table
-
-
-def dequant_tile(data, scales, gs, out_dtype):
-    """NVFP4 tile -> ``out_dtype[T, w]`` bit-exactly as `jmixedkv.nvfp4.dequantize`.
-
-    Args:
-      data: ``u8[T, w/2]`` packed codes (element 2i in the low nibble).
-      scales: ``float8_e4m3fn[T, w/16]`` block scales.
-      gs: f32 scalar decode global scale.
-    """
-    t, half = data.shape
-    w = half * 2
-    lo = _e2m1_value(data & 0xF)
-    hi = _e2m1_value(data >> 4)
-    vals = jnp.stack([lo, hi], axis=-1).reshape(t, w // 16, 16)
-    s = scales.astype(jnp.float32)
-    out = (vals * s[:, :, None]) * gs
-    return out.reshape(t, w).astype(out_dtype)
-
-
-def decode_high_tile(rows, scale, out_dtype):
-    """Twin rows in the read form (`jmixedkv.pools.decode_rows`): fp8 -> ``f32 * scale``; else a cast."""
-    if rows.dtype == jnp.dtype(jnp.float8_e4m3fn):
-        return (rows.astype(jnp.float32) * scale).astype(out_dtype)
-    return rows.astype(out_dtype)
 
 
 def retained_mask(pos, n, geom: ReadGeometry):
@@ -127,8 +90,8 @@ def _stage_kernel(layers_ref, seq_ref, lens_ref, pt_ref, ht_ref, ot_ref, data_re
     valid = (pos < n)[:, None]
 
     def low_chunk(c0, w):
-        tile = dequant_tile(data_ref[lay, lp, kvi, hi, :, pl.ds(c0 // 2, w // 2)],
-                            scales_ref[lay, lp, kvi, hi, :, pl.ds(c0 // 16, w // 16)], gs, out_dtype)
+        scales = scales_ref[lay, lp, kvi, hi, :, pl.ds(c0 // 16, w // 16)].astype(jnp.float32)
+        tile = dequant_tile(data_ref[lay, lp, kvi, hi, :, pl.ds(c0 // 2, w // 2)], scales, gs, out_dtype)
         return jnp.where(valid, tile, jnp.zeros((), out_dtype))
 
     def store(c0, w, x):
@@ -158,7 +121,7 @@ def _stage_kernel(layers_ref, seq_ref, lens_ref, pt_ref, ht_ref, ot_ref, data_re
         keep = retained_mask(pos, n, geom)[:, None]
         hscale = hscale_ref[lay, kvi]
         for c0, w in column_chunks(d):
-            high = decode_high_tile(hrows_ref[lay, hp, kvi, hi, :, pl.ds(c0, w)], hscale, out_dtype)
+            high = decode_rows(hrows_ref[lay, hp, kvi, hi, :, pl.ds(c0, w)], hscale, out_dtype)
             store(c0, w, jnp.where(keep, high, low_chunk(c0, w)))
 
 
@@ -189,6 +152,7 @@ def stage_pages(layers, seq, kv_lens, page_table, high_table, out_table, data, s
     if high_table.shape[1] == 0:
         high_table = jnp.full((page_table.shape[0], 1), -1, jnp.int32)
     batch, width = out_table.shape
+    check_offsets("stage", data=data, scales=scales, high_rows=high_rows)
     kernel = functools.partial(_stage_kernel, geom=geom, kv=kv, heads=heads, d=d, has_high=has_high,
                                out_dtype=jnp.dtype(out_dtype))
     return pl.pallas_call(

@@ -16,13 +16,13 @@ to K's dtype, then
   `jmixedkv.nvfp4.quantize`) into ``low.data`` / ``low.scales`` at
   ``low_slot`` (mixed and low groups),
 * stores the row into ``high.rows`` at ``high_slot`` (mixed groups) or ``plain.rows`` at ``low_slot`` (plain
-  groups): a cast for bf16 / fp16, ``e4m3(clip(x / scale, -448, 448))`` for fp8.
+  groups): a cast for bf16 / fp16, ``e4m3(clip(x / scale, ±448))`` for fp8 (`jmixedkv.numerics.encode_rows`).
 
 Rows whose slot is -1 are not written (masked stores; in interpret mode the masked rows point past the last
 page, where the discharged scatter drops them).
 
 RoPE: ``cos``/``sin`` are computed outside the kernel by the same jnp code as the reference
-(`jmixedkv.rope.rope_cos_sin`, f32 ``[T, rd/2]``), so they are bit-identical by construction. In the kernel each
+(`jmixedkv.numerics.rope_cos_sin`, f32 ``[T, rd/2]``), so they are bit-identical by construction. In the kernel each
 element ``j`` is rotated against its partner column (``j +- rd/2`` for neox, ``j ^ 1`` for interleaved), loaded
 by a second gather load of the same row: ``out_j = x_j * cos - p_j * sin'`` with ``sin' = -sin`` on the second
 half (neox) / odd elements (interleaved). ``y*c - x*(-s)`` equals ``y*c + x*s`` bit for bit (negation is exact
@@ -36,17 +36,18 @@ go through `pltriton.elementwise_inline_asm` with PTX instructions that carry an
 ``mul.rn.f32``, ``sub.rn.f32``, ``div.rn.f32``. PTX never fuses instructions with an explicit ``.rn`` into an
 FMA, and ``div.rn.f32`` is the correctly rounded IEEE division; no ``.ftz``, so subnormals are kept like XLA.
 The rotation is three single-instruction asm calls (one asm block ``mul.rn; mul.rn; sub.rn`` with four operands
-compiled to wrong results on the H200 with triton 3.6; the single-instruction form matches numpy). In interpret mode (CPU) the asm cannot run: the
-kernel uses plain jnp ops and routes each product through an integer OR with a zero the compiler cannot
-prove zero (`_launder`), so no FMA can absorb it. (``lax.optimization_barrier`` alone does NOT stop XLA CPU:
-barriers are expanded before fusion and its LLVM backend always allows FP-op fusion.)
+compiled to wrong results on the H200 with triton 3.6; the single-instruction form matches numpy). In interpret
+mode (CPU) the asm cannot run: the kernel uses plain jnp ops and routes each product through an integer OR with a
+zero the compiler cannot prove zero (`jmixedkv.numerics.launder`), so no FMA can absorb it
+(``lax.optimization_barrier`` alone does NOT stop XLA CPU: barriers are expanded before fusion and its LLVM backend
+always allows FP-op fusion).
 `dump_kernel_ir` prints the Triton IR of the kernel (a CPU test checks the ``.rn`` ops are there and no plain
-f32 division is). Evidence on the H200 (2026-11-29): the in-kernel RoPE equals numpy's separately rounded
-float32 result bit for bit on data where an FMA changes the value (``test_gpu_fma_sensitive_rows_match_numpy``).
+f32 division is). On the H200 the in-kernel RoPE equals numpy's separately rounded float32 result bit for bit on
+data where an FMA changes the value (``test_gpu_fma_sensitive_rows_match_numpy``).
 ``bench/write_bench.py --dump-ptx DIR`` tries to grep XLA's PTX dump for ``fma``, but on jax 0.11.2 the dump did
 not contain the Triton kernel's PTX (0 entries), so that check is not available.
 
-Interpret vs compiled: `write_rows` runs interpret mode when no GPU is present (`jmixedkv.backend.interpret`).
+Interpret vs compiled: `write_rows` runs interpret mode when no GPU is present (`jmixedkv.compat.on_gpu`).
 `lowering_for_cuda()` forces the compiled (asm) path while tracing, for CUDA cross-lowering on a CPU machine.
 """
 from __future__ import annotations
@@ -60,12 +61,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmixedkv import nvfp4
-from jmixedkv.backend import interpret as _default_interpret
-from jmixedkv.compat import pl, pltriton, triton_params
-from jmixedkv.pools import GroupPools, LowPool, RowPool, is_fp8
-from jmixedkv.rope import RopeSpec, _launder, _opaque_zero, rope_cos_sin
-from pallas_kernels import nvfp4 as _kcodec
+from jmixedkv.compat import on_gpu, pl, pltriton, triton_params
+from jmixedkv.layout import check_offsets
+from jmixedkv.numerics import BLOCK, encode_rows, launder, opaque_zero, rope_cos_sin
+
+from .nvfp4_ops import as_bits, div_rn, f32_halves, ptx_f32, quantize_halves
 
 __all__ = ["write_rows", "lowering_for_cuda", "dump_kernel_ir", "plan_for", "KERNEL_NAME", "rope_rows_f32"]
 
@@ -87,22 +87,12 @@ def lowering_for_cuda():
 
 
 # --------------------------------------------------------------------------------------------- exact f32 ops
-def _asm(code: str, *args):
-    args = [jnp.asarray(a, jnp.float32) for a in args]
-    shape = jnp.broadcast_shapes(*(a.shape for a in args))
-    args = [jnp.broadcast_to(a, shape) for a in args]
-    constraints = ",".join(["=f"] + ["f"] * len(args))
-    [out] = pltriton.elementwise_inline_asm(code, args=args, constraints=constraints, pack=1,
-                                            result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
-    return out
-
-
 class _PtxOps:
     """Float32 ops with explicit PTX rounding (compiled GPU path): never contracted, IEEE division."""
 
     @staticmethod
     def div(a, b):
-        return _asm("div.rn.f32 $0, $1, $2;", a, b)
+        return div_rn(a, b)
 
     @staticmethod
     def rotate(x, p, c, s):
@@ -110,7 +100,8 @@ class _PtxOps:
 
         Three single-instruction asm calls: one multi-instruction asm block with four operands compiled to wrong
         results on the H200 (triton 3.6), while these match numpy bit for bit there."""
-        return _asm("sub.rn.f32 $0, $1, $2;", _asm("mul.rn.f32 $0, $1, $2;", x, c), _asm("mul.rn.f32 $0, $1, $2;", p, s))
+        return ptx_f32("sub.rn.f32 $0, $1, $2;", ptx_f32("mul.rn.f32 $0, $1, $2;", x, c),
+                       ptx_f32("mul.rn.f32 $0, $1, $2;", p, s))
 
 
 class _JnpOps:
@@ -124,8 +115,8 @@ class _JnpOps:
 
     @staticmethod
     def rotate(x, p, c, s):
-        z = _opaque_zero(c)
-        return _launder(x * c, z) - _launder(p * s, z)
+        z = opaque_zero(c)
+        return launder(x * c, z) - launder(p * s, z)
 
 
 def _negate(a):
@@ -138,34 +129,21 @@ def _negate(a):
 
 # --------------------------------------------------------------------------------------------- in-kernel codec
 def _quantize_tile(x, gs, exact_asm: bool):
-    """NVFP4 of ``x f32[BT, DP]`` with the GPU-verified arithmetic of `pallas_kernels.nvfp4` (the "blocked"
-    quantize kernel): block amax as an int max over the float bits (NaN sorts last), the pinned scale order with
-    exact ``div.rn`` reciprocals (`_block_quant`), E2M1 codes by the magic-constant add, signs from the bits.
+    """NVFP4 of ``x f32[BT, DP]`` with the arithmetic of the `pallas_kernels.nvfp4` quantize kernel
+    (`pallas_kernels.nvfp4_ops.quantize_halves`, exact ``div.rn`` reciprocals when ``exact_asm``).
 
     Returns ``(packed u8[BT, DP/2], scales float8_e4m3fn[BT, DP/16])``, bit-identical to `jmixedkv.nvfp4.quantize`."""
     bt, dp = x.shape
-    nb = dp // nvfp4.BLOCK
-    xb = jax.lax.bitcast_convert_type(x, jnp.int32).reshape(bt, nb, nvfp4.BLOCK // 2, 2)
-    xl, xh = jnp.unstack(xb, axis=-1)                                             # [BT, B, 8] even / odd
-    lo, hi = xl & 0x7FFFFFFF, xh & 0x7FFFFFFF
-    signs = ((xl >> 28) & 0x08) | ((xh >> 24) & 0x80)
-    amax_bits = jnp.max(jnp.maximum(lo, hi), axis=-1)                             # [BT, B]
-    byte, r, nan = _kcodec._block_quant(amax_bits, jnp.reshape(gs, (1, 1)), exact_asm)
-    r3 = r[:, :, None]
-    packed = (_kcodec._magnitude(lo, r3, "magic") | (_kcodec._magnitude(hi, r3, "magic") << 4) | signs)
-    packed = jnp.where(nan[:, :, None], 0, packed).astype(jnp.uint8).reshape(bt, dp // 2)
+    lo, hi, signs = f32_halves(as_bits(x).reshape(bt, dp // BLOCK, BLOCK))        # [BT, B, 8] each
+    packed, byte = quantize_halves(lo, hi, signs, jnp.reshape(gs, (1, 1)), exact_asm)
+    packed = packed.astype(jnp.uint8).reshape(bt, dp // 2)
     return packed, jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
 def _encode_row(x, dtype, scale, ops):
-    """Store form of rows ``x`` (already in the row's source dtype) for a row pool of ``dtype`` (see
-    `jmixedkv.pools.encode_rows`)."""
-    if is_fp8(dtype):
-        xf = x.astype(jnp.float32)
-        y = ops.div(xf, jnp.broadcast_to(scale, xf.shape))
-        y = jnp.where(jnp.isnan(y), y, jnp.minimum(jnp.maximum(y, -448.0), 448.0))
-        return y.astype(dtype)
-    return x.astype(dtype)
+    """Store form of rows ``x`` (already in the row's source dtype) for a row pool of ``dtype``
+    (`jmixedkv.numerics.encode_rows` with the kernel's exact division)."""
+    return encode_rows(x, dtype, scale, div=lambda a, b: ops.div(a, jnp.broadcast_to(b, a.shape)))
 
 
 # --------------------------------------------------------------------------------------------- static plan
@@ -208,9 +186,8 @@ def _pow2_ceil(n: int) -> int:
 def _default_blocks(num_tokens: int, dp: int):
     """(block_t, heads_per_program): at most 16 tokens x 256 columns per program, one head per program.
 
-    From the H200 sweep of `bench/write_bench.py` (32 layers x 8 heads x 128): one head and 16 tokens per program
-    beat 32 tokens and grouped heads for both the 8k-token prefill chunk (1.08 vs 1.33 ms) and the 64-sequence decode
-    step (latency-bound, ~90 us either way)."""
+    The fastest in the H200 sweep of `bench/write_bench.py` (32 layers x 8 heads x 128; figures in
+    bench/RESULTS.md), for the prefill chunk and the decode step alike."""
     return max(1, min(_pow2_ceil(num_tokens), max(1, 4096 // dp), 16)), 1
 
 
@@ -312,13 +289,13 @@ def _write_kernel(plan: _Plan, *refs):
         w = x.shape[1]
         cw = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1)
         c2 = c0 // 2 + jax.lax.broadcasted_iota(jnp.int32, (1, w // 2), 1)
-        c16 = c0 // nvfp4.BLOCK + jax.lax.broadcasted_iota(jnp.int32, (1, w // nvfp4.BLOCK), 1)
+        c16 = c0 // BLOCK + jax.lax.broadcasted_iota(jnp.int32, (1, w // BLOCK), 1)
         if plan.has_low:
             packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], not plan.interpret)
             pltriton.store(data_ref.at[layer, low_pg, kvi, h, low_row, c2], packed,
                            mask=_row_mask(low_ok, c2, d // 2, padded))
             pltriton.store(scales_ref.at[layer, low_pg, kvi, h, low_row, c16], scales,
-                           mask=_row_mask(low_ok, c16, d // nvfp4.BLOCK, padded))
+                           mask=_row_mask(low_ok, c16, d // BLOCK, padded))
         if plan.row_pool:
             enc = _encode_row(x, jnp.dtype(plan.row_dtype), rscale_ref[layer, kvi], ops)
             pltriton.store(rows_ref.at[layer, row_pg, kvi, h, row_row, cw], enc,
@@ -338,12 +315,12 @@ def _write_kernel(plan: _Plan, *refs):
 
 
 # --------------------------------------------------------------------------------------------- host wrapper
-def _geometry(pools: GroupPools):
+def _geometry(pools):
     """(L, kv, H, page, D) of the group's pools, checking they agree."""
     arrays = []
     if pools.low is not None:
         arrays.append(("low.data", pools.low.data.shape[:-1] + (pools.low.data.shape[-1] * 2,)))
-        arrays.append(("low.scales", pools.low.scales.shape[:-1] + (pools.low.scales.shape[-1] * nvfp4.BLOCK,)))
+        arrays.append(("low.scales", pools.low.scales.shape[:-1] + (pools.low.scales.shape[-1] * BLOCK,)))
     for name in ("high", "plain"):
         pool = getattr(pools, name)
         if pool is not None:
@@ -383,7 +360,7 @@ def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions,
         if s.shape != (num_tokens,) or not jnp.issubdtype(s.dtype, jnp.integer):
             raise ValueError(f"write_rows: {name} must be int[{num_tokens}], got {s.dtype}{list(s.shape)}")
     if rope is not None:
-        if not isinstance(rope, RopeSpec):
+        if not all(hasattr(rope, f) for f in ("style", "theta", "rotary_dim")):
             raise ValueError(f"write_rows: rope must be a jmixedkv.RopeSpec or None, got {rope!r}")
         if positions is None:
             raise ValueError("write_rows: rope needs positions")
@@ -392,7 +369,7 @@ def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions,
     return num_layers, kv, heads, page, d
 
 
-def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
+def plan_for(pools, k, v, layer, rope=None, *, block_t: Optional[int] = None,
              heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
              num_warps: int = 4) -> _Plan:
     """The static plan `write_rows` would use (shapes only; for benches and tests)."""
@@ -412,10 +389,10 @@ def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *,
     row_pool = "high" if pools.high is not None else ("plain" if pools.plain is not None else None)
     row = getattr(pools, row_pool) if row_pool else None
     if interpret is None:
-        interpret = _default_interpret() and not _FORCE_COMPILED[0]
+        interpret = (not on_gpu()) and not _FORCE_COMPILED[0]
     return _Plan(
         num_tokens=num_tokens, num_layers=num_layers, all_layers=all_layers, kv=kv, heads=heads, head_dim=d,
-        dp=dp, page=page, low_pages=(pools.low.data.shape[1] if pools.low is not None
+        dp=dp, page=page, low_pages=(min(pools.low.data.shape[1], pools.low.scales.shape[1]) if pools.low is not None
                                      else pools.plain.rows.shape[1]),
         high_pages=pools.high.rows.shape[1] if pools.high is not None else 0, has_low=pools.low is not None,
         row_pool=row_pool, row_dtype=jnp.dtype(row.rows.dtype).name if row is not None else None,
@@ -427,6 +404,7 @@ def plan_for(pools: GroupPools, k, v, layer, rope: Optional[RopeSpec] = None, *,
 
 def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
     n_in = len(inputs)
+    check_offsets("append (write kernel)", **{f"pool operand {i}": p for i, p in enumerate(pools_flat)})
     spec = pl.BlockSpec(memory_space=_ANY)
     return pl.pallas_call(
         functools.partial(_write_kernel, plan),
@@ -442,14 +420,15 @@ def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
     )(*inputs, *pools_flat)
 
 
-def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: int, positions=None,
-               rope: Optional[RopeSpec] = None, *, block_t: Optional[int] = None,
-               heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
-               num_warps: int = 4, debug: bool = False) -> GroupPools:
+def write_rows(pools, k, v, layer, low_slot, high_slot, page_size: int, positions=None, rope=None, *,
+               block_t: Optional[int] = None, heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
+               num_warps: int = 4, debug: bool = False):
     """Store new rows of one layer or all layers into a group's pools, in place (one fused kernel).
 
     Args:
-      pools: the group's `GroupPools` (mixed: low + high; low: low; plain: plain).
+      pools: the group's `jmixedkv.pools.GroupPools` (mixed: low + high; low: low; plain: plain); read through its
+        fields only (``low.data/scales/gs``, ``high.rows/scale``, ``plain.rows/scale``), so this module does not
+        import the library's pytrees.
       k: ``[T, H, D]`` (``layer`` given: int or traced int32 scalar) or ``[L, T, H, D]`` (``layer=None``).
         Any float dtype; RoPE'd here when ``rope`` is given, then rounded to ``k.dtype``.
       v: same shape as ``k`` (any float dtype), or None for an MLA latent group (kv_factor 1).
@@ -457,14 +436,14 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
       high_slot: i32[T] slots into the high twin (mixed groups); -1 skip.
       page_size: rows per page (must match the pools).
       positions: i32[T] token positions (needed with ``rope``).
-      rope: optional `RopeSpec`, applied to K only.
+      rope: optional `jmixedkv.RopeSpec` (``style``, ``theta``, ``rotary_dim``), applied to K only.
       block_t / heads_per_program: tokens and heads per program (powers of two / divisor of H; default heuristic).
       num_warps: Triton warps per program (GPU only).
       interpret: force interpret mode (default: interpret when no GPU, unless inside `lowering_for_cuda`).
       debug: print the kernel jaxpr and Triton IR while lowering (pallas ``debug=True``).
 
     Returns:
-      the updated `GroupPools` (the same buffers when the caller donates them).
+      the updated pools, ``dataclasses.replace`` of ``pools`` (the same buffers when the caller donates them).
     """
     k = jnp.asarray(k)
     v = None if v is None else jnp.asarray(v)
@@ -497,15 +476,15 @@ def write_rows(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: i
     out = list(_call(plan, inputs, pools_flat, debug=debug))
     low = high = plain = None
     if pools.low is not None:
-        low = LowPool(out.pop(0), out.pop(0), pools.low.gs)
+        low = dataclasses.replace(pools.low, data=out.pop(0), scales=out.pop(0))
     if row is not None:
-        new_row = RowPool(out.pop(0), row.scale)
+        new_row = dataclasses.replace(row, rows=out.pop(0))
         high, plain = (new_row, pools.plain) if plan.row_pool == "high" else (pools.high, new_row)
-    return GroupPools(low, high, plain)
+    return dataclasses.replace(pools, low=low, high=high, plain=plain)
 
 
-def dump_kernel_ir(pools: GroupPools, k, v, layer, low_slot, high_slot, page_size: int, positions=None,
-                   rope: Optional[RopeSpec] = None, **kw) -> str:
+def dump_kernel_ir(pools, k, v, layer, low_slot, high_slot, page_size: int, positions=None, rope=None,
+                   **kw) -> str:
     """Lower the compiled (GPU) kernel for CUDA and return the Pallas debug print (jaxpr + Triton IR) as text.
 
     Works on a CPU machine; grep the result for ``elementwise_inline_asm`` / ``mul.rn.f32`` (the PTX itself is
@@ -519,13 +498,13 @@ def dump_kernel_ir(pools: GroupPools, k, v, layer, low_slot, high_slot, page_siz
     return buf.getvalue()
 
 
-def rope_rows_f32(x, positions, rope: RopeSpec, *, interpret: Optional[bool] = None):
+def rope_rows_f32(x, positions, rope, *, interpret: Optional[bool] = None):
     """The kernel's in-kernel RoPE alone: rotate ``x f32[T, D]`` (T, D powers of two) and return float32,
     without any rounding to a storage dtype. Test hook for the no-FMA guarantee (compare with numpy)."""
     x = jnp.asarray(x, jnp.float32)
     t, d = x.shape
     rd = rope.rotary_dim or d
-    interp = (_default_interpret() and not _FORCE_COMPILED[0]) if interpret is None else interpret
+    interp = ((not on_gpu()) and not _FORCE_COMPILED[0]) if interpret is None else interpret
     plan = _Plan(num_tokens=t, num_layers=1, all_layers=False, kv=1, heads=1, head_dim=d, dp=d, page=1,
                  low_pages=0, high_pages=0, has_low=False, row_pool=None, row_dtype=None, k_dtype="float32",
                  v_dtype=None, rope_style=rope.style, rotary_dim=rd, block_t=t, heads_per_program=1,

@@ -38,3 +38,14 @@ def assert_trees_bit_equal(a, b):
         x, y = np.asarray(x), np.asarray(y)
         assert x.shape == y.shape and x.dtype == y.dtype, (i, x.shape, y.shape, x.dtype, y.dtype)
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"leaf {i}")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _clear_jax_caches_per_module():
+    """Drop compiled executables after each test module: the suite compiles thousands of programs, and one long
+    process holding all of them grows past what a 2-core / 24 GiB CI machine handles comfortably."""
+    yield
+    jax.clear_caches()

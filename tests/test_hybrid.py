@@ -1,10 +1,17 @@
 """Hybrid recurrent + attention caches (`jmixedkv.hybrid`): layer-id mapping, recurrent mask, buffers, page tables,
 and speculative rollback of the recurrent state against a run that never speculated."""
+import dataclasses
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers import assert_trees_bit_equal
 from jmixedkv import KVCacheConfig, rows_reference, stage_reference
 from jmixedkv import hybrid as hy
 from jmixedkv import speculative as spec
@@ -71,6 +78,7 @@ def test_buffers_page_tables_and_retained_rows():
     state = _make()
     assert state.conv.shape == (2, 3, 8, 3) and state.ssm.shape == (2, 3, 2, 4, 4)
     assert state.conv_snap.shape == (2, 4, 3, 8, 3) and state.ssm_snap.shape == (2, 4, 3, 2, 4, 4)
+    assert state.snap_tokens.shape == (2, 3) and state.snap_tokens.dtype == jnp.int32
     attn = state.attn
     assert attn.kinds == ("mixed", "plain") and attn.pools[0].low.data.shape[0] == 2
     assert attn.pools[0].high.rows.shape[0] == 2
@@ -85,8 +93,7 @@ def test_buffers_page_tables_and_retained_rows():
     # write model layer 4 (attention-group layer 1) and find its retained rows through layer id 7's buffer
     n = 7
     k = jnp.asarray(np.random.default_rng(0).normal(size=(n, 1, 16)), jnp.float32)
-    state = hy.HybridState(state.layout, _append(state.attn, k, -k, jnp.full(n, 1, jnp.int32), jnp.arange(n), 1),
-                           state.conv, state.ssm, state.conv_snap, state.ssm_snap)
+    state = dataclasses.replace(state, attn=_append(state.attn, k, -k, jnp.full(n, 1, jnp.int32), jnp.arange(n), 1))
     pos = jnp.arange(n)
     seen = rows_reference(state.attn, 1, jnp.ones(n, jnp.int32), pos)           # what a reader sees
     retained = np.flatnonzero((np.arange(n) < KV.first_n) | (np.arange(n) >= n - KV.last_n))
@@ -121,8 +128,7 @@ def _forward(state, params, seq, x, katt, valid):
             state, x = hy.recurrent_forward(state, i, seq, x, valid, params)
             outs.append(x)
         else:
-            attn = append(state.attn, katt[i], katt[i] * 0.5, s_flat, p_flat, layer=i)
-            state = hy.HybridState(state.layout, attn, state.conv, state.ssm, state.conv_snap, state.ssm_snap)
+            state = dataclasses.replace(state, attn=append(state.attn, katt[i], katt[i] * 0.5, s_flat, p_flat, layer=i))
     return state, jnp.stack(outs)
 
 
@@ -169,3 +175,464 @@ def test_hybrid_rollback_gpu():
     """On the H200: the same rollback check with the attention appends on the Pallas write kernel (auto)."""
     assert jax.default_backend() == "gpu"
     test_speculative_rollback_matches_no_speculation()
+
+
+# ---------------------------------------------------------------------------------------------- issue 22
+# A small second model: 2 recurrent layers around 1 attention layer, D = 2, so blocks can be longer than D + 1.
+TYPES2 = ["mamba", "attention", "mamba"]
+MODEL2 = hy.HybridModelConfig(TYPES2, num_kv_heads=1, head_dim=16, conv_dim=8, conv_kernel=3, ssm_heads=2,
+                              ssm_head_dim=4, ssm_state_dim=4)
+KV2 = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=3, page_size=4, max_draft_len=2, speculative_mode="mtp")
+LAY2 = hy.hybrid_layout(MODEL2, KV2)
+S2, TB, C2 = 3, 5, 8                     # slots, block width (> D + 1: long prefill chunks), conv_dim
+PARAMS2 = hy.init_recurrent_params(MODEL2, jax.random.key(7))
+
+
+@jax.jit
+def _make2():
+    return hy.init_hybrid_state(MODEL2, KV2, 72, S2, 24, poison=True)
+
+
+@jax.jit
+def _forward2(state, seq, x, katt, valid):
+    """One block (any mix of prefill chunks and verify blocks, ``valid`` says which tokens are real) through the
+    whole small model: recurrent layers chain their outputs, the attention layer appends at kv_len.."""
+    s_flat, p_flat = spec.verify_tokens(state.attn, seq, TB)
+    s_flat = jnp.where(valid.reshape(-1), s_flat, -1)
+    for lid, kind in enumerate(LAY2.kinds[:len(TYPES2)]):
+        if kind == "recurrent":
+            state, x = hy.recurrent_forward(state, LAY2.local[lid], seq, x, valid, PARAMS2)
+        else:
+            state = dataclasses.replace(state, attn=append(state.attn, katt, katt * 0.5, s_flat, p_flat, layer=0))
+    return state, x
+
+
+_admit2, _release2, _accept2 = jax.jit(hy.hybrid_admit), jax.jit(hy.hybrid_release), jax.jit(hy.accept_hybrid)
+_rf2 = jax.jit(lambda st, layer, seq, x, valid: hy.recurrent_forward(st, layer, seq, x, valid, PARAMS2))
+_read2 = jax.jit(hy.recurrent_state)
+ALL2 = jnp.arange(S2, dtype=jnp.int32)
+_stage2 = jax.jit(lambda attn: stage_reference(attn, 0, ALL2))
+
+
+def _raw(x):
+    """Bytes of an array (NaN-safe, dtype-agnostic bitwise comparison)."""
+    return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
+
+
+def _no_error(state):
+    return dataclasses.replace(state, attn=dataclasses.replace(state.attn, error=jnp.int32(0)))
+
+
+def assert_state_unchanged(a, b):
+    """Every leaf but the error word bitwise equal."""
+    assert_trees_bit_equal(_no_error(a), _no_error(b))
+
+
+def slot_view(state, staged, s):
+    """Everything that belongs to slot ``s``: recurrent state + snapshots, lengths, tables, staged attention rows."""
+    return [_raw(a[s]) for a in (state.conv, state.ssm, state.conv_snap, state.ssm_snap, state.snap_tokens,
+                                 state.attn.kv_lens, state.attn.active, state.attn.page_table,
+                                 state.attn.high_table)] + [_raw(staged[s])]
+
+
+def assert_slots_unchanged(a, b, slots):
+    sa, sb = _stage2(a.attn), _stage2(b.attn)
+    for s in slots:
+        for i, (x, y) in enumerate(zip(slot_view(a, sa, s), slot_view(b, sb, s))):
+            np.testing.assert_array_equal(x, y, err_msg=f"slot {s}, part {i}")
+
+
+def reference_recurrence(x_rows, params=PARAMS2):
+    """Independent oracle: the tokens of one sequence stepped one at a time through every recurrent layer,
+    model layer order. Returns [(conv, ssm)] per recurrent layer."""
+    out = []
+    xs = [jnp.asarray(t, jnp.float32) for t in x_rows]
+    for li in range(LAY2.num_recurrent):
+        p = jax.tree.map(lambda a: a[li], params)
+        conv = jnp.zeros((C2, MODEL2.conv_kernel - 1), jnp.float32)
+        ssm = jnp.zeros((MODEL2.ssm_heads, MODEL2.ssm_head_dim, MODEL2.ssm_state_dim), jnp.float32)
+        ys = []
+        for t in xs:
+            conv, ssm, y = mamba_step(conv, ssm, t, p)
+            ys.append(y)
+        out.append((conv, ssm))
+        xs = ys
+    return out
+
+
+mamba_step = jax.jit(hy.mamba_step_reference)
+
+
+def _populated(seed=0, chunk=(3, 2)):
+    """Slots 0 and 1 admitted, each with one prefill chunk through the model (slot 2 idle); error 0."""
+    rng = np.random.default_rng(seed)
+    st = _admit2(_admit2(_make2(), 0), 1)
+    x = jnp.asarray(rng.normal(size=(S2, TB, C2)), jnp.float32)
+    katt = jnp.asarray(rng.normal(size=(S2 * TB, 1, 16)), jnp.float32)
+    valid = np.zeros((S2, TB), bool)
+    valid[0, :chunk[0]] = valid[1, :chunk[1]] = True
+    st, _ = _forward2(st, jnp.array([0, 1, -1], jnp.int32), x, katt, jnp.asarray(valid))
+    assert int(st.attn.error) == 0
+    return st, x
+
+
+@pytest.mark.parametrize("n", [1, 3, TB])
+def test_prefill_chunk_listed_with_zero_drafts_keeps_full_state(n):
+    """Issue 22 (1): a prefill chunk of a mixed batch listed with num_drafts = 0 keeps the state after its last
+    token -- also for chunks longer than max_draft_len + 1 -- while a verify block in the same accept rolls back."""
+    rng = np.random.default_rng(n)
+    st = _admit2(_admit2(_make2(), 0), 1)
+    x = jnp.asarray(rng.normal(size=(S2, TB, C2)), jnp.float32)
+    katt = jnp.asarray(rng.normal(size=(S2 * TB, 1, 16)), jnp.float32)
+    valid = np.zeros((S2, TB), bool)
+    valid[0, :n] = True                       # slot 0: prefill chunk of n tokens
+    valid[1, :3] = True                       # slot 1: verify block, k = 2 drafts, accept 1
+    st, _ = _forward2(st, jnp.array([0, 1, -1], jnp.int32), x, katt, jnp.asarray(valid))
+    out = hy.accept_hybrid(st, np.array([0, 1]), np.array([0, 1]), np.array([0, 2]))
+    assert int(out.attn.error) == 0
+    assert np.asarray(out.attn.kv_lens).tolist() == [n, 2, 0]
+    for s, tokens in ((0, n), (1, 2)):
+        for li, (conv, ssm) in enumerate(reference_recurrence(x[s, :tokens])):
+            np.testing.assert_allclose(np.asarray(out.ssm[s, li]), np.asarray(ssm), rtol=2e-6, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(out.conv[s, li]), np.asarray(conv), rtol=2e-6, atol=1e-6)
+    # bit for bit: the prefill chunk's state is exactly the state the forward left
+    np.testing.assert_array_equal(_raw(out.ssm[0]), _raw(st.ssm[0]))
+    np.testing.assert_array_equal(_raw(out.conv[0]), _raw(st.conv[0]))
+    # the same chunk not listed at all: identical result
+    alt = hy.accept_hybrid(st, np.array([1]), np.array([1]), np.array([2]))
+    assert_state_unchanged(dataclasses.replace(alt, snap_tokens=out.snap_tokens), out)
+
+
+_rf = jax.jit(hy.recurrent_forward)
+
+
+def test_issue_repro_three_token_chunk():
+    """Issue 22 (1), the report's own steps: a 3-token chunk through `recurrent_forward`, the same tokens
+    appended, ``accept_hybrid(st, [0], [0], [0])``: kv_len 3 and the state after all three tokens."""
+    st = _admit(_make(), 0)
+    params = hy.init_recurrent_params(MODEL, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (1, 3, 8))
+    st, _ = _rf(st, 0, jnp.array([0]), x, jnp.ones((1, 3), bool), params)
+    k = jnp.ones((3, 1, 16))
+    st = dataclasses.replace(st, attn=_append(st.attn, k, k, jnp.zeros(3, jnp.int32), jnp.arange(3), 0))
+    out = _accept(st, jnp.array([0]), jnp.array([0]), jnp.array([0]))
+    assert int(out.attn.kv_lens[0]) == 3 and int(out.attn.error) == 0
+    conv, ssm = jnp.zeros((8, 3)), jnp.zeros((2, 4, 4))
+    p = jax.tree.map(lambda a: a[0], params)
+    for t in range(3):
+        conv, ssm, _ = mamba_step(conv, ssm, x[0, t], p)
+    np.testing.assert_allclose(np.asarray(out.ssm[0, 0]), np.asarray(ssm), rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(_raw(out.ssm), _raw(st.ssm))
+
+
+def test_admit_minus_one_is_a_noop():
+    """Issue 22 (2): hybrid_admit(st, -1) changes nothing (it used to zero the last slot: ``.at[-1]`` wraps)."""
+    st, _ = _populated()
+    st = _admit2(st, 2)
+    st, _ = _forward2(st, jnp.array([2, -1, -1], jnp.int32), jnp.ones((S2, TB, C2)), jnp.ones((S2 * TB, 1, 16)),
+                      jnp.asarray(np.arange(TB)[None, :] < np.array([[2], [0], [0]])))
+    assert np.abs(np.asarray(st.ssm[2])).sum() > 0                             # the last slot has state
+    for fn in (_admit2, _release2):
+        out = fn(st, -1)
+        assert int(out.attn.error) == 0
+        assert_state_unchanged(out, st)
+
+
+def test_double_admit_keeps_recurrent_state():
+    """Issue 22 (3): admitting an admitted slot is refused (ERR_BAD_SLOT) and changes nothing -- its recurrent
+    state and snapshots included."""
+    st, _ = _populated()
+    for slot in (0, 1):
+        out = _admit2(st, slot)
+        assert int(out.attn.error) == hy.ERR_BAD_SLOT
+        assert_state_unchanged(out, st)
+    with pytest.raises(ValueError, match="hybrid_admit: seq_slot=3 out of range"):
+        hy.hybrid_admit(st, 3)
+
+
+def test_release_zeroes_and_readmit_starts_clean():
+    st, _ = _populated()
+    out = _release2(st, 1)
+    assert int(out.attn.error) == 0 and not bool(out.attn.active[1])
+    assert not np.asarray(out.ssm[1]).any() and not np.asarray(out.ssm_snap[1]).any()
+    assert not np.asarray(out.snap_tokens[1]).any()
+    assert_slots_unchanged(out, st, [0, 2])
+    again = _release2(out, 1)                                                   # idle: refused, unchanged
+    assert int(again.attn.error) == hy.ERR_BAD_SLOT
+    assert_state_unchanged(again, out)
+
+
+def test_rewind_contract():
+    """snap[r] = state with the last r valid tokens undone; a rewind needs r < the block's valid tokens, and a
+    block is accepted once."""
+    st, x = _populated(chunk=(3, 1))
+    np.testing.assert_array_equal(np.asarray(st.snap_tokens), [[3, 3], [1, 1], [0, 0]])
+    # slot 0 rewinds 2 of its 3 tokens: the state after token 0
+    out = _accept2(st, jnp.array([0, -1, -1]), jnp.array([0, 0, 0]), jnp.array([2, 0, 0]))
+    assert int(out.attn.error) == 0 and int(out.attn.kv_lens[0]) == 1
+    for li, (conv, ssm) in enumerate(reference_recurrence(x[0, :1])):
+        np.testing.assert_allclose(np.asarray(out.ssm[0, li]), np.asarray(ssm), rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.snap_tokens[0]), [0, 0])
+    # rewinding into nothing (slot 1's block had 1 token; slot 0's block is used) is refused, all or nothing
+    for seq, a, k in (([1, -1, -1], [0, 0, 0], [1, 0, 0]), ([0, -1, -1], [0, 0, 0], [1, 0, 0])):
+        bad = _accept2(out, jnp.array(seq), jnp.array(a), jnp.array(k))
+        assert int(bad.attn.error) == hy.ERR_BAD_CORRECTION
+        assert_state_unchanged(bad, out)
+    # rows without valid tokens keep the previous block (state and snapshots)
+    again, y = _rf2(st, jnp.int32(0), jnp.array([1, -1, -1]), jnp.ones((S2, TB, C2)), jnp.zeros((S2, TB), bool))
+    assert int(again.attn.error) == 0
+    assert_state_unchanged(again, st)
+
+
+# ---------------------------------------------------------------------------------------------- issue 17
+def test_host_validation_names_the_value():
+    st, x = _populated()
+    v = jnp.ones((S2, TB), bool)
+    cases = [
+        (lambda: hy.hybrid_admit(st, -2), r"hybrid_admit: seq_slot=-2 out of range \[-1, 3\)"),
+        (lambda: hy.hybrid_release(st, 7), r"hybrid_release: seq_slot=7 out of range \[-1, 3\)"),
+        (lambda: hy.hybrid_admit(st, 1.0), "must be an integer"),
+        (lambda: hy.recurrent_forward(st, 2, [0, 1, -1], x, v, PARAMS2), r"layer=2 out of range \[0, 2\)"),
+        (lambda: hy.recurrent_forward(st, -1, [0, 1, -1], x, v, PARAMS2), r"layer=-1 out of range"),
+        (lambda: hy.recurrent_forward(st, 0, [0, 3, -1], x, v, PARAMS2), r"seq_slots\[1\]=3 out of range"),
+        (lambda: hy.recurrent_forward(st, 0, [0, 0, -1], x, v, PARAMS2), "slot 0 more than once"),
+        (lambda: hy.recurrent_forward(st, 0, [0, 1, 2**32 + 1], x, v, PARAMS2), r"=4294967297 out of range"),
+        (lambda: hy.recurrent_forward(st, 0, [0, 1], x, v, PARAMS2), "need seq_slots i32"),
+        (lambda: hy.recurrent_state(st, [0, -5], 0), r"seq_slots\[1\]=-5 out of range"),
+        (lambda: hy.recurrent_state(st, [0], 9), r"layer=9 out of range"),
+        (lambda: hy.accept_hybrid(st, [0, 3], [0, 0], [0, 0]), r"seq_slots\[1\]=3 out of range"),
+        (lambda: hy.accept_hybrid(st, [1, 1], [0, 0], [0, 0]), "slot 1 more than once"),
+        (lambda: hy.accept_hybrid(st, [0], [2], [1]), "slot 0 has num_accepted=2, num_drafts=1"),
+        (lambda: hy.rollback(st, [0], [0], [3]), r"max_draft_len \(2\); slot 0 has num_accepted=0, num_drafts=3"),
+        (lambda: hy.layer_buffers(st, 4), r"layer id 4 out of range \[0, 4\)"),
+        (lambda: hy.layer_buffers(st, True), "must be an integer"),
+        (lambda: hy.layer_page_table(st, -1), "layer id -1 out of range"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn()
+
+
+def test_refusals_inside_jit_leave_every_sequence_unchanged():
+    """Traced bad slots / layers / counts: the error bit, the whole state bitwise unchanged, NaN outputs."""
+    st, _ = _populated()
+    x = jnp.ones((S2, TB, C2), jnp.float32)
+    v = jnp.ones((S2, TB), bool)
+    forwards = [((0, [0, 3, -1]), hy.ERR_BAD_SLOT), ((0, [0, -2, -1]), hy.ERR_BAD_SLOT),
+                ((0, [0, 2, -1]), hy.ERR_BAD_SLOT),                    # slot 2 is not admitted
+                ((1, [1, 1, -1]), hy.ERR_BAD_SLOT),                    # listed twice
+                ((2, [0, 1, -1]), hy.ERR_BAD_LAYER), ((-1, [0, -1, -1]), hy.ERR_BAD_LAYER)]
+    for (layer, seq), bit in forwards:
+        out, y = _rf2(st, jnp.int32(layer), jnp.array(seq, jnp.int32), x, v)
+        assert int(out.attn.error) == bit, (layer, seq)
+        assert_state_unchanged(out, st)
+        assert np.isnan(np.asarray(y)).all()
+    accepts = [(([0, 3, -1], [0, 0, 0], [0, 0, 0]), hy.ERR_BAD_SLOT),
+               (([0, -7, -1], [0, 0, 0], [0, 0, 0]), hy.ERR_BAD_SLOT),
+               (([2, -1, -1], [0, 0, 0], [0, 0, 0]), hy.ERR_BAD_SLOT),         # idle slot
+               (([0, 0, -1], [0, 0, 0], [1, 1, 0]), hy.ERR_BAD_SLOT),          # listed twice
+               (([0, 1, -1], [2, 0, 0], [1, 0, 0]), hy.ERR_BAD_CORRECTION),    # a > k
+               (([0, 1, -1], [0, 0, 0], [0, 3, 0]), hy.ERR_BAD_CORRECTION),    # k > max_draft_len
+               (([0, 1, -1], [0, 0, 0], [0, 2, 0]), hy.ERR_BAD_CORRECTION)]    # slot 1's block had 2 tokens
+    for (seq, a, k), bit in accepts:
+        out = _accept2(st, jnp.array(seq, jnp.int32), jnp.array(a, jnp.int32), jnp.array(k, jnp.int32))
+        assert int(out.attn.error) & bit, (seq, a, k, int(out.attn.error))
+        assert_state_unchanged(out, st)
+    for slot, bit in ((3, hy.ERR_BAD_SLOT), (-2, hy.ERR_BAD_SLOT), (0, hy.ERR_BAD_SLOT)):
+        out = _admit2(st, jnp.int32(slot))
+        assert int(out.attn.error) == bit
+        assert_state_unchanged(out, st)
+    for slot in (3, -2, 2):
+        out = _release2(st, jnp.int32(slot))
+        assert int(out.attn.error) == hy.ERR_BAD_SLOT
+        assert_state_unchanged(out, st)
+    # sticky: earlier bits survive a good transition
+    flagged = dataclasses.replace(st, attn=dataclasses.replace(st.attn, error=jnp.int32(hy.ERR_BAD_LAYER)))
+    assert int(_admit2(flagged, jnp.int32(2)).attn.error) == hy.ERR_BAD_LAYER
+
+
+def test_reader_flags_bad_slot_and_layer():
+    st, _ = _populated()
+    conv, ssm = _read2(st, jnp.array([1, -1, 3, 2, 0, -4], jnp.int32), jnp.int32(1))
+    np.testing.assert_array_equal(_raw(ssm[0]), _raw(st.ssm[1, 1]))
+    np.testing.assert_array_equal(_raw(conv[4]), _raw(st.conv[0, 1]))
+    assert not np.asarray(ssm[1]).any() and not np.asarray(conv[1]).any()      # padding: zero
+    for row in (2, 3, 5):                                                       # out of range / idle: NaN
+        assert np.isnan(np.asarray(ssm[row])).all() and np.isnan(np.asarray(conv[row])).all()
+    conv, ssm = _read2(st, jnp.array([0, 1, -1], jnp.int32), jnp.int32(2))     # layer out of range
+    assert np.isnan(np.asarray(ssm)).all() and np.isnan(np.asarray(conv)).all()
+
+
+# ---------------------------------------------------------------------------------------------- state machine
+class HybridMachine(RuleBasedStateMachine):
+    """A speculating hybrid cache ``sp`` vs a cache ``ref`` that only ever sees accepted tokens, driven by mixed
+    batches of prefill chunks (listed with 0 drafts or not listed) and verify blocks, plus bad input: slots out
+    of range, -1, double admit, release of idle slots, bad layers, bad accept counts. After every step: the error
+    bits are exactly the expected ones, a refused step leaves the whole state bitwise unchanged, a good one leaves
+    every other slot bitwise unchanged, and the stepped slots equal ``ref`` bit for bit."""
+
+    @initialize(seed=st.integers(0, 2 ** 16), first=st.sets(st.integers(0, S2 - 1), min_size=1))
+    def setup(self, seed, first):
+        self.rng = np.random.default_rng(seed)
+        self.sp = self.ref = _make2()
+        self.active = set()
+        for s in sorted(first):
+            self.admit(s)
+
+    def _expect(self, new, old, bits, touched=()):
+        assert int(new.attn.error) == bits, (int(new.attn.error), bits)
+        if bits:
+            assert_state_unchanged(new, old)
+        else:
+            assert_slots_unchanged(new, old, [s for s in range(S2) if s not in touched])
+        return _no_error(new)
+
+    @rule(slot=st.integers(-2, S2 + 1))
+    def admit(self, slot):
+        ok = 0 <= slot < S2 and slot not in self.active
+        bits = 0 if slot == -1 or ok else hy.ERR_BAD_SLOT
+        event(f"admit: {'ok' if ok else 'no-op' if slot == -1 else 'refused'}")
+        old = self.sp
+        self.sp = self._expect(_admit2(old, jnp.int32(slot)), old, bits, {slot})
+        if ok:
+            self.ref = _no_error(_admit2(self.ref, jnp.int32(slot)))
+            self.active.add(slot)
+            assert not np.asarray(self.sp.ssm[slot]).any() and not np.asarray(self.sp.conv[slot]).any()
+
+    @rule(slot=st.integers(-2, S2 + 1))
+    def release(self, slot):
+        ok = slot in self.active
+        bits = 0 if slot == -1 or ok else hy.ERR_BAD_SLOT
+        event(f"release: {'ok' if ok else 'no-op' if slot == -1 else 'refused'}")
+        old = self.sp
+        self.sp = self._expect(_release2(old, jnp.int32(slot)), old, bits, {slot})
+        if ok:
+            self.ref = _no_error(_release2(self.ref, jnp.int32(slot)))
+            self.active.discard(slot)
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def mixed_batch(self, data):
+        """Every active slot with room: sits out, runs a prefill chunk of 1..TB tokens (listed in the accept with
+        0 drafts, or not listed), or a verify block of k + 1 tokens accepting a drafts."""
+        lens = np.asarray(self.sp.attn.kv_lens)
+        plans = {}
+        for s in sorted(self.active):
+            if lens[s] + TB > 24 * KV2.page_size:
+                continue
+            kind = data.draw(st.sampled_from(["idle", "prefill", "prefill_listed", "verify"]))
+            if kind == "verify":
+                k = data.draw(st.integers(0, KV2.max_draft_len))
+                plans[s] = ("verify", k + 1, data.draw(st.integers(0, k)), k)
+            elif kind != "idle":
+                plans[s] = (kind, data.draw(st.integers(1, TB)), 0, 0)
+        order = data.draw(st.permutations(list(plans) + [-1] * (S2 - len(plans))))
+        event("mixed_batch: " + "+".join(sorted(p[0] for p in plans.values())))
+        seq = np.array(order, np.int32)
+        n_sp = np.array([plans[s][1] if s >= 0 else 0 for s in order])
+        n_ref = np.array([(plans[s][2] + 1 if plans[s][0] == "verify" else plans[s][1]) if s >= 0 else 0
+                          for s in order])
+        x = jnp.asarray(self.rng.normal(size=(S2, TB, C2)), jnp.float32)
+        katt = jnp.asarray(self.rng.normal(size=(S2 * TB, 1, 16)), jnp.float32)
+        j = np.arange(TB)[None, :]
+        old = self.sp
+        sp, _ = _forward2(old, jnp.asarray(seq), x, katt, jnp.asarray(j < n_sp[:, None]))
+        listed = [s if s >= 0 and plans[s][0] != "prefill" else -1 for s in order]
+        a = [plans[s][2] if s >= 0 else 0 for s in order]
+        k = [plans[s][3] if s >= 0 else 0 for s in order]
+        sp = _accept2(sp, jnp.array(listed, jnp.int32), jnp.array(a, jnp.int32), jnp.array(k, jnp.int32))
+        self.sp = self._expect(sp, old, 0, set(plans))
+        self.ref, _ = _forward2(self.ref, jnp.asarray(seq), x, katt, jnp.asarray(j < n_ref[:, None]))
+        assert int(self.ref.attn.error) == 0
+        for arr in ("conv", "ssm"):
+            np.testing.assert_array_equal(_raw(getattr(self.sp, arr)), _raw(getattr(self.ref, arr)), err_msg=arr)
+        np.testing.assert_array_equal(np.asarray(self.sp.attn.kv_lens), np.asarray(self.ref.attn.kv_lens))
+        live = [s for s in range(S2) if s in self.active]
+        st_sp, st_ref = _stage2(self.sp.attn), _stage2(self.ref.attn)
+        for s in live:
+            np.testing.assert_array_equal(_raw(st_sp[s]), _raw(st_ref[s]), err_msg=f"staged slot {s}")
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def another_mixed_batch(self, data):
+        """(The same rule again: batches are the common step.)"""
+        self.mixed_batch(data)
+
+    @rule(data=st.data())
+    def bad_forward(self, data):
+        """A block with a slot out of range, an idle slot, a repeated slot or a bad layer: refused whole."""
+        idle = [s for s in range(S2) if s not in self.active]
+        kinds = ["oob", "layer"] + (["idle"] if idle else []) + (["dup"] if self.active else [])
+        kind = data.draw(st.sampled_from(kinds))
+        seq, layer = [-1] * S2, 0
+        if kind == "oob":
+            seq[0] = data.draw(st.sampled_from([S2, S2 + 5, -2, -100]))
+        elif kind == "idle":
+            seq[0] = data.draw(st.sampled_from(idle))
+        elif kind == "dup":
+            seq[0] = seq[2] = data.draw(st.sampled_from(sorted(self.active)))
+        else:
+            layer = data.draw(st.sampled_from([-1, LAY2.num_recurrent, 99]))
+            if self.active:
+                seq[1] = min(self.active)
+        order = data.draw(st.permutations(seq))
+        event(f"bad_forward: {kind}")
+        old = self.sp
+        out, y = _rf2(old, jnp.int32(layer), jnp.array(order, jnp.int32), jnp.ones((S2, TB, C2)),
+                      jnp.ones((S2, TB), bool))
+        assert np.isnan(np.asarray(y)).all()
+        self.sp = self._expect(out, old, hy.ERR_BAD_LAYER if kind == "layer" else hy.ERR_BAD_SLOT)
+
+    @rule(data=st.data())
+    def bad_accept(self, data):
+        """An accept naming a bad / idle / repeated slot, bad counts, or a rewind no block can serve."""
+        idle = [s for s in range(S2) if s not in self.active]
+        act = sorted(self.active)
+        kinds = ["oob"] + (["idle"] if idle else []) + (["dup", "counts", "rewind"] if act else [])
+        kind = data.draw(st.sampled_from(kinds))
+        seq, a, k = [-1] * S2, [0] * S2, [0] * S2
+        bits = hy.ERR_BAD_SLOT
+        if kind == "oob":
+            seq[0] = data.draw(st.sampled_from([S2, -2]))
+        elif kind == "idle":
+            seq[0] = data.draw(st.sampled_from(idle))
+        elif kind == "dup":
+            seq[0] = seq[1] = data.draw(st.sampled_from(act))
+        elif kind == "counts":
+            seq[0] = data.draw(st.sampled_from(act))
+            a[0], k[0] = data.draw(st.sampled_from([(1, 0), (-1, 0), (0, KV2.max_draft_len + 1)]))
+            bits = hy.ERR_BAD_CORRECTION
+        else:                                   # r = k - a at least the block's valid tokens in some layer
+            s = data.draw(st.sampled_from(act))
+            have = int(np.asarray(self.sp.snap_tokens[s]).min())
+            if have > KV2.max_draft_len:
+                return
+            seq[0], k[0] = s, data.draw(st.integers(max(have, 1), KV2.max_draft_len))
+            bits = hy.ERR_BAD_CORRECTION
+        event(f"bad_accept: {kind}")
+        old = self.sp
+        out = _accept2(old, jnp.array(seq, jnp.int32), jnp.array(a, jnp.int32), jnp.array(k, jnp.int32))
+        assert int(out.attn.error) & bits, (kind, seq, a, k, int(out.attn.error))
+        self.sp = self._expect(out, old, int(out.attn.error))
+
+    @invariant()
+    def tables_consistent(self):
+        if not hasattr(self, "sp"):
+            return
+        act = np.asarray(self.sp.attn.active)
+        assert set(np.flatnonzero(act).tolist()) == self.active
+        idle = ~act
+        assert not np.asarray(self.sp.ssm)[idle].any() and not np.asarray(self.sp.snap_tokens)[idle].any()
+        conv, ssm = _read2(self.sp, jnp.array([0, 1, 2, -1, S2], jnp.int32), jnp.int32(1))   # the reader
+        for s in range(S2):
+            if act[s]:
+                np.testing.assert_array_equal(_raw(ssm[s]), _raw(self.sp.ssm[s, 1]))
+            else:
+                assert np.isnan(np.asarray(ssm[s])).all() and np.isnan(np.asarray(conv[s])).all()
+        assert not np.asarray(ssm[3]).any() and np.isnan(np.asarray(ssm[4])).all()
+
+
+TestHybridMachine = HybridMachine.TestCase
+TestHybridMachine.settings = settings(max_examples=int(os.environ.get("JMIXEDKV_HYBRID_EXAMPLES", "20")),
+                                      stateful_step_count=16, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

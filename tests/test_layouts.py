@@ -8,7 +8,7 @@ import torch
 
 from interop import layouts
 from interop.dlpack import to_torch
-from jmixedkv import GroupSpec, KVCacheConfig, append, init_state, stage_reference
+from jmixedkv import GroupSpec, KVCacheConfig, append, init_state, read, stage_reference
 from jmixedkv.state import admit
 
 PAGE = 16
@@ -173,3 +173,67 @@ def test_nvfp4_pages_scale_bytes():
                                   np.asarray(state.pools[0].low.scales[0][:, 1]).view(np.uint8))
     jx = layouts.nvfp4_pages(state.pools[0].low, 0, "NHD", as_torch=False)
     assert jx.k_data.shape == (8, PAGE, 2, 16) and jx.k_scales.shape == (8, PAGE, 2, 2)
+
+
+def _kv_states():
+    """The same K/V written to a mixed cache (first 2 / last 4 rows in a bf16 twin) and to a plain NVFP4 cache."""
+    spec = GroupSpec(num_layers=2, num_kv_heads=2, head_dim=32)
+    rng = np.random.default_rng(2)
+    lens = (45, 17)
+    seq = np.concatenate([np.full(n, s) for s, n in enumerate(lens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    k = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32)).astype(jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32) * 3).astype(jnp.bfloat16)
+    gs = jnp.array([[0.5, 2.0], [1.25, 0.75]], jnp.float32)
+    out = []
+    for cfg in (KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=PAGE),
+                KVCacheConfig("nvfp4", page_size=PAGE)):
+        state = init_state(cfg, spec, num_pages=8, max_seqs=2, poison=True, gs=gs,
+                           page_order=np.random.default_rng(0).permutation(8))
+        state = jax.jit(lambda s: admit(admit(s, 0), 1))(state)
+        out.append(jax.jit(append, static_argnames="backend")(state, k, v, seq, pos, backend="reference"))
+    return out
+
+
+def test_nvfp4_pool_csr_means_history_only_staged_csr_means_mixed():
+    """The documented statement: a CSR over the NVFP4 pool reads plain NVFP4 (the twin dropped) -- exactly what a
+    twin-less NVFP4 cache holds; the staged cache's CSR reads the mixed semantics (retained rows bf16)."""
+    from interop.torch_cache import TorchStaged
+    mixed, plain = _kv_states()
+    seq = np.array([0, 1], np.int32)
+    csr = layouts.csr_to_torch(layouts.flashinfer_csr(np.asarray(mixed.page_table), np.asarray(mixed.kv_lens),
+                                                      seq, PAGE), "cpu")
+    assert all(t.dtype == torch.int32 for t in csr)
+    staged = jax.jit(lambda s: read.stage(s, 0, seq, backend="reference", validate=False))(mixed)
+    st = TorchStaged(to_torch(staged.pages), to_torch(staged.page_table), to_torch(staged.kv_lens))
+    scsr = st.flashinfer_csr()
+    pages = layouts.nvfp4_pages(mixed.pools[0].low, 0)
+    history = np.asarray(_stage(plain, 0, seq).astype(jnp.float32))            # twin-less NVFP4 reading
+    mixed_view = np.asarray(_stage(mixed, 0, seq).astype(jnp.float32))         # the mixed reading
+    for b, n in enumerate((45, 17)):
+        ids = csr.kv_indices[csr.kv_indptr[b]:csr.kv_indptr[b + 1]].long()
+        got = _torch_decode_page_rows(pages.k_data[ids], pages.k_scales[ids], pages.k_scale)
+        got = got.permute(1, 0, 2, 3).reshape(2, -1, 32)[:, :n].float().numpy()
+        np.testing.assert_array_equal(got, history[b, 0, :, :n])
+        assert not np.array_equal(got, mixed_view[b, 0, :, :n])               # the retained rows differ
+        sids = scsr.kv_indices[scsr.kv_indptr[b]:scsr.kv_indptr[b + 1]].long()
+        srows = st.k_pages[sids].permute(1, 0, 2, 3).reshape(2, -1, 32)[:, :n].float().numpy()
+        np.testing.assert_array_equal(srows, mixed_view[b, 0, :, :n])
+
+
+def test_block_table_padding_value():
+    table, lens = layouts.block_table(TABLE, LENS, [0, 1, 2, -1], PAGE, pad=0)
+    np.testing.assert_array_equal(table, [[7, 2, 9, 0], [0, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(lens, [45, 0, 1, 0])
+    for bad in (-2, 1.5, True, "0"):
+        with pytest.raises(ValueError, match="pad must be"):
+            layouts.block_table(TABLE, LENS, [0], PAGE, pad=bad)
+
+
+def test_csr_to_torch_and_to_device():
+    csr = layouts.flashinfer_csr(TABLE, LENS, [0, 1, 4], PAGE)
+    t = layouts.csr_to_torch(csr, "cpu")
+    assert isinstance(t, layouts.FlashInferCSR)
+    for a, b in zip(csr, t):
+        assert b.dtype == torch.int32 and b.device.type == "cpu" and b.tolist() == a.tolist()
+    assert layouts.to_device(np.array([1, 2], np.int64), "cpu").dtype == torch.int32

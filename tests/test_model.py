@@ -162,3 +162,41 @@ def test_bad_input():
         ModelConfig(num_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match="multiple of 16"):
         ModelConfig(head_dim=40)
+
+
+def test_tied_embeddings_and_rms_eps():
+    import dataclasses
+    cfg = dataclasses.replace(ModelConfig.tiny(seed=1), tie_embeddings=True, rms_eps=1e-5)
+    p = init_params(cfg)
+    assert "lm_head" not in p["params"]
+    toks = jnp.array([[1, 2, 3]])
+    pos = jnp.arange(3)[None]
+    logits = Decoder(cfg).apply(p, toks, pos, DenseSession())
+    last = Decoder(cfg).apply(p, toks, pos, DenseSession(), last_only=True)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(logits[:, -1]), rtol=1e-5, atol=1e-5)
+    assert logits.shape == (1, 3, cfg.vocab_size)
+
+
+def test_builtin_texts_and_high_fraction():
+    from jmixedkv.model import builtin_text, high_fraction
+    for name in ("prose", "code"):
+        assert len(builtin_text(name)) > 20000
+    with pytest.raises(ValueError, match="available"):
+        builtin_text("poetry")
+    assert high_fraction(KVCacheConfig("bf16"), 100) == 1.0 and high_fraction(KVCacheConfig("nvfp4"), 100) == 0.0
+    assert high_fraction(KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64), 4096) == 68 / 4096
+    assert high_fraction(KVCacheConfig("mixed_nvfp4_bf16", first_n=64, last_n=64), 100) == 1.0
+
+
+def test_evaluate_caches_on_the_tiny_model():
+    from jmixedkv.model import evaluate_caches
+    toks = jax.random.randint(jax.random.PRNGKey(3), (40,), 0, CFG.vocab_size)
+    caches = [("bf16", KVCacheConfig("bf16", page_size=PAGE)), ("nvfp4", KVCacheConfig("nvfp4", page_size=PAGE)),
+              ("all", KVCacheConfig("mixed_nvfp4_bf16", first_n=0, last_n=40, page_size=PAGE))]
+    r = evaluate_caches(params(), CFG, toks, caches, prefix_len=30)
+    assert r["window"] == 9 and r["seq_len"] == 39
+    base, nv, allhigh = r["results"]
+    assert base["kl"] == 0 and allhigh["kl"] == 0 and allhigh["attn_rel_err_per_layer"] == [0.0, 0.0]
+    assert nv["kl"] > 0 and len(nv["kl_per_position"]) == 9 and all(e > 0 for e in nv["attn_rel_err_per_layer"])
+    with pytest.raises(ValueError, match="prefix_len"):
+        evaluate_caches(params(), CFG, toks, caches, prefix_len=39)

@@ -1,4 +1,4 @@
-"""Reference NVFP4 codec (`jmixedkv.nvfp4`): the pinned convention of DESIGN.md §2, checked three ways.
+"""Reference NVFP4 codec (`jmixedkv.nvfp4`): the pinned convention of docs/DESIGN.md §2, checked three ways.
 
 1. Hand-written cases: E2M1 code table and RNE ties, E4M3 saturation, zero / NaN / Inf blocks, packing order.
 2. An independent NumPy + ml_dtypes re-implementation of the pinned op order (bit-exact, hypothesis shapes).
@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import division_probe
 from jmixedkv import codec, nvfp4
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -346,30 +347,6 @@ def test_agrees_with_torchao_0_18():
 
 
 # --------------------------------------------------------------------------- IEEE division in XLA (compat)
-_DIVISION_PROBE = """
-import os, sys
-import numpy as np
-import jax, jax.numpy as jnp
-d = np.concatenate([np.float32([0.0011160715, 3.0, 7.0]),
-                    np.random.default_rng(0).uniform(1e-4, 1e4, 1 << 16).astype(np.float32)])
-got = np.asarray(jax.jit(lambda a: jnp.float32(1.0) / a)(jnp.asarray(d)))
-want = np.float32(1.0) / d
-print(jax.default_backend(), int((got.view(np.uint32) != want.view(np.uint32)).sum()), got[0])
-"""
-
-
-def division_probe(env_flags):
-    """Run `_DIVISION_PROBE` in a fresh process with ``XLA_FLAGS=env_flags``: (backend, mismatches, 1/0.0011160715)."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, XLA_FLAGS=env_flags)
-    r = subprocess.run([sys.executable, "-c", _DIVISION_PROBE], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    backend, bad, inv = r.stdout.split()[-3:]
-    return backend, int(bad), np.float32(inv)
-
-
 def test_xla_flags_with_ieee_division_merges_and_is_accepted():
     """The flag string merges with other flags and XLA accepts it (an unknown LLVM option aborts the process);
     on this backend the division it compiles is IEEE (on an H200 see the GPU test in test_nvfp4_kernels)."""
@@ -380,3 +357,44 @@ def test_xla_flags_with_ieee_division_merges_and_is_accepted():
     assert f(f("--a=1")) == f("--a=1")
     _, bad, inv = division_probe(f("--xla_force_host_platform_device_count=2"))
     assert bad == 0 and inv == np.float32(1.0) / np.float32(0.0011160715)
+
+
+# --------------------------------------------------------------------------- jmixedkv.numerics (the leaf)
+def test_numerics_fence_keeps_every_bit_pattern():
+    """`keep` / `launder` return their input bit for bit (signed zeros, subnormals, Inf, NaN payloads), eager and
+    jitted, with the zeros they need (`keep`: a non-negative value; `launder`: `opaque_zero` of a |c| <= 1)."""
+    from helpers import assert_bits_equal
+    from jmixedkv import numerics
+    rng = np.random.default_rng(0)
+    pats = np.concatenate([rng.integers(0, 2 ** 32, 1 << 14, dtype=np.uint64).astype(np.uint32),
+                           np.array([0, 0x80000000, 1, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFC00000],
+                                    np.uint32)])
+    a = pats.view(np.float32)
+    nonneg = np.abs(rng.standard_normal(a.shape)).astype(np.float32)
+    c = np.cos(rng.uniform(0, 50, a.shape)).astype(np.float32)
+    for f in (numerics.keep, jax.jit(numerics.keep)):
+        assert_bits_equal(np.asarray(f(jnp.asarray(a), jnp.asarray(nonneg))), a, "keep")
+    launder = lambda x, c_: numerics.launder(x, numerics.opaque_zero(c_))  # noqa: E731
+    for f in (launder, jax.jit(launder)):
+        assert_bits_equal(np.asarray(f(jnp.asarray(a), jnp.asarray(c))), a, "launder")
+
+
+def test_numerics_fp8_row_codec():
+    """FP8 rows: ``e4m3(clip(f32(x) / scale, ±448))`` (saturating, NaN kept) and back ``f32(e4m3) * scale``;
+    16-bit pools are a cast. ml_dtypes is the independent reference for the E4M3 rounding."""
+    from helpers import assert_bits_equal
+    from jmixedkv import numerics
+    assert numerics.E4M3_MAX == float(ml_dtypes.finfo(E4M3).max) == nvfp4.E4M3_MAX
+    x = np.array([0.0, -0.0, 1.0, -3.3, 500.0, -1e9, np.inf, -np.inf, np.nan, 2.0 ** -12, 447.9, 464.1],
+                 np.float32)
+    scale = np.float32(0.5)
+    got = np.asarray(numerics.encode_rows(jnp.asarray(x), jnp.float8_e4m3fn, jnp.float32(scale)))
+    y = x / scale
+    want = np.where(np.isnan(y), y, np.clip(y, -448, 448)).astype(E4M3)
+    assert_bits_equal(got, want, "encode_rows fp8")
+    assert_bits_equal(np.asarray(numerics.e4m3_saturate(jnp.asarray(y))), want, "e4m3_saturate")
+    back = np.asarray(numerics.decode_rows(jnp.asarray(got), jnp.float32(scale), jnp.float32))
+    assert_bits_equal(back, want.astype(np.float32) * scale, "decode_rows fp8")
+    b16 = numerics.encode_rows(jnp.asarray(x), jnp.bfloat16, jnp.float32(scale))       # a cast, scale unused
+    assert_bits_equal(np.asarray(b16), x.astype(ml_dtypes.bfloat16), "encode_rows bf16")
+    assert numerics.is_fp8(jnp.float8_e4m3fn) and not numerics.is_fp8(jnp.bfloat16)

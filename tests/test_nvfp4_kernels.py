@@ -14,9 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers import assert_bits_equal, division_probe
 from jmixedkv import codec, nvfp4
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from pallas_kernels import nvfp4 as K
+from pallas_kernels import nvfp4_ops as ops
 
 E4M3 = ml_dtypes.float8_e4m3fn
 DS = (64, 128, 256, 576)
@@ -47,23 +49,14 @@ def make_input(rows, d, seed=0, dtype=jnp.bfloat16):
 
 
 def assert_same_quant(got, want, msg=""):
-    (p, s), (pr, sr) = got, want
-    p, pr = np.asarray(p), np.asarray(pr)
-    s, sr = np.asarray(s).view(np.uint8), np.asarray(sr).view(np.uint8)
-    assert p.shape == pr.shape and s.shape == sr.shape, (p.shape, pr.shape, s.shape, sr.shape)
-    bad_s, bad_p = np.argwhere(s != sr), np.argwhere(p != pr)
-    assert bad_s.size == 0, f"{msg}: {len(bad_s)} scale bytes differ, first {bad_s[:4].tolist()}"
-    assert bad_p.size == 0, f"{msg}: {len(bad_p)} packed bytes differ, first {bad_p[:4].tolist()}"
+    """(packed, scales) pairs byte for byte."""
+    assert_bits_equal(got[1], want[1], f"{msg}: scale bytes")
+    assert_bits_equal(got[0], want[0], f"{msg}: packed bytes")
 
 
 def assert_same_bits(got, want, msg=""):
-    a, b = np.asarray(got), np.asarray(want)
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
-    nan = np.isnan(a.astype(np.float32))
-    assert (nan == np.isnan(b.astype(np.float32))).all(), f"{msg}: NaN positions differ"
-    ai, bi = a.view(np.uint8 if a.itemsize == 1 else f"u{a.itemsize}"), b.view(f"u{b.itemsize}")
-    bad = np.argwhere((ai != bi) & ~nan)
-    assert bad.size == 0, f"{msg}: {len(bad)} elements differ, first {bad[:4].tolist()}"
+    """Dequantized values bit for bit; NaN positions must agree, NaN payloads may differ (computed NaNs)."""
+    assert_bits_equal(got, want, msg, any_nan=True)
 
 
 _ref_q = jax.jit(nvfp4.quantize)
@@ -81,8 +74,8 @@ def _kdq(dtype, **kw):
 
 
 # ----------------------------------------------------------------------------------------- element helpers
-def test_e2m1_magnitude_helpers_match_reference():
-    """Both in-kernel code paths on all bf16 patterns, float32 neighbours of every midpoint, random float32."""
+def test_e2m1_code_magnitude_matches_reference():
+    """The in-kernel E2M1 encoder on all bf16 patterns, float32 neighbours of every midpoint, random float32."""
     rng = np.random.default_rng(0)
     v = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
     mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 2.0, 4.0, 1.0, 0.5, 3.0], np.float32)
@@ -97,9 +90,17 @@ def test_e2m1_magnitude_helpers_match_reference():
     v = np.concatenate([v, -v])
     v = v[~np.isnan(v)]
     want = np.asarray(jax.jit(nvfp4.e2m1_codes)(v)).astype(np.int32) & 7
-    for impl in ("magic", "compare"):
-        got = np.asarray(jax.jit(K._e2m1_magnitude, static_argnums=1)(jnp.asarray(v), impl))
-        np.testing.assert_array_equal(got, want, err_msg=impl)
+    np.testing.assert_array_equal(np.asarray(jax.jit(ops.e2m1_code_magnitude)(jnp.asarray(v))), want)
+    nonneg = np.abs(v)
+    got = np.asarray(jax.jit(lambda y: ops.e2m1_code_magnitude(y, nonneg=True))(jnp.asarray(nonneg)))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_e2m1_value_decodes_every_code():
+    """The in-kernel E2M1 decoder equals the reference table for all 16 codes, sign of zero included."""
+    got = np.asarray(jax.jit(ops.e2m1_value)(jnp.arange(16, dtype=jnp.int32)))
+    assert_bits_equal(got, nvfp4.E2M1_TABLE, "e2m1_value")
+    assert np.signbit(got[8]) and not np.signbit(got[0])
 
 
 def test_e4m3_encode_decode_helpers():
@@ -111,13 +112,13 @@ def test_e4m3_encode_decode_helpers():
                         rng.uniform(0, 448, 1 << 15), np.exp2(rng.uniform(-40, 8.8, 1 << 15)),
                         [0.0, 2.0 ** -6, 2.0 ** -10, 1e-40, 448.0]]).astype(np.float32)
     s = np.minimum(s, np.float32(448))
-    byte, val, nan = jax.jit(K._e4m3_encode)(jnp.asarray(s))
+    byte, val, nan = jax.jit(ops.e4m3_encode)(jnp.asarray(s))
     want = s.astype(E4M3)
     np.testing.assert_array_equal(np.asarray(byte), want.view(np.uint8).astype(np.int32))
     np.testing.assert_array_equal(np.asarray(val), want.astype(np.float32))
-    byte, val, nan = jax.jit(K._e4m3_encode)(jnp.asarray([np.nan], jnp.float32))
+    byte, val, nan = jax.jit(ops.e4m3_encode)(jnp.asarray([np.nan], jnp.float32))
     assert int(byte[0]) == 0x7F and bool(nan[0])
-    dec = np.asarray(jax.jit(K._e4m3_decode)(jnp.arange(256, dtype=jnp.int32)))
+    dec = np.asarray(jax.jit(ops.e4m3_decode)(jnp.arange(256, dtype=jnp.int32)))
     assert_same_bits(dec, vals)
     np.testing.assert_array_equal(np.signbit(dec), np.signbit(vals))
 
@@ -162,44 +163,6 @@ def test_interpret_other_kernel_widths(d, width):
     assert_same_bits(out, _ref_dq(want[0], want[1], gs, dtype=jnp.bfloat16), f"dequantize width={width}")
 
 
-NEW_IMPLS = ("blocked", "strided", "pairs")
-
-
-@pytest.mark.parametrize("impl", NEW_IMPLS)
-def test_interpret_per_block_impls_bit_exact(impl):
-    """The per-block kernel variants: every special block kind, scalar and per-row gs, D = 128 and 576 (W = 64),
-    one-block rows (width=16), and float32 input ("pairs" falls back to "blocked" for non-bf16)."""
-    cases = [(128, False, None, jnp.bfloat16), (576, True, None, jnp.bfloat16), (128, True, 16, jnp.bfloat16),
-             (64, False, None, jnp.float32)]
-    for d, per_row, width, dtype in cases:
-        rows = 21
-        x = make_input(rows, d, seed=d + 5, dtype=dtype)
-        gs = (jnp.asarray(np.random.default_rng(d).uniform(0.01, 4.0, rows), jnp.float32) if per_row
-              else jnp.float32(0.37))
-        tile = dict(block_rows=64, sub_rows=32) if width == 16 else TILE
-        got = _kq(impl=impl, width=width, **tile)(x, gs)
-        assert got[1].dtype == jnp.float8_e4m3fn and got[0].dtype == jnp.uint8
-        assert_same_quant(got, _ref_q(x, gs), f"impl={impl} D={d} per_row={per_row} width={width} {dtype}")
-
-
-def test_interpret_per_block_code_impl_compare():
-    x = make_input(16, 128, seed=12)
-    assert_same_quant(_kq(impl="pairs", code_impl="compare", **TILE)(x, jnp.float32(1.0)),
-                      _ref_q(x, jnp.float32(1.0)), "pairs + compare")
-
-
-@pytest.mark.parametrize("impl", ["pairs", "blocked"])
-def test_interpret_recip_table(impl):
-    """``recip="table"``: r gathered from a per-byte table; extreme scalar gs (2^-90, 2^90); a per-row gs falls
-    back to the division."""
-    x = make_input(21, 128, seed=13)
-    f = _kq(impl=impl, recip="table", **TILE)
-    for gs in (jnp.float32(0.37), jnp.float32(2.0 ** -90), jnp.float32(2.0 ** 90), jnp.float32(1.0)):
-        assert_same_quant(f(x, gs), _ref_q(x, gs), f"{impl} recip=table gs={float(gs)}")
-    gs = jnp.asarray(np.random.default_rng(13).uniform(0.01, 4.0, 21), jnp.float32)
-    assert_same_quant(f(x, gs), _ref_q(x, gs), f"{impl} recip=table per-row gs")
-
-
 def test_interpret_default_tiling_small_rows():
     """Default block sizes clamp to the (padded) row count: 5 rows run as one 8-row program."""
     x = make_input(5, 128, seed=3)
@@ -236,12 +199,8 @@ def test_bad_inputs_raise_clear_errors():
         K.quantize(x, jnp.ones((3,), jnp.float32))
     with pytest.raises(ValueError, match="width must be"):
         K.quantize(x, width=48)
-    with pytest.raises(ValueError, match="code_impl"):
-        K.quantize(x, code_impl="lut")
-    with pytest.raises(ValueError, match="impl must be one of"):
-        K.quantize(x, impl="fast")
-    with pytest.raises(ValueError, match="recip must be"):
-        K.quantize(x, impl="pairs", recip="approx")
+    with pytest.raises(TypeError, match="impl"):           # the experimental variants live in the bench
+        K.quantize(x, impl="v1")
     with pytest.raises(ValueError, match="scales shape"):
         K.dequantize(jnp.zeros((4, 64), jnp.uint8), jnp.zeros((4, 4), jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match="packed must be uint8"):
@@ -269,33 +228,13 @@ def test_cross_lowers_for_cuda(d):
         s = jax.ShapeDtypeStruct((rows, d // 16), jnp.float8_e4m3fn)
         text = cross_lower_cuda(functools.partial(K.dequantize, interpret=False), p, s, gs)
         assert "triton" in text and "nvfp4_dequantize" in text
-    # the bench's tiling variants lower too
-    x = jax.ShapeDtypeStruct((4096, d), jnp.bfloat16)
-    for kw in (dict(block_rows=1024, sub_rows=64, num_warps=8), dict(block_rows=32, sub_rows=32, code_impl="compare"),
-               dict(block_rows=4096, sub_rows=256, width=16)):
-        cross_lower_cuda(functools.partial(K.quantize, interpret=False, **kw), x, jax.ShapeDtypeStruct((), jnp.float32))
-
-
-@pytest.mark.parametrize("impl", NEW_IMPLS)
-def test_cross_lowers_for_cuda_per_block_impls(impl):
-    """Every per-block variant lowers for CUDA: all D, scalar / per-row gs, the bench's quick-sweep tilings."""
-    rows = 1000
-    for d in DS:
-        x = jax.ShapeDtypeStruct((rows, d), jnp.bfloat16)
-        for gs in (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32)):
-            text = cross_lower_cuda(functools.partial(K.quantize, interpret=False, impl=impl), x, gs)
-            assert "triton" in text and "nvfp4_quantize" in text
+    # the bench's tilings and the non-bf16 inputs (no int32 pair view) lower too
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    for kw in (dict(block_rows=32, sub_rows=32, num_warps=4, num_stages=1),
-               dict(block_rows=256, sub_rows=64, num_warps=8, num_stages=3, code_impl="compare"),
-               dict(block_rows=4096, sub_rows=256, width=16), dict(block_rows=16, sub_rows=16, num_warps=1),
-               dict(block_rows=128, sub_rows=64, num_warps=8, recip="table"),
-               dict(block_rows=128, sub_rows=64, num_warps=8, recip="table", scale_cvt=True),
-               dict(block_rows=32, sub_rows=32, scale_cvt=True)):
-        cross_lower_cuda(functools.partial(K.quantize, interpret=False, impl=impl, **kw),
-                         jax.ShapeDtypeStruct((4096, 128), jnp.bfloat16), scalar)
-    cross_lower_cuda(functools.partial(K.quantize, interpret=False, impl=impl),
-                     jax.ShapeDtypeStruct((4096, 128), jnp.float32), scalar)
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.float16):
+        x = jax.ShapeDtypeStruct((4096, d), dtype)
+        for kw in (dict(block_rows=1024, sub_rows=64, num_warps=8), dict(block_rows=4096, sub_rows=256, width=16),
+                   dict(block_rows=16, sub_rows=16, num_warps=1))[:3 if dtype == jnp.bfloat16 else 1]:
+            cross_lower_cuda(functools.partial(K.quantize, interpret=False, **kw), x, scalar)
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -350,7 +289,6 @@ def test_gpu_xla_division_ieee_only_with_the_flag():
     with `xla_flags_with_ieee_division` it matches numpy bit for bit (what lets GPU tests run the jnp reference on
     the GPU itself)."""
     from jmixedkv.compat import xla_flags_with_ieee_division
-    from test_nvfp4 import division_probe
     backend, bad_default, inv_default = division_probe("")
     _, bad_ieee, inv_ieee = division_probe(xla_flags_with_ieee_division(""))
     assert backend == "gpu"
@@ -359,22 +297,11 @@ def test_gpu_xla_division_ieee_only_with_the_flag():
 
 
 GPU_TILINGS = [dict(), dict(block_rows=32, sub_rows=32, num_warps=8), dict(block_rows=1024, sub_rows=64, num_warps=8),
-               dict(code_impl="compare"), dict(block_rows=256, sub_rows=16, num_warps=4, num_stages=1),
+               dict(block_rows=256, sub_rows=16, num_warps=4, num_stages=1),
                dict(block_rows=4096, sub_rows=256, num_warps=4, width=16),
-               dict(impl="blocked"), dict(impl="strided"), dict(impl="pairs"),
-               dict(impl="pairs", block_rows=32, sub_rows=32, num_warps=4, num_stages=1),
-               dict(impl="pairs", block_rows=256, sub_rows=64, num_warps=8, code_impl="compare"),
-               dict(impl="pairs", block_rows=4096, sub_rows=256, width=16),
-               dict(impl="pairs", block_rows=32, sub_rows=32, num_warps=4, num_stages=1, recip="table"),
-               dict(impl="pairs", block_rows=128, sub_rows=64, num_warps=8, recip="table"),
-               dict(impl="blocked", recip="table"),
-               dict(impl="pairs", block_rows=32, sub_rows=32, num_warps=4, num_stages=1, recip="table", scale_cvt=True),
-               dict(impl="pairs", block_rows=128, sub_rows=64, num_warps=8, recip="table", scale_cvt=True),
-               dict(impl="pairs", scale_cvt=True)]
+               dict(block_rows=256, sub_rows=64, num_warps=8, num_stages=2)]
 #: tilings run for every D / gs kind (the full list runs for D = 128, scalar gs)
-GPU_TILINGS_SHORT = [dict(), dict(block_rows=4096, sub_rows=256, num_warps=4, width=16), dict(impl="blocked"),
-                     dict(impl="strided"), dict(impl="pairs"), dict(impl="pairs", recip="table"),
-                     dict(impl="pairs", recip="table", scale_cvt=True)]
+GPU_TILINGS_SHORT = [dict(), dict(block_rows=4096, sub_rows=256, num_warps=4, width=16)]
 
 
 @pytest.mark.gpu
@@ -382,7 +309,7 @@ GPU_TILINGS_SHORT = [dict(), dict(block_rows=4096, sub_rows=256, num_warps=4, wi
 @pytest.mark.parametrize("d", DS)
 @pytest.mark.parametrize("per_row", [False, True])
 def test_gpu_kernels_bit_exact(d, per_row):
-    """Every kernel variant against BOTH the pinned reference on the host CPU and the jitted reference on the
+    """The kernel over several tilings against BOTH the pinned reference on the host CPU and the jitted reference on the
     GPU (all comparisons run; the failure lists every pair that differs)."""
     rows = 4099
     x = make_input(rows, d, seed=d)
@@ -412,7 +339,7 @@ def test_gpu_kernels_bit_exact(d, per_row):
 
 
 def _impl_diffs(impls, x, gs, want_cpu, want_gpu, label):
-    """Each quantize variant of ``impls`` on ``x`` against both references: a list of difference reports."""
+    """The quantize kernel with each tiling of ``impls`` on ``x`` against both references: difference reports."""
     diffs = []
     for kw in impls:
         got, err = _run(jax.jit(functools.partial(K.quantize, **kw)), x, gs)
@@ -428,14 +355,15 @@ def _impl_diffs(impls, x, gs, want_cpu, want_gpu, label):
 @gpu
 def test_gpu_large_and_random_bit_patterns():
     """1M rows x 128 of N(0, 1) bf16 plus 64K rows of raw random bf16 bit patterns (all exponents, NaN, Inf),
-    default kernel and the per-block variants, against the CPU and the GPU reference."""
-    impls = [dict(), dict(impl="blocked"), dict(impl="pairs"), dict(impl="pairs", recip="table"),
-             dict(impl="pairs", recip="table", scale_cvt=True), dict(impl="pairs", scale_cvt=True)]
+    bf16 (int32 pair view) and float32 input, against the CPU and the GPU reference."""
+    impls = [dict(), dict(block_rows=256, sub_rows=64, num_warps=8)]
     x = jax.random.normal(jax.random.key(0), (1 << 20, 128), jnp.bfloat16)
     gs = nvfp4.global_scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32))
     want_gpu, want_cpu = jax.jit(nvfp4.quantize)(x, gs), _cpu_reference_quant(x, gs)
     diffs = [_quant_diff(want_gpu, want_cpu, "1M x 128: XLA GPU reference vs CPU reference")]
     diffs += _impl_diffs(impls, x, gs, want_cpu, want_gpu, "1M x 128")
+    xf = x[: 1 << 16].astype(jnp.float32)
+    diffs += _impl_diffs(impls[:1], xf, gs, _cpu_reference_quant(xf, gs), jax.jit(nvfp4.quantize)(xf, gs), "f32")
     bits = jax.random.bits(jax.random.key(1), (1 << 16, 128), jnp.uint16)
     xr = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
     for gs in (jnp.float32(1.0), jnp.float32(2.0 ** -90), jnp.float32(2.0 ** 90)):
@@ -455,3 +383,18 @@ def test_gpu_codec_auto_uses_kernels():
     got = codec.quantize(x, 0.25)
     _check_all([_quant_diff(got, _cpu_reference_quant(x, jnp.float32(0.25)), "codec auto vs CPU reference"),
                 _quant_diff(got, jax.jit(nvfp4.quantize)(x, jnp.float32(0.25)), "codec auto vs GPU reference")])
+
+
+# ----------------------------------------------------------------------------------------- bench variants
+def test_nvfp4_bench_variants_smoke_cpu():
+    """The experimental quantize variants kept in `bench/nvfp4_bench.py` stay runnable and bit-exact (interpret
+    mode, CPU): ``--smoke`` runs the library kernel and every variant against the reference."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "nvfp4_bench.py"), "--smoke"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(": OK") == 9, proc.stdout

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import assert_bits_equal
 from jmixedkv.rope import RopeSpec, apply_rope, inv_freq
 
 
@@ -36,8 +37,8 @@ def test_rope_matches_separately_rounded_numpy(style, rd):
     want = numpy_rope(v, pos, style, 10000.0, rd or 64)
     eager = np.asarray(apply_rope(jnp.asarray(v), jnp.asarray(pos), spec))
     jitted = np.asarray(jax.jit(apply_rope, static_argnums=2)(jnp.asarray(v), jnp.asarray(pos), spec))
-    np.testing.assert_array_equal(eager.view(np.uint32), want.view(np.uint32))
-    np.testing.assert_array_equal(jitted.view(np.uint32), want.view(np.uint32))
+    assert_bits_equal(eager, want, "eager")
+    assert_bits_equal(jitted, want, "jitted")
 
 
 def test_rope_rejects_bad_spec():

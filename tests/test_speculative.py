@@ -1,5 +1,5 @@
 """Speculative decoding transitions (`jmixedkv.speculative`): draft layers, accept / correct_kv_lens, trim, the draft
-swap, and DESIGN.md invariant 3 (speculative equivalence) as a hypothesis property against a state that appended
+swap, and docs/DESIGN.md §3 invariant 3 (speculative equivalence) as a hypothesis property against a state that appended
 only the accepted tokens."""
 import dataclasses
 import functools
@@ -190,11 +190,11 @@ def test_accept_lengths_and_validation():
         spec.correct_kv_lens(state, jnp.array([0, -4], jnp.int32))
     with pytest.raises(ValueError, match="offsets must be i32"):
         spec.correct_kv_lens(state, jnp.array([0], jnp.int32))
-    # traced: clipped, error bit set, never a positive length change
+    # traced: error bit set and nothing changes (all-or-nothing, jmixedkv.checks)
     bad = _correct(state, jnp.array([2, -9], jnp.int32))
-    assert bad.kv_lens.tolist() == [9, 2] and int(bad.error) == spec.ERR_BAD_CORRECTION
+    assert bad.kv_lens.tolist() == [9, 5] and int(bad.error) == spec.ERR_BAD_CORRECTION
     bad = _accept(state, jnp.array([0, 1]), jnp.array([5, -1]), jnp.array([3, 3]))
-    assert bad.kv_lens.tolist() == [9, 2] and int(bad.error) & spec.ERR_BAD_CORRECTION
+    assert bad.kv_lens.tolist() == [9, 5] and int(bad.error) & spec.ERR_BAD_CORRECTION
     # idle slot: nonzero offset is an error
     idle = release(state, 1)
     with pytest.raises(ValueError, match="slot 1"):
@@ -342,7 +342,11 @@ def test_accept_keeps_pages_trim_releases():
     from jmixedkv.allocator import retain_pages
     shared = dataclasses.replace(state, alloc=retain_pages(state.alloc, jnp.array([extra])))
     assert int(spec.trim(shared, jnp.array([0])).alloc.refcount[extra]) == 1
-    exact = spec.correct_kv_lens(state, jnp.array([-3, 0], jnp.int32))                      # n = 4
+    # a second rewind would accumulate past max_draft_len (written = 10, n = 7 -> 4 < 10 - 3): refused
+    with pytest.raises(ValueError, match=r"slot 0: offset -3 \(allowed \[0, 0\]\)"):
+        spec.correct_kv_lens(state, jnp.array([-3, 0], jnp.int32))
+    seven = _put(_fresh(cfg, 5), ones(7), ones(7), [0] * 7, np.arange(7))                      # written = 7
+    exact = spec.correct_kv_lens(seven, jnp.array([-3, 0], jnp.int32))                      # n = 4
     assert (np.asarray(spec.trim(exact).page_table[0, :3]) >= 0).tolist() == [True, False, False]
     # release returns everything
     gone = release(release(spec.trim(state), 0), 1)

@@ -1,10 +1,11 @@
-"""Cache state: DESIGN.md invariants 1, 2 and 4 after every transition, against a dense float model.
+"""Cache state: docs/DESIGN.md §3 invariants 1, 2 and 4 after every transition, against a dense float model.
 
 The dense model keeps every sequence's K/V rows as appended. A reader must see, at position p < n, the row
 itself (rounded to the twin dtype) when p is retained and its NVFP4 round trip otherwise; rows past n are never
 read (pools are NaN-poisoned, so any such read shows).
 """
 import dataclasses
+import functools
 
 import chex  # noqa: F401  (assert_max_traces)
 import jax
@@ -17,7 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import jmixedkv as jm
 from conftest import assert_trees_bit_equal, bits
 from jmixedkv import nvfp4
-from jmixedkv.state import ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, ERR_TOO_LONG
+from jmixedkv.state import (ERR_BAD_LAYER, ERR_BAD_POSITION, ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM,
+                            ERR_TOO_LONG)
 
 L, H, D = 2, 2, 32
 T_PAD = 16  # every append is padded to this many tokens (one compile per config)
@@ -168,6 +170,38 @@ class CacheMachine(RuleBasedStateMachine):
         for slot, rows in new.items():
             self.dense[slot].extend(list(rows))
 
+    @rule(data=st.data())
+    def bad_append(self, data):
+        """Out-of-range slot / layer, backwards, gapped or duplicate positions: refused, every leaf unchanged (the
+        dense-model invariants then confirm no sequence moved)."""
+        active = sorted(self.dense)
+        kind = data.draw(st.sampled_from(["slot", "layer", "backwards", "gap", "dup"] if active else ["slot"]))
+        slot = data.draw(st.sampled_from(active)) if active else 0
+        n = len(self.dense.get(slot, []))
+        layer = None
+        if kind == "slot":
+            seq, pos, bit = [data.draw(st.sampled_from([-2, self.max_seqs, self.max_seqs + 5]))], [n], ERR_BAD_SLOT
+        elif kind == "layer":
+            seq, pos, bit = [slot], [n], ERR_BAD_LAYER
+            layer = data.draw(st.sampled_from([-1, L, L + 3]))
+        elif kind == "backwards" and n >= 2:
+            p0 = data.draw(st.integers(0, n - 2))
+            seq, pos, bit = [slot], [p0], ERR_BAD_POSITION                     # stops short of kv_len - 1
+        elif kind == "gap":
+            seq, pos, bit = [slot], [n + data.draw(st.integers(1, 5))], ERR_BAD_POSITION
+        else:
+            seq, pos, bit = [slot, slot], [n, n], ERR_BAD_POSITION
+        s, p = padded(seq, pos)
+        before = self.state
+        if layer is None:
+            k = jnp.ones((L, T_PAD, H, D), jnp.bfloat16)
+            after = _append(before, k, k, s, p, None, backend="reference")
+        else:
+            k = jnp.ones((T_PAD, H, D), jnp.bfloat16)
+            after = _append(before, k, k, s, p, jnp.int32(layer), backend="reference")
+        assert int(after.error) & bit, jm.describe_error(int(after.error))
+        assert_trees_bit_equal(dataclasses.replace(after, error=before.error), before)
+
     @precondition(lambda self: self.dense)
     @rule(data=st.data())
     def release(self, data):
@@ -275,7 +309,7 @@ def test_oom_inside_jit_sets_flag_and_changes_nothing():
     assert mgr.can_append([b] * 4, range(4))
     with pytest.raises(jm.CacheCapacityError, match="past the page table"):
         mgr.append(k[:, :1], k[:, :1], [a], [40])
-    with pytest.raises(ValueError, match=r"slots \[7\] are not admitted"):
+    with pytest.raises(ValueError, match=r"seq_slots\[0\]=7 out of range \[-1, 2\)"):
         mgr.append(k[:, :1], k[:, :1], [7], [0])
     mgr.check()
 
@@ -361,3 +395,199 @@ def test_retained_set_is_exact(n, first_n, last_n, page, draft):
     assert (exact[retained]).all()
     low = np.asarray(nvfp4.dequantize(*nvfp4.quantize(x[:, 0]), 1.0, jnp.float32))[:, 0]
     np.testing.assert_array_equal(got[~retained], low[~retained])
+
+
+# ------------------------------------------------------------------------------------------------ adversarial machine
+# Issue 17: the machine also draws out-of-range slots and layers, backwards / gapped / duplicate positions, forks
+# and speculative rewinds. After every step it checks (1) the exact error code a host model of the rule in
+# `jmixedkv.checks` predicts, and (2) that a refused step changed no leaf but ``error`` and an accepted one changed
+# no other sequence (table rows, lengths and staged bytes compared). Tiny shapes, reference backend, one compile per
+# transition and config, so it runs >= 2000 steps in CI.
+from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
+
+from jmixedkv import speculative as spec_mod  # noqa: E402
+from jmixedkv.checks import ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_POSITION, ERR_SHARED_PAGE  # noqa: E402
+
+AL, AH, AD, AS, AT = 2, 1, 16, 3, 6           # layers, heads, head_dim, slots, tokens per append call
+ADV_CONFIGS = [dict(dtype="mixed_nvfp4_bf16", first_n=2, last_n=3, page_size=4, max_draft_len=2),
+               dict(dtype="nvfp4", page_size=4, max_draft_len=1)]
+ADV_PAGES, ADV_MAX_PAGES = 10, 4
+_adv_append = jax.jit(jm.append, static_argnames=("group", "rope", "backend"))
+_adv_fork = jax.jit(jm.fork)
+_adv_correct = jax.jit(spec_mod.correct_kv_lens)
+_adv_trim = jax.jit(spec_mod.trim)
+_adv_stage = jax.jit(lambda st: jnp.stack([jm.stage_reference(st, l, jnp.arange(AS, dtype=jnp.int32))
+                                           for l in range(AL)]))
+ADV_STEPS = [0, 0]          # steps, refused steps
+
+
+class AdversarialMachine(RuleBasedStateMachine):
+    @initialize(ci=st.integers(0, len(ADV_CONFIGS) - 1), seed=st.integers(0, 2 ** 16))
+    def setup(self, ci, seed):
+        self.cfg = jm.KVCacheConfig(**ADV_CONFIGS[ci])
+        rng = np.random.default_rng(seed)
+        self.rng = rng
+        nh = AS * self.cfg.num_high_pages_per_seq
+        self.state = jm.init_state(self.cfg, jm.GroupSpec(AL, AH, AD), ADV_PAGES, AS, ADV_MAX_PAGES, poison=True,
+                                   page_order=rng.permutation(ADV_PAGES), high_page_order=rng.permutation(max(nh, 1)))
+
+    # --------------------------------------------------------------- host model of the rule (from the pre-state)
+    def _h(self, name):
+        return np.asarray(getattr(self.state, name))
+
+    def _check(self, before, after, expected, touched):
+        ADV_STEPS[0] += 1
+        got = int(after.error)
+        assert got == expected, f"error {jm.describe_error(got)} != expected {jm.describe_error(expected)}"
+        if expected:
+            ADV_STEPS[1] += 1
+            assert_trees_bit_equal(dataclasses.replace(after, error=before.error), before)
+            self.state = before
+            return
+        a, b = np.asarray(_adv_stage(before)).view(np.uint8), np.asarray(_adv_stage(after)).view(np.uint8)
+        for s in range(AS):
+            if s in touched:
+                continue
+            np.testing.assert_array_equal(a[:, s], b[:, s], err_msg=f"slot {s} staged bytes")
+            for f in ("page_table", "high_table", "kv_lens", "active", "written"):
+                np.testing.assert_array_equal(bits(getattr(before, f))[s], bits(getattr(after, f))[s], err_msg=f)
+        self.state = after
+
+    @rule(slot=st.sampled_from([-3, -1, AS, AS + 1] + list(range(AS)) * 4), admit=st.sampled_from([True] * 3 + [False]))
+    def admit_release(self, slot, admit):
+        before = self.state
+        active = self._h("active")
+        if slot == -1:
+            exp = 0
+        elif not 0 <= slot < AS or active[slot] == admit:
+            exp = ERR_BAD_SLOT
+        elif admit and int(before.high_alloc.num_free) < self.cfg.num_high_pages_per_seq:
+            exp = ERR_HIGH_OOM
+        else:
+            exp = 0
+        after = (_admit if admit else _release)(before, jnp.int32(slot))
+        self._check(before, after, exp, {slot})
+
+    @rule(data=st.data())
+    def append(self, data):
+        before, cfg = self.state, self.cfg
+        page = cfg.page_size
+        lens, active, table = self._h("kv_lens"), self._h("active"), self._h("page_table")
+        refc = np.asarray(before.alloc.refcount)
+        hrefc, htable = np.asarray(before.high_alloc.refcount), self._h("high_table")
+        seqs, poss = [], []
+        for _ in range(data.draw(st.sampled_from([1, 1, 1, 2]))):
+            live_slots = [s for s in range(AS) if active[s]] or list(range(AS))
+            slot = data.draw(st.sampled_from([-2, -1, AS, AS + 3] + live_slots * 6))
+            n = int(lens[slot]) if 0 <= slot < AS else 0
+            mode = data.draw(st.sampled_from(["extend"] * 6 + ["suffix"] * 2 + ["old", "gap", "dup", "neg", "far"]))
+            c = data.draw(st.integers(1, AT // 2))
+            p0 = {"extend": n, "suffix": max(n - c, 0), "old": max(n - c - data.draw(st.integers(1, 6)), 0),
+                  "gap": n + data.draw(st.integers(1, 3)), "dup": n, "neg": -1 - c, "far": 2 ** 20}[mode]
+            pos = list(range(p0, p0 + c)) if mode != "dup" else [p0] * c
+            seqs += [slot] * c
+            poss += pos
+        t = len(seqs)
+        layer = data.draw(st.sampled_from([None] * 4 + [0, 1] * 2 + [-1, AL, 5]))
+        # expected code (jmixedkv.checks / state._write_errors), computed from the pre-state
+        pad = [s == -1 for s in seqs]
+        bad_slot = any(not p and not (0 <= s < AS and active[s]) for s, p in zip(seqs, pad))
+        exp = ERR_BAD_SLOT if bad_slot else 0
+        if layer is not None and not 0 <= layer < AL:
+            exp |= ERR_BAD_LAYER
+        live = [(s, p) for s, p in zip(seqs, poss) if s >= 0] if not bad_slot else []
+        bad_pos = any(p < 0 for _, p in live)
+        for s in {s for s, _ in live}:
+            ps = sorted(p for s_, p in live if s_ == s)
+            bad_pos |= any(b - a != 1 for a, b in zip(ps, ps[1:]))
+            bad_pos |= not (ps[0] <= lens[s] <= ps[-1] + 1)
+        exp |= ERR_BAD_POSITION if bad_pos else 0
+        too_long = any(p >= 0 and p // page >= ADV_MAX_PAGES for _, p in live)
+        exp |= ERR_TOO_LONG if too_long else 0
+        shared = False
+        for s, p in live:
+            q = max(p, 0) // page
+            if q < ADV_MAX_PAGES and table[s, q] >= 0 and refc[table[s, q]] > 1:
+                shared = True
+            if htable.shape[1]:
+                col = int(layout_col(max(p, 0), cfg))
+                if col >= 0 and htable[s, min(col, htable.shape[1] - 1)] >= 0 and \
+                        hrefc[htable[s, min(col, htable.shape[1] - 1)]] > 1:
+                    shared = True
+        exp |= ERR_SHARED_PAGE if shared else 0
+        if not exp:
+            need = {(s, p // page) for s, p in live if table[s, p // page] < 0}
+            if len(need) > int(before.alloc.num_free):
+                exp = ERR_LOW_OOM
+        seq_a = jnp.asarray(seqs + [-1] * (AT - t), jnp.int32)
+        pos_a = jnp.asarray(poss + [0] * (AT - t), jnp.int32)
+        x = jnp.asarray(self.rng.normal(size=(AL, AT, AH, AD)), jnp.bfloat16)
+        if layer is None:
+            after = _adv_append(before, x, x, seq_a, pos_a, None, backend="reference")
+        else:
+            after = _adv_append(before, x[0], x[0], seq_a, pos_a, jnp.int32(layer), backend="reference")
+        self._check(before, after, exp, {s for s, _ in live})
+
+    @rule(src=st.sampled_from([-2, -1, 0, 1, 2, AS, AS + 1]), dst=st.sampled_from([-2, -1, 0, 1, 2, AS]))
+    def fork(self, src, dst):
+        before = self.state
+        active, lens = self._h("active"), self._h("kv_lens")
+        if src == -1 or dst == -1:
+            exp = 0
+        elif not (0 <= src < AS and 0 <= dst < AS) or not active[src] or active[dst] or src == dst:
+            exp = ERR_BAD_SLOT
+        else:
+            n, page = int(lens[src]), self.cfg.page_size
+            full = n // page
+            row, hrow = self._h("page_table")[src], self._h("high_table")[src]
+            need_low = int(full < ADV_MAX_PAGES and row[min(full, ADV_MAX_PAGES - 1)] >= 0)
+            nf = self.cfg.num_fixed_pages
+            share_high = [(j < nf) and ((j + 1) * page <= n) and hrow[j] >= 0 for j in range(len(hrow))]
+            need_high = sum(1 for j in range(len(hrow)) if hrow[j] >= 0 and not share_high[j])
+            exp = ((ERR_LOW_OOM if need_low > int(before.alloc.num_free) else 0)
+                   | (ERR_HIGH_OOM if need_high > int(before.high_alloc.num_free) else 0))
+        after = _adv_fork(before, jnp.int32(src), jnp.int32(dst))
+        self._check(before, after, exp, {dst})
+
+    @rule(slot=st.integers(0, AS - 1), off=st.sampled_from([-4, -2, -1, -1, 0, 0, 1]), trim=st.booleans())
+    def rewind(self, slot, off, trim):
+        before = self.state
+        active, lens, written = self._h("active"), self._h("kv_lens"), self._h("written")
+        offs = np.zeros(AS, np.int32)
+        offs[slot] = off
+        floor = max(int(written[slot]) - self.cfg.max_draft_len, 0) if active[slot] else int(lens[slot])
+        exp = ERR_BAD_CORRECTION if off > 0 or lens[slot] + off < floor else 0
+        after = _adv_correct(before, jnp.asarray(offs))
+        if trim and not exp:
+            after = _adv_trim(after, jnp.asarray([slot, -1], jnp.int32))
+        self._check(before, after, exp, {slot})
+
+    @invariant()
+    def allocator_consistent(self):
+        if hasattr(self, "state"):
+            st_ = self.state
+            used = np.asarray(st_.page_table)
+            used = used[used >= 0]
+            refc = np.asarray(st_.alloc.refcount)
+            counts = np.bincount(used, minlength=ADV_PAGES) if used.size else np.zeros(ADV_PAGES, int)
+            np.testing.assert_array_equal(refc, counts)          # no index here: refcount = table references
+            assert int(st_.alloc.num_free) == int((refc == 0).sum())
+            lens, written = np.asarray(st_.kv_lens), np.asarray(st_.written)
+            assert (lens <= written).all() and (written <= lens + self.cfg.max_draft_len).all()
+
+
+def layout_col(p, cfg):
+    from jmixedkv import layout
+    return layout.high_column(p, cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages)
+
+
+def test_adversarial_state_machine_2000_steps():
+    import time
+    ADV_STEPS[:] = [0, 0]
+    t0 = time.perf_counter()
+    run_state_machine_as_test(AdversarialMachine, settings=settings(
+        max_examples=130, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)))
+    elapsed = time.perf_counter() - t0
+    print(f"adversarial machine: {ADV_STEPS[0]} steps ({ADV_STEPS[1]} refused) in {elapsed:.1f}s")
+    assert ADV_STEPS[0] >= 2000, ADV_STEPS[0]
+    assert 0.2 < ADV_STEPS[1] / ADV_STEPS[0] < 0.85, ADV_STEPS     # both refusals and accepted steps exercised

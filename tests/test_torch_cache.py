@@ -1,5 +1,6 @@
 """interop.torch_cache.TorchKVCache against the JAX API on the same inputs (bit-exact), the all-high invariant,
-speculative accept / correction, the fallbacks, capacity queries and bad inputs."""
+speculative accept / correction, fork, all-layer staging, per-call sync / validate, the torch exporters (int32
+tensors on the cache's device, 0-padded vLLM tables, the reserved null page), capacity queries and bad inputs."""
 import functools
 
 import jax
@@ -12,7 +13,7 @@ from interop import torch_cache as tc
 from interop.dlpack import to_torch
 from interop.torch_cache import CacheCapacityError, TorchKVCache
 from jmixedkv import CacheManager, GroupSpec, KVCacheConfig, append, init_state, rows_reference, stage_reference
-from jmixedkv import speculative
+from jmixedkv import read, speculative
 from jmixedkv.attention import decode_attention
 from jmixedkv.state import admit
 
@@ -34,15 +35,19 @@ def _new_cache(**kw):
     return TorchKVCache(CFG, L, H, D, **GEOM, **kw)
 
 
+_read_stage = jax.jit(read.stage, static_argnames=("group", "backend", "validate"))
+_read_gather = jax.jit(read.gather_rows, static_argnames=("group", "backend", "validate", "scratch_dtype"))
+
+
 def jax_stage(state, layer, seq):
-    """The JAX API `jmixedkv.read.stage` (jitted once, shared with the torch cache)."""
-    return tc._real_jit("stage")(state, jnp.int32(layer), jnp.asarray(seq), group=0, backend="reference",
-                                 validate=False)
+    """The JAX API `jmixedkv.read.stage` on the mirrored state."""
+    return _read_stage(state, None if layer is None else jnp.int32(layer), jnp.asarray(seq), group=0,
+                       backend="reference", validate=False)
 
 
 def jax_gather(state, layer, seq, idx, scratch):
-    return tc._real_jit("gather_rows")(state, jnp.int32(layer), jnp.asarray(seq), jnp.asarray(idx), group=0,
-                                       scratch_dtype=scratch, backend="reference", validate=False)
+    return _read_gather(state, jnp.int32(layer), jnp.asarray(seq), jnp.asarray(idx), group=0,
+                        scratch_dtype=scratch, backend="reference", validate=False)
 
 
 def _bytes(t):
@@ -128,7 +133,7 @@ def test_stage_bit_exact_vs_jax(layer):
     np.testing.assert_array_equal(_bytes(k), _bytes(dense[:, 0]))
     np.testing.assert_array_equal(_bytes(v), _bytes(dense[:, 1]))
     assert st.k_pages.shape == (SEQ.size * MAX_PAGES, H, PAGE, D)
-    indptr, indices, last = st.flashinfer_csr()
+    indptr, indices, last = st.flashinfer_csr(as_numpy=True)
     np.testing.assert_array_equal(indices, np.arange(used))
     np.testing.assert_array_equal(last, [(n - 1) % PAGE + 1 if n else 0 for n in np.asarray(want.kv_lens)])
 
@@ -166,26 +171,145 @@ def test_decode_attention_bit_exact_vs_jax(tq):
         assert torch.equal(out3, out[:, 0]) and torch.equal(lse3, lse[:, 0])
 
 
-def test_fallbacks_match_real_implementations(monkeypatch):
-    cache, _, _ = _pair()
-    rng = np.random.default_rng(5)
+def test_stage_all_layers_in_one_call():
+    cache, state, _ = _pair()
+    st = cache.stage(None, torch.from_numpy(SEQ), sync="stream", validate=False)
+    assert st.pages.shape[0] == L and st.pages.dim() == 6
+    want = jax_stage(state, None, SEQ)
+    used = int(np.ceil(np.asarray(want.kv_lens) / PAGE).sum())
+    np.testing.assert_array_equal(_bytes(st.pages[:, :used]), _bytes(want.pages[:, :used]))
+    for layer in range(L):                               # each layer equals the one-layer staging
+        one = cache.stage(layer, torch.from_numpy(SEQ))
+        for a, b in zip(st.layer(layer).dense(), one.dense()):
+            np.testing.assert_array_equal(_bytes(a), _bytes(b))
+    with pytest.raises(ValueError, match="pick a layer"):
+        st.dense()
+    with pytest.raises(ValueError, match="out of range"):
+        st.layer(L)
+
+
+def test_per_call_sync_and_validate():
+    cache, state, _ = _pair()
+    rng = np.random.default_rng(6)
     q = torch.from_numpy(rng.standard_normal((SEQ.size, 1, HQ, D)).astype(np.float32)).to(torch.bfloat16)
-    idx = torch.tensor([[0, 32, -1], [0, 0, 0], [-1, -1, -1], [0, -1, 0], [3, 14, 1], [15, 0, 7], [16, 2, -1]],
-                       dtype=torch.int32)
-    real = (cache.stage(0, SEQ), cache.gather_rows(0, SEQ, idx), cache.decode_attention(0, q, SEQ))
-    monkeypatch.setattr(tc, "_real", lambda name: None)
-    assert set(tc.implementations().values()) == {"fallback"}
-    fb = (cache.stage(0, SEQ), cache.gather_rows(0, SEQ, idx), cache.decode_attention(0, q, SEQ))
-    for a, b in zip(real[0].dense(), fb[0].dense()):
-        np.testing.assert_array_equal(_bytes(a), _bytes(b))
-    assert torch.equal(real[0].page_table, fb[0].page_table) and torch.equal(real[0].kv_lens, fb[0].kv_lens)
-    for a, b in zip(real[1] + real[2], fb[1] + fb[2]):
-        np.testing.assert_array_equal(_bytes(a), _bytes(b))
+    base = cache.decode_attention(1, q, SEQ)
+    for sync in (True, False, "stream"):
+        out, lse = cache.decode_attention(1, q, SEQ, sync=sync, validate=False)
+        assert torch.equal(out, base[0]) and torch.equal(lse, base[1])
+    with pytest.raises(ValueError, match="sync must be one of"):
+        cache.stage(0, SEQ, sync="later")
+    with pytest.raises(ValueError, match="sync must be one of"):
+        TorchKVCache(CFG, L, H, D, **GEOM, sync="maybe")
+    # validate=True (the default) catches a slot that is in range but not admitted; validate=False skips the
+    # host pull of the tables (what a hot loop wants) and the read still runs
+    fresh = _new_cache()
+    fresh.admit(0)
+    with pytest.raises(ValueError):
+        fresh.gather_rows(0, [0], [[3]])
+    fresh.gather_rows(0, [0], [[3]], validate=False)
 
 
-def test_implementations_report():
-    impl = tc.implementations()
-    assert set(impl) == {"stage", "gather_rows", "decode_attention", "correct_kv_lens", "accept"}
+def test_lse_base_conversion():
+    cache, state, _ = _pair()
+    rng = np.random.default_rng(8)
+    q = torch.from_numpy(rng.standard_normal((SEQ.size, HQ, D)).astype(np.float32)).to(torch.bfloat16)
+    out, lse = cache.decode_attention(0, q, SEQ)
+    # independent: natural-log LSE of the staged K over the live rows, by hand in float64
+    k, _ = cache.stage(0, SEQ).dense()
+    for b, s in enumerate(SEQ):
+        n = LENS[s] if s >= 0 else 0
+        if n == 0:
+            assert torch.isneginf(lse[b]).all() and torch.isneginf(tc.lse_to_base2(lse[b])).all()
+            continue
+        kk = k[b, :, :n].double().repeat_interleave(HQ // H, dim=0)                 # [Hq, n, D]
+        logits = torch.einsum("hd,hnd->hn", q[b].double(), kk) * D ** -0.5
+        want = torch.logsumexp(logits, -1)
+        np.testing.assert_allclose(lse[b].numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+        want2 = torch.log2(torch.exp2(logits * tc.LOG2_E).sum(-1))                  # FlashInfer's base 2
+        np.testing.assert_allclose(tc.lse_to_base2(lse[b]).numpy(), want2.numpy(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tc.lse_from_base2(tc.lse_to_base2(lse[b])), lse[b])
+    assert tc.lse_to_base2(1.0) == pytest.approx(1.4426950408889634)
+
+
+def test_fork_copies_a_sequence_and_leaves_others_alone():
+    cache = _new_cache()
+    rng = np.random.default_rng(9)
+    for s in range(3):
+        cache.admit(s)
+    seq = np.repeat([0, 1, 2], [20, 7, 3]).astype(np.int32)
+    pos = np.concatenate([np.arange(20), np.arange(7), np.arange(3)]).astype(np.int32)
+    k, v = _kv(rng, (L, seq.size, H, D))
+    cache.append(None, k, v, seq, pos)
+    before = [[_bytes(t) for t in cache.stage(l, [0, 1, 2]).dense()] for l in range(L)]
+    dst = cache.fork(0)
+    assert dst == 3 and cache.kv_len(3) == 20
+    for l in range(L):
+        got = cache.stage(l, [0, 1, 2, 3]).dense()
+        for i, t in enumerate(got):
+            np.testing.assert_array_equal(_bytes(t[:3]), before[l][i])             # the others unchanged
+            np.testing.assert_array_equal(_bytes(t[3]), before[l][i][0])           # the fork reads as src
+    # appending to the fork does not touch the source (the partial page was copied)
+    k1, v1 = _kv(rng, (1, H, D))
+    for l in range(L):
+        cache.append(l, k1, v1, [3], [20])
+    for l in range(L):
+        kd, vd = cache.stage(l, [0]).dense()
+        np.testing.assert_array_equal(_bytes(kd), before[l][0][:1])
+    with pytest.raises(ValueError, match="not admitted"):
+        cache.fork(5)
+    with pytest.raises(ValueError, match="admitted already"):
+        cache.fork(0, 1)
+    cache.fork(1, 4), cache.fork(2, 5)
+    with pytest.raises(CacheCapacityError, match="no free sequence slot"):
+        cache.fork(0)
+
+
+def test_exporters_give_int32_tensors_on_the_cache_device():
+    cache, state, _ = _pair()
+    csr = cache.flashinfer_page_table([5, 0, -1, 2])
+    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device == cache.device for t in csr)
+    np_csr = cache.flashinfer_page_table([5, 0, -1, 2], as_numpy=True)
+    for t, a in zip(csr, np_csr):
+        assert isinstance(a, np.ndarray) and a.dtype == np.int32 and (t.numpy() == a).all()
+    st = cache.stage(0, SEQ)
+    scsr = st.flashinfer_csr()
+    assert all(t.dtype == torch.int32 and t.device == st.pages.device for t in scsr)
+    table, lens = st.block_table()
+    assert table.dtype == torch.int32 and lens.dtype == torch.int32
+    # the staged CSR over the staged pages reproduces the mixed (dense) reading; the NVFP4-pool CSR is history
+    # only: it equals staging a twin-less view (tested in test_layouts)
+    kd, _ = st.dense()
+    for b in range(SEQ.size):
+        n = int(st.kv_lens[b])
+        pages = scsr.kv_indices[scsr.kv_indptr[b]:scsr.kv_indptr[b + 1]].long()
+        rows = st.k_pages[pages].permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
+        assert torch.equal(rows, kd[b, :, :n])
+        assert (table[b, len(pages):] == 0).all() and torch.equal(table[b, :len(pages)], pages.int())
+
+
+def test_block_table_zero_padding_and_reserved_null_page():
+    cache, _, _ = _pair()
+    table, lens = cache.block_table([4, 2, -1])
+    assert lens.tolist() == [17, 15, 0] and (table[0, 2:] == 0).all() and (table[1, 1:] == 0).all()
+    assert (table[2] == 0).all()
+    t1, _ = cache.block_table([4, 2], pad=-1)
+    assert (t1[0, 2:] == -1).all()
+    with pytest.raises(ValueError, match="pad must be"):
+        cache.block_table([4], pad=-2)
+    # reserved null page: page 0 never holds data, so 0-padding is vLLM's null block exactly
+    null = TorchKVCache(CFG, L, H, D, **GEOM, reserve_null_page=True)
+    assert null.free_pages == NUM_PAGES - 1
+    rng = np.random.default_rng(10)
+    for s in range(len(LENS)):
+        null.admit(s)
+    seq = np.repeat(np.arange(len(LENS)), [min(n, 16) for n in LENS]).astype(np.int32)   # one page per slot
+    pos = np.concatenate([np.arange(min(n, 16)) for n in LENS]).astype(np.int32)
+    k, v = _kv(rng, (L, seq.size, H, D))
+    null.append(None, k, v, seq, pos)
+    table, lens = null.block_table(list(range(len(LENS))))
+    used = table[torch.arange(table.shape[1])[None, :] < ((lens[:, None] + PAGE - 1) // PAGE)]
+    assert (used > 0).all() and null.free_pages == NUM_PAGES - 1 - int((lens > 0).sum())
+    assert (np.asarray(null.state.page_table) != 0).all()
 
 
 def test_all_high_stage_equals_inputs():
@@ -228,9 +352,11 @@ def test_accept_equals_appending_only_accepted_tokens():
         assert torch.equal(x, y)
     want = speculative.accept(before, np.array([0], np.int32), 1, 3)
     np.testing.assert_array_equal(np.asarray(a.state.kv_lens), np.asarray(want.kv_lens))
-    a.correct_kv_lens([-2], seq_slots=[0])
-    assert a.kv_len(0) == 20
-    a.append(0, k[20:22], v[20:22], seq0[:2], torch.arange(20, 22, dtype=torch.int32))    # re-append
+    with pytest.raises(ValueError, match="written - max_draft_len"):
+        a.correct_kv_lens([-2], seq_slots=[0])            # 24 written: rewinds stop at 24 - 3 = 21
+    a.correct_kv_lens([-1], seq_slots=[0])
+    assert a.kv_len(0) == 21
+    a.append(0, k[21:22], v[21:22], seq0[:1], torch.arange(21, 22, dtype=torch.int32))    # re-append
     for x, y in zip(a.stage(0, [0]).dense(), b.stage(0, [0]).dense()):
         assert torch.equal(x, y)
 
@@ -239,12 +365,12 @@ def test_speculative_bad_inputs():
     cache = _spec_cache()
     cache.append(0, *_kv(np.random.default_rng(9), (10, H, D)), torch.zeros(10, dtype=torch.int32),
                  torch.arange(10, dtype=torch.int32))
-    with pytest.raises(ValueError, match="offsets must lie"):
+    with pytest.raises(ValueError, match="slot 0: offset 1"):
         cache.correct_kv_lens([1], seq_slots=[0])          # positive
-    with pytest.raises(ValueError, match="offsets must lie"):
+    with pytest.raises(ValueError, match="slot 0: offset -4"):
         cache.correct_kv_lens([-4], seq_slots=[0])         # past max_draft_len
-    with pytest.raises(ValueError, match="offsets must lie"):
-        cache.correct_kv_lens([0, -1, 0, 0, 0, 0])         # below length 0
+    with pytest.raises(ValueError, match="slot 1: offset -1"):
+        cache.correct_kv_lens([0, -1, 0, 0, 0, 0])         # an idle slot
     with pytest.raises(ValueError, match="max_seqs=6"):
         cache.correct_kv_lens([0, 0, 0])
     with pytest.raises(ValueError, match="same length"):
@@ -336,8 +462,6 @@ def test_outputs_are_zero_copy_views():
     assert to_torch(cache.state.page_table).dtype == torch.int32
     indptr, indices, last = cache.flashinfer_page_table([5, 0, -1])
     assert indptr.tolist() == [0, 3, 3, 3] and last.tolist() == [1, 0, 0]
-    table, lens = cache.block_table([4, 2])
-    assert lens.tolist() == [17, 15] and (table[0, 2:] == -1).all() and (table[1, 1:] == -1).all()
 
 
 def test_custom_ops_opcheck():

@@ -5,9 +5,10 @@ Every scenario drives `jmixedkv.append(..., backend="pallas")` (jitted once, reu
 below) on identical poisoned states with permuted page ids, and compares every pool leaf bit-for-bit (NaN poison
 included).
 
-FMA note: `jmixedkv.rope` guards its products with ``lax.optimization_barrier``, which XLA CPU expands before
-fusion: under ``jax.jit`` the reference rope is FMA-contracted on CPU (see `test_barrier_does_not_stop_fma`).
-The eager reference is the separately-rounded oracle.
+FMA note: ``lax.optimization_barrier`` does not stop FMA contraction (XLA CPU expands barriers before fusion:
+`test_barrier_does_not_stop_fma` runs it), so `jmixedkv.rope` and the kernel's interpret path route every product
+through the integer fence of `jmixedkv.numerics` (`launder`) instead. The eager reference is the separately-rounded
+oracle.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from helpers import assert_bits_equal, assert_trees_bit_equal
 import jmixedkv as jk
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.rope import rope_cos_sin
@@ -32,31 +34,11 @@ T = 24  # tokens per append call (padded with seq -1): one compiled shape per sc
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
-
-
-def _both_nan(x, y):
-    """Where both float arrays hold a NaN (any payload): x86 and NVIDIA GPUs generate different default NaNs for an
-    invalid operation (RoPE of an Inf row: ``inf * c - inf * s``), so NaN payloads are not part of the convention.
-    NVFP4 bytes and E4M3 scales encode NaN explicitly (codes 0, scale 0x7F) and stay compared bit for bit."""
-    x, y = np.asarray(x), np.asarray(y)
-    if x.dtype.itemsize == 1 or not jnp.issubdtype(x.dtype, jnp.floating):
-        return np.zeros(x.shape, bool)
-    xf, yf = x.astype(np.float32), y.astype(np.float32)
-    return np.isnan(xf) & np.isnan(yf)
-
-
 def assert_pools_equal(a, b, what=""):
-    la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
-    assert len(la) == len(lb)
-    for (path, x), (_, y) in zip(la, lb):
-        bx, by = _bits(x), _bits(y)
-        assert bx.shape == by.shape and x.dtype == y.dtype
-        bad = np.argwhere((bx != by) & ~_both_nan(x, y))
-        assert bad.size == 0, (f"{what}: {jax.tree_util.keystr(path)} differs in {len(bad)} elements, "
-                               f"first at {bad[0].tolist()}: {np.asarray(x)[tuple(bad[0])]} vs {np.asarray(y)[tuple(bad[0])]}")
+    """Every pool leaf bit for bit; computed NaNs may differ in payload (x86 and NVIDIA GPUs generate different
+    default NaNs for an invalid operation, e.g. RoPE of an Inf row ``inf * c - inf * s``). NVFP4 bytes and E4M3
+    scales encode NaN explicitly (codes 0, scale 0x7F) and stay compared byte for byte."""
+    assert_trees_bit_equal(a, b, what, any_nan=True)
 
 
 def _chunk(lengths, starts, rng):
@@ -110,8 +92,8 @@ def reference_append(st, k, v, seq, pos, layer, rope, device=None):
     NVFP4 quantization run on ``device`` (default: the default device) and the result is put back on the default
     device. On the GPU this needs IEEE float32 division in XLA (`conftest` sets it:
     `jmixedkv.compat.xla_flags_with_ieee_division`); without it the reference run by XLA on the GPU differs from the
-    convention in rare E2M1 ties (``1 / 0.0011160715`` gives 896.0 with XLA's default ``div.full.f32``;
-    `bench/probes/write_probe2.py`: 1-6 bytes per step)."""
+    convention in rare E2M1 ties (``1 / 0.0011160715`` gives 896.0 with XLA's default ``div.full.f32``: 1-6 bytes
+    per step on the H200, bench/RESULTS.md)."""
     if rope is not None:
         k = jk.apply_rope(k, jnp.asarray(pos), rope).astype(k.dtype)
     device = device or jax.devices()[0]
@@ -129,10 +111,11 @@ def reference_devices():
 
 def run_scenario(st, rope, *, all_layers=True, k_dtype=jnp.bfloat16, v_dtype=jnp.bfloat16, seed=1,
                  data_fn=None, steps=None):
-    """Append the schedule with both backends, comparing all pools after every step. Returns the final state."""
+    """Append the schedule with both backends, comparing all pools after every step; each sequence continues from
+    its current length. Returns the final state."""
     spec = st.groups[0]
     rng = np.random.default_rng(seed)
-    starts = [0, 0, 0]
+    starts = [int(n) for n in np.asarray(st.kv_lens)[:3]]
     fn = _jit_append(rope, "pallas")
     for step, lengths in enumerate(steps or _schedule()):
         seq, pos = _chunk(lengths, starts, rng)
@@ -280,7 +263,7 @@ def _rope_rows_check(style, interpret):
     got = np.asarray(W.rope_rows_f32(x, pos, rope, interpret=interpret))
     cos, sin = map(np.asarray, rope_cos_sin(jnp.asarray(pos), rd, rope.theta))
     want = numpy_rope(x, cos, sin, rope)
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_bits_equal(got, want)
     # sensitivity: an FMA in the first output of each pair would change many of these values
     _, fma = _sep_and_fma(x[:, xi], cos, (x[:, yi] * sin).astype(np.float32))
     assert (fma != want[:, xi]).sum() > 100
@@ -292,14 +275,26 @@ def test_rope_rows_interpret_match_numpy(style):
 
 
 def test_barrier_does_not_stop_fma():
-    """Documents why the kernel's interpret path does not rely on ``lax.optimization_barrier``: whether the
-    jitted barrier form contracts is backend-specific, but the kernel's laundered form never does."""
+    """Why the kernel's interpret path (and `jmixedkv.rope`) does not rely on ``lax.optimization_barrier``: the
+    jitted barrier form ``barrier(x*c, y*s)`` then ``a - b`` is contracted into ``fma(x, c, -y*s)`` by XLA CPU
+    (barriers are expanded before fusion), while the laundered form always rounds each product separately."""
     rng = np.random.default_rng(0)
     x, y = (rng.standard_normal((2, 4096)) * 3).astype(np.float32)
     c, s = np.cos(rng.uniform(0, 50, 4096)).astype(np.float32), np.sin(rng.uniform(0, 50, 4096)).astype(np.float32)
-    sep, _ = _sep_and_fma(x, c, (y * s).astype(np.float32))
-    laundered = jax.jit(W._JnpOps.rotate)(x, y, c, s)
-    np.testing.assert_array_equal(np.asarray(laundered), sep)
+    sep, fma = _sep_and_fma(x, c, (y * s).astype(np.float32))
+    sensitive = sep != fma
+    assert sensitive.sum() > 100                                     # data where an FMA changes the result
+
+    def barrier_rotate(x_, y_, c_, s_):
+        a, b = jax.lax.optimization_barrier((x_ * c_, y_ * s_))
+        return a - b
+
+    cpu = jax.devices("cpu")[0]
+    args = [jax.device_put(a, cpu) for a in (x, y, c, s)]
+    barrier = np.asarray(jax.jit(barrier_rotate)(*args))
+    assert_bits_equal(barrier[sensitive], fma[sensitive], "barrier form on XLA CPU: contracted into an FMA")
+    laundered = np.asarray(jax.jit(W._JnpOps.rotate)(*args))
+    assert_bits_equal(laundered, sep, "laundered form: every product rounded")
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -428,4 +423,4 @@ def test_gpu_fma_sensitive_rows_match_numpy():
     hslot = np.asarray(jk.state.write_slots(out, jnp.asarray(seq), jnp.asarray(pos))[1])
     rows = np.asarray(out.pools[0].high.rows[0][hslot // PAGE, 0, :, hslot % PAGE, :])  # [T, H, D]
     want = numpy_rope(k, cos[:, None, :], sin[:, None, :], rope).astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(_bits(rows), _bits(want))
+    assert_bits_equal(rows, want)

@@ -1,0 +1,214 @@
+"""Input validation, one implementation for every transition and reader (docs/DESIGN.md, "bad input").
+
+The rule: every slot, layer, page id and position that reaches a transition or a reader is range-checked where
+it is used.
+
+* **On the host** (the value is a Python / NumPy value, or a static argument): `ValueError` naming the argument,
+  the offending entry and the allowed range, before anything runs. Non-integer index arrays (float, bool) and
+  integers outside int32 (they would wrap: ``2**32 + 2`` -> ``2``) are refused here too.
+* **Inside jit** (the value is a JAX array, traced or not): a *transition* sets an ``ERR_*`` bit in
+  ``state.error`` and leaves every other leaf of the state bitwise unchanged (all-or-nothing); a *reader* returns
+  NaN rows / NaN outputs for the batch rows whose slot, layer, length or index is bad (never another sequence's
+  data; padding ``-1`` stays zero as before).
+
+Error bits (sticky, OR-ed into ``state.error``; `describe_error` names them)::
+
+    ERR_LOW_OOM        1   not enough free low (history) pages
+    ERR_HIGH_OOM       2   not enough free high (twin) pages
+    ERR_TOO_LONG       4   a position past max_pages_per_seq * page_size
+    ERR_BAD_SLOT       8   slot outside [-1, max_seqs), not admitted, or admitted twice
+    ERR_BAD_CORRECTION 16  speculative length correction out of range
+    ERR_BAD_LAYER      32  layer index outside [0, num_layers) of the group
+    ERR_BAD_POSITION   64  positions not a legal write (see `append_position_errors`)
+    ERR_SHARED_PAGE    128 a write into a page another sequence (or the prefix index) also holds
+    ERR_BAD_PAGE       256 a page id outside [-1, num_pages), not allocated, or listed twice
+
+Legal positions of one `append` call, per sequence slot ``s`` with corrected length ``n = kv_lens[s]`` and
+``w = written[s]`` (one past the highest row ever written since admit):
+
+* the positions of ``s``'s tokens are distinct and contiguous, ``[p0, p1]`` (any order inside the call);
+* ``p0 <= n <= p1 + 1``: the call either extends the sequence from ``n`` (``p0 == n``) or rewrites a suffix that
+  reaches the end (``p0 < n``: the other layers of tokens a per-layer append already wrote, or a re-verified
+  suffix). Afterwards ``kv_lens[s] = p1 + 1`` and ``written[s] = max(w, p1 + 1)``.
+
+Anything else (a gap past ``n``, a rewrite that stops short of ``n - 1``, a duplicate, a negative position) is
+refused: such a write would land in twin ring rows that now hold other positions of the last-N window. A rewrite
+changes the low row and, where the position is retained (first-N page or in the ring window), the twin row: both
+stores are written by the same call, so readers never see a mix. Speculative rewinds (`correct_kv_lens`,
+`accept`) may lower ``kv_lens`` to no less than ``written - max_draft_len`` (rewinds do not accumulate past the
+ring's slack), so every retained row of the window is still in the ring.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ERR_LOW_OOM", "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER",
+           "ERR_BAD_POSITION", "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "ERROR_NAMES", "describe_error", "is_traced",
+           "is_jax", "host_int", "index_array", "check_slot_arg", "check_layer_arg", "slot_in_range",
+           "layer_in_range", "append_position_errors", "page_ids_ok", "write_dst_errors", "INT32_MAX"]
+
+ERR_LOW_OOM = 1
+ERR_HIGH_OOM = 2
+ERR_TOO_LONG = 4
+ERR_BAD_SLOT = 8
+ERR_BAD_CORRECTION = 16
+ERR_BAD_LAYER = 32
+ERR_BAD_POSITION = 64
+ERR_SHARED_PAGE = 128
+ERR_BAD_PAGE = 256
+
+ERROR_NAMES = {
+    ERR_LOW_OOM: "out of low pages",
+    ERR_HIGH_OOM: "out of high pages",
+    ERR_TOO_LONG: "position past max_pages_per_seq * page_size",
+    ERR_BAD_SLOT: "sequence slot out of range, not admitted (or admitted twice)",
+    ERR_BAD_CORRECTION: "bad speculative length correction (positive offset, rewind below written - max_draft_len "
+                        "or 0, or an idle slot)",
+    ERR_BAD_LAYER: "layer index out of range",
+    ERR_BAD_POSITION: "illegal positions (gap, duplicate, negative, or a rewrite that does not reach kv_len)",
+    ERR_SHARED_PAGE: "write into a shared page (fork / prefix): refused, copy-on-write happens at fork / admit",
+    ERR_BAD_PAGE: "page id out of range, not allocated, or repeated",
+}
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def describe_error(code: int) -> str:
+    """Names of the bits set in ``code`` (``"ok"`` for 0)."""
+    code = int(code)
+    return ", ".join(name for bit, name in ERROR_NAMES.items() if code & bit) or "ok"
+
+
+# ----------------------------------------------------------------------------------------------- host side
+def is_traced(*xs) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
+
+
+def is_jax(x) -> bool:
+    """A JAX array (concrete or traced): validated by error bits, not on the host."""
+    return isinstance(x, (jax.Array, jax.core.Tracer))
+
+
+def host_int(x, name: str, op: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """A Python / NumPy integer scalar in ``[lo, hi)`` -> int; `ValueError` naming it otherwise."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+        a = np.asarray(x)
+        if a.ndim != 0 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"{op}: {name} must be an integer, got {x!r} ({type(x).__name__})")
+        x = a.item()
+    v = int(x)
+    if (lo is not None and v < lo) or (hi is not None and v >= hi):
+        raise ValueError(f"{op}: {name}={v} out of range [{lo}, {hi})")
+    return v
+
+
+def index_array(x, name: str, op: str, lo: Optional[int] = None, hi: Optional[int] = None, ndim=None):
+    """Index argument -> int32 JAX array.
+
+    JAX arrays must have an integer dtype (else `ValueError`); their values are checked inside jit by the caller.
+    Host values (lists, NumPy, Python ints) must be integers that fit int32 and, when ``lo`` / ``hi`` are given,
+    lie in ``[lo, hi)``; the error names the first offending entry."""
+    if is_jax(x):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{op}: {name} must be an integer array, got dtype {x.dtype}")
+        out = x.astype(jnp.int32)
+    else:
+        a = np.asarray(x)
+        if a.size == 0 and a.dtype == np.float64:
+            a = a.astype(np.int32)
+        if not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"{op}: {name} must be integers, got dtype {a.dtype} ({np.ravel(a)[:4].tolist()}...)")
+        flat = a.reshape(-1).astype(np.int64) if a.dtype != np.uint64 else a.reshape(-1)
+        lo_, hi_ = (-INT32_MAX - 1 if lo is None else lo), (INT32_MAX + 1 if hi is None else hi)
+        bad = np.flatnonzero((flat < lo_) | (flat >= hi_))
+        if bad.size:
+            i = int(bad[0])
+            where = f"{name}[{i}]" if a.ndim else name
+            rng = f"[{lo_}, {hi_})" if (lo is not None or hi is not None) else "int32"
+            raise ValueError(f"{op}: {where}={int(flat[i])} out of range {rng}")
+        out = jnp.asarray(a.astype(np.int32))
+    if ndim is not None and out.ndim != ndim:
+        raise ValueError(f"{op}: {name} must have {ndim} dimension(s), got shape {tuple(out.shape)}")
+    return out
+
+
+def check_slot_arg(x, num_seqs: int, name: str, op: str, allow_none: bool = True):
+    """Scalar slot argument: host value checked in ``[-1, num_seqs)`` (``[0, ...)`` without ``allow_none``);
+    returns an int32 JAX scalar."""
+    if is_jax(x):
+        return index_array(x, name, op, ndim=0)
+    return jnp.int32(host_int(x, name, op, -1 if allow_none else 0, num_seqs))
+
+
+def check_layer_arg(layer, num_layers: int, op: str, group_name: str = ""):
+    """Layer argument: None, a host int in ``[0, num_layers)`` (kept a Python int), or a JAX integer scalar."""
+    if layer is None:
+        return None
+    if is_jax(layer):
+        return index_array(layer, "layer", op, ndim=0)
+    g = f" of group {group_name!r}" if group_name else ""
+    try:
+        return host_int(layer, "layer", op, 0, num_layers)
+    except ValueError as e:
+        raise ValueError(f"{e}{g}") from None
+
+
+# ----------------------------------------------------------------------------------------------- inside jit
+def slot_in_range(seq, num_seqs: int):
+    """(clipped slot, bool in [0, num_seqs), bool == -1) for an int32 slot array."""
+    seq = jnp.asarray(seq, jnp.int32)
+    ok = (seq >= 0) & (seq < num_seqs)
+    return jnp.clip(seq, 0, num_seqs - 1), ok, seq == -1
+
+
+def layer_in_range(layer, num_layers: int):
+    """(clipped layer or None, bool ok) for a layer argument (None = all layers: ok)."""
+    if layer is None:
+        return None, jnp.bool_(True)
+    if isinstance(layer, int):
+        return layer, jnp.bool_(0 <= layer < num_layers)
+    layer = jnp.asarray(layer, jnp.int32)
+    return jnp.clip(layer, 0, num_layers - 1), (layer >= 0) & (layer < num_layers)
+
+
+def append_position_errors(seq, pos, kv_lens, num_seqs: int):
+    """Position rule of one append call (see the module docstring), inside jit.
+
+    Args: ``seq`` i32[T] slots (already known in range or -1), ``pos`` i32[T], ``kv_lens`` i32[S].
+    Returns ``(bad bool[], first i32[S], last i32[S])``: whether any slot's positions are illegal, and each
+    slot's smallest / largest position in the call (``INT32_MAX`` / -1 when the slot has no token)."""
+    valid = seq >= 0
+    key = jnp.where(valid, seq, num_seqs)
+    skey, spos = jax.lax.sort((key, pos), num_keys=2)
+    same = (skey[1:] == skey[:-1]) & (skey[1:] < num_seqs)
+    gap = jnp.any(same & (spos[1:] != spos[:-1] + 1))
+    drop = jnp.where(valid, seq, num_seqs)
+    first = jnp.full((num_seqs,), INT32_MAX, jnp.int32).at[drop].min(pos, mode="drop")
+    last = jnp.full((num_seqs,), -1, jnp.int32).at[drop].max(pos, mode="drop")
+    has = last >= 0
+    neg = jnp.any(valid & (pos < 0))
+    off = has & ((first > kv_lens) | (last + 1 < kv_lens))
+    return gap | neg | jnp.any(off), first, last
+
+
+def page_ids_ok(ids, num_pages: int):
+    """bool: every id in ``[-1, num_pages)``."""
+    return jnp.all((ids >= -1) & (ids < num_pages))
+
+
+def write_dst_errors(alloc, dst):
+    """Error bits for whole-page write destinations ``dst`` i32[K] (-1 = none) of an `Allocator`'s pool:
+    ``ERR_BAD_PAGE`` for an id out of range or repeated; ``ERR_SHARED_PAGE`` for a page held more than once
+    (copy-on-write: shared pages are never written). A free page (refcount 0) may be written: nobody reads it."""
+    n = alloc.num_pages
+    live = dst >= 0
+    refc = alloc.refcount[jnp.clip(dst, 0, n - 1)]
+    count = jnp.zeros((n,), jnp.int32).at[jnp.where(live, dst, n)].add(1, mode="drop")
+    bad = ~page_ids_ok(dst, n) | jnp.any(count > 1)
+    shared = jnp.any(live & (refc > 1))
+    return (jnp.where(bad, ERR_BAD_PAGE, 0) | jnp.where(shared & ~bad, ERR_SHARED_PAGE, 0)).astype(jnp.int32)

@@ -1,0 +1,102 @@
+"""Numeric primitives shared by the references and the kernels: one definition each (docs/DESIGN.md §2, §6).
+
+A leaf module: it imports nothing from `jmixedkv` or `pallas_kernels`, so kernels may import it.
+
+* Format constants: `BLOCK` (NVFP4 block length), `E2M1_MAX`, `E4M3_MAX` (the largest finite E4M3 value, 448),
+  `SIXTH` (float32 1/6 of the pinned scale order).
+* The FMA / reassociation fence. XLA's algebraic simplifier hoists scalar factors out of products
+  (``e * (a * c)`` -> ``a * (e * c)``) and its CPU LLVM backend contracts ``a * b - c`` into an FMA;
+  ``lax.optimization_barrier`` stops neither (XLA CPU expands barriers before fusion). A value routed through an
+  integer OR with a zero the compiler cannot prove zero is opaque to both: `keep` (the zero is the sign bit of a
+  known non-negative value) and `launder` with `opaque_zero` (bit 30 of ``|c| <= 1``). Two integer ops each;
+  the value is unchanged bit for bit.
+* The FP8 row codec of row pools (an FP8 twin, plain FP8 pages, the FP8 gather scratch): `e4m3_saturate`
+  (``e4m3(clip(y, ±448))``, NaN kept), `encode_rows` (``e4m3_saturate(f32(x) / scale)``, or a cast for 16-bit
+  pools) and `decode_rows` (``f32(e4m3) * scale``, or a cast).
+* RoPE angles: `inv_freq`, `rope_cos_sin` (the write kernel computes them outside the kernel with this code, so
+  its ``cos``/``sin`` are those of the reference bit for bit).
+"""
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["BLOCK", "E2M1_MAX", "E4M3_MAX", "SIXTH", "keep", "opaque_zero", "launder", "is_fp8", "e4m3_saturate",
+           "encode_rows", "decode_rows", "inv_freq", "rope_cos_sin"]
+
+#: NVFP4 block length (elements per E4M3 block scale) along the last axis
+BLOCK = 16
+#: largest E2M1 magnitude
+E2M1_MAX = 6.0
+#: largest finite FP8 E4M3 (e4m3fn) magnitude; clamp before every E4M3 cast (XLA turns > 464 into NaN)
+E4M3_MAX = 448.0
+#: float32 1/6, the factor of the pinned block-scale order ``(1/gs) * (amax * SIXTH)``
+SIXTH = np.float32(1.0) / np.float32(6.0)
+
+
+# ------------------------------------------------------------------------------------------------ the fence
+def keep(a, nonneg):
+    """``a`` (float32) unchanged, but opaque to XLA's simplifier: no reassociation / contraction across it.
+
+    ``nonneg`` is a float32 array (broadcastable to ``a``) known to be >= 0 or +NaN: its sign bit is an int32 zero
+    that XLA cannot prove zero. Works in jnp and inside Pallas kernels (two integer ops)."""
+    z = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(nonneg, jnp.int32), jnp.int32(31))
+    b = jax.lax.bitcast_convert_type(a, jnp.int32) | jnp.broadcast_to(z, jnp.shape(a))
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def opaque_zero(c):
+    """int32 zeros the compiler cannot prove zero, from float32 ``c`` with ``|c| <= 1`` (bit 30, the exponent MSB,
+    is clear). Pair with `launder`."""
+    return (jax.lax.bitcast_convert_type(c, jnp.int32) >> 30) & 1
+
+
+def launder(a, z):
+    """``a`` (float32) unchanged, routed through an integer OR with ``z`` (`opaque_zero`), so no FMA can absorb the
+    product that made it."""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.int32) | z, jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------ FP8 rows
+def is_fp8(dtype) -> bool:
+    """True for FP8 E4M3 (``float8_e4m3fn``), the only FP8 row format."""
+    return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def e4m3_saturate(y):
+    """``float8_e4m3fn`` of float32 ``y``, saturating at ``±E4M3_MAX`` (RNE; NaN stays NaN)."""
+    return jnp.where(jnp.isnan(y), y, jnp.clip(y, -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
+
+
+def encode_rows(x, dtype, scale, div=operator.truediv):
+    """Store form of rows ``x`` (any float dtype) for a row pool of ``dtype``.
+
+    FP8: ``e4m3_saturate(div(f32(x), scale))`` with ``scale`` broadcastable to ``x`` (``div`` defaults to IEEE
+    division; kernels pass their exact in-kernel division). Other dtypes: a cast (``scale`` unused)."""
+    if is_fp8(dtype):
+        return e4m3_saturate(div(x.astype(jnp.float32), scale))
+    return x.astype(dtype)
+
+
+def decode_rows(rows, scale, out_dtype):
+    """Read form of stored rows: FP8 -> ``f32(rows) * scale`` (``scale`` broadcastable), then ``out_dtype``;
+    other dtypes: a cast."""
+    if is_fp8(rows.dtype):
+        return (rows.astype(jnp.float32) * scale).astype(out_dtype)
+    return rows.astype(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------ RoPE angles
+def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """f32[rotary_dim/2] ``theta ** (-2i / rotary_dim)``, computed on the host (identical on every backend)."""
+    i = np.arange(0, rotary_dim, 2, dtype=np.float64)
+    return (1.0 / (theta ** (i / rotary_dim))).astype(np.float32)
+
+
+def rope_cos_sin(positions, rotary_dim: int, theta: float):
+    """``(cos, sin)`` f32[..., rotary_dim/2] of the angles ``f32(positions) * inv_freq`` for integer ``positions``."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(rotary_dim, theta))
+    return jnp.cos(ang), jnp.sin(ang)

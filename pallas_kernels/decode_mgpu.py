@@ -1,0 +1,601 @@
+"""Paged decode attention over NVFP4 pages for Hopper, Pallas **Mosaic GPU** backend (``plgpu.kernel``).
+
+Scope (`supported` says when it applies; everything else runs the Pallas Triton kernel
+`pallas_kernels.decode_attention.paged_decode_attention` behind the same entry point): head_dim 128, NVFP4 low
+pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of **16 tokens**, optional
+bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap.
+
+Status (H200, jax 0.11.2, 2026-11-30; numbers in bench/RESULTS.md): correct against the float32 reference at page 16
+(Tq 1 / 2 / 3, GQA 2 / 4 / 8, mixed bf16 twin: relative L2 1.0e-5 - 1.6e-5 with float32 output, LSE <= 1.3e-5),
+but **slower than the Triton kernel** (16 x 32k: 0.69 - 0.79 ms against 0.54 ms), so it is opt-in
+(``JMIXEDKV_DECODE_KERNEL=mgpu``, see `preferred`). Pages of 32 / 64 / 128 tokens fault on the H200 with
+``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (the same kernel runs correctly in the Mosaic GPU interpreter; not found in
+the time: neither 16-token bulk copies nor a leading-index-only pool view changed it), so `supported` refuses them.
+What bounds the speed (measured: kernel alone 0.67 - 0.70 ms = 4.5 - 4.9x the NVFP4 bytes floor, stages 2 - 4 and
+2 - 16 splits within 15%): one warpgroup per CTA does everything in sequence (wait for the TMA ring, dequantize K
+and V into swizzled f16 tiles, fence, two wgmma, softmax) with 2 - 3 CTAs per SM, so the tensor-core and
+shared-memory latencies are not hidden; the query rows are padded to wgmma's M = 64 (4 - 8 real rows: the
+softmax and rescaling do 8 - 16x redundant work); and the WGMMA register layout gives each thread 2 bytes per
+register, so the dequantization costs ~4 instructions per element (the Triton kernel's packed form ~1.5). The
+design that the issue sketches (keys on M: ``S^T = K Q^T`` with the GQA group as N = 8 / 16, a producer warp for
+the page TMA and consumer warpgroups) removes the padding and the serialization; it is not built here.
+
+Work split
+* **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* keys
+  ``[k0, k1) = [min(first_n, n), max(k0, n - max(last_n, Tq - 1)))`` of each sequence, which are exactly the keys
+  read from NVFP4 pages and visible to every query token. A TMA ring of ``stages`` slots holds 64-token blocks
+  of packed bytes + E4M3 scales (one bulk copy per 16 tokens and tensor, page ids of the split copied from the
+  page table to shared memory once); the warpgroup dequantizes a block in registers (inline PTX: nibble -> f16 bits,
+  ``cvt.rn.f16x2.e4m3x2`` for the scale, ``mul.rn.f16x2``; exact, see below) into a swizzled f16 tile, and runs
+  ``S = Q K^T`` (wgmma, query rows padded to M = 64) and ``O += P V`` (wgmma, P from registers) with an online
+  softmax in base 2. Output: unnormalized partials
+  ``(o, m, l)`` per split; the f32 output tile aliases the K tile (``plgpu.RefUnion``).
+* **Edge keys** (``[0, k0)`` and ``[k1, n)``: the retained first-N / last-N rows, read from the twin where held,
+  and the causal region among the ``Tq`` new tokens) are at most ``first_n + max(last_n, Tq - 1)`` per sequence;
+  they are attended in XLA (float32) and merged with the kernel's partials by LSE (`merge_partials`).
+
+Numerics are the Triton kernel's (see its docstring): a NVFP4 element dequantizes to
+``(e2m1 * 2^-14) * (f16(s) * 2^7) = e2m1 * s * 2^-7`` in f16 **exactly** (the *low domain*, ``x / (gs * 2^7)``);
+``gs`` and ``sm_scale`` are applied to the f32 logits (per query row, with the power-of-two row scaling of q into
+f16) and to the f32 output. Columns are kept as ``[even | odd]`` halves (low / high nibbles), q is permuted to
+match and the output re-interleaved outside.
+
+CPU CI: ``interpret=True`` runs the same kernel body in the Mosaic GPU interpreter
+(``plgpu.kernel(interpret=InterpretGPUParams())``) with the dequantization in plain jnp (the interpreter has no
+``inline_mgpu``) and P staged through shared memory (its wgmma takes operands from shared memory only); the
+compiled form (inline PTX, register-A wgmma) is checked by cross-lowering for CUDA. Neither checks ptxas, the
+swizzle / TMA descriptors or timing: that needs the GPU (tests marked ``gpu``).
+
+Entry: `paged_decode_attention_mgpu` (raw arrays), `supported` (static shape / option check), `preferred` (the
+dispatch choice of `jmixedkv.attention`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.decode_attention import LOW_DOMAIN, merge_partials
+
+__all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
+           "KERNEL_ENV"]
+
+BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
+CHUNK = 16               # tokens per bulk copy (the smallest page)
+SUPPORTED_PAGES = (16,)  # run on the H200; 32 / 64 / 128 run in the interpreter but fault on the GPU
+M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
+HEAD_DIM = 128
+NUM_SMS = 132
+_LOG2E = math.log2(math.e)
+_M_INIT = -1e30
+
+from jmixedkv.compat import (HAVE_MGPU as _HAVE_MGPU, mgpu_interpret_params as _interpret_params,  # noqa: E402
+                             mgpu_load as _load, mgpu_transposed as _transposed, pl, plgpu)
+
+
+def available() -> bool:
+    """True when ``jax.experimental.pallas.mosaic_gpu`` imports (it may still fail to compile off Hopper)."""
+    return _HAVE_MGPU
+
+
+# ----------------------------------------------------------------------------- dequantization
+# 2 packed bytes (one i32, bytes in bits 0-15) + their E4M3 block scale (i32, bits 0-7) -> two f16x2 registers:
+# $0 = low nibbles (even columns), $1 = high nibbles (odd columns), both in the low domain e2m1 * s * 2^-7 (exact).
+_DEQUANT_PTX = """{
+.reg .b32 x, m, t, sc, k;
+.reg .b16 sp;
+prmt.b32 x, $2, 0, 0x4140;
+prmt.b32 sc, $3, 0, 0x0000;
+cvt.u16.u32 sp, sc;
+cvt.rn.f16x2.e4m3x2 sc, sp;
+mov.b32 k, 0x58005800;
+mul.rn.f16x2 sc, sc, k;
+and.b32 m, x, 0x00070007;
+shl.b32 m, m, 9;
+and.b32 t, x, 0x00080008;
+shl.b32 t, t, 12;
+or.b32 m, m, t;
+mul.rn.f16x2 $0, m, sc;
+and.b32 m, x, 0x00700070;
+shl.b32 m, m, 5;
+and.b32 t, x, 0x00800080;
+shl.b32 t, t, 8;
+or.b32 m, m, t;
+mul.rn.f16x2 $1, m, sc;
+}"""
+
+
+def _dequant_inline(b_ref, s_ref):
+    """Compiled path: packed bytes ``u8[64, 64]`` + scales ``e4m3[4, 128]`` (token ``t``'s 8 scales at flat
+    ``t * 8``) in shared memory -> ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+
+    out_t = plgpu.ShapeDtypeStruct((BLOCK_K, HEAD_DIM // 2), jnp.float16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=(out_t, out_t))
+    def body(ctx, b, s):
+        del ctx
+        layout = fa.WGMMA_LAYOUT
+        shape = (BLOCK_K, HEAD_DIM // 2)
+        i8, i16, i32 = (ir.IntegerType.get_signless(w) for w in (8, 16, 32))
+        idx_t = ir.IndexType.get()
+        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+        reg_shape = layout.registers_shape(shape)
+        lo = np.empty(reg_shape, dtype=object)
+        hi = np.empty(reg_shape, dtype=object)
+        ci = lambda v: arith.constant(i32, v)  # noqa: E731
+        # this thread's base element (row0, col0) of the WGMMA layout, computed once; every register sits at a
+        # static offset from it (rows + 8k, columns + 8j: no carry since col0 = 2 * (lane % 4) < 8)
+        contig = (shape[1], 1)
+        tile_strides = layout.tiling.tile_strides(contig)
+        dyn_strides = [ci(st_) for st_ in tile_strides[-layout.tiled_tiling_rank:]]
+        base = arith.addi(mgu.dyn_dot(layout.warp_indices(), dyn_strides),
+                          mgu.dyn_dot(layout.lane_indices(), dyn_strides))
+        row0 = arith.divui(base, ci(shape[1]))
+        col0 = arith.remui(base, ci(shape[1]))
+        # scales: token t's 8 block scales at flat t * 8 of the [4, 128] tile; row0 = 16 w + lane // 4, so
+        # (row0 + 8 k) * 8 stays inside row w of the tile for k in {0, 1}
+        sflat0 = arith.muli(row0, ci(8))
+        srow0 = arith.divui(sflat0, ci(128))
+        scol0 = arith.remui(sflat0, ci(128))
+        to_idx = lambda v: arith.index_castui(idx_t, v)  # noqa: E731
+        row0_i, col0_i, srow_i, scol0_i = map(to_idx, (row0, col0, srow0, scol0))
+        s_elt = ir.MemRefType(s.type).element_type
+        b_vec = ir.VectorType.get((2,), ir.MemRefType(b.type).element_type)
+        for reg_idx in np.ndindex(reg_shape):
+            lin = sum(i * st_ for i, st_ in zip(reg_idx, tile_strides))
+            r_off, c_off = divmod(lin, shape[1])
+            assert c_off % 8 == 0 and r_off in (0, 8, 16, 24, 32, 40, 48, 56), (r_off, c_off)
+            row = arith.addi(row0_i, arith.constant(idx_t, r_off))
+            col = arith.addi(col0_i, arith.constant(idx_t, c_off))
+            pair = vector.load(b_vec, b, [row, col])
+            x = arith.extui(i32, mgu.bitcast(pair, i16))
+            k = r_off * 8 + c_off // 8
+            assert r_off < 16, "one 64-row WGMMA tile: row offsets 0 / 8"
+            sv = memref.load(s, [srow_i, arith.addi(scol0_i, arith.constant(idx_t, k))])
+            if s_elt != i8:
+                sv = mgu.bitcast(sv, i8)
+            sv = arith.extui(i32, sv)
+            res = llvm.inline_asm(
+                ir.Type.parse("!llvm.struct<(i32, i32)>"), [x, sv], _DEQUANT_PTX, "=r,=r,r,r",
+                has_side_effects=False)
+            lo[reg_idx] = mgu.bitcast(llvm.extractvalue(i32, res, [0]), f16x2)
+            hi[reg_idx] = mgu.bitcast(llvm.extractvalue(i32, res, [1]), f16x2)
+        return (mgpu.FragmentedArray(_registers=lo, _layout=layout, _is_signed=None),
+                mgpu.FragmentedArray(_registers=hi, _layout=layout, _is_signed=None))
+
+    return body(b_ref, s_ref)
+
+
+def _dequant_jnp(b_ref, s_ref):
+    """Interpret path: the same exact arithmetic in jnp."""
+    w = b_ref[...].astype(jnp.uint16)                                         # [64, 64]
+    sc = s_ref[...].reshape(BLOCK_K, 8).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
+    sc = jnp.repeat(sc, 8, axis=1)                                            # [64, 64]
+    u = lambda v: jnp.uint16(v)  # noqa: E731
+    f16 = lambda bits: lax.bitcast_convert_type(bits, jnp.float16)  # noqa: E731
+    lo = f16(((w & u(7)) << u(9)) | ((w & u(8)) << u(12))) * sc
+    hi = f16(((w & u(0x70)) << u(5)) | ((w & u(0x80)) << u(8))) * sc
+    return lo, hi
+
+
+# ----------------------------------------------------------------------------- kernel
+def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, interpret):
+    """Body for ``plgpu.kernel``; grid ``(splits, H, B)``."""
+    bk, half = BLOCK_K, HEAD_DIM // 2
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    chunks = bk // CHUNK            # one bulk copy per 16 tokens and tensor (all page sizes: pages are 16k tokens)
+    cpp = page // CHUNK             # chunks per page
+    pt_chunks = pt_len // 256 if pt_len >= 256 else 1
+    pt_chunk = min(pt_len, 256)
+    dequant = _dequant_jnp if interpret else _dequant_inline
+    # the interpreter has no layouts: plain values there
+    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
+
+    def iota(shape, dim):
+        if interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+
+    def kernel(meta_ref, q_ref, rowmul_ref, pt_ref, data_ref, scales_ref,      # inputs (GMEM)
+               o_ref, m_ref, l_ref,                                           # outputs (GMEM)
+               q_smem, rm_smem, pt_smem, kb, ks, vb, vs, k16, v16, p_smem, o_smem, ml_smem,
+               bar_q, bar_pt, bar_kv):
+        if o_smem is None:              # compiled: o_smem aliases k16 (used only after the loop)
+            k16, o_smem = k16
+        si = lax.axis_index("s")
+        hi = lax.axis_index("h")
+        bi = lax.axis_index("b")
+        bh = bi * num_heads + hi
+        layer = meta_ref[0]
+        i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+        k0 = meta_ref[1 + 2 * bi]
+        k1 = meta_ref[2 + 2 * bi]
+        n_blk = lax.div(k1 + (bk - 1), i32(bk))
+        blk0 = lax.div(k0, i32(bk))
+        per = lax.div(jnp.maximum(n_blk - blk0, 0) + (splits - 1), i32(splits))
+        start = blk0 + si * per
+        end = jnp.minimum(start + per, n_blk)
+        nblk = jnp.maximum(end - start, 0)
+
+        # q (permuted [even | odd] halves, f16 low domain), row multipliers, this split's page ids
+        plgpu.copy_gmem_to_smem(q_ref.at[bh], q_smem, bar_q.at[0])
+        plgpu.copy_gmem_to_smem(rowmul_ref.at[bh], rm_smem, bar_q.at[0])
+        first_page = lax.div(start * bk, i32(page))
+        for c_ in range(pt_chunks):
+            plgpu.copy_gmem_to_smem(pt_ref.at[bi, pl.ds(first_page + c_ * pt_chunk, pt_chunk)],
+                                    pt_smem.at[pl.ds(c_ * pt_chunk, pt_chunk)], bar_pt.at[0])
+        plgpu.barrier_wait(bar_pt.at[0])
+
+        def issue(blk, slot):
+            tok0 = blk * bk
+            for j in range(chunks):
+                tok = tok0 + j * CHUNK
+                pid = jnp.maximum(pt_smem[lax.div(tok, i32(page)) - first_page], 0)
+                sub = lax.div(lax.rem(tok, i32(page)), i32(CHUNK)) if page > CHUNK else 0
+                dst = pl.ds(j * CHUNK, CHUNK)
+                sdst = pl.ds(j, 1)
+                b = bar_kv.at[slot]
+                # pools viewed as [(layer, page, K/V, head, 16-token chunk), 16, ...]: every dynamic index is
+                # the leading one (a dynamic row offset inside a page tile faulted on the H200: page >= 32)
+                kr = (((layer * num_pools + pid) * 2) * num_heads + hi) * cpp + sub
+                vr = kr + num_heads * cpp
+                plgpu.copy_gmem_to_smem(data_ref.at[kr], kb.at[slot, dst], b)
+                plgpu.copy_gmem_to_smem(scales_ref.at[kr], ks.at[slot, sdst], b)
+                plgpu.copy_gmem_to_smem(data_ref.at[vr], vb.at[slot, dst], b)
+                plgpu.copy_gmem_to_smem(scales_ref.at[vr], vs.at[slot, sdst], b)
+
+        for i in range(stages - 1):
+            @pl.when(i < nblk)
+            def _():
+                issue(start + i, i)
+
+        plgpu.barrier_wait(bar_q.at[0])
+        rowmul = rm_smem[...] if interpret else _load(rm_smem, row_layout)  # [64] f32, includes log2(e)
+
+        def step(i, carry, edge):
+            acc_lo, acc_hi, m_i, l_i = carry
+            rel = i - start
+            slot = lax.rem(rel, i32(stages))
+            nxt = rel + stages - 1
+
+            @pl.when(nxt < nblk)
+            def _():
+                issue(start + nxt, lax.rem(nxt, i32(stages)))
+
+            plgpu.barrier_wait(bar_kv.at[slot])
+            klo, khi = dequant(kb.at[slot], ks.at[slot])
+            if interpret:   # the interpreter's wgmma takes no transposed operand: K^T stored as such
+                k16.at[0][...] = klo.T
+                k16.at[1][...] = khi.T
+            else:
+                k16.at[0][...] = klo
+                k16.at[1][...] = khi
+            # V next (dequantizing V while the tensor cores run Q K^T measured 15% slower on the H200)
+            vlo, vhi = dequant(vb.at[slot], vs.at[slot])
+            if edge:    # rows outside [k0, k1) may be NaN poison: P == 0 there must not meet NaN
+                vrow = iota((bk, half), 0) + i * bk
+                vok = (vrow >= k0) & (vrow < k1)
+                vlo = jnp.where(vok, vlo, 0.0)
+                vhi = jnp.where(vok, vhi, 0.0)
+            v16.at[0][...] = vlo
+            v16.at[1][...] = vhi
+            plgpu.commit_smem()
+
+            def qk(acc_ref):
+                kt = (lambda r: r) if interpret else _transposed  # noqa: E731
+                plgpu.wgmma(acc_ref, q_smem.at[0], kt(k16.at[0]))
+                plgpu.wgmma(acc_ref, q_smem.at[1], kt(k16.at[1]))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((M_ROWS, bk), jnp.float32))
+            s = s * lax.broadcast_in_dim(rowmul, s.shape, [0])
+            if edge:
+                kpos = iota((M_ROWS, bk), 1) + i * bk
+                s = jnp.where((kpos >= k0) & (kpos < k1), s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_new = l_i * alpha + p.sum(axis=1)
+            acc_lo = acc_lo * lax.broadcast_in_dim(alpha, acc_lo.shape, [0])
+            acc_hi = acc_hi * lax.broadcast_in_dim(alpha, acc_hi.shape, [0])
+            p16 = p.astype(jnp.float16)
+            if interpret:
+                p_smem[...] = p16
+                plgpu.commit_smem()
+                p_op = p_smem
+            else:
+                p_op = p16
+
+            def pv(refs):
+                a_lo, a_hi = refs
+                plgpu.wgmma(a_lo, p_op, v16.at[0])
+                plgpu.wgmma(a_hi, p_op, v16.at[1])
+
+            if interpret:   # the interpreter has no run_state: fresh accumulators, added
+                def pv_fresh(a_lo, a_hi):
+                    pv((a_lo, a_hi))
+                    return a_lo[...], a_hi[...]
+                d_lo, d_hi = pl.run_scoped(pv_fresh, plgpu.ACC((M_ROWS, half), jnp.float32),
+                                           plgpu.ACC((M_ROWS, half), jnp.float32))
+                acc_lo, acc_hi = acc_lo + d_lo, acc_hi + d_hi
+            else:
+                acc_lo, acc_hi = pl.run_state(pv)((plgpu.ACC.init(acc_lo), plgpu.ACC.init(acc_hi)))
+            return acc_lo, acc_hi, m_new, l_new
+
+        zero_acc = cast(jnp.zeros((M_ROWS, half), jnp.float32), wgmma_layout)
+        carry = (zero_acc, zero_acc,
+                 cast(jnp.full((M_ROWS,), _M_INIT, jnp.float32), row_layout),
+                 cast(jnp.zeros((M_ROWS,), jnp.float32), row_layout))
+        i0 = lax.div(k0 + (bk - 1), i32(bk))          # first block with every key >= k0
+        i1 = lax.div(k1, i32(bk))                     # blocks below i1 end at or before k1
+        a = jnp.clip(i0, start, jnp.maximum(end, start))
+        c = jnp.clip(i1, a, jnp.maximum(end, a))
+        e = jnp.maximum(end, c)
+        carry = lax.fori_loop(start, a, functools.partial(_call, step, True), carry)
+        carry = lax.fori_loop(a, c, functools.partial(_call, step, False), carry)
+        acc_lo, acc_hi, m_i, l_i = lax.fori_loop(c, e, functools.partial(_call, step, True), carry)
+
+        # epilogue: partials through shared memory
+        for part, acc in enumerate((acc_lo, acc_hi)):
+            o_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[((si * batch + bi) * num_heads + hi) * 2 + part])
+            plgpu.wait_smem_to_gmem(0)
+        ml_smem[0] = m_i
+        ml_smem[1] = l_i
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[si * batch * num_heads + bh])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[si * batch * num_heads + bh])
+        plgpu.wait_smem_to_gmem(0)
+
+    return kernel
+
+
+def _call(step, edge, i, carry):
+    return step(i, carry, edge)
+
+
+# ----------------------------------------------------------------------------- wrapper
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
+    """Splits so that the grid has ~4 CTAs per SM (2-3 are resident at a time: ~75 KB of shared memory each).
+    Measured at 16 x 32k on the H200: 8 splits 0.688 ms, 4 splits 0.749, 2 splits 0.757 (stages 2)."""
+    programs = max(1, batch * num_kv_heads)
+    want = max(1, -(-4 * NUM_SMS // programs))
+    return int(max(1, min(1 << (want - 1).bit_length(), max_blocks, 64)))
+
+
+def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None, low=True,
+              max_pages=None) -> bool:
+    """Whether the Mosaic GPU kernel covers this configuration (static facts only)."""
+    if not (_HAVE_MGPU and low):
+        return False
+    # page 16 only: on the H200 (jax 0.11.2) pages of 32 / 64 / 128 tokens fault with
+    # CUDA_ERROR_ILLEGAL_INSTRUCTION (cause not found; the interpreter runs them correctly), see the docstring
+    if head_dim != HEAD_DIM or page not in SUPPORTED_PAGES or tq * group > M_ROWS:
+        return False
+    if sliding_window is not None or soft_cap is not None:
+        return False
+    if high_dtype is not None and jnp.dtype(high_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return False
+    return True
+
+
+#: environment variable choosing the decode kernel behind `jmixedkv.decode_attention` for NVFP4 groups:
+#: ``triton`` (default) or ``mgpu`` (this kernel where `supported`, the Triton kernel elsewhere)
+KERNEL_ENV = "JMIXEDKV_DECODE_KERNEL"
+
+
+def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None,
+              interpret=False) -> bool:
+    """Whether the public entry point should run this kernel.
+
+    Default no: on the H200 it measured slower than the Pallas Triton kernel at every benchmarked shape
+    (bench/RESULTS.md, 2026-11-30), so the Triton kernel stays the default; ``JMIXEDKV_DECODE_KERNEL=mgpu``
+    selects this kernel for the configurations it supports (in interpret mode too, where it is slow). The variable
+    is read when `jmixedkv.attention` traces its kernel call: set it before the first call (jit caches the choice)."""
+    choice = os.environ.get(KERNEL_ENV, "triton").strip().lower()
+    if choice not in ("triton", "mgpu"):
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected 'triton' or 'mgpu'")
+    if choice == "triton":
+        return False
+    del interpret
+    return supported(head_dim=head_dim, page=page, tq=tq, group=group, high_dtype=high_dtype,
+                     sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def _as_tuple(pool, fields):
+    if pool is None or isinstance(pool, (tuple, list)):
+        return None if pool is None else tuple(pool)
+    return tuple(getattr(pool, f) for f in fields)
+
+
+def _decode_low_rows(data, scales, gs_l, layer, pid, kvi, row):
+    """Exact float32 decode of NVFP4 rows: ``data u8[L,P,2,H,page,D/2]``; ``pid, row`` int ``[B, W]``
+    -> ``[B, W, H, D]`` f32 (``(e2m1 * f32(s)) * gs``)."""
+    b = data[layer, pid, kvi, :, row]                                         # [B, W, H, D/2] (rows only)
+    s = scales[layer, pid, kvi, :, row]                                       # [B, W, H, D/16]
+    codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[:-1] + (b.shape[-1] * 2,))
+    mag = codes & 7
+    table = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
+    val = jnp.where(codes >= 8, -1.0, 1.0) * table[mag]
+    sf = jnp.repeat(s.astype(jnp.float32), 16, axis=-1)
+    return (val * sf) * gs_l[kvi]
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "first_n", "last_n", "num_fixed", "num_ring", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
+    "partials_only"))
+def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
+                                first_n: int = 0, last_n: int = 0, num_fixed: int = 0, num_ring: int = 0,
+                                sm_scale: Optional[float] = None, num_splits: Optional[int] = None,
+                                stages: int = 2, interpret: bool = False, out_dtype=None,
+                                partials_only: bool = False):
+    """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
+
+    Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
+    `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
+    i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
+    R]``. ``stages``: TMA ring depth (blocks of 64 tokens in flight). Returns ``(out [B, Tq, Hq, 128], lse
+    f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
+    """
+    low = _as_tuple(low, ("data", "scales", "gs"))
+    high = _as_tuple(high, ("rows", "scale"))
+    if low is None:
+        raise ValueError("paged_decode_attention_mgpu: needs low= NVFP4 pages")
+    data, scales, gs = low
+    b, tq, hq, d = q.shape
+    L, P, kvf, h, page, dh = data.shape
+    group = hq // h
+    if not supported(head_dim=d, page=page, tq=tq, group=group,
+                     high_dtype=None if high is None else high[0].dtype) or kvf != 2:
+        raise ValueError(f"paged_decode_attention_mgpu: unsupported configuration D={d} page={page} Tq={tq} "
+                         f"G={group} kv={kvf}")
+    dtype = jnp.dtype(q.dtype)
+    out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+    sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    use_high = high is not None and high_table is not None and high_table.shape[1] > 0
+    fn, ln = (first_n, last_n) if use_high else (0, 0)
+    tail = max(ln, tq - 1)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    layer_i = jnp.asarray(layer, jnp.int32)
+    gs_l = jnp.asarray(gs, jnp.float32)[layer_i]                              # [2]
+
+    # ---- kernel operands
+    k0 = jnp.minimum(fn, lens)
+    k1 = jnp.maximum(k0, lens - tail)
+    meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([k0, k1], 1).reshape(-1)]).astype(jnp.int32)
+    qg = q.reshape(b, tq, h, group, d).transpose(0, 2, 1, 3, 4).reshape(b, h, tq * group, d)
+    qg = jnp.pad(qg.astype(jnp.float32), ((0, 0), (0, 0), (0, M_ROWS - tq * group), (0, 0)))
+    _, ex = jnp.frexp(jnp.max(jnp.abs(qg), axis=-1))                          # [B, H, M]
+    shift = 8 - ex
+    qlow = jnp.ldexp(qg, shift[..., None]).astype(jnp.float16)
+    qlow = qlow.reshape(b, h, M_ROWS, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
+    rowmul = jnp.ldexp(jnp.float32(sm_scale * _LOG2E) * gs_l[0] * LOW_DOMAIN, -shift).astype(jnp.float32)
+
+    max_pages = page_table.shape[1]
+    max_tokens = max_pages * page
+    max_blocks = max(1, -(-max_tokens // BLOCK_K))
+    splits = default_num_splits(b, h, max_blocks) if num_splits is None else int(num_splits)
+    per_max = -(-max_blocks // splits)
+    pages_needed = -(-(per_max * BLOCK_K) // page) + 1
+    # >= 64 ids: every configuration that ran on the H200 had >= 64 (the faulting ones had 32; unproven cause)
+    pt_len = max(64, 32 * -(-pages_needed // 32)) if pages_needed <= 256 else 256 * -(-pages_needed // 256)
+    pt = jnp.asarray(page_table, jnp.int32)
+    data3 = data.reshape(L * P * kvf * h * (page // CHUNK), CHUNK, dh)        # [(..., chunk), 16, 64]
+    scales4 = scales.reshape(L * P * kvf * h * (page // CHUNK), 1, 128)       # 16 tokens x 8 scales
+    if not interpret:
+        scales4 = lax.bitcast_convert_type(scales4, jnp.uint8)
+
+    tiling = plgpu.TilingTransform((8, 64))
+    swz = plgpu.SwizzleTransform(128)
+    tr = (tiling, swz)
+    half = d // 2
+    st = stages
+    u8 = jnp.uint8
+    sdt = scales4.dtype
+    k16_spec = plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr)
+    o_spec = plgpu.SMEM((M_ROWS, half), jnp.float32,
+                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+    scratch = [
+        plgpu.SMEM((2, M_ROWS, half), jnp.float16, transforms=tr),          # q_smem
+        plgpu.SMEM((M_ROWS,), jnp.float32),                                   # rm_smem
+        plgpu.SMEM((pt_len,), jnp.int32),                                     # pt_smem
+        plgpu.SMEM((st, BLOCK_K, half), u8),                                  # kb
+        plgpu.SMEM((st, BLOCK_K // 16, 128), sdt),                            # ks
+        plgpu.SMEM((st, BLOCK_K, half), u8),                                  # vb
+        plgpu.SMEM((st, BLOCK_K // 16, 128), sdt),                            # vs
+        k16_spec if interpret else plgpu.RefUnion(k16_spec, o_spec),           # k16 (| o_smem)
+        plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr),         # v16
+        plgpu.SMEM((M_ROWS, BLOCK_K), jnp.float16, transforms=tr) if interpret else None,  # p_smem
+        o_spec if interpret else None,                                        # o_smem
+        plgpu.SMEM((2, M_ROWS), jnp.float32),                                 # ml_smem
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),                        # bar_q
+        plgpu.Barrier(num_arrivals=max(1, pt_len // 256), num_barriers=1),    # bar_pt
+        plgpu.Barrier(num_arrivals=4 * (BLOCK_K // CHUNK), num_barriers=st),  # bar_kv
+    ]
+    kernel = _make_kernel(page=page, pt_len=pt_len, stages=st,
+                          splits=splits, num_pools=P, num_heads=h, batch=b, interpret=interpret)
+    pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len)))                      # TMA boxes never leave the array
+    out_type = (jax.ShapeDtypeStruct((splits * b * h * 2, M_ROWS, half), jnp.float32),
+                jax.ShapeDtypeStruct((splits * b * h, M_ROWS), jnp.float32),
+                jax.ShapeDtypeStruct((splits * b * h, M_ROWS), jnp.float32))
+    kw = dict(out_type=out_type, grid=(splits, h, b), grid_names=("s", "h", "b"), scratch_types=scratch,
+              compiler_params=plgpu.CompilerParams(approx_math=True,
+                                                   lowering_semantics=plgpu.LoweringSemantics.Lane))
+    if interpret:
+        kw["interpret"] = _interpret_params()
+    o, m2, l = plgpu.kernel(kernel, **kw)(meta, qlow.reshape(b * h, 2, M_ROWS, half),
+                                          rowmul.reshape(b * h, M_ROWS), pt_padded, data3, scales4)
+    if partials_only:
+        return o, m2, l
+    o = o.reshape(splits, b, h, 2, M_ROWS, half)
+    m2 = m2.reshape(splits, b, h, M_ROWS)
+    l = l.reshape(splits, b, h, M_ROWS)
+
+    # ---- kernel partials -> natural-log domain, [S, B, H, M, D] interleaved columns, true scale
+    o = jnp.stack([o[:, :, :, 0], o[:, :, :, 1]], axis=-1).reshape(splits, b, h, M_ROWS, d)
+    o = o * (gs_l[1] * LOW_DOMAIN)
+    m = m2 * (1.0 / _LOG2E)
+
+    # ---- edge keys in XLA (retained rows from the twin, causal region), float32
+    w_first, w_tail = fn, tail
+    parts_pos = []
+    if w_first:
+        parts_pos.append(jnp.broadcast_to(jnp.arange(w_first, dtype=jnp.int32), (b, w_first)))
+    if w_tail:
+        parts_pos.append(k1[:, None] + jnp.arange(w_tail, dtype=jnp.int32)[None])
+    if parts_pos:
+        pos = jnp.concatenate(parts_pos, axis=1)                               # [B, W]
+        first_part = jnp.arange(pos.shape[1]) < w_first
+        valid = jnp.where(first_part[None], pos < k0[:, None], pos < lens[:, None])
+        posc = jnp.clip(pos, 0, max_tokens - 1)
+        pg = posc // page
+        row = posc % page
+        pid = jnp.maximum(jnp.take_along_axis(pt, pg, axis=1), 0)
+        kv_rows = [_decode_low_rows(data, scales, gs_l, layer_i, pid, kvi, row) for kvi in (0, 1)]
+        if use_high:
+            rows_h = high[0]
+            col = jnp.where(pg < num_fixed, pg, (num_fixed + pg % num_ring) if num_ring else -1)
+            hid = jnp.take_along_axis(jnp.asarray(high_table, jnp.int32),
+                                      jnp.clip(col, 0, high_table.shape[1] - 1), axis=1)
+            held = (col >= 0) & (hid >= 0)
+            keep = held & ((pos < fn) | (pos >= lens[:, None] - ln)) & valid
+            hid = jnp.maximum(hid, 0)
+            for kvi in (0, 1):
+                tw = rows_h[layer_i, hid, kvi, :, row].astype(jnp.float32)      # [B, W, H, D]
+                kv_rows[kvi] = jnp.where(keep[:, :, None, None], tw, kv_rows[kvi])
+        ke, ve = (jnp.where(valid[:, :, None, None], x, 0.0) for x in kv_rows)  # [B, W, H, D]
+        qf = q.astype(jnp.float32).reshape(b, tq, h, group, d)
+        lg = jnp.einsum("bthgd,bwhd->bhtgw", qf, ke, precision=lax.Precision.HIGHEST) * sm_scale
+        qpos = lens[:, None] - tq + jnp.arange(tq)[None]                       # [B, Tq]
+        vis = valid[:, None, None, None, :] & (pos[:, None, None, None, :] <= qpos[:, None, :, None, None])
+        lg = jnp.where(vis, lg, -jnp.inf)
+        me = jnp.max(lg, axis=-1)
+        me_s = jnp.where(jnp.isfinite(me), me, _M_INIT)
+        pe = jnp.where(vis, jnp.exp(lg - me_s[..., None]), 0.0)
+        le = pe.sum(-1)
+        oe = jnp.einsum("bhtgw,bwhd->bhtgd", pe, ve, precision=lax.Precision.HIGHEST)
+        pad = ((0, 0), (0, 0), (0, M_ROWS - tq * group))
+        oe = jnp.pad(oe.reshape(b, h, tq * group, d), pad + ((0, 0),))
+        me_s = jnp.pad(me_s.reshape(b, h, tq * group), pad, constant_values=_M_INIT)
+        le = jnp.pad(le.reshape(b, h, tq * group), pad)
+        o = jnp.concatenate([o, oe[None]], axis=0)
+        m = jnp.concatenate([m, me_s[None]], axis=0)
+        l = jnp.concatenate([l, le[None]], axis=0)
+
+    out, lse = merge_partials(o, m, l)                                        # [B, H, M, D], [B, H, M]
+    out = out[:, :, :tq * group].reshape(b, h, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
+    lse = lse[:, :, :tq * group].reshape(b, h, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hq)
+    return out.astype(out_dtype), lse

@@ -1,0 +1,149 @@
+"""Mosaic GPU decode attention (`pallas_kernels.decode_mgpu`) against float32 `attention_reference` over
+`stage_reference` (the cache a reader must see), on the poisoned caches of `test_decode_attention.make_state`.
+
+What CPU CI checks: the kernel body's semantics in the Mosaic GPU interpreter (``interpret=True``: TMA ring,
+barriers, wgmma on shared-memory operands, page-table indexing, masks, split-K merge, the retained-row / causal
+edge path, out-of-bounds reads raise) with the dequantization in jnp, and that the compiled form (inline-PTX
+dequantization, register-A wgmma, swizzled tiles) lowers for CUDA. What it cannot check: ptxas, TMA descriptors and
+runtime faults, the inline PTX's arithmetic, timing; those run under the ``gpu`` marker on the H200.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmixedkv.attention import decode_attention
+from jmixedkv.compat import cross_lower_cuda, on_gpu
+from pallas_kernels import decode_mgpu
+from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu, preferred, supported
+from test_decode_attention import make_state, queries, reference, rel_l2
+
+pytestmark = pytest.mark.skipif(not decode_mgpu.available(), reason="jax without Pallas Mosaic GPU")
+
+
+def _lse_close(lse, ref_lse, atol=1e-4):
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    same_inf = np.isinf(lse) & (lse == ref_lse)
+    with np.errstate(invalid="ignore"):
+        close = np.abs(lse - ref_lse) <= atol + 1e-5 * np.abs(ref_lse)
+    assert np.all(same_inf | close), (lse, ref_lse)
+
+
+def _run(st, q, layer, **kw):
+    cfg, pools = st.config, st.pools[0]
+    mixed = st.kinds[0] == "mixed"
+    return paged_decode_attention_mgpu(
+        q, st.page_table, st.kv_lens, layer, pools.low, pools.high if mixed else None,
+        st.high_table if mixed else None, first_n=cfg.first_n if mixed else 0, last_n=cfg.last_n if mixed else 0,
+        num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages, **kw)
+
+
+# ------------------------------------------------------------------------------------------ interpret mode
+def test_interpret_mixed_page16_splits_poisoned_float32():
+    """Lengths 0, 1, page-1, page, page+1, long (retained windows overlap for the short rows); 2 splits, NaN-poisoned
+    rows past n and outside the retained set; float32 output against the float32 reference."""
+    st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
+    q = queries(st, 1, 4)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32)
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel_l2(out, ref_o) < 1e-4
+    _lse_close(lse, ref_lse)
+    assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all()   # length 0: no key
+
+
+def test_interpret_through_public_entry_nvfp4_verify(monkeypatch):
+    """``JMIXEDKV_DECODE_KERNEL=mgpu`` routes `decode_attention` to this kernel: plain NVFP4 pages (no twin),
+    Tq = 2 (causal among the new tokens, handled on the edge path), GQA 8, lengths 1 < Tq..., page +- 1."""
+    import jmixedkv.attention as attention_mod
+    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "mgpu")
+    calls = []
+    real = decode_mgpu.paged_decode_attention_mgpu
+    monkeypatch.setattr(decode_mgpu, "paged_decode_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    attention_mod._pallas.clear_cache()      # the kernel choice is made at trace time
+    st = make_state("nvfp4", first_n=0, last_n=0, lens=(1, 15, 17, 100), page=16, d=128, heads=1, max_draft_len=1)
+    q = queries(st, 2, 8)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    out, lse = decode_attention(st, 0, q, seq, backend="pallas", num_splits=2)
+    attention_mod._pallas.clear_cache()
+    assert calls, "decode_attention did not run the Mosaic GPU kernel"
+    ref_o, ref_lse = reference(st, 0, q, seq)
+    assert out.dtype == st.config.attention_dtype and out.shape == q.shape
+    assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
+    _lse_close(lse, ref_lse)
+
+
+def test_supported_and_dispatch_choice(monkeypatch):
+    assert supported(head_dim=128, page=16, tq=1, group=4)
+    assert supported(head_dim=128, page=16, tq=4, group=16, high_dtype=jnp.bfloat16)
+    assert not supported(head_dim=64, page=16, tq=1, group=4)
+    assert not supported(head_dim=128, page=8, tq=1, group=4)
+    for page in (32, 64, 128):        # fault on the H200 (CUDA_ERROR_ILLEGAL_INSTRUCTION): the Triton kernel runs
+        assert not supported(head_dim=128, page=page, tq=1, group=4)
+    assert not supported(head_dim=128, page=16, tq=5, group=16)          # 80 query rows > 64
+    assert not supported(head_dim=128, page=16, tq=1, group=4, high_dtype=jnp.float8_e4m3fn)
+    assert not supported(head_dim=128, page=16, tq=1, group=4, sliding_window=128)
+    assert not supported(head_dim=128, page=16, tq=1, group=4, soft_cap=30.0)
+    monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
+    assert not preferred(head_dim=128, page=16, tq=1, group=4)           # Triton stays the default (measured)
+    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "mgpu")
+    assert preferred(head_dim=128, page=16, tq=1, group=4)
+    assert not preferred(head_dim=128, page=16, tq=1, group=4, soft_cap=5.0)
+    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "cuda")
+    with pytest.raises(ValueError, match="JMIXEDKV_DECODE_KERNEL='cuda'"):
+        preferred(head_dim=128, page=16, tq=1, group=4)
+
+
+def test_refuses_unsupported_configuration():
+    st = make_state(lens=(3, 9), d=64, heads=1)
+    q = queries(st, 1, 2)
+    with pytest.raises(ValueError, match="D=64"):
+        _run(st, q, 0)
+
+
+# ------------------------------------------------------------------------------------------ CUDA cross-lowering
+@pytest.mark.parametrize("page,tq,hq,twin", [(16, 1, 32, "bf16"), (16, 3, 16, "bf16"), (16, 1, 16, None),
+                                             (16, 2, 16, "fp16")])
+def test_cross_lowers_for_cuda(page, tq, hq, twin):
+    """The compiled form (inline PTX dequantization, register-A wgmma, TMA ring) lowers for CUDA."""
+    L, P, kv, H, D, B = 2, 16, 2, 2, 128, 2
+    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
+           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
+    tdt = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(twin)
+    high = (jnp.zeros((L, 8, kv, H, page, D), tdt), jnp.ones((L, kv))) if twin else None
+    q = jnp.zeros((B, tq, hq, D), jnp.bfloat16 if twin != "fp16" else jnp.float16)
+    pt, lens, ht = jnp.zeros((B, 12), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
+
+    def fn(q, pt, lens, ht, low, high):
+        return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht if twin else None, first_n=5, last_n=7,
+                                           num_fixed=1, num_ring=3, num_splits=2)
+    text = cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+    assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------------------------------ GPU (H200)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tq,hq,page", [
+    ("mixed_nvfp4_bf16", 1, 32, 16),      # ran on the H200 2026-11-30 (bench/_mgpu_probe-style check)
+    ("mixed_nvfp4_bf16", 3, 64, 16),      # ran on the H200 2026-11-30
+    ("mixed_nvfp4_bf16", 2, 16, 16),      # ran on the H200 2026-11-30
+    ("nvfp4", 1, 32, 16),
+    ("mixed_nvfp4_fp16", 2, 16, 16),
+])
+def test_gpu_matches_reference(dtype, tq, hq, page):
+    assert on_gpu(), "gpu tests need a GPU"
+    mixed = dtype.startswith("mixed")
+    lens = (1, page - 1, page, page + 1, 200, 1000, 3000, 4096)
+    st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=page, lens=lens,
+                    heads=8, d=128, layers=2, max_draft_len=3, gs=0.01)
+    q = queries(st, tq, hq)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    for splits in (None, 8):
+        out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
+        assert np.isfinite(np.asarray(out)).all()
+        assert rel_l2(out, ref_o) < 1e-4
+        assert rel_l2(np.asarray(out.astype(q.dtype), np.float32), np.asarray(ref_o.astype(q.dtype), np.float32)) < 1e-3
+        _lse_close(lse, ref_lse)
+    jax.block_until_ready(out)

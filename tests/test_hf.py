@@ -1,0 +1,182 @@
+"""interop.hf: `JMixedKVCache` as a transformers Cache. ``generate()`` with a random tiny ``LlamaConfig`` on CPU
+gives the tokens of ``DynamicCache`` for a plain bf16 cache and an all-high mixed cache (left padding, beam
+search through ``reorder_cache`` -> fork, prompt-lookup decoding through ``crop`` -> correct_kv_lens); a mixed
+cache with NVFP4 history runs end to end, staged and fused; padding is not stored; bad uses raise."""
+import numpy as np
+import pytest
+import torch
+
+import transformers                     # in the test extra (pip install -e .[test])
+from transformers import DynamicCache
+
+from interop.hf import ATTN_IMPLEMENTATION, JMixedKVCache
+from jmixedkv import KVCacheConfig
+
+PAGE, MAX_LEN, BATCH = 16, 32, 6           # one cache geometry for the whole file: jitted transitions compile once
+PROMPT, NEW = 7, 6
+ALL_HIGH = KVCacheConfig("mixed_nvfp4_bf16", first_n=16, last_n=16, page_size=PAGE, max_draft_len=4)
+BF16 = KVCacheConfig("bf16", page_size=PAGE, max_draft_len=4)
+MIXED = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=PAGE, max_draft_len=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0                                       # row 1: 3 tokens of left padding
+    return ids, mask
+
+
+def _cache(model, kv, decode="stage"):
+    return JMixedKVCache.for_model(model, kv, max_batch_size=BATCH, max_cache_len=MAX_LEN, decode=decode,
+                                   backend="reference")
+
+
+def _generate(model, ids, mask, cache, **kw):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache,
+                         return_dict_in_generate=True, output_scores=True, **kw)
+    return out.sequences, torch.stack(out.scores, 1).float()
+
+
+def _set_attn(model, impl):
+    model.set_attn_implementation(impl)
+
+
+@pytest.mark.parametrize("kv", [BF16, ALL_HIGH], ids=["bf16", "all_high"])
+def test_generate_equals_dynamic_cache_with_left_padding(model, batch, kv):
+    ids, mask = batch
+    want, want_scores = _generate(model, ids, mask, DynamicCache(config=model.config))
+    cache = _cache(model, kv)
+    got, scores = _generate(model, ids, mask, cache)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    assert torch.equal(scores, want_scores)                  # bit-identical logits
+    # padding is not stored: row 1 holds its 4 real prompt tokens + the decoded ones (the last token's K/V is
+    # never computed), the cache reports the padded length to transformers
+    tkv = cache.cache
+    assert [tkv.kv_len(int(s)) for s in cache.slots] == [PROMPT + NEW - 1, PROMPT - 3 + NEW - 1]
+    assert cache.get_seq_length() == PROMPT + NEW - 1
+    assert cache.get_mask_sizes(1, 0) == (PROMPT + NEW, 0)
+    cache.reset()
+    assert tkv.manager.free_slots() == list(range(BATCH)) and cache.get_seq_length() == 0
+
+
+def test_beam_search_reorders_by_fork(model, batch):
+    ids, mask = batch
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False)
+    cache = _cache(model, BF16)
+    forks = []
+    orig = cache.cache.fork
+    cache.cache.fork = lambda *a, **k: forks.append(a) or orig(*a, **k)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, cache=cache)
+    assert torch.equal(got, want)
+    assert forks, "beam search never reordered the cache (no fork ran)"
+    assert len(set(cache.slots.tolist())) == cache.slots.size == 6      # 2 rows x 3 beams, distinct slots
+
+
+def test_prompt_lookup_decoding_crops(model, batch):
+    ids = batch[0][:1]
+    want = model.generate(ids, max_new_tokens=8, do_sample=False)
+    cache = _cache(model, ALL_HIGH)
+    crops = []
+    orig = cache.crop
+    cache.crop = lambda n: crops.append(n) or orig(n)
+    got = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, want)
+    assert any(n < 0 for n in crops), crops
+    slot = int(cache.slots[0])
+    assert cache.cache.kv_len(slot) == cache.get_seq_length()
+
+
+def test_crop_rewinds_lengths_and_refuses_too_much(model, batch):
+    ids, mask = batch
+    cache = _cache(model, BF16)
+    with pytest.raises(ValueError, match="inference-only"):
+        model(ids, attention_mask=mask, cache=cache)
+    cache.reset()
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)
+    lens = [cache.cache.kv_len(int(s)) for s in cache.slots]
+    cache.crop(0)
+    cache.crop(-2)
+    assert [cache.cache.kv_len(int(s)) for s in cache.slots] == [n - 2 for n in lens]
+    assert cache.get_seq_length() == PROMPT - 2
+    with pytest.raises(ValueError, match="max_draft_len=4"):
+        cache.crop(-3)                                     # rewinds add up: 2 + 3 > 4 behind the furthest row
+    with pytest.raises(ValueError, match="negative number"):
+        cache.crop(3)
+    assert [cache.cache.kv_len(int(s)) for s in cache.slots] == [n - 2 for n in lens]   # refusals changed nothing
+    assert cache.get_seq_length() == PROMPT - 2
+    cache.crop(-2)
+    assert [cache.cache.kv_len(int(s)) for s in cache.slots] == [n - 4 for n in lens]
+
+
+def test_mixed_cache_runs_staged_and_fused(model, batch):
+    ids, mask = batch
+    want, want_scores = _generate(model, ids, mask, DynamicCache(config=model.config))
+    staged, staged_scores = _generate(model, ids, mask, _cache(model, MIXED))
+    assert staged.shape == want.shape and torch.isfinite(staged_scores).all()
+    assert torch.equal(staged[:, :PROMPT], ids)
+    scale = float(want_scores.abs().max())
+    # NVFP4 history moves the logits, not far: compare the steps whose context is the same in both runs
+    k = _same_context_steps(staged, want)
+    err = (staged_scores[:, :k] - want_scores[:, :k]).abs().max()
+    assert 0 < err < 0.5 * scale
+    _set_attn(model, ATTN_IMPLEMENTATION)
+    try:
+        fused, fused_scores = _generate(model, ids, mask, _cache(model, MIXED, decode="fused"))
+        hi, hi_scores = _generate(model, ids, mask, _cache(model, ALL_HIGH, decode="fused"))
+    finally:
+        _set_attn(model, "sdpa")
+    # fused decode (float32 attention on the cache) vs torch's attention on the staged cache: close
+    k = _same_context_steps(fused, staged)
+    assert k >= 2
+    np.testing.assert_allclose(fused_scores[:, :k].numpy(), staged_scores[:, :k].numpy(), atol=0.05 * scale)
+    k = _same_context_steps(hi, want)
+    np.testing.assert_allclose(hi_scores[:, :k].numpy(), want_scores[:, :k].numpy(), atol=0.05 * scale)
+    assert torch.equal(hi, want)
+
+
+def _same_context_steps(a, b):
+    """Number of generation steps whose inputs agree in both runs (up to and including the first differing
+    token's step)."""
+    diff = (a[:, PROMPT:] != b[:, PROMPT:]).any(0).nonzero()
+    return NEW if diff.numel() == 0 else int(diff[0]) + 1
+
+
+def test_fused_needs_the_jmixedkv_attention(model, batch):
+    with pytest.raises(ValueError, match="attn_implementation='jmixedkv'"):
+        _cache(model, MIXED, decode="fused")
+    # built without the config check, a fused step whose attention ran on sdpa is caught at the next update
+    tkv = _cache(model, MIXED).cache
+    cache = JMixedKVCache(tkv, decode="fused")
+    ids, mask = batch
+    with pytest.raises(RuntimeError, match="did not run through attn_implementation='jmixedkv'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache=cache)
+    with pytest.raises(ValueError, match="decode must be"):
+        _cache(model, MIXED, decode="sometimes")
+
+
+def test_right_padding_and_wrong_shapes_refused(model):
+    cache = _cache(model, BF16)
+    ids = torch.tensor([[5, 6, 7, 0], [1, 2, 3, 4]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    pos = torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]])                  # right padding
+    with torch.no_grad(), pytest.raises(ValueError, match="right padding is not supported"):
+        model(ids, attention_mask=mask, position_ids=pos, cache=cache)
+    small = JMixedKVCache.for_model(model, BF16, max_batch_size=1, max_cache_len=MAX_LEN, backend="reference")
+    with torch.no_grad(), pytest.raises(Exception, match="free slots"):
+        model(ids, cache=small)
+    other = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="layers, kv heads, head_dim"):
+        JMixedKVCache(cache.cache, config=other)

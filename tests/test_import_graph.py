@@ -1,0 +1,221 @@
+"""The module import graph of `jmixedkv/`, `pallas_kernels/` and `interop/` is a DAG with one-way layers
+(docs/DESIGN.md §7), checked statically from the source (AST), so it holds for code paths no test runs.
+
+* Every ``import`` / ``from ... import`` counts, at module level **and inside functions** (a lazy import is still a
+  dependency), resolved to the module it names (``from pkg import mod`` is an edge to ``pkg.mod``; a package's
+  ``__init__`` is the node ``pkg``). Implicit "importing ``pkg.mod`` runs ``pkg/__init__``" edges are not part of
+  this graph (see `test_importing_a_kernel_loads_only_leaf_modules` for that).
+* No cycles. A cycle that the current tree still has is listed by name in `KNOWN_CYCLES`; the test fails if a
+  cycle appears that is not listed, and also if a listed one is gone (delete its entry: the list only shrinks).
+* Kernel modules (`pallas_kernels/`) import only `LEAF_MODULES` from the library and each other, never `interop`;
+  the leaf modules import only each other.
+* No module in `pallas_kernels/`, `interop/` or `bench/` imports a private (``_name``) from `jmixedkv`.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("jmixedkv", "pallas_kernels", "interop")
+
+#: library modules a kernel may import: they import nothing else from the packages
+LEAF_MODULES = {"jmixedkv.compat", "jmixedkv.layout", "jmixedkv.numerics"}
+
+#: import cycles the tree still has, each named; the test fails when one appears that is not here or one listed
+#: here is gone. Entries are the sorted module sets of strongly connected components.
+KNOWN_CYCLES = {
+    # state.init_state(mesh=...) lazily imports sharding.shard_state; sharding imports state's CacheState/append
+    "state <-> sharding": frozenset({"jmixedkv.state", "jmixedkv.sharding"}),
+}
+
+#: (kernel module, library module) edges beyond `LEAF_MODULES` that the tree still has, each a known violation
+KNOWN_KERNEL_IMPORTS: set = set()
+
+
+def _modules():
+    """{module name: path} of every .py file in the three packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+                    out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(dirpath, f)
+    return out
+
+
+def _imports(name: str, path: str, known):
+    """[(target module, imported names, lineno)] for every import in the file (function bodies included)."""
+    is_pkg = path.endswith("__init__.py")
+    tree = ast.parse(open(path).read(), path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out.append((a.name, (), node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                if sub in known:               # ``from pkg import mod``: an edge to the module itself
+                    out.append((sub, (), node.lineno))
+                else:
+                    out.append((mod, (a.name,), node.lineno))
+    return out
+
+
+def _graph():
+    mods = _modules()
+    edges = {m: set() for m in mods}
+    detail = []
+    for m, path in mods.items():
+        for target, names, line in _imports(m, path, mods):
+            t = target
+            while t and t not in mods:          # ``import jmixedkv.x.y`` with y a name: walk up to a module
+                t = t.rpartition(".")[0]
+            if t and t.split(".")[0] in PACKAGES:
+                if t != m:
+                    edges[m].add(t)
+                detail.append((m, t, names, line))
+    return mods, edges, detail
+
+
+def _cycles(edges):
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_graph_sees_the_packages():
+    mods, edges, _ = _graph()
+    assert {"jmixedkv", "jmixedkv.state", "jmixedkv.numerics", "pallas_kernels.write", "interop.dlpack"} <= set(mods)
+    assert "jmixedkv.numerics" in edges["jmixedkv.nvfp4"]
+    # lazy (in-function) imports are edges too: the codec dispatches to the kernel inside its functions
+    assert "pallas_kernels.nvfp4" in edges["jmixedkv.codec"]
+
+
+def test_no_import_cycles_beyond_the_named_known_ones():
+    _, edges, _ = _graph()
+    found = set(_cycles(edges))
+    known = set(KNOWN_CYCLES.values())
+    new = found - known
+    assert not new, ("import cycles (lazy imports count; break them, do not list them): "
+                     + "; ".join(" <-> ".join(sorted(c)) for c in new))
+    gone = [name for name, c in KNOWN_CYCLES.items() if c not in found]
+    assert not gone, f"known cycles no longer present, delete them from KNOWN_CYCLES: {gone}"
+
+
+def test_kernels_import_only_leaf_modules():
+    _, edges, _ = _graph()
+    bad, seen = [], set()
+    for m, targets in edges.items():
+        if not m.startswith("pallas_kernels"):
+            continue
+        for t in targets:
+            if t.startswith("pallas_kernels") or t in LEAF_MODULES:
+                continue
+            seen.add((m, t))
+            if (m, t) not in KNOWN_KERNEL_IMPORTS:
+                bad.append(f"{m} -> {t}")
+    assert not bad, f"kernel modules may import only {sorted(LEAF_MODULES)} from the library: {bad}"
+    assert not (KNOWN_KERNEL_IMPORTS - seen), f"gone, delete: {sorted(KNOWN_KERNEL_IMPORTS - seen)}"
+
+
+def test_leaf_modules_are_leaves():
+    _, edges, _ = _graph()
+    for m in LEAF_MODULES:
+        assert edges[m] <= LEAF_MODULES, f"{m} is a leaf module but imports {sorted(edges[m] - LEAF_MODULES)}"
+
+
+def _private_uses(name: str, path: str, mods):
+    """``[(line, text)]``: private names of another package this file imports (``from jmixedkv.x import _y``) or
+    reaches through an imported module (``import jmixedkv.x as m`` ... ``m._y``)."""
+    own = name.split(".")[0]
+    out, aliases = [], {}
+    for t, names, line in _imports(name, path, mods):
+        if t.split(".")[0] in PACKAGES and t.split(".")[0] != own:
+            out += [(line, f"{n} from {t}") for n in names if n.startswith("_")]
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):                     # module aliases bound by imports
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                if f"{node.module}.{a.name}" in mods:
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name in mods:
+                    aliases[a.asname] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and aliases[node.value.id].split(".")[0] != own):
+            out.append((node.lineno, f"{node.attr} of {aliases[node.value.id]}"))
+    return out
+
+
+#: private names still used across a package boundary (file, "name of/from module"); the list only shrinks
+KNOWN_PRIVATE_USES = {
+    ("bench/write_bench.py", "_ensure_pages from jmixedkv.state"),
+}
+
+
+def test_no_private_names_cross_a_package_boundary():
+    """`pallas_kernels/`, `interop/` and `bench/` use only public names of `jmixedkv` (and of each other)."""
+    mods, _, _ = _graph()
+    files = [(m, p) for m, p in mods.items() if not m.startswith("jmixedkv")]
+    for dirpath, _, fs in os.walk(os.path.join(ROOT, "bench")):
+        files += [("bench." + f[:-3], os.path.join(dirpath, f)) for f in fs if f.endswith(".py")]
+    found = {(os.path.relpath(p, ROOT), what): line for m, p in files for line, what in _private_uses(m, p, mods)}
+    bad = [f"{f}:{line}: {what}" for (f, what), line in found.items() if (f, what) not in KNOWN_PRIVATE_USES]
+    assert not bad, f"private names used across a package boundary: {bad}"
+    gone = KNOWN_PRIVATE_USES - set(found)
+    assert not gone, f"no longer used, delete from KNOWN_PRIVATE_USES: {sorted(gone)}"
+
+
+def test_importing_a_kernel_loads_only_leaf_modules():
+    """In a fresh interpreter, importing every kernel module loads no library module beyond the leaves (and the
+    package ``__init__``, whose re-exports are lazy)."""
+    code = ("import sys, pallas_kernels.nvfp4, pallas_kernels.write, pallas_kernels.stage, pallas_kernels.gather, "
+            "pallas_kernels.decode_attention; print(' '.join(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('jmixedkv', 'interop'))))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = set(r.stdout.split())
+    assert loaded <= LEAF_MODULES | {"jmixedkv"}, sorted(loaded - LEAF_MODULES - {"jmixedkv"})
