@@ -2,7 +2,7 @@
 
 For each text (``prose``: English paragraphs of the Python Language Reference; ``code``: a snapshot of this
 package's source; both in ``jmixedkv/data/``) and each cache (bf16 baseline, fp8, nvfp4, a first_n x last_n grid
-of mixed NVFP4 + bf16 / fp8 twins, and the accuracy levers ``+rot`` / ``+smooth``), teacher-forced: the first
+of mixed NVFP4 + bf16 / fp8 twins, and the accuracy levers ``+rot`` / ``+smooth`` / ``+4o6``), teacher-forced: the first
 ``tokens - window`` tokens are prefilled exactly, then ``window`` decode steps are scored in one pass in which the
 query at position t sees exactly what the cache serves at the decode step of length t + 1 (retained set per step,
 NVFP4 / FP8 through the cache's own codec with scales calibrated on the prefix; `jmixedkv.model.score_decode`, checked
@@ -28,9 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 GRID_F, GRID_L = (4, 16, 64), (64, 128, 256)
-LEVER_BASES = ("nvfp4", "mixed:4:64", "mixed:16:128", "mixed:64:256")
-SMALL = ("mixed:4:32+rot+smooth", "mixed_nvfp4_fp8:4:64+rot+smooth", "mixed_nvfp4_fp8:16:96+rot+smooth",
-         "mixed_nvfp4_fp8:16:96")
+LEVER_BASES = ("nvfp4", "mixed:4:32", "mixed_nvfp4_fp8:16:96", "mixed:4:64")
+LEVERS = ("+rot", "+smooth", "+4o6", "+rot+4o6", "+rot+smooth", "+rot+smooth+4o6")
 
 
 def default_caches(grid: bool = True) -> list:
@@ -39,8 +38,8 @@ def default_caches(grid: bool = True) -> list:
         specs += [f"mixed:{f}:{l}" for f in GRID_F for l in GRID_L]
     else:
         specs += ["mixed:4:64", "mixed:16:128", "mixed:64:256"]
-    specs += [f"{b}{s}" for b in LEVER_BASES for s in ("+rot", "+smooth", "+rot+smooth")]
-    specs += list(SMALL)
+    specs += [b for b in LEVER_BASES if b not in specs]
+    specs += [f"{b}{s}" for b in LEVER_BASES for s in LEVERS]
     return specs
 
 
@@ -76,7 +75,7 @@ def run(args):
             r["bytes_per_element"] = cap.capacity(cfg, 1 << 40, SMOLLM_SHAPE, seq_len).bytes_per_sequence / elems
             r["high_fraction"] = high_fraction(cfg, seq_len)
             r.update(dtype=cfg.dtype, first_n=cfg.first_n, last_n=cfg.last_n, rotation=cfg.rotation,
-                     k_smoothing=cfg.k_smoothing)
+                     k_smoothing=cfg.k_smoothing, block_scale=cfg.block_scale)
         acc["seconds"] = time.perf_counter() - t0
         report["texts"][text] = acc
         print(table(report, text), flush=True)
@@ -109,7 +108,7 @@ def plot(report, path):
         res = report["texts"][text]["results"]
         a, b = axes[0][i], axes[1][i]
         for r in res[1:]:
-            marker = "o" if not (r["rotation"] or r["k_smoothing"]) else "^"
+            marker = "o" if not (r["rotation"] or r["k_smoothing"] or r.get("block_scale") == "4over6") else "^"
             a.scatter(r["bytes_per_element"], max(r["kl"], 1e-6), marker=marker, s=25)
             a.annotate(r["label"], (r["bytes_per_element"], max(r["kl"], 1e-6)), fontsize=6, xytext=(2, 2),
                        textcoords="offset points")
@@ -121,7 +120,7 @@ def plot(report, path):
               ylabel="mean KL(bf16 || cache)", title=f"{report['model']}: {text}, {report['tokens']} tokens")
         for r in res[1:]:
             if r["label"] in ("fp8", "nvfp4", "mixed(4,64)", "mixed(16,128)", "mixed(64,256)",
-                              "mixed(4,64)+rot+smooth", "nvfp4+rot+smooth"):
+                              "mixed(4,32)+rot+4o6", "nvfp4+rot+4o6"):
                 b.plot(r["attn_rel_err_per_layer"], marker=".", label=r["label"])
         b.set(yscale="log", xlabel="layer", ylabel="attention output rel. L2 error vs bf16",
               title="per-layer attention-output error (teacher-forced)")

@@ -60,7 +60,7 @@ NF, NR = CFG.num_fixed_pages, CFG.num_ring_pages
 # precise P @ V, dequant form). The first shape of a run sweeps them all; later shapes of a --quick run time only
 # the best TOP_K of the first shape (compiles dominate the budget). "-p": P split in two f16 halves (float32-output
 # accuracy); "-jnp": the NVFP4 dequantization in plain jnp ops instead of the packed inline PTX.
-MIXED_CONFIGS = [dict(block_k=128, num_warps=4, num_stages=3), dict(block_k=128, num_warps=4, num_stages=4),
+MIXED_CONFIGS = [dict(), dict(block_k=128, num_warps=4, num_stages=3), dict(block_k=128, num_warps=4, num_stages=4),
                  dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=128, num_warps=2, num_stages=3),
                  dict(block_k=64, num_warps=2, num_stages=3), dict(block_k=64, num_warps=1, num_stages=3),
                  dict(block_k=128, num_warps=4, num_stages=3, split_mult=2),
@@ -240,6 +240,14 @@ def stage_xla(low, high, page_table, high_table, kv_lens, layer=0, *, first_n, l
 
 # --------------------------------------------------------------------------------------------- runners
 def ours_fn(mode, cfg, b, npg):
+    if not cfg:     # the kernel's own defaults (block_k, num_warps, splits, v_late chosen per shape class)
+        splits = None
+        kw = dict(num_stages=3, interpret=INTERPRET)
+        if mode == "mixed":
+            return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
+                q, pt, lens, LAYERS - 1, low, high, None, ht, geom=CFG.twin, **kw)[0]), splits
+        return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, plain,
+                                                                          **kw)[0]), splits
     blocks = max(1, npg // max(1, cfg["block_k"] // PAGE))
     splits = max(1, min(blocks, int(default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
     kw = dict(block_k=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
@@ -250,7 +258,7 @@ def ours_fn(mode, cfg, b, npg):
         kw["keys_major"] = cfg["keys_major"]
     if mode == "mixed":
         return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
-            q, pt, lens, LAYERS - 1, low, high, None, ht, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
+            q, pt, lens, LAYERS - 1, low, high, None, ht, geom=CFG.twin,
             **kw)[0]), splits
     return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, plain,
                                                                       **kw)[0]), splits
@@ -260,7 +268,7 @@ def mgpu_fn(cfg, b, npg):
     blocks = max(1, npg * PAGE // decode_mgpu.BLOCK_K)
     splits = max(1, min(blocks, int(decode_mgpu.default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
     return jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
-        q, pt, lens, LAYERS - 1, low, high, ht, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
+        q, pt, lens, LAYERS - 1, low, high, ht, geom=CFG.twin,
         num_splits=splits, stages=cfg["stages"], interpret=INTERPRET)[0])
 
 
@@ -276,6 +284,8 @@ def jax_pa_fn(ppcb, ks):
 
 def cfg_name(c):
     """``k128w4s3x1`` (+ ``-p`` precise, ``-jnp`` dequant, ``-km`` keys-major): block_k, num_warps, num_stages, split multiplier."""
+    if not c:
+        return "default"
     name = f"k{c['block_k']}w{c['num_warps']}s{c.get('num_stages', 2)}x{c.get('split_mult', 1)}"
     return (name + ("-p" if c.get("precise") else "") + (f"-{c['dequant']}" if "dequant" in c else "")
             + ("-km" if c.get("keys_major") else ""))
@@ -315,7 +325,7 @@ def check_correctness(torch):
         st = jm.admit(st, s)
     k = jax.random.normal(key, (1, len(seq), H, D)).astype(jnp.bfloat16)
     v = jax.random.normal(jax.random.fold_in(key, 1), (1, len(seq), H, D)).astype(jnp.bfloat16)
-    st = jm.append(st, k, v, seq, pos, backend="reference")
+    st = jm.append(st, None, k, v, seq, pos, backend="reference")
     q = jax.random.normal(jax.random.fold_in(key, 2), (len(lens), 1, HQ, D)).astype(jnp.bfloat16)
     slots = jnp.arange(len(lens), dtype=jnp.int32)
     staged = jm.stage_reference(st, 0, slots)
@@ -333,17 +343,17 @@ def check_correctness(torch):
     out["mixed_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref32_lse)))
     out["mixed_kernel_vs_bf16_staging"] = rel(o)
     o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high,
-                                  None, st.high_table, first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR,
+                                  None, st.high_table, geom=CFG.twin,
                                   dequant="jnp", interpret=INTERPRET)
     out["mixed_kernel_jnp_dequant"] = rel32(o)
     o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high, None, st.high_table,
-                                  first_n=FIRST_N, last_n=LAST_N, num_fixed=NF, num_ring=NR, precise=True,
+                                  geom=CFG.twin, precise=True,
                                   out_dtype=jnp.float32, interpret=INTERPRET)
     out["mixed_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
     if USE_MGPU:    # (f) against the same float32 oracle
         o, lse = decode_mgpu.paged_decode_attention_mgpu(
-            q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high, st.high_table, first_n=FIRST_N,
-            last_n=LAST_N, num_fixed=NF, num_ring=NR, out_dtype=jnp.float32, interpret=INTERPRET)
+            q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high, st.high_table, geom=CFG.twin,
+            out_dtype=jnp.float32, interpret=INTERPRET)
         out["mgpu_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
         out["mgpu_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref32_lse)))
     # plain bf16 pages holding exactly the staged rows

@@ -117,7 +117,7 @@ def run_workload(args, cfg, spec, kv, reqs, reuse):
         k, v = kv(jnp.asarray(tok), jnp.asarray(pos))
         jax.block_until_ready((k, v, pc.state))
         t0 = time.perf_counter()
-        pc.append(k, v, seq, pos)
+        pc.append(None, k, v, seq, pos)
         jax.block_until_ready(pc.state)
         append_s += time.perf_counter() - t0
         appended += i

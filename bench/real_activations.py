@@ -99,7 +99,7 @@ def staged_kv(cfg, k, v):
     pages = -(-t // cfg.page_size)
     state = init_state(cfg, GroupSpec(layers, h, d), num_pages=pages, max_seqs=1)
     state = admit(state, 0)
-    state = append(state, k, v, jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32))
+    state = append(state, None, k, v, jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32))
     if int(state.error):
         raise RuntimeError(f"append failed for {cfg}: error bits {int(state.error)}")
     slots = jnp.zeros((1,), jnp.int32)

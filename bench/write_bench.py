@@ -18,6 +18,7 @@ bandwidth counts K/V read + NVFP4 bytes written + twin rows written, against a d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -57,7 +58,8 @@ import jax.numpy as jnp  # noqa: E402
 import jmixedkv as jk  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.pools import write_rows_reference  # noqa: E402
-from jmixedkv.state import GroupSpec, write_slots, _ensure_pages  # noqa: E402
+from jmixedkv.allocator import allocate_mask  # noqa: E402
+from jmixedkv.state import GroupSpec, write_slots  # noqa: E402
 from pallas_kernels import write as W  # noqa: E402
 from decode_bench import copy_bandwidth_tbs  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
@@ -88,8 +90,10 @@ def make_case(num_layers, heads, head_dim, seqs, tokens_per_seq, start_pos, page
         st = jk.admit(st, s)
     seq = jnp.repeat(jnp.arange(seqs, dtype=jnp.int32), tokens_per_seq)
     pos = jnp.tile(jnp.arange(start_pos, start_pos + tokens_per_seq, dtype=jnp.int32), seqs)
-    st, ok, err = _ensure_pages(st, seq, pos)
+    need = jnp.zeros(st.page_table.shape, bool).at[seq, pos // page].set(True)     # the pages the tokens touch
+    alloc, ids, ok = allocate_mask(st.alloc, need)
     assert bool(ok), "page allocation failed"
+    st = dataclasses.replace(st, alloc=alloc, page_table=jnp.where(need, ids, st.page_table))
     low_slot, high_slot = write_slots(st, seq, pos)
     key = jax.random.PRNGKey(0)
     shape = (num_layers, seq.shape[0], heads, head_dim)
@@ -254,7 +258,7 @@ def bench_case(name, case, rope, iters, sweep, with_append, full=True):
         rows.append(dict(case=name, path="XLA reference per-layer", s=time_fn(ref_per, pools, args, iters)))
     if with_append:
         for backend in (("pallas", "reference") if full else ("pallas",)):
-            f = jax.jit(lambda s, k, v, q, p, b=backend: jk.append(s, k, v, q, p, rope=rope, backend=b),
+            f = jax.jit(lambda s, k, v, q, p, b=backend: jk.append(s, None, k, v, q, p, rope=rope, backend=b),
                         donate_argnums=0)
             s0 = jax.tree.map(lambda a: a.copy(), st)
             for _ in range(3):

@@ -5,7 +5,7 @@
   torch; per-call ``sync=`` / ``validate=``), `lse_to_base2` / `lse_from_base2` (our LSE is natural-log,
   FlashInfer's base 2), and the reads as ``torch.ops.jmixedkv.decode_attention`` / ``stage_dense`` custom ops.
 * `interop.hf` (needs ``transformers``; import it explicitly): `JMixedKVCache`, a ``transformers.Cache`` for
-  ``model.generate(..., cache=...)``, and the ``attn_implementation="jmixedkv"`` attention function.
+  ``model.generate(..., past_key_values=...)``, and the ``attn_implementation="jmixedkv"`` attention function.
 * `interop.layouts`: FlashInfer CSR page tables, vLLM block tables and slot mappings, NHD/HND page views, NVFP4
   pages in FlashInfer's paged NVFP4 layout.
 * `interop.llama_torch`: transformers' ``LlamaForCausalLM`` (tiny, random) on the cache vs ``DynamicCache``

@@ -10,6 +10,19 @@ NVFP4 crosses as its two byte arrays: packed E2M1 data ``u8[..., D/2]`` and E4M3
 ``float8_e4m3fn[..., D/16]`` (or their bytes as uint8, ``scales_as_uint8=True``); decode global scales as float32.
 Neither JAX nor torch can exchange ``float4_e2m1fn`` over DLPack.
 
+Accuracy levers change *which* vectors are stored, never the bytes' format (`jmixedkv.levers`). An export that
+knows the cache's `KVCacheConfig` (``config=``) says so in its ``kv_transform`` field (`kv_transform`); a consumer
+reading the pages with its own attention kernel must then:
+
+* ``rotated`` (``rotation="hadamard"``): K and V are stored as ``k @ Hd``, ``v @ Hd`` (after RoPE;
+  ``Hd = jmixedkv.levers.hadamard(D)``, orthonormal and symmetric). Rotate q the same way before attention
+  (``(q Hd) . (k Hd) = q . k``) and multiply the attention output by ``Hd`` after it (``Hd @ Hd = I``).
+  Without that, scores and outputs are wrong.
+* ``k_smoothing``: every stored key of a sequence is ``k - mean`` (a per-(layer, head, channel) mean frozen from
+  that sequence's prefill, held by the model, not the cache). Softmax attention is unchanged (each query's scores
+  shift by one constant) and needs nothing; raw scores are not (e.g. a sparse indexer's thresholds).
+* ``block_scale``: ``"max6"`` or ``"4over6"``: informational, the decoder is the same.
+
 What cannot be zero-copy, and what happens (``copy=False`` raises `ZeroCopyError`, a ``ValueError``, naming the
 reason; ``copy=None`` makes one documented copy; ``copy=True`` always copies):
 
@@ -36,15 +49,15 @@ donation, i.e. copies the pool, while torch holds a view).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-__all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "torch_dtype", "ZeroCopyError",
-           "ZERO_COPY_DTYPES", "torch_device_of"]
+__all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "NVFP4Tensors", "kv_transform", "torch_dtype",
+           "ZeroCopyError", "ZERO_COPY_DTYPES", "torch_device_of"]
 
 CPU_ALIGNMENT = 64
 
@@ -221,11 +234,34 @@ def _explicit_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def nvfp4_to_torch(data: jax.Array, scales: jax.Array, global_scale=None, *, scales_as_uint8: bool = False,
-                   sync: Sync = True):
-    """Export NVFP4 bytes zero-copy: ``(data u8[..., D/2], scales e4m3[..., D/16] (or u8), gs f32 | None)``.
+def kv_transform(config) -> Optional[dict]:
+    """What stored K/V rows are, for a consumer (module docstring): ``{"rotated": bool, "rotation": None |
+    "hadamard", "k_smoothing": bool, "block_scale": str}`` from a `KVCacheConfig`; None when ``config`` is None
+    (not stated)."""
+    if config is None:
+        return None
+    rotation = getattr(config, "rotation", None)
+    return {"rotated": rotation is not None, "rotation": rotation,
+            "k_smoothing": bool(getattr(config, "k_smoothing", False)),
+            "block_scale": getattr(config, "block_scale", "max6")}
 
-    Element ``2i`` is in the low nibble of ``data[..., i]``; ``x = e2m1 * f32(scale) * gs``.
+
+class NVFP4Tensors(NamedTuple):
+    """`nvfp4_to_torch`'s export."""
+    data: torch.Tensor                     # u8[..., D/2], element 2i in the low nibble
+    scales: torch.Tensor                   # float8_e4m3fn (or u8) [..., D/16]
+    global_scale: Optional[torch.Tensor]   # f32 decode global scale, or None
+    kv_transform: Optional[dict]           # `kv_transform(config)`: rotated / K-shifted rows (None: not stated)
+
+
+def nvfp4_to_torch(data: jax.Array, scales: jax.Array, global_scale=None, *, scales_as_uint8: bool = False,
+                   sync: Sync = True, config=None) -> NVFP4Tensors:
+    """Export NVFP4 bytes zero-copy: `NVFP4Tensors` ``(data u8[..., D/2], scales e4m3[..., D/16] (or u8),
+    gs f32 | None, kv_transform)``.
+
+    Element ``2i`` is in the low nibble of ``data[..., i]``; ``x = e2m1 * f32(scale) * gs``. ``config``: the
+    cache's `KVCacheConfig`, so that ``kv_transform`` says whether the rows are rotated / K-shifted and what the
+    consumer must do (module docstring); a rotated cache's rows are ``x @ Hd``, not ``x``.
     """
     if data.dtype != jnp.uint8:
         raise ValueError(f"nvfp4_to_torch: data must be uint8 (packed E2M1), got {data.dtype}")
@@ -239,4 +275,4 @@ def nvfp4_to_torch(data: jax.Array, scales: jax.Array, global_scale=None, *, sca
     if scales_as_uint8:
         ts = ts.view(torch.uint8)
     gs = None if global_scale is None else to_torch(jnp.asarray(global_scale, jnp.float32), sync=sync)
-    return td, ts, gs
+    return NVFP4Tensors(td, ts, gs, kv_transform(config))

@@ -1,4 +1,5 @@
-"""The mixed-precision cache as a transformers ``Cache``: ``model.generate(..., cache=JMixedKVCache(...))``.
+"""The mixed-precision cache as a transformers ``Cache``: ``model.generate(..., past_key_values=JMixedKVCache(...))``
+(``cache=`` on transformers >= 5.2x; `CACHE_KWARG` names the one the installed version takes).
 
 Owns `JMixedKVCache` (a ``transformers.Cache`` of per-layer `JMixedLayer` ``CacheLayerMixin`` layers over one
 `interop.TorchKVCache`) and `jmixedkv_attention`, registered with transformers' ``AttentionInterface`` (and the
@@ -39,14 +40,16 @@ Example (copy-paste; runs on CPU)::
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     cache = JMixedKVCache.for_model(model, KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=32, page_size=16),
                                     max_batch_size=2, max_cache_len=64)
-    out = model.generate(torch.tensor([[1, 2, 3, 4]] * 2), max_new_tokens=8, do_sample=False, cache=cache)
+    out = model.generate(torch.tensor([[1, 2, 3, 4]] * 2), max_new_tokens=8, do_sample=False, past_key_values=cache)
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import numpy as np
 import torch
+import transformers
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -56,9 +59,13 @@ from jmixedkv.config import KVCacheConfig
 
 from .torch_cache import CacheCapacityError, TorchKVCache
 
-__all__ = ["JMixedKVCache", "JMixedLayer", "jmixedkv_attention", "ATTN_IMPLEMENTATION"]
+__all__ = ["JMixedKVCache", "JMixedLayer", "jmixedkv_attention", "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
 
 ATTN_IMPLEMENTATION = "jmixedkv"
+# The keyword a transformers model / ``generate`` takes the cache by: ``cache`` from transformers 5.2x on
+# (``past_key_values`` still accepted, deprecated), ``past_key_values`` only before (e.g. 5.17 on the GPU image).
+CACHE_KWARG = ("cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+               else "past_key_values")
 DECODE_MODES = ("stage", "fused")
 
 

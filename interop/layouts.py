@@ -33,7 +33,10 @@ NVFP4 pages (`nvfp4_pages`): FlashInfer's paged NVFP4 KV layout (``nvfp4_quantiz
 ``[P, page, H, D/2]`` (NHD), element ``2i`` in the low nibble; block scales ``float8_e4m3fn`` in the same layout
 with ``D/16`` (linear, one per 16 elements along head_dim; ``scales_as_uint8=True`` gives the bytes); decode
 global scales ``k_scale = gs[layer, 0]``, ``v_scale = gs[layer, 1]`` (float32, ``x = e2m1 * scale * gs``).
-Not applied: trtllm-gen's 4-token-interleaved V-scale layout (only the linear layout is exported).
+Not applied: trtllm-gen's 4-token-interleaved V-scale layout (only the linear layout is exported). Pass the cache's
+``config=`` and ``NVFP4Pages.kv_transform`` says whether K/V are rotated (``rotation="hadamard"``: rotate q before
+attention, multiply the output by the Hadamard matrix after it) or K-shifted (`interop.dlpack.kv_transform`);
+the same holds for every row pool and staged page exported from such a cache.
 """
 from __future__ import annotations
 
@@ -196,14 +199,17 @@ class NVFP4Pages(NamedTuple):
     v_scales: object
     k_scale: float      # decode global scale of K (gs[layer, 0])
     v_scale: float
+    kv_transform: Optional[dict] = None   # `interop.dlpack.kv_transform`: rotated / K-shifted rows (None: not stated)
 
 
 def nvfp4_pages(low, layer: int, layout: str = "HND", *, scales_as_uint8: bool = False,
-                as_torch: bool = True) -> NVFP4Pages:
+                as_torch: bool = True, config=None) -> NVFP4Pages:
     """Per-layer NVFP4 pages of a `jmixedkv.pools.LowPool` in FlashInfer's paged NVFP4 KV layout (module doc).
 
-    ``as_torch=True``: zero-copy torch views of the pool (read-only; drop them before the next donated append)."""
-    from .dlpack import to_torch
+    ``as_torch=True``: zero-copy torch views of the pool (read-only; drop them before the next donated append).
+    ``config``: the cache's `KVCacheConfig`; its levers go into ``kv_transform`` (with ``rotated`` True, a consumer
+    must rotate q by ``jmixedkv.levers.hadamard(D)`` before attention and the output after it)."""
+    from .dlpack import kv_transform, to_torch
     if low.data.shape[2] != 2:
         raise ValueError(f"nvfp4_pages: expected a K/V pool (kv=2), got kv={low.data.shape[2]}")
     data, scales = low.data, low.scales
@@ -215,4 +221,4 @@ def nvfp4_pages(low, layer: int, layout: str = "HND", *, scales_as_uint8: bool =
         scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
     gs = np.asarray(low.gs, np.float32)
     views = [page_view(a, layer, kv, layout) for kv in (0, 1) for a in (data, scales)]
-    return NVFP4Pages(*views, float(gs[layer, 0]), float(gs[layer, 1]))
+    return NVFP4Pages(*views, float(gs[layer, 0]), float(gs[layer, 1]), kv_transform(config))

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from jmixedkv.config import KVCacheConfig
 
-from .hf import ATTN_IMPLEMENTATION, JMixedKVCache
+from .hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache
 
 __all__ = ["tiny_config", "build_model", "left_pad", "generate", "forced_logits", "compare", "default_prompts",
            "main"]
@@ -66,7 +66,7 @@ def generate(model, cache, prompts, steps: int):
     """Greedy ``model.generate`` of ``steps`` tokens on ``cache``: ``i64[B, steps]`` on the CPU."""
     ids, mask = left_pad(prompts, next(model.parameters()).device)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                         cache=cache, pad_token_id=0)
+                         pad_token_id=0, **{CACHE_KWARG: cache})
     return out[:, ids.shape[1]:].cpu()
 
 
@@ -77,12 +77,12 @@ def forced_logits(model, cache, prompts, forced: torch.Tensor):
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(ids, attention_mask=mask, position_ids=pos, cache=cache)
+    out = model(ids, attention_mask=mask, position_ids=pos, **{CACHE_KWARG: cache})
     logits = [out.logits[:, -1].float()]
     for s in range(forced.shape[1] - 1):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         pos = (mask.sum(-1, keepdim=True) - 1)
-        out = model(forced[:, s:s + 1].to(device), attention_mask=mask, position_ids=pos, cache=cache)
+        out = model(forced[:, s:s + 1].to(device), attention_mask=mask, position_ids=pos, **{CACHE_KWARG: cache})
         logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1).cpu()
 

@@ -2,8 +2,8 @@
 
 `TorchKVCache` only converts torch <-> JAX and delegates: one `jmixedkv.CacheManager` owns the state, the host
 capacity mirror and the jitted, donated transitions; the reads call `jmixedkv.read.stage` /
-`jmixedkv.read.gather_rows` / `jmixedkv.attention.decode_attention`, the speculative calls
-`jmixedkv.speculative.correct_kv_lens` / `accept`, and `fork` calls `jmixedkv.prefix.fork`. K/V, queries and
+`jmixedkv.read.gather_rows` / `jmixedkv.attention.decode_attention`; every transition (append, fork, the
+speculative `correct_kv_lens` / `accept`) is the manager's. K/V, queries and
 indices come in as torch tensors; staged caches, gathered rows and attention outputs go out as torch tensors, all
 through the zero-copy DLPack bridge (`interop.dlpack`). Inputs are checked on the host first (dtype, device,
 shape, slot / layer / page ids); a bad one raises a ``ValueError`` naming the offending value.
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jmixedkv import prefix, read, speculative
+from jmixedkv import read
 from jmixedkv.allocator import Allocator
 from jmixedkv.attention import decode_attention as _jax_decode_attention
 from jmixedkv.config import KVCacheConfig
@@ -74,7 +74,6 @@ SYNC_MODES = (True, False, "stream")
 # host validation off inside jit: TorchKVCache validates before calling
 _stage_jit = jax.jit(read.stage, static_argnames=("group", "backend", "validate", "num_staged_pages"))
 _gather_jit = jax.jit(read.gather_rows, static_argnames=("group", "backend", "validate", "scratch_dtype", "overlay"))
-_fork_jit = jax.jit(prefix.fork, donate_argnums=0)
 
 
 def lse_to_base2(lse):
@@ -285,7 +284,7 @@ class TorchKVCache:
             k, v, seq, pos = _pad_tokens(k, v, seq, pos, token_axis=0 if layer is not None else 1)
         kj = from_torch(k, copy=None, sync=sync)
         vj = None if v is None else from_torch(v, copy=None, sync=sync)
-        self.manager.append(kj, vj, seq, pos, layer=layer, group=group, rope=rope)
+        self.manager.append(layer, kj, vj, seq, pos, group=group, rope=rope)
 
     def stage(self, layer: Optional[int], seq_slots, *, group: int = 0, sync: Union[bool, str, None] = None,
               validate: Optional[bool] = None) -> TorchStaged:
@@ -299,7 +298,7 @@ class TorchKVCache:
             self._layer(layer, spec, "stage")
         seq = self._slots(seq_slots, "stage")
         self._validate_read(layer, seq, None, group, "stage", validate)
-        st = _stage_jit(self.state, None if layer is None else jnp.int32(layer), jnp.asarray(seq), group=group,
+        st = _stage_jit(self.state, None if layer is None else np.int32(layer), seq, group=group,
                         backend=self.backend, validate=False)
         return TorchStaged(to_torch(st.pages, sync=sync), to_torch(st.page_table, sync=sync),
                            to_torch(st.kv_lens, sync=sync))
@@ -321,7 +320,7 @@ class TorchKVCache:
         if scratch_dtype not in (None, "fp8", "float8_e4m3fn"):
             raise ValueError(f"gather_rows: scratch_dtype must be None or 'fp8', got {scratch_dtype!r}")
         self._validate_read(layer, seq, idx, group, "gather_rows", validate)
-        rows, scale = _gather_jit(self.state, jnp.int32(layer), jnp.asarray(seq), jnp.asarray(idx), group=group,
+        rows, scale = _gather_jit(self.state, np.int32(layer), seq, idx, group=group,
                                   scratch_dtype=scratch_dtype, backend=self.backend, validate=False)
         k = to_torch(rows[:, :, 0], sync=sync)
         v = to_torch(rows[:, :, 1], sync=sync) if spec.kv_factor == 2 else None
@@ -344,7 +343,7 @@ class TorchKVCache:
         squeeze = q.dim() == 3
         self._validate_read(layer, seq, None, group, "decode_attention", validate)
         qj = from_torch(q.unsqueeze(1) if squeeze else q, copy=None, sync=sync)
-        out, lse = _jax_decode_attention(self.state, jnp.int32(layer), qj, jnp.asarray(seq), group=group,
+        out, lse = _jax_decode_attention(self.state, np.int32(layer), qj, seq, group=group,
                                          sm_scale=sm_scale, backend=self.backend)
         out, lse = to_torch(out, sync=sync), to_torch(lse, sync=sync)
         return (out[:, 0], lse[:, 0]) if squeeze else (out, lse)
@@ -358,49 +357,20 @@ class TorchKVCache:
         slots, and ``kv_len + offset >= max(written - max_draft_len, 0)`` (``written``: one past the highest
         row written since admit, so rewinds never add up past the twin ring's slack)."""
         full = self._offsets(offsets, seq_slots, "correct_kv_lens")
-        self.manager.replace_state(speculative.correct_kv_lens(self.state, jnp.asarray(full, jnp.int32)))
+        self.manager.correct_kv_lens(full)
 
     def accept(self, seq_slots, num_accepted, num_drafts) -> None:
         """After a verify append of ``num_drafts[b] + 1`` rows (the verified token + drafts) to ``seq_slots[b]``,
         keep the verified token and the first ``num_accepted[b]`` drafts: ``kv_len += num_accepted - num_drafts``."""
         seq = self._slots(seq_slots, "accept")
-        acc = self._counts(num_accepted, seq, "accept num_accepted")
-        dra = self._counts(num_drafts, seq, "accept num_drafts")
-        live = seq >= 0
-        bad = live & ((acc < 0) | (acc > dra) | (dra > self.config.max_draft_len))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"accept: need 0 <= num_accepted <= num_drafts <= max_draft_len "
-                             f"({self.config.max_draft_len}); slot {seq[i]} has num_accepted={acc[i]}, "
-                             f"num_drafts={dra[i]}")
-        if len(set(seq[live].tolist())) != int(live.sum()):
-            raise ValueError(f"accept: seq_slots must be distinct, got {seq.tolist()}")
-        state = speculative.accept(self.state, jnp.asarray(seq), jnp.asarray(acc), jnp.asarray(dra))
-        self.manager.replace_state(state)
+        self.manager.accept(seq, self._counts(num_accepted, seq, "accept num_accepted"),
+                            self._counts(num_drafts, seq, "accept num_drafts"))
 
     def fork(self, src: int, dst: Optional[int] = None) -> int:
         """Copy sequence ``src`` into the free slot ``dst`` (default: the first free one) for beam search /
-        parallel sampling (`jmixedkv.prefix.fork`: full pages shared, the partial page and the twin copied).
+        parallel sampling (`CacheManager.fork`: full pages shared, the partial page and the twin copied).
         Returns ``dst``. Raises `CacheCapacityError` (nothing changed) when no slot or page is free."""
-        src = self._slot(src, "fork src")
-        if not bool(np.asarray(self.state.active)[src]):
-            raise ValueError(f"fork: source slot {src} is not admitted")
-        if dst is None:
-            free = self.manager.free_slots()
-            if not free:
-                raise CacheCapacityError(f"fork: no free sequence slot (all {self.max_seqs} are admitted)")
-            dst = free[0]
-        dst = self._slot(dst, "fork dst")
-        if dst == src or bool(np.asarray(self.state.active)[dst]):
-            raise ValueError(f"fork: destination slot {dst} is admitted already (or equals src {src})")
-        before = int(self.state.error)                      # read before the donated call
-        new = _fork_jit(self.state, jnp.int32(src), jnp.int32(dst))
-        if int(new.error) != before:                        # on error fork changed nothing but the error bits
-            self.manager.replace_state(dataclasses.replace(new, error=jnp.full_like(new.error, before)))
-            raise CacheCapacityError(f"fork: not enough free pages to fork slot {src} into slot {dst} "
-                                     f"({self.free_pages} low / {self.free_high_pages} high pages free)")
-        self.manager.replace_state(new)
-        return dst
+        return self.manager.fork(self._slot(src, "fork src"), None if dst is None else self._slot(dst, "fork dst"))
 
     # ------------------------------------------------------------------ layout exports (see interop.layouts)
     def flashinfer_page_table(self, seq_slots, *, as_numpy: bool = False) -> layouts.FlashInferCSR:

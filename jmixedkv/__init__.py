@@ -17,12 +17,12 @@ _EXPORTS = {
     "CacheState": "state", "GroupSpec": "state", "admit": "state", "append": "state", "describe_error": "state",
     "init_state": "state", "release": "state",
     "attention_reference": "reference", "rows_reference": "reference", "stage_reference": "reference",
-    "CacheCapacityError": "manager", "CacheManager": "manager",
+    "CacheError": "checks", "CacheCapacityError": "checks", "CacheManager": "manager",
     "StagedCache": "read", "gather_rows": "read", "overlay_retained_rows": "read", "stage": "read",
     "decode_attention": "attention", "merge_attention": "attention",
     "accept": "speculative", "correct_kv_lens": "speculative", "draft_view": "speculative", "restore": "speculative",
     "trim": "speculative",
-    "PrefixCache": "prefix", "admit_with_prefix": "prefix", "fork": "prefix", "page_keys": "prefix",
+    "PrefixCache": "prefix", "admit_with_prefix": "prefix", "fork": "state", "page_keys": "prefix",
 }
 _MODULES = ("nvfp4", "codec", "capacity", "compressed", "hybrid", "sharding", "speculative", "layout", "numerics",
             "checks", "compat")

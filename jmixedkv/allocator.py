@@ -13,10 +13,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from .pools import pytree
+
 __all__ = ["Allocator", "new_allocator", "allocate_mask", "release_pages", "retain_pages"]
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree()
 class Allocator:
     """``free i32[P]`` stack, ``num_free i32[]``, ``refcount i32[P]``."""
 
@@ -27,9 +29,6 @@ class Allocator:
     @property
     def num_pages(self) -> int:
         return self.free.shape[0]
-
-
-jax.tree_util.register_dataclass(Allocator, data_fields=["free", "num_free", "refcount"], meta_fields=[])
 
 
 def new_allocator(num_pages: int, order=None) -> Allocator:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from . import checks
-from .backend import interpret, resolve
+from .backend import dispatch
 from .reference import attention_reference, stage_reference
 
 __all__ = ["decode_attention", "merge_attention"]
@@ -91,11 +91,9 @@ def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Op
     layer_c, layer_ok = checks.layer_in_range(layer, spec.num_layers)
     bad = (seq < -1) | (seq >= state.max_seqs) | ~layer_ok
     seq = jnp.where(bad, -1, seq)
-    kw = dict(group=group, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if resolve(backend) == "reference":
-        out, lse = _reference(state, layer_c, q, seq, **kw)
-    else:
-        out, lse = _pallas(state, layer_c, q, seq, num_splits=num_splits, interpret=interpret(), **kw)
+    out, lse = dispatch(backend, _reference, _pallas)(state, layer_c, q, seq, group=group, sm_scale=sm_scale,
+                                                      sliding_window=sliding_window, soft_cap=soft_cap,
+                                                      num_splits=num_splits)
     # a query that must see at least its own key but reports "no key" (lse = -inf) met a NaN logit: flag it
     tq = q.shape[1]
     qpos = _lens(state, seq)[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None, :]
@@ -109,8 +107,9 @@ def _lens(state, seq):
     return jnp.where(seq >= 0, state.kv_lens[jnp.clip(seq, 0, state.max_seqs - 1)], 0)
 
 
-@functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap"))
-def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap):
+@functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap", "num_splits"))
+def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits):
+    del num_splits                                                          # a kernel tuning knob
     # NVFP4 groups: the decoded values exactly (float32 staging), as the fused kernel reads them
     exact = jnp.float32 if state.kinds[group] != "plain" else None
     staged = stage_reference(state, layer, seq, group, dtype=exact)         # [B, kv, H, S, D]
@@ -132,6 +131,7 @@ def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
     page_table = state.page_table[s]
     lens = _lens(state, seq)
     mixed = kind == "mixed" and pools.high is not None
+    twin = cfg.twin if mixed else None
     from pallas_kernels import decode_mgpu   # Mosaic GPU kernel: opt-in (JMIXEDKV_DECODE_KERNEL=mgpu), H5
     if kind != "plain" and decode_mgpu.preferred(
             head_dim=q.shape[-1], page=pools.low.data.shape[4], tq=q.shape[1],
@@ -139,17 +139,14 @@ def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
             sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret):
         return decode_mgpu.paged_decode_attention_mgpu(
             q, page_table, lens, layer, pools.low, pools.high if mixed else None,
-            state.high_table[s] if mixed else None, first_n=cfg.first_n if mixed else 0,
-            last_n=cfg.last_n if mixed else 0, num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages,
-            sm_scale=sm_scale, num_splits=num_splits, interpret=interpret, out_dtype=cfg.attention_dtype)
+            state.high_table[s] if mixed else None, geom=twin, sm_scale=sm_scale, num_splits=num_splits,
+            interpret=interpret, out_dtype=cfg.attention_dtype)
     return paged_decode_attention(
         q, page_table, lens, layer,
         low=pools.low if kind != "plain" else None,
         high=pools.high if mixed else None,
         plain=pools.plain if kind == "plain" else None,
-        high_table=state.high_table[s] if mixed else None,
-        first_n=cfg.first_n if mixed else 0, last_n=cfg.last_n if mixed else 0,
-        num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages,
+        high_table=state.high_table[s] if mixed else None, geom=twin,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
         interpret=interpret, out_dtype=cfg.attention_dtype)
 

@@ -50,7 +50,8 @@ import numpy as np
 __all__ = ["ERR_LOW_OOM", "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER",
            "ERR_BAD_POSITION", "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "ERROR_NAMES", "describe_error", "is_traced",
            "is_jax", "host_int", "index_array", "check_slot_arg", "check_layer_arg", "slot_in_range",
-           "layer_in_range", "append_position_errors", "page_ids_ok", "write_dst_errors", "INT32_MAX"]
+           "layer_in_range", "append_position_errors", "page_ids_ok", "write_dst_errors", "INT32_MAX", "CacheError",
+           "CacheCapacityError"]
 
 ERR_LOW_OOM = 1
 ERR_HIGH_OOM = 2
@@ -76,6 +77,15 @@ ERROR_NAMES = {
 }
 
 INT32_MAX = 2 ** 31 - 1
+
+
+class CacheError(ValueError):
+    """What the host cache API (`CacheManager`, `PrefixCache`, `TorchKVCache`) raises when a request cannot run
+    or a device transition refused it (``state.error`` bits, named by `describe_error`)."""
+
+
+class CacheCapacityError(CacheError):
+    """A request needs more pages (or slots, or positions) than the cache has, even after eviction."""
 
 
 def describe_error(code: int) -> str:
@@ -107,16 +117,18 @@ def host_int(x, name: str, op: str, lo: Optional[int] = None, hi: Optional[int] 
     return v
 
 
-def index_array(x, name: str, op: str, lo: Optional[int] = None, hi: Optional[int] = None, ndim=None):
+def index_array(x, name: str, op: str, lo: Optional[int] = None, hi: Optional[int] = None, ndim=None, *,
+                host: bool = False):
     """Index argument -> int32 JAX array.
 
     JAX arrays must have an integer dtype (else `ValueError`); their values are checked inside jit by the caller.
     Host values (lists, NumPy, Python ints) must be integers that fit int32 and, when ``lo`` / ``hi`` are given,
-    lie in ``[lo, hi)``; the error names the first offending entry."""
+    lie in ``[lo, hi)``; the error names the first offending entry. ``host=True``: return a NumPy int32 array
+    (a JAX input is copied to the host) -- for host-side mirrors, so no eager device op runs per call."""
     if is_jax(x):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{op}: {name} must be an integer array, got dtype {x.dtype}")
-        out = x.astype(jnp.int32)
+        out = np.asarray(x).astype(np.int32) if host else x.astype(jnp.int32)
     else:
         a = np.asarray(x)
         if a.size == 0 and a.dtype == np.float64:
@@ -131,7 +143,7 @@ def index_array(x, name: str, op: str, lo: Optional[int] = None, hi: Optional[in
             where = f"{name}[{i}]" if a.ndim else name
             rng = f"[{lo_}, {hi_})" if (lo is not None or hi is not None) else "int32"
             raise ValueError(f"{op}: {where}={int(flat[i])} out of range {rng}")
-        out = jnp.asarray(a.astype(np.int32))
+        out = a.astype(np.int32) if host else jnp.asarray(a.astype(np.int32))
     if ndim is not None and out.ndim != ndim:
         raise ValueError(f"{op}: {name} must have {ndim} dimension(s), got shape {tuple(out.shape)}")
     return out
@@ -139,10 +151,10 @@ def index_array(x, name: str, op: str, lo: Optional[int] = None, hi: Optional[in
 
 def check_slot_arg(x, num_seqs: int, name: str, op: str, allow_none: bool = True):
     """Scalar slot argument: host value checked in ``[-1, num_seqs)`` (``[0, ...)`` without ``allow_none``);
-    returns an int32 JAX scalar."""
+    returns an int32 scalar (NumPy for a host value: no eager device op)."""
     if is_jax(x):
         return index_array(x, name, op, ndim=0)
-    return jnp.int32(host_int(x, name, op, -1 if allow_none else 0, num_seqs))
+    return np.int32(host_int(x, name, op, -1 if allow_none else 0, num_seqs))
 
 
 def check_layer_arg(layer, num_layers: int, op: str, group_name: str = ""):

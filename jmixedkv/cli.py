@@ -75,15 +75,16 @@ def _shape(text: str) -> cap.ModelShape:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-LEVER_SUFFIXES = {"rot": ("rotation", "hadamard"), "smooth": ("k_smoothing", True)}
+LEVER_SUFFIXES = {"rot": ("rotation", "hadamard"), "smooth": ("k_smoothing", True),
+                  "4o6": ("block_scale", "4over6")}
 
 
 def parse_cache_spec(spec: str, total_len: int, page_size: int):
     """``bf16 | fp16 | fp8 | nvfp4 | mixed:F:L | mixed:all | mixed_nvfp4_fp8:F:L`` -> (label, KVCacheConfig).
 
     ``mixed`` is ``mixed_nvfp4_bf16``; ``all`` keeps every one of ``total_len`` tokens in the twin. Suffixes
-    ``+rot`` (Hadamard rotation) and ``+smooth`` (K smoothing) turn on the accuracy levers (`jmixedkv.levers`),
-    e.g. ``mixed:4:64+rot+smooth``."""
+    ``+rot`` (Hadamard rotation), ``+smooth`` (K smoothing) and ``+4o6`` ("4 over 6" block scaling) turn on the
+    accuracy levers (`jmixedkv.levers`), e.g. ``mixed:4:64+rot+smooth``."""
     from .config import KVCacheConfig
     base, *suffixes = spec.strip().split("+")
     levers = {}

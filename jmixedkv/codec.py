@@ -29,13 +29,14 @@ def _flat_gs(global_scale, lead):
     return gs.reshape(-1)
 
 
-def quantize(x, global_scale=1.0, backend: str = "auto", **kernel_kwargs):
+def quantize(x, global_scale=1.0, backend: str = "auto", block_scale: str = "max6", **kernel_kwargs):
     """NVFP4-quantize ``x[..., D]`` (bf16 / f16 / f32, ``D % 16 == 0``).
 
     Args:
       x: ``float[..., D]``.
       global_scale: float32 decode scale ``gs``, a scalar or broadcastable to ``x.shape[:-1]``.
       backend: ``"auto" | "reference" | "pallas"``.
+      block_scale: ``"max6"`` or ``"4over6"`` (`jmixedkv.nvfp4.quantize`).
       **kernel_kwargs: tiling knobs forwarded to `pallas_kernels.nvfp4.quantize` (``block_rows``, ``sub_rows``,
         ``num_warps``, ``num_stages``, ``width``); ignored by the reference.
 
@@ -47,13 +48,13 @@ def quantize(x, global_scale=1.0, backend: str = "auto", **kernel_kwargs):
     if x.ndim == 0:
         raise ValueError(f"NVFP4 quantize: x must have at least one dimension, got shape {x.shape}")
     if which == "reference":
-        return _ref.quantize(x, global_scale)
+        return _ref.quantize(x, global_scale, block_scale)
     from pallas_kernels import nvfp4 as _k  # lazy: the reference never imports a kernel
 
     lead, d = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     packed, scales = _k.quantize(x.reshape(rows, d), _flat_gs(global_scale, lead),
-                                 interpret=_backend.interpret(), **kernel_kwargs)
+                                 interpret=_backend.interpret(), block_scale=block_scale, **kernel_kwargs)
     return packed.reshape(*lead, packed.shape[-1]), scales.reshape(*lead, scales.shape[-1])
 
 

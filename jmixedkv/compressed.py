@@ -11,8 +11,8 @@ raw token of the raw retained set, rounded outward:
     last_c  = ceil(last_n / r)           rows n_c - last_c <= c < n_c
 
 Twin table per ratio: ``F_c = ceil(first_c / page)`` fixed pages, then a ring of
-``R_c = ceil((last_c + ceil(max_draft_len / r)) / page) + 1`` pages (0 when ``last_n == 0``), the same
-column rule as raw groups (`jmixedkv.layout.high_column`).
+``R_c = ceil((last_c + ceil(max_draft_len / r)) / page) + 1`` pages (0 when ``last_n == 0``): a
+`jmixedkv.layout.TwinGeometry` in compressed rows, so the retained / column rules are the raw groups' own.
 
 The twin's write takes a row mask (`twin_row_mask`): a row is written only if the twin holds its page — a released
 page (``-1`` entry, e.g. a ring page given back) or a column past the table's width means "not held", never the
@@ -43,45 +43,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks, layout
+from .backend import dispatch
 from .checks import ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_POSITION, ERR_BAD_SLOT, ERR_SHARED_PAGE, ERR_TOO_LONG
 from .config import KVCacheConfig
-from .pools import GroupPools, LowPool, RowPool, read_low_rows, read_row_pool, write_rows_reference
+from .pools import GroupPools, LowPool, RowPool, pytree, read_low_rows, read_row_pool, write_rows_reference
 
-__all__ = ["CompressedGeometry", "CompressedLevel", "CompressedCache", "compressed_geometry", "init_compressed",
+__all__ = ["CompressedLevel", "CompressedCache", "compressed_geometry", "init_compressed",
            "with_tables", "release_twin_page", "set_lengths", "compressed_lengths", "twin_row_mask",
-           "twin_write_mask", "retained_compressed", "write_compressed_reference", "read_compressed_reference",
+           "twin_write_mask", "write_compressed_reference", "read_compressed_reference",
            "gather_compressed", "validate_compressed"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CompressedGeometry:
-    """Static layout of one ratio: retained window in compressed rows and the twin table's columns."""
-
-    ratio: int
-    page: int
-    first_c: int
-    last_c: int
-    num_fixed: int
-    num_ring: int
-
-    @property
-    def twin_width(self) -> int:
-        return self.num_fixed + self.num_ring
-
-
-def compressed_geometry(config: KVCacheConfig, ratio: int) -> CompressedGeometry:
-    """Geometry of the ratio-``ratio`` group under ``config`` (see the module docstring)."""
+def compressed_geometry(config: KVCacheConfig, ratio: int) -> layout.TwinGeometry:
+    """Twin geometry of the ratio-``ratio`` group under ``config``, in compressed rows (the module docstring)."""
     if not isinstance(ratio, int) or ratio < 1:
         raise ValueError(f"compression ratio must be an integer >= 1, got {ratio!r}")
-    page = config.page_size
-    first_c = -(-config.first_n // ratio)
-    last_c = -(-config.last_n // ratio)
-    num_fixed = -(-first_c // page)
-    num_ring = 0 if last_c == 0 else -(-(last_c + -(-config.max_draft_len // ratio)) // page) + 1
-    return CompressedGeometry(ratio, page, first_c, last_c, num_fixed, num_ring)
+    return layout.TwinGeometry.for_window(config.page_size, -(-config.first_n // ratio),
+                                          -(-config.last_n // ratio), -(-config.max_draft_len // ratio))
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree()
 class CompressedLevel:
     """One ratio: ``low`` NVFP4 pool of compressed rows + ``page_table i32[S, W]``; ``twin`` row pool +
     ``twin_table i32[S, F_c + R_c]`` (None when the config keeps no twin)."""
@@ -92,7 +73,7 @@ class CompressedLevel:
     twin_table: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree("config")
 class CompressedCache:
     """Compressed-history groups keyed by ratio. ``levels: dict ratio -> CompressedLevel``; ``kv_lens i32[S]`` raw
     lengths (shared with the raw-token groups); ``error i32[]`` sticky ``checks.ERR_*`` bits of refused
@@ -107,7 +88,7 @@ class CompressedCache:
     def max_seqs(self) -> int:
         return self.kv_lens.shape[0]
 
-    def geometry(self, ratio: int) -> CompressedGeometry:
+    def geometry(self, ratio: int) -> layout.TwinGeometry:
         if ratio not in self.levels:
             raise ValueError(f"no compressed group with ratio {ratio}; have {sorted(self.levels)}")
         return compressed_geometry(self.config, ratio)
@@ -116,12 +97,6 @@ class CompressedCache:
     def twins(self) -> Dict[int, Optional[RowPool]]:
         """``dict ratio -> twin`` (the high pool of each compressed group)."""
         return {r: lv.twin for r, lv in self.levels.items()}
-
-
-jax.tree_util.register_dataclass(CompressedLevel, data_fields=["low", "page_table", "twin", "twin_table"],
-                                 meta_fields=[])
-jax.tree_util.register_dataclass(CompressedCache, data_fields=["levels", "kv_lens", "error"],
-                                 meta_fields=["config"])
 
 
 def init_compressed(config: KVCacheConfig, ratios, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -148,14 +123,14 @@ def init_compressed(config: KVCacheConfig, ratios, *, num_layers: int, num_kv_he
             jnp.full(shape(num_pages, head_dim // 16, 1), 0x7F if poison else 0, jnp.uint8), jnp.float8_e4m3fn)
         low = LowPool(data, scales, jnp.broadcast_to(jnp.asarray(gs, jnp.float32), (num_layers, kv_factor)))
         twin = None
-        if geom.twin_width:
-            n_twin = max_seqs * geom.twin_width if num_twin_pages is None else num_twin_pages
+        if geom.width:
+            n_twin = max_seqs * geom.width if num_twin_pages is None else num_twin_pages
             twin_shape = shape(n_twin, head_dim, jnp.dtype(config.high_dtype).itemsize)
             rows = (jnp.full(twin_shape, jnp.nan, jnp.float32).astype(config.high_dtype) if poison
                     else jnp.zeros(twin_shape, config.high_dtype))
             twin = RowPool(rows, jnp.broadcast_to(jnp.asarray(twin_scale, jnp.float32), (num_layers, kv_factor)))
         levels[r] = CompressedLevel(low, jnp.full((max_seqs, max_pages_per_seq), -1, jnp.int32), twin,
-                                    jnp.full((max_seqs, geom.twin_width), -1, jnp.int32))
+                                    jnp.full((max_seqs, geom.width), -1, jnp.int32))
     return CompressedCache(config, levels, jnp.zeros((max_seqs,), jnp.int32), jnp.int32(0))
 
 
@@ -275,8 +250,7 @@ def twin_row_mask(cache: CompressedCache, ratio: int, seq, cpos):
     entry is not -1 (released). Padding (``seq < 0``), slots ``>= S`` and ``cpos < 0`` are not held."""
     geom = cache.geometry(ratio)
     seq = _live(cache, jnp.asarray(seq, jnp.int32))
-    slots = layout.high_slots(cache.levels[ratio].twin_table, seq, cpos, geom.page, geom.num_fixed, geom.num_ring)
-    return slots >= 0
+    return geom.high_slots(cache.levels[ratio].twin_table, seq, cpos) >= 0
 
 
 def twin_write_mask(cache: CompressedCache, ratio: int, seq, cpos):
@@ -286,17 +260,8 @@ def twin_write_mask(cache: CompressedCache, ratio: int, seq, cpos):
     lv = cache.levels[ratio]
     seq = _live(cache, jnp.asarray(seq, jnp.int32))
     low_ok = layout.low_slots(lv.page_table, seq, cpos, geom.page) >= 0
-    num_seqs = lv.page_table.shape[0]
-    last = layout.segment_max_position(seq, cpos, num_seqs)
-    q, qmax = cpos // geom.page, last[jnp.clip(seq, 0, num_seqs - 1)] // geom.page
-    fresh = (q < geom.num_fixed) | (q > qmax - geom.num_ring)
+    fresh = geom.write_mask(seq, cpos, lv.page_table.shape[0])
     return twin_row_mask(cache, ratio, seq, cpos) & low_ok & fresh
-
-
-def retained_compressed(cache: CompressedCache, ratio: int, cpos, n_c):
-    """bool: compressed row ``cpos`` of a sequence with ``n_c`` compressed rows is retained."""
-    geom = cache.geometry(ratio)
-    return layout.is_retained(cpos, n_c, geom.first_c, geom.last_c)
 
 
 def _page_at(table, seq, col):
@@ -347,7 +312,7 @@ def write_compressed_reference(cache: CompressedCache, ratio: int, x, layer, seq
         jnp.where(lv.page_table >= 0, lv.page_table, num_pages)].add(1, mode="drop")
     shared = jnp.any(live & (low_page >= 0) & (holders[jnp.clip(low_page, 0, num_pages - 1)] > 1))
     if lv.twin is not None:
-        hcol = layout.high_column(cpos, geom.page, geom.num_fixed, geom.num_ring)
+        hcol = geom.high_column(cpos)
         hpage = _page_at(lv.twin_table, seq, hcol)
         bad_page = bad_page | jnp.any(live & (hpage >= lv.twin.rows.shape[1]))
     ok = layer_ok & slot_ok & ~too_long & ~bad_pos & ~bad_page & ~shared
@@ -357,8 +322,7 @@ def write_compressed_reference(cache: CompressedCache, ratio: int, x, layer, seq
     seq = jnp.where(ok, seq, -1)
     low_slot = layout.low_slots(lv.page_table, seq, cpos, geom.page)
     mask = twin_write_mask(cache, ratio, seq, cpos)
-    high_slot = layout.high_slots(lv.twin_table, seq, cpos, geom.page, geom.num_fixed, geom.num_ring,
-                                  write_mask=mask)
+    high_slot = geom.high_slots(lv.twin_table, seq, cpos, write_mask=mask)
     pools = write_rows_reference(GroupPools(lv.low, lv.twin, None), x, layer_c, low_slot, high_slot, geom.page)
     return _flag(_replace_level(cache, ratio, low=pools.low, twin=pools.high), err)
 
@@ -392,9 +356,9 @@ def read_compressed_reference(cache: CompressedCache, ratio: int, layer, seq, cp
     out = read_low_rows(lv.low, layer_c, lp, row, dtype)
     if lv.twin is not None:
         n_twin = lv.twin.rows.shape[1]
-        hcol = layout.high_column(cpos, geom.page, geom.num_fixed, geom.num_ring)
+        hcol = geom.high_column(cpos)
         hpage = _page_at(lv.twin_table, seq, hcol)
-        keep = valid & retained_compressed(cache, ratio, cpos, n_c)
+        keep = valid & geom.is_retained(cpos, n_c)
         bad = bad | (keep & ((hpage < -1) | (hpage >= n_twin)))
         keep = keep & (hpage >= 0) & (hpage < n_twin)
         high = read_row_pool(lv.twin, layer_c, jnp.clip(hpage, 0, n_twin - 1), row, dtype)
@@ -440,21 +404,23 @@ def gather_compressed(cache: CompressedCache, ratio: int, layer, seq_slots, indi
     (``validate`` None or True) the host checks of `validate_compressed` run first. Traced: rows of a slot outside
     ``[-1, S)``, a layer out of range or a bad page id come back NaN (both backends); indices outside
     ``[0, n_c)`` read as zero."""
-    from .backend import interpret, resolve
     traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((cache, layer, seq_slots,
                                                                                     indices)))
     if validate or (validate is None and not traced):
         validate_compressed(cache, ratio, seq_slots, indices, kv_lens, layer=layer)
-    seq = jnp.asarray(seq_slots, jnp.int32)
-    indices = jnp.asarray(indices, jnp.int32)
-    if resolve(backend) == "reference":
-        return read_compressed_reference(cache, ratio, layer, seq[:, None], indices, kv_lens)
+    return dispatch(backend, _gather_compressed_reference, _gather_compressed_pallas)(
+        cache, ratio, layer, jnp.asarray(seq_slots, jnp.int32), jnp.asarray(indices, jnp.int32), kv_lens)
+
+
+def _gather_compressed_reference(cache, ratio, layer, seq, indices, kv_lens):
+    return read_compressed_reference(cache, ratio, layer, seq[:, None], indices, kv_lens)
+
+
+def _gather_compressed_pallas(cache, ratio, layer, seq, indices, kv_lens, *, interpret):
     from pallas_kernels.gather import gather_rows
-    from pallas_kernels.stage import ReadGeometry
     geom = cache.geometry(ratio)
     lv = cache.levels[ratio]
     num_layers, num_pages = lv.low.data.shape[0], num_low_pages(lv)
-    rgeom = ReadGeometry(geom.page, geom.first_c, geom.last_c, geom.num_fixed, geom.num_ring)
     n_c = compressed_lengths(cache, ratio, kv_lens)
     # the kernel gets only in-range ids (bad slots -> padding, bad page ids -> not held); their rows are NaN after
     layer_c, layer_ok = checks.layer_in_range(jnp.asarray(layer, jnp.int32), num_layers)
@@ -469,12 +435,12 @@ def gather_compressed(cache: CompressedCache, ratio: int, layer, seq_slots, indi
     twin_table = lv.twin_table
     if twin is not None:
         n_twin = twin.rows.shape[1]
-        hcol = layout.high_column(idx_k, geom.page, geom.num_fixed, geom.num_ring)
+        hcol = geom.high_column(idx_k)
         hpage = _page_at(twin_table, seq_k[:, None], hcol)
         bad_rows = bad_rows | ((idx_k >= 0) & ((hpage < -1) | (hpage >= n_twin)))
         twin_table = jnp.where((twin_table >= 0) & (twin_table < n_twin), twin_table, -1)
     out = gather_rows(layer_c.reshape(1), seq_k, n_c, page_table, twin_table, idx_k,
                       jnp.ones(seq.shape, jnp.float32), lv.low.data, lv.low.scales, lv.low.gs,
-                      None if twin is None else twin.rows, None if twin is None else twin.scale, geom=rgeom,
-                      att_dtype=cache.config.attention_dtype, fp8=False, interpret=interpret())
+                      None if twin is None else twin.rows, None if twin is None else twin.scale, geom=geom,
+                      att_dtype=cache.config.attention_dtype, fp8=False, interpret=interpret)
     return jnp.where(bad_rows[..., None, None, None], jnp.asarray(jnp.nan, out.dtype), out)

@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from .layout import TwinGeometry
+
 __all__ = ["KVCacheConfig", "DTYPES", "SPECULATIVE_MODES", "SUPPORTED_MIXED_SPARSE"]
 
 #: dtype string -> (low format or None, high / plain storage dtype name or None)
@@ -77,6 +79,9 @@ class KVCacheConfig:
         along head_dim after RoPE (``append`` does it); readers rotate q and un-rotate the output.
       k_smoothing: accuracy lever: the caller subtracts a per-channel K mean frozen from the prefill before
         ``append`` (`jmixedkv.model` does it); the cache stores ``k - mean``.
+      block_scale: NVFP4 block scaling on write (`jmixedkv.nvfp4.BLOCK_SCALES`): ``"max6"`` (default, the pinned
+        order) or ``"4over6"`` (per block, the block max mapped to 6 or to 4, whichever dequantizes with the lower
+        squared error). Same bytes and decoder: readers and exporters are unchanged.
     """
 
     dtype: str
@@ -89,12 +94,13 @@ class KVCacheConfig:
     compute_dtype: str
     rotation: Optional[str]
     k_smoothing: bool
+    block_scale: str
 
     def __init__(self, dtype: str = "mixed_nvfp4_bf16", first_n: Optional[int] = None,
                  last_n: Optional[int] = None, page_size: Optional[int] = None, max_draft_len: int = 0,
                  speculative_mode: Optional[str] = None, sparse_algorithm: Optional[str] = None,
                  compute_dtype: Optional[str] = None, rotation: Optional[str] = None,
-                 k_smoothing: bool = False, **aliases: Any):
+                 k_smoothing: bool = False, block_scale: str = "max6", **aliases: Any):
         values = {"first_n": first_n, "last_n": last_n, "page_size": page_size}
         for alias, value in aliases.items():
             if alias not in _ALIASES:
@@ -116,6 +122,7 @@ class KVCacheConfig:
         set_("compute_dtype", default_compute if compute_dtype is None else compute_dtype)
         set_("rotation", rotation)
         set_("k_smoothing", k_smoothing)
+        set_("block_scale", block_scale)
         self._validate()
 
     # ------------------------------------------------------------------ validation
@@ -142,6 +149,9 @@ class KVCacheConfig:
             raise ValueError(f"KVCacheConfig.rotation: unknown value {self.rotation!r}; expected None or 'hadamard'")
         if not isinstance(self.k_smoothing, bool):
             raise ValueError(f"KVCacheConfig.k_smoothing must be a bool, got {self.k_smoothing!r}")
+        if self.block_scale not in ("max6", "4over6"):
+            raise ValueError(f"KVCacheConfig.block_scale: unknown value {self.block_scale!r}; expected 'max6' or "
+                             f"'4over6'")
         if self.sparse_algorithm is not None and not isinstance(self.sparse_algorithm, str):
             raise ValueError(f"KVCacheConfig.sparse_algorithm must be a string or None, got {self.sparse_algorithm!r}")
         if not self.is_mixed:
@@ -195,22 +205,21 @@ class KVCacheConfig:
         return jnp.dtype(self.compute_dtype)
 
     @property
+    def twin(self) -> TwinGeometry:
+        """The twin's static `jmixedkv.layout.TwinGeometry` (docs/DESIGN.md §4; no pages without a mixed dtype)."""
+        return TwinGeometry.for_window(self.page_size, self.first_n, self.last_n, self.max_draft_len)
+
+    @property
     def num_fixed_pages(self) -> int:
-        """High pages holding positions ``[0, ceil(first_n / page_size) * page_size)``."""
-        return -(-self.first_n // self.page_size) if self.is_mixed else 0
+        return self.twin.num_fixed
 
     @property
     def num_ring_pages(self) -> int:
-        """Ring of high pages for the last-N window: ``ceil((last_n + max_draft_len) / page) + 1``.
-
-        Zero when ``last_n == 0`` (nothing to keep)."""
-        if not self.is_mixed or self.last_n == 0:
-            return 0
-        return -(-(self.last_n + self.max_draft_len) // self.page_size) + 1
+        return self.twin.num_ring
 
     @property
     def num_high_pages_per_seq(self) -> int:
-        return self.num_fixed_pages + self.num_ring_pages
+        return self.twin.width
 
     def replace(self, **changes: Any) -> "KVCacheConfig":
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

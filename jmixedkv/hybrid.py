@@ -61,6 +61,7 @@ from . import speculative as spec
 from . import checks
 from .config import KVCacheConfig
 from .checks import ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_SLOT
+from .pools import pytree
 from .state import CacheState, GroupSpec, admit, init_state, release
 
 __all__ = ["HybridModelConfig", "HybridLayout", "HybridState", "hybrid_layout", "init_hybrid_state", "hybrid_admit",
@@ -183,7 +184,7 @@ def hybrid_layout(model: HybridModelConfig, kv: KVCacheConfig) -> HybridLayout:
     return HybridLayout(tuple(kinds), tuple(local), tuple(twin_of))
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree("layout")
 class HybridState:
     """Attention cache + recurrent state slots (see module docstring for shapes)."""
 
@@ -203,11 +204,6 @@ class HybridState:
     def error(self) -> jax.Array:
         """i32[] sticky error bits (``state.attn.error``)."""
         return self.attn.error
-
-
-jax.tree_util.register_dataclass(HybridState,
-                                 data_fields=["attn", "conv", "ssm", "conv_snap", "ssm_snap", "snap_tokens"],
-                                 meta_fields=["layout"])
 
 
 def init_hybrid_state(model: HybridModelConfig, kv: KVCacheConfig, num_pages: int, max_seqs: int,
@@ -352,7 +348,7 @@ def layer_page_table(state: HybridState, layer_id: int):
     return state.attn.high_table if kind == "retained" else state.attn.page_table
 
 
-def recurrent_state(state: HybridState, seq_slots, rec_layer):
+def recurrent_state(state: HybridState, rec_layer, seq_slots):
     """Reader: the recurrent state of sequences ``seq_slots i32[B]`` in recurrent layer ``rec_layer``.
 
     Returns ``(conv [B, conv_dim, kernel - 1], ssm f32[B, heads, head_dim, state_dim])``. Padding rows (-1) are

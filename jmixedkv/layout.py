@@ -19,15 +19,19 @@ Tables (shared by every raw-token layer group)::
 Retained set of a sequence with length ``n``: ``p < first_n`` or ``n - last_n <= p < n``.
 A position ``p`` (page ``q = p // page``, row ``p % page``) lives in the high pool at column
 ``q`` of `high_table` when ``q < F``, else at column ``F + q mod R`` (the ring), so a rewind of up to
-``max_draft_len`` rejected tokens never loses a retained row.
+``max_draft_len`` rejected tokens never loses a retained row. `TwinGeometry` is the one definition of this rule
+(docs/DESIGN.md §4), used by the state, the references and the kernels alike.
 
 Slot mappings (what write kernels take): ``slot = page_id * page + row``, ``-1`` = skip.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
+import dataclasses
 
-__all__ = ["is_retained", "high_column", "low_slots", "high_slots", "segment_max_position",
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["TwinGeometry", "high_column", "low_slots", "segment_max_position",
            "OFFSET_HOLE", "in_offset_hole", "offset_safe_count", "check_offsets"]
 
 # --- Pallas Triton addressing -------------------------------------------------------------------------------
@@ -75,17 +79,81 @@ def check_offsets(op: str, **arrays) -> None:
                 f"init_state (it pads them past {OFFSET_HOLE[1]} bytes) or pad the array yourself")
 
 
-def is_retained(pos, n, first_n: int, last_n: int):
-    """bool: position ``pos`` of a sequence of length ``n`` is in the retained set."""
-    return (pos < first_n) | ((pos >= n - last_n) & (pos < n))
+@dataclasses.dataclass(frozen=True)
+class TwinGeometry:
+    """Static geometry of a twin (hashable: a jit static argument, folded at trace time), in the rows of its pool
+    (raw tokens, or compressed rows of a compressed group): ``page`` rows per page, the retained window
+    ``first_n`` / ``last_n``, and the twin table's columns: ``num_fixed`` (F) fixed pages, then a ring of
+    ``num_ring`` (R) pages (0 = no ring). Every method is plain jnp on arrays or Pallas values, so the references
+    and the kernels share it."""
+
+    page: int
+    first_n: int = 0
+    last_n: int = 0
+    num_fixed: int = 0
+    num_ring: int = 0
+
+    @classmethod
+    def for_window(cls, page: int, first_n: int, last_n: int, max_draft_len: int = 0) -> "TwinGeometry":
+        """``F = ceil(first_n / page)``, ``R = ceil((last_n + max_draft_len) / page) + 1`` (0 when ``last_n == 0``)."""
+        ring = 0 if last_n == 0 else -(-(last_n + max_draft_len) // page) + 1
+        return cls(page, first_n, last_n, -(-first_n // page), ring)
+
+    @property
+    def width(self) -> int:
+        """Columns of the twin table, ``F + R``."""
+        return self.num_fixed + self.num_ring
+
+    def is_retained(self, pos, n):
+        """bool: position ``pos`` of a sequence of length ``n`` is retained (``p < first_n`` or
+        ``n - last_n <= p``, and ``p < n``)."""
+        return ((pos < self.first_n) | (pos >= n - self.last_n)) & (pos < n)
+
+    def page_overlaps_window(self, q, n):
+        """bool: page ``q`` of a sequence of length ``n`` holds a row of the retained window."""
+        return (q * self.page < self.first_n) | ((q + 1) * self.page > n - self.last_n)
+
+    def page_column(self, q):
+        """Twin-table column of page ``q``: ``q`` when ``q < F``, else ``F + q mod R`` (-1 without a ring)."""
+        xp = np if isinstance(q, (np.ndarray, np.generic, int)) else jnp     # host checks: no device dispatch
+        if self.num_ring == 0:
+            return xp.where(q < self.num_fixed, q, -1)
+        return xp.where(q < self.num_fixed, q, self.num_fixed + q % self.num_ring)
+
+    def high_column(self, pos):
+        """Twin-table column that holds position ``pos`` (`page_column` of its page)."""
+        return self.page_column(pos // self.page)
+
+    @staticmethod
+    def twin_page(table, seq, col):
+        """``(page id, held)`` at ``table[seq, col]`` (an i32[S, W] array or a Pallas ref): held when the column
+        exists (``0 <= col < W``) and the entry is not -1 (released / not allocated)."""
+        width = table.shape[1]
+        page = table[seq, jnp.clip(col, 0, width - 1)]
+        return page, (col >= 0) & (col < width) & (page >= 0)
+
+    def write_mask(self, seq, pos, num_seqs: int):
+        """bool[T], the write-dedupe mask: False for a ring row that a later token of the same sequence in the
+        same write (tokens ``(seq[t], pos[t])``) overwrites, so one write never stores a twin row twice."""
+        last = segment_max_position(seq, pos, num_seqs)
+        q, qmax = pos // self.page, last[jnp.clip(seq, 0, num_seqs - 1)] // self.page
+        return (q < self.num_fixed) | (q > qmax - self.num_ring)
+
+    def high_slots(self, high_table, seq, pos, write_mask=None):
+        """Flattened twin slot ``page_id * page + row`` for tokens ``(seq[t], pos[t])``; -1 when the twin does not
+        hold the row (padding, ``pos < 0``, no column, a -1 entry) or ``write_mask`` (bool per token) drops it."""
+        if not high_table.shape[1]:
+            return jnp.full(seq.shape, -1, jnp.int32)
+        page, held = self.twin_page(high_table, jnp.clip(seq, 0, high_table.shape[0] - 1), self.high_column(pos))
+        ok = (seq >= 0) & (pos >= 0) & held
+        if write_mask is not None:
+            ok = ok & write_mask
+        return jnp.where(ok, page * self.page + pos % self.page, -1)
 
 
 def high_column(pos, page_size: int, num_fixed: int, num_ring: int):
-    """Column of `high_table` that holds position ``pos`` (-1 if no high page can hold it)."""
-    q = pos // page_size
-    if num_ring == 0:
-        return jnp.where(q < num_fixed, q, -1)
-    return jnp.where(q < num_fixed, q, num_fixed + q % num_ring)
+    """`TwinGeometry.high_column` with the columns spelled out (host callers and tests)."""
+    return TwinGeometry(page_size, num_fixed=num_fixed, num_ring=num_ring).high_column(pos)
 
 
 def low_slots(page_table, seq, pos, page_size: int):
@@ -98,22 +166,6 @@ def low_slots(page_table, seq, pos, page_size: int):
     ok = (seq >= 0) & (pos >= 0) & (q < max_pages)
     page = page_table[jnp.clip(seq, 0, page_table.shape[0] - 1), jnp.clip(q, 0, max_pages - 1)]
     ok = ok & (page >= 0)
-    return jnp.where(ok, page * page_size + pos % page_size, -1)
-
-
-def high_slots(high_table, seq, pos, page_size: int, num_fixed: int, num_ring: int, write_mask=None):
-    """Flattened high slot for tokens ``(seq[t], pos[t])``; -1 when the twin does not hold the row.
-
-    ``write_mask`` (bool per token) additionally drops rows (e.g. ring rows overwritten later in the same
-    call)."""
-    width = high_table.shape[1]
-    col = high_column(pos, page_size, num_fixed, num_ring)
-    ok = (seq >= 0) & (pos >= 0) & (col >= 0) & (col < width)
-    page = high_table[jnp.clip(seq, 0, high_table.shape[0] - 1), jnp.clip(col, 0, max(width - 1, 0))] \
-        if width else jnp.full(seq.shape, -1, jnp.int32)
-    ok = ok & (page >= 0)
-    if write_mask is not None:
-        ok = ok & write_mask
     return jnp.where(ok, page * page_size + pos % page_size, -1)
 
 

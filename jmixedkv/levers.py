@@ -1,8 +1,10 @@
 """Accuracy levers that keep the NVFP4 byte format: a Hadamard rotation of K/V and per-channel K smoothing.
 
 Both are `KVCacheConfig` options (``rotation="hadamard"``, ``k_smoothing=True``) and change only *which* vectors
-are stored, never how they are stored: pools, page tables, kernels and exporters are untouched (an exporter
-must say that K/V are rotated / K-shifted; see docs/DESIGN.md, "accuracy levers").
+are stored, never how they are stored: pools, page tables, kernels and exporters are untouched; exporters given
+the config say so (`interop.dlpack.kv_transform`, docs/DESIGN.md §11). The third lever, "4 over 6" block scaling
+(``block_scale="4over6"``), changes how a block is scaled, not what is stored: it lives in the codec
+(`jmixedkv.nvfp4.quantize`).
 
 * **Hadamard rotation** (``rotation="hadamard"``): every stored K and V row (after RoPE) is multiplied by the
   orthonormal Sylvester-Hadamard matrix ``Hd = H_D / sqrt(D)`` (symmetric, ``Hd @ Hd = I``). Scores are unchanged
@@ -18,7 +20,11 @@ must say that K/V are rotated / K-shifted; see docs/DESIGN.md, "accuracy levers"
   and nothing is undone on read. The mean lives with the caller (the model's generation loop carries it per
   sequence): the cache stores only ``k - mean``. Speculative rollback is unaffected (the mean is frozen before any
   draft token), but prefix reuse is not: a forked / prefix-shared sequence must reuse the owner's mean, since the
-  shared pages hold keys shifted by it.
+  shared pages hold keys shifted by it. Deliberately *not* moved into the cache state / write path (yet): on SmolLM2
+  it lowers KL in 9 of 12 mixed-cache cases but its effect changes sign with the text and the other levers (with
+  the rotation alone it raises code KL by up to 1.44x; bench/RESULTS.md, 2026-11-30), and a cache-side mean needs
+  a rule for chunked prefill (which tokens define it) and per-sequence state that `fork` / prefix reuse must copy;
+  so it stays an experimental model-side option, off by default.
 
 Shapes: ``[..., D]`` with ``D`` a power of two (head_dim).
 """

@@ -1,4 +1,4 @@
-"""Host-side cache manager for engines: capacity checks up front, jitted + donated transitions, clear errors.
+"""The host-side cache manager: capacity checks up front, jitted + donated transitions, one error hierarchy.
 
 The pure transitions in `jmixedkv.state` never raise inside jit; they set an error bit and leave every sequence
 unchanged. `CacheManager` is the layer an engine talks to: it keeps an exact host mirror of the device (pages held
@@ -6,34 +6,34 @@ per sequence, lengths, written rows, free pages), refuses requests that the devi
 layers, positions (`ValueError`, the rule of `jmixedkv.checks`) and capacity (`CacheCapacityError`, naming the
 shortfall) -- *before* touching the device, runs the transitions jitted with the state donated (pools update in
 place), and re-reads the device after any transition it did not run itself (`replace_state`, `set_lengths`).
+It owns every transition an engine calls: `admit`, `append`, `release`, `fork`, and the speculative `accept`,
+`correct_kv_lens`, `trim` (validated by `jmixedkv.speculative`). `interop.TorchKVCache` converts torch <-> JAX and
+delegates here. Errors: `CacheError` (a `ValueError`) and its `CacheCapacityError` (`jmixedkv.checks`).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks, layout
+from . import checks, layout, speculative
 from . import state as st
+from .checks import CacheCapacityError, CacheError
 from .config import KVCacheConfig
 from .rope import RopeSpec
 
-__all__ = ["CacheManager", "CacheCapacityError"]
-
-
-class CacheCapacityError(ValueError):
-    """A request needs more pages (or slots, or positions) than the cache has."""
-
+__all__ = ["CacheManager", "CacheError", "CacheCapacityError"]
 
 _admit = jax.jit(st.admit, donate_argnums=0)
 _release = jax.jit(st.release, donate_argnums=0)
-_append = jax.jit(st.append, static_argnames=("group", "rope", "backend"), donate_argnums=0)
+_fork = jax.jit(st.fork, donate_argnums=0)
 
 
 class CacheManager:
-    """Owns one `CacheState` and mirrors its capacity on the host.
+    """Owns one `CacheState` and mirrors its capacity on the host (`wrap` adopts an existing state).
 
     Args: as `jmixedkv.init_state`. ``backend`` is used for every append (default ``"auto"``).
     """
@@ -42,16 +42,17 @@ class CacheManager:
                  max_pages_per_seq: Optional[int] = None, backend: str = "auto", **init_kwargs):
         state = st.init_state(config, groups, num_pages, max_seqs, max_pages_per_seq, **init_kwargs)
         # commit the fresh arrays to one device, so the first donated call does not compile a second time
-        self.state = state if init_kwargs.get("mesh") is not None else jax.device_put(state, jax.devices()[0])
-        self.config = config
-        self.backend = backend
-        self._pages_held = np.zeros(max_seqs, np.int64)      # low pages per slot
-        self._lens = np.zeros(max_seqs, np.int64)
-        self._written = np.zeros(max_seqs, np.int64)
-        self._active = np.zeros(max_seqs, bool)
-        self._free_low = int(self.state.alloc.num_free)
-        self._free_high = int(self.state.high_alloc.num_free)
-        self._read_shared()
+        state = state if init_kwargs.get("mesh") is not None else jax.device_put(state, jax.devices()[0])
+        self.config, self.backend = config, backend
+        self.replace_state(state)
+
+    @classmethod
+    def wrap(cls, state: st.CacheState, backend: str = "auto") -> "CacheManager":
+        """A manager over an existing state (`jmixedkv.init_state`'s); it owns the state from now on."""
+        self = cls.__new__(cls)
+        self.config, self.backend = state.config, backend
+        self.replace_state(state)
+        return self
 
     def _read_shared(self) -> None:
         """Mirror of which (slot, page) / (slot, twin column) entries are shared (refcount > 1): writes there are
@@ -89,8 +90,8 @@ class CacheManager:
         return slot_ok and need <= self._free_high
 
     def _host_tokens(self, seq_slots, positions, op):
-        seq = np.asarray(checks.index_array(seq_slots, "seq_slots", op, -1, self.max_seqs))
-        pos = np.asarray(checks.index_array(positions, "positions", op))
+        seq = checks.index_array(seq_slots, "seq_slots", op, -1, self.max_seqs, host=True)
+        pos = checks.index_array(positions, "positions", op, host=True)
         if seq.shape != pos.shape or seq.ndim != 1:
             raise ValueError(f"{op}: seq_slots and positions must be equal-length vectors, got {seq.shape}, "
                              f"{pos.shape}")
@@ -127,7 +128,7 @@ class CacheManager:
         if need > self._free_high:
             raise CacheCapacityError(f"admit: a sequence needs {need} high (first-N/last-N) pages, "
                                      f"only {self._free_high} are free")
-        self.state = _admit(self.state, jnp.int32(slot))
+        self.state = _admit(self.state, np.int32(slot))
         self._active[slot], self._lens[slot], self._written[slot], self._pages_held[slot] = True, 0, 0, 0
         self._shared[slot], self._hshared[slot] = False, False
         self._free_high -= need
@@ -137,7 +138,7 @@ class CacheManager:
         slot = checks.host_int(slot, "slot", "release")
         if not (0 <= slot < self.max_seqs and self._active[slot]):
             raise ValueError(f"release: slot {slot} is not admitted")
-        self.state = _release(self.state, jnp.int32(slot))
+        self.state = _release(self.state, np.int32(slot))
         self._active[slot] = False
         self._lens[slot] = 0
         self._written[slot] = 0
@@ -146,9 +147,10 @@ class CacheManager:
         self._free_high = int(self.state.high_alloc.num_free)
         self._read_shared()
 
-    def _check_append(self, seq_slots, positions):
+    def _check_append(self, seq_slots, positions, capacity: bool = True):
         """Host mirror of `jmixedkv.append`'s refusals (`jmixedkv.checks`): `ValueError` for bad slots / positions,
-        `CacheCapacityError` for capacity. Returns the new pages per slot."""
+        `CacheCapacityError` for capacity (the pool's free pages only when ``capacity``). Returns the new pages
+        per slot."""
         seq, pos = self._host_tokens(seq_slots, positions, "append")
         bad = sorted({int(s) for s in seq[seq >= 0] if not self._active[s]})
         if bad:
@@ -166,10 +168,6 @@ class CacheManager:
             if (np.diff(p) != 1).any():
                 raise ValueError(f"append: slot {s}: positions must be distinct and contiguous, got "
                                  f"{p[:16].tolist()}{'...' if p.size > 16 else ''}")
-            if not p[0] <= n <= p[-1] + 1:
-                raise ValueError(f"append: slot {s} has kv_len {n}; positions [{p[0]}, {p[-1]}] must start at or "
-                                 f"before it and reach it (extend from kv_len, or rewrite a suffix ending at "
-                                 f"kv_len - 1 or later)")
             cfg = self.config
             q = p // cfg.page_size
             col = np.asarray(layout.high_column(p, cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages))
@@ -178,16 +176,20 @@ class CacheManager:
                 raise ValueError(f"append: slot {s}: positions [{p[0]}, {p[-1]}] write into a page shared with "
                                  f"another sequence or the prefix index (fork / prefix reuse); shared pages are "
                                  f"never written (copy-on-write happens at fork / admit)")
+            if not p[0] <= n <= p[-1] + 1:
+                raise ValueError(f"append: slot {s} has kv_len {n}; positions [{p[0]}, {p[-1]}] must start at or "
+                                 f"before it and reach it (extend from kv_len, or rewrite a suffix ending at "
+                                 f"kv_len - 1 or later)")
         need = self.pages_needed(seq, pos)
         total = sum(need.values())
-        if total > self._free_low:
+        if capacity and total > self._free_low:
             detail = ", ".join(f"slot {s} needs {n}" for s, n in need.items() if n)
             raise CacheCapacityError(f"append needs {total} new low pages but only {self._free_low} are free "
                                      f"(short by {total - self._free_low}: {detail})")
         return need
 
-    def append(self, k, v, seq_slots, positions, layer=None, group: int = 0, rope: Optional[RopeSpec] = None):
-        """`jmixedkv.append` with capacity and positions checked first; see it for shapes."""
+    def append(self, layer, k, v, seq_slots, positions, group: int = 0, rope: Optional[RopeSpec] = None):
+        """`jmixedkv.append` (donated) with capacity and positions checked first; see it for shapes."""
         if not isinstance(group, int) or not 0 <= group < len(self.state.groups):
             raise ValueError(f"append: group={group!r} out of range [0, {len(self.state.groups)})")
         spec = self.state.groups[group]
@@ -196,9 +198,9 @@ class CacheManager:
                                     0, spec.num_layers)
         need = self._check_append(seq_slots, positions)
         seq, pos = self._host_tokens(seq_slots, positions, "append")
-        layer_arg = None if layer is None else jnp.int32(layer)
-        self.state = _append(self.state, k, v, jnp.asarray(seq), jnp.asarray(pos), layer_arg, group=group,
-                             rope=rope, backend=self.backend)
+        layer_arg = None if layer is None else np.int32(layer)
+        self.state = st.append(self.state, layer_arg, k, v, seq, pos, group=group,
+                               rope=rope, backend=self.backend, donate=True)
         for s, n in need.items():
             self._pages_held[s] += n
             self._free_low -= n
@@ -213,7 +215,7 @@ class CacheManager:
         did something else)."""
         dev = np.asarray(self.state.kv_lens, np.int64)
         if lens is not None:
-            want = np.asarray(checks.index_array(lens, "lens", "set_lengths"), np.int64)
+            want = checks.index_array(lens, "lens", "set_lengths", host=True).astype(np.int64)
             if want.shape != dev.shape or (want != dev).any():
                 diff = np.flatnonzero(want != dev) if want.shape == dev.shape else []
                 raise ValueError(f"set_lengths: host lengths differ from the device at slots {list(diff)[:8]} "
@@ -222,10 +224,54 @@ class CacheManager:
         self._written = np.asarray(self.state.written, np.int64).copy()
 
     def check(self) -> None:
-        """Raise if the device state recorded an error (syncs with the device)."""
+        """Raise `CacheError` if the device state recorded an error (syncs with the device)."""
         code = int(self.state.error)
         if code:
-            raise CacheCapacityError(f"cache state error {code}: {st.describe_error(code)}")
+            raise CacheError(f"cache state error {code}: {st.describe_error(code)}")
+
+    def _run(self, what: str, fn, *args) -> None:
+        """Run an all-or-nothing transition; if it sets new error bits (it then changed nothing else), keep the
+        old bits and raise `CacheCapacityError` (out of pages) or `CacheError` naming them."""
+        before = int(self.state.error)                       # read before a donated call
+        new = fn(self.state, *args)
+        added = int(new.error) & ~before
+        if added:
+            self.replace_state(dataclasses.replace(new, error=jnp.full_like(new.error, before)))
+            cls = CacheCapacityError if not added & ~(st.ERR_LOW_OOM | st.ERR_HIGH_OOM) else CacheError
+            raise cls(f"{what}: refused ({st.describe_error(added)}); nothing changed "
+                      f"({self.free_pages} low / {self.free_high_pages} high pages free)")
+        self.replace_state(new)
+
+    def fork(self, src: int, dst: Optional[int] = None) -> int:
+        """Copy sequence ``src`` into the free slot ``dst`` (default: the first free one), `jmixedkv.state.fork`:
+        full pages shared, the partial page and the twin copied. Returns ``dst``."""
+        src = checks.host_int(src, "src", "fork", 0, self.max_seqs)
+        if not self._active[src]:
+            raise ValueError(f"fork: source slot {src} is not admitted")
+        if dst is None:
+            free = self.free_slots()
+            if not free:
+                raise CacheCapacityError(f"fork: no free sequence slot (all {self.max_seqs} are admitted)")
+            dst = free[0]
+        dst = checks.host_int(dst, "dst", "fork", 0, self.max_seqs)
+        if dst == src or self._active[dst]:
+            raise ValueError(f"fork: destination slot {dst} is admitted already (or equals src {src})")
+        self._run(f"fork {src} -> {dst}", _fork, np.int32(src), np.int32(dst))
+        return dst
+
+    def correct_kv_lens(self, offsets) -> None:
+        """`jmixedkv.speculative.correct_kv_lens` (``offsets i32[max_seqs] <= 0``; its rule, its `ValueError`s)."""
+        self._run("correct_kv_lens", speculative.correct_kv_lens, offsets)
+
+    def accept(self, seq_slots, num_accepted, num_drafts, trim_pages: bool = False) -> None:
+        """`jmixedkv.speculative.accept` (validated there), then `trim` of those slots when ``trim_pages``."""
+        self._run("accept", speculative.accept, seq_slots, num_accepted, num_drafts)
+        if trim_pages:
+            self.trim(seq_slots)
+
+    def trim(self, seq_slots=None) -> None:
+        """`jmixedkv.speculative.trim`: release low pages wholly past each sequence's length."""
+        self._run("trim", speculative.trim, seq_slots)
 
     def replace_state(self, state: st.CacheState) -> None:
         """Install a state produced by a pure transition outside the manager; re-reads the host mirror."""

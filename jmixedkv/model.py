@@ -35,11 +35,12 @@ import jax.numpy as jnp
 from . import levers
 from .config import KVCacheConfig
 from .reference import attention_reference, stage_reference
+from .pools import pytree
 from .rope import RopeSpec, apply_rope
 from .state import GroupSpec, admit, append, init_state
 
 __all__ = ["ModelConfig", "Decoder", "init_params", "GenerationResult", "build_generate", "generate",
-           "cache_shape", "has_fused_attention", "exact_prefill", "score_decode", "sim_knobs", "calibrate",
+           "cache_shape", "exact_prefill", "score_decode", "sim_knobs", "calibrate",
            "token_metrics", "SimulatedDecodeSession"]
 
 ATTENTION_MODES = ("auto", "fused", "reference")
@@ -91,15 +92,6 @@ def cache_shape(cfg: ModelConfig) -> GroupSpec:
 
 
 # ---------------------------------------------------------------------------------------------- cache session
-def has_fused_attention() -> bool:
-    """True when `jmixedkv.attention.decode_attention` (the fused decode kernel's entry point) is importable."""
-    try:
-        from .attention import decode_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class CacheSession:
     """Trace-time helper threading a `CacheState` through one forward pass (not a pytree; lives in one trace).
 
@@ -120,12 +112,12 @@ class CacheSession:
             self.new_means.append(mean)
             k = levers.smooth_k(k, mean)
         seq = jnp.repeat(self.seq_slots, t)
-        self.state = append(self.state, k.reshape(b * t, h, d), v.reshape(b * t, h, d), seq,
-                            positions.reshape(-1), layer=layer)     # rotation (lever) is applied by append
+        self.state = append(self.state, layer, k.reshape(b * t, h, d), v.reshape(b * t, h, d), seq,
+                            positions.reshape(-1))     # rotation (lever) is applied by append
         dtype = cfg.attention_dtype
         # readers take queries in the attention dtype (as the fused kernel does); rotated like the stored K
         q = levers.rotate(q, cfg.rotation).astype(dtype)
-        if t == 1 and self.attention != "reference" and has_fused_attention():
+        if t == 1 and self.attention != "reference":
             from .attention import decode_attention
             backend = "pallas" if self.attention == "fused" else "auto"
             out, _ = decode_attention(self.state, layer, q, self.seq_slots, backend=backend)
@@ -232,7 +224,7 @@ def init_params(cfg: ModelConfig):
 
 
 # ---------------------------------------------------------------------------------------------- generation
-@dataclasses.dataclass(frozen=True)
+@pytree()
 class GenerationResult:
     """Outputs of one generation.
 
@@ -246,10 +238,6 @@ class GenerationResult:
     logits: jax.Array
     attn: jax.Array
     state: object
-
-
-jax.tree_util.register_dataclass(GenerationResult, data_fields=["tokens", "logits", "attn", "state"],
-                                 meta_fields=[])
 
 
 def with_scales(state, scales):
@@ -357,8 +345,6 @@ def build_generate(model_cfg: ModelConfig, cache_cfg: KVCacheConfig, num_new: in
     ``jax.jit``, e.g. ``chex.assert_max_traces(n=1)``."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
-    if attention == "fused" and not has_fused_attention():
-        raise ValueError("attention='fused' needs jmixedkv.attention.decode_attention, which is not importable")
     if num_new < 1:
         raise ValueError(f"num_new must be >= 1, got {num_new}")
     if wrap is None:
@@ -474,7 +460,7 @@ def _sim_kind(cache_cfg: KVCacheConfig):
     """(high storage dtype name, attention dtype name): the static part of a simulated cache."""
     high = cache_cfg.high_dtype
     high = "bfloat16" if high is None else jnp.dtype(high).name        # nvfp4: the twin is never selected
-    return high, jnp.dtype(cache_cfg.attention_dtype).name
+    return high, jnp.dtype(cache_cfg.attention_dtype).name, cache_cfg.block_scale
 
 
 def sim_knobs(cache_cfg: KVCacheConfig, model_cfg: ModelConfig) -> dict:
@@ -493,11 +479,11 @@ def sim_knobs(cache_cfg: KVCacheConfig, model_cfg: ModelConfig) -> dict:
             "smooth": jnp.float32(1.0 if cache_cfg.k_smoothing else 0.0)}
 
 
-def _views(rows, high_dtype, attn_dtype, gs, hs):
+def _views(rows, high_dtype, attn_dtype, gs, hs, block_scale="max6"):
     """(low view, high view) of rows ``f32[..., 2, H, D]`` as the cache serves them (attention dtype)."""
     from . import nvfp4
     from .pools import decode_rows, encode_rows
-    data, sc = nvfp4.quantize(rows, gs[:, None])
+    data, sc = nvfp4.quantize(rows, gs[:, None], block_scale)
     low = nvfp4.dequantize(data, sc, gs[:, None], attn_dtype)
     high = decode_rows(encode_rows(rows, high_dtype, hs), hs, attn_dtype)
     return low, high
@@ -521,8 +507,8 @@ class SimulatedDecodeSession:
     step (see the section comment). ``prefix`` from `exact_prefill`, ``knobs`` from `sim_knobs`, ``scales`` from
     `calibrate`. Records every layer's attention output ``f32[B, T, Hq, D]`` in ``outputs``."""
 
-    def __init__(self, prefix, knobs, scales, high_dtype, attn_dtype):
-        self.prefix, self.knobs, self.scales = prefix, knobs, scales
+    def __init__(self, prefix, knobs, scales, high_dtype, attn_dtype, block_scale="max6"):
+        self.prefix, self.knobs, self.scales, self.block_scale = prefix, knobs, scales, block_scale
         self.high_dtype, self.attn_dtype = jnp.dtype(high_dtype), jnp.dtype(attn_dtype)
         self.outputs = []
 
@@ -537,7 +523,7 @@ class SimulatedDecodeSession:
         rows = jnp.einsum("bshd,de->bshe", jnp.stack([keys, vals], axis=2).reshape(b, p + t, 2 * h, d), kn["rot"],
                           precision=hi).reshape(b, p + t, 2, h, d)
         low, high = _views(rows, self.high_dtype, self.attn_dtype, self.scales["gs"][layer],
-                           self.scales["high"][layer])
+                           self.scales["high"][layer], self.block_scale)
         qr = jnp.einsum("bthd,de->bthe", q.astype(jnp.float32), kn["rot"], precision=hi)
         qr = qr.astype(self.attn_dtype).astype(jnp.float32).reshape(b, t, h, -1, d)
         scale = d ** -0.5
@@ -561,12 +547,13 @@ class SimulatedDecodeSession:
 
 
 @functools.lru_cache(maxsize=16)
-def _score_fn(model_cfg: ModelConfig, high_dtype: str, attn_dtype: str):
+def _score_fn(model_cfg: ModelConfig, high_dtype: str, attn_dtype: str, block_scale: str):
     def fn(params, prefix, tokens, knobs):
         scales = calibrate(prefix, knobs)
         p = prefix["k"].shape[2]
         pos = jnp.broadcast_to(p + jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        make = lambda layer: SimulatedDecodeSession(prefix, knobs, scales, high_dtype, attn_dtype)  # noqa: E731
+        make = lambda layer: SimulatedDecodeSession(  # noqa: E731
+            prefix, knobs, scales, high_dtype, attn_dtype, block_scale)
         logits, attn = _scan_layers(params, model_cfg, tokens, pos, make, lambda s: s.outputs[0])
         return logits.astype(jnp.float32), attn, scales
     return jax.jit(fn)

@@ -41,7 +41,12 @@ import numpy as np
 from .numerics import BLOCK, E2M1_MAX, E4M3_MAX, SIXTH, keep
 
 __all__ = ["quantize", "dequantize", "global_scale_from_amax", "pack_nibbles", "unpack_nibbles",
-           "e2m1_codes", "e2m1_values", "e4m3_values", "BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_TABLE"]
+           "e2m1_codes", "e2m1_values", "e4m3_values", "block_sq_error", "BLOCK", "BLOCK_SCALES", "E4M3_MAX",
+           "E2M1_MAX", "E2M1_TABLE"]
+
+#: block scaling rules (`quantize`'s ``block_scale``): ``"max6"`` maps the block max to 6 (the pinned order);
+#: ``"4over6"`` also tries mapping it to 4 and keeps, per block, the candidate with the lower squared error
+BLOCK_SCALES = ("max6", "4over6")
 
 #: value of each 4-bit code (bit 3 = sign)
 E2M1_TABLE = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
@@ -95,35 +100,61 @@ def _check_last_dim(d: int) -> None:
         raise ValueError(f"NVFP4 needs the last dimension to be a multiple of {BLOCK}, got {d}")
 
 
-def _block_scale(amax_block, gs):
+def _block_codes(xf, amax, gs, inv_max):
+    """One candidate of the pinned order with the block max mapped to ``1 / inv_max``: (scale e4m3, its f32
+    value, codes u8[..., B, 16])."""
     enc = jnp.float32(1.0) / gs
-    t = amax_block * SIXTH
+    t = amax * inv_max
     s = enc * keep(t, t)
-    s = jnp.where(jnp.isnan(s), s, jnp.clip(s, 0.0, E4M3_MAX))
-    return s.astype(jnp.float8_e4m3fn)
+    s = jnp.where(jnp.isnan(s), s, jnp.clip(s, 0.0, E4M3_MAX)).astype(jnp.float8_e4m3fn)
+    sf = e4m3_values(s)
+    prod = sf * gs
+    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / keep(prod, prod))
+    return s, sf, e2m1_codes(xf * keep(r, r)[..., None])  # opaque r: XLA may not rewrite x * (1/d) as x / d
 
 
-def quantize(x, global_scale=1.0):
+def block_sq_error(xf, codes, sf, gs):
+    """Squared dequantization error of each block, in the pinned order of ``"4over6"`` (docs/DESIGN.md §2):
+    ``d = |x| - (|e2m1(code)| * f32(s)) * gs`` and ``d * d`` per element (each op rounded separately), summed as a
+    balanced tree over adjacent elements (``(e0 + e1) + (e2 + e3)``, ...). ``xf f32[..., B, 16]``, ``codes
+    u8[..., B, 16]``, ``sf f32[..., B]``, ``gs`` broadcastable to ``[..., B]`` -> ``f32[..., B]``."""
+    p = jnp.abs(e2m1_values(codes)) * sf[..., None]
+    xh = keep(p, p) * gs[..., None]
+    d = jnp.abs(xf) - keep(xh, xh)
+    e = d * d
+    e = keep(e, e)
+    while e.shape[-1] > 1:
+        e = e.reshape(*e.shape[:-1], e.shape[-1] // 2, 2)
+        e = e[..., 0] + e[..., 1]
+    return e[..., 0]
+
+
+def quantize(x, global_scale=1.0, block_scale: str = "max6"):
     """Quantize ``x[..., D]`` (any float dtype, D % 16 == 0) to NVFP4.
 
     Args:
       x: ``float[..., D]``.
       global_scale: float32 decode scale, broadcastable to ``x.shape[:-1]`` (a scalar, or one per row).
+      block_scale: ``"max6"`` (the pinned order) or ``"4over6"``: per block, also encode with the block max
+        mapped to 4 (``amax * 0.25`` in place of ``amax * f32(1/6)``) and keep that candidate when its
+        `block_sq_error` is strictly lower (ties, NaN blocks: max6). Same byte format and decoder.
 
     Returns:
       ``(packed u8[..., D/2], scales float8_e4m3fn[..., D/16])``.
     """
+    if block_scale not in BLOCK_SCALES:
+        raise ValueError(f"NVFP4 quantize: block_scale must be one of {BLOCK_SCALES}, got {block_scale!r}")
     x = jnp.asarray(x)
     _check_last_dim(x.shape[-1])
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     gs = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), x.shape[:-1])[..., None]
     amax = jnp.max(jnp.abs(xf), axis=-1)
     amax = jnp.where(jnp.any(jnp.isnan(xf), axis=-1), jnp.float32(jnp.nan), amax)
-    s = _block_scale(amax, gs)
-    sf = e4m3_values(s)
-    prod = sf * gs
-    r = jnp.where(sf == 0, jnp.float32(0.0), jnp.float32(1.0) / keep(prod, prod))
-    codes = e2m1_codes(xf * keep(r, r)[..., None])  # opaque r: XLA may not rewrite x * (1/d) as x / d
+    s, sf, codes = _block_codes(xf, amax, gs, SIXTH)
+    if block_scale == "4over6":
+        s4, sf4, codes4 = _block_codes(xf, amax, gs, jnp.float32(0.25))
+        use4 = block_sq_error(xf, codes4, sf4, gs) < block_sq_error(xf, codes, sf, gs)
+        s, codes = jnp.where(use4, s4, s), jnp.where(use4[..., None], codes4, codes)
     return pack_nibbles(codes.reshape(x.shape)), s
 
 

@@ -153,9 +153,8 @@ def host_to_payload(state, pages: Sequence[HostPage], bucket: int):
 
 
 class HostTier:
-    """Evicted pages in host memory, keyed by content key; LRU-bounded by ``capacity_pages`` (None = unbounded).
-
-    `put` returns the keys it dropped to stay within capacity (the index forgets them)."""
+    """Evicted pages in host memory, keyed by content key. ``capacity_pages`` (None = unbounded) is enforced by
+    the owner (`PrefixCache` drops the least valuable host leaves and forgets their index entries)."""
 
     def __init__(self, capacity_pages: Optional[int] = None):
         if capacity_pages is not None and capacity_pages < 0:

@@ -18,15 +18,21 @@ import jax.numpy as jnp
 
 from . import numerics, nvfp4
 
-__all__ = ["LowPool", "RowPool", "GroupPools", "encode_rows", "decode_rows", "write_rows_reference",
+__all__ = ["pytree", "LowPool", "RowPool", "GroupPools", "encode_rows", "decode_rows", "write_rows_reference",
            "read_low_rows", "read_row_pool"]
 
 
-def _register(cls, data, meta=()):
-    return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+def pytree(*meta: str):
+    """Class decorator: a frozen dataclass registered as a JAX pytree; the fields named in ``meta`` are static
+    (hashable metadata), every other field is a child."""
+    def register(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        data = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
+        return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
+    return register
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree()
 class LowPool:
     """NVFP4 pool. ``data u8[L,P,kv,H,page,D/2]``, ``scales e4m3[L,P,kv,H,page,D/16]``, ``gs f32[L,kv]``."""
 
@@ -35,7 +41,7 @@ class LowPool:
     gs: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree()
 class RowPool:
     """Row pool. ``rows dtype[L,P,kv,H,page,D]``, ``scale f32[L,kv]`` (1.0 unless fp8)."""
 
@@ -43,16 +49,11 @@ class RowPool:
     scale: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree()
 class GroupPools:
     low: Optional[LowPool] = None
     high: Optional[RowPool] = None
     plain: Optional[RowPool] = None
-
-
-_register(LowPool, ("data", "scales", "gs"))
-_register(RowPool, ("rows", "scale"))
-_register(GroupPools, ("low", "high", "plain"))
 
 
 def encode_rows(x, dtype, scale):
@@ -74,18 +75,20 @@ def _scatter(pool_l, slots, values, page_size):
     return pool_l.at[page, :, :, row, :].set(values.astype(pool_l.dtype), mode="drop")
 
 
-def write_rows_reference(pools: GroupPools, x, layer, low_slot, high_slot, page_size: int) -> GroupPools:
+def write_rows_reference(pools: GroupPools, x, layer, low_slot, high_slot, page_size: int,
+                         block_scale: str = "max6") -> GroupPools:
     """Store new rows of one layer (``layer`` int, may be traced) or all layers (``layer=None``).
 
     Args:
       x: ``[T, kv, H, D]`` for one layer, ``[L, T, kv, H, D]`` for all (already RoPE'd, any float dtype).
       low_slot: i32[T] slots into the low pool (mixed / low groups) or the plain pool (plain groups); -1 skip.
       high_slot: i32[T] slots into the high twin; -1 skip (ignored for groups without a twin).
+      block_scale: NVFP4 block scaling of the low rows (`KVCacheConfig.block_scale`).
     """
     def one_layer(pools, l, xl):
         low, high, plain = pools.low, pools.high, pools.plain
         if low is not None:
-            data, scales = nvfp4.quantize(xl, low.gs[l][None, :, None])
+            data, scales = nvfp4.quantize(xl, low.gs[l][None, :, None], block_scale)
             low = dataclasses.replace(
                 low,
                 data=low.data.at[l].set(_scatter(low.data[l], low_slot, data, page_size)),

@@ -1,4 +1,4 @@
-"""Prefix reuse: content keys, the host-side prefix index, admit-with-prefix, fork and the `PrefixCache` API.
+"""Prefix reuse: content keys, the host-side prefix index, admit-with-prefix and the `PrefixCache` API.
 
 Content keys (as vLLM / TensorRT-LLM): full pages only, a hash chain
 ``key_j = sha256(key_{j-1} || int64 tokens of page j || salt)`` with ``key_{-1} = sha256(salt)``, so a key
@@ -23,8 +23,9 @@ What is shared and what is not:
 Pages a sequence may still write (its partial last page, its ring) are therefore always exclusively owned.
 Committed pages must be final (accepted tokens only): commit after speculative verification.
 
-Transitions (`admit_with_prefix`, `fork`, `copy_pages`) are pure ``state -> state`` functions; `PrefixCache`
-wraps a `CacheState` with jitted transitions and the host-side index, host tier and statistics.
+Transitions (`admit_with_prefix`, `copy_pages`; `fork` is `jmixedkv.state`'s) are pure ``state -> state``
+functions. `PrefixCache` composes a `jmixedkv.CacheManager` (which runs append / fork / release and keeps the
+host mirror) and keeps only the index, the host tier, eviction and statistics.
 """
 from __future__ import annotations
 
@@ -38,15 +39,11 @@ import numpy as np
 
 from . import checks, offload
 from .allocator import allocate_mask, release_pages, retain_pages
-from .compat import on_gpu
-from .state import (ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, ERR_SHARED_PAGE, CacheState, append, describe_error,
-                    release)
+from .checks import CacheCapacityError, CacheError
+from .manager import CacheManager
+from .state import ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, CacheState, _tables, describe_error
 
-__all__ = ["page_keys", "admit_with_prefix", "fork", "copy_pages", "Entry", "PrefixCache", "CapacityError"]
-
-
-class CapacityError(RuntimeError):
-    """Not enough free pages even after evicting every evictable index page."""
+__all__ = ["page_keys", "admit_with_prefix", "copy_pages", "Entry", "PrefixCache"]
 
 
 # ----------------------------------------------------------------------------------------------- content keys
@@ -92,12 +89,6 @@ def copy_pages(state: CacheState, src_low, dst_low, src_high, dst_high) -> Cache
     payload = offload.gather_pages(state, src_low, src_high)
     out = offload.scatter_pages(state, jnp.where(ok, dst_low, -1), jnp.where(ok, dst_high, -1), payload)
     return dataclasses.replace(out, error=state.error | err)
-
-
-def _tables(state, ok, **new):
-    """Apply table / allocator updates only where ``ok`` (pools are never selected: no copies)."""
-    return dataclasses.replace(state, **{k: jax.tree.map(lambda a, b: jnp.where(ok, a, b), v, getattr(state, k))
-                                         for k, v in new.items()})
 
 
 def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, length) -> CacheState:
@@ -155,55 +146,6 @@ def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, 
     return dataclasses.replace(out, error=state.error | err)
 
 
-def fork(state: CacheState, src, dst) -> CacheState:
-    """Fork sequence ``src`` into the empty slot ``dst`` (beam search / parallel sampling).
-
-    Shares the full low pages and the full fixed high pages by reference; copies the partial last low page, the
-    partially filled / empty fixed high pages and every ring page into fresh pages. ``dst`` gets ``src``'s
-    length and reads exactly what ``src`` reads. -1 for either slot is a no-op. Errors: ``ERR_BAD_SLOT`` (a slot
-    out of range, src not active, dst active or equal), ``ERR_LOW_OOM`` / ``ERR_HIGH_OOM``; on error nothing
-    changes but ``state.error``. Host slots outside [-1, max_seqs) raise `ValueError`."""
-    cfg, page = state.config, state.page_size
-    nf, width = cfg.num_fixed_pages, state.high_table.shape[1]
-    src, src_in, src_none = checks.slot_in_range(checks.check_slot_arg(src, state.max_seqs, "src", "fork"),
-                                                 state.max_seqs)
-    dst, dst_in, dst_none = checks.slot_in_range(checks.check_slot_arg(dst, state.max_seqs, "dst", "fork"),
-                                                 state.max_seqs)
-    none = src_none | dst_none
-    ok_slots = src_in & dst_in & state.active[src] & ~state.active[dst] & (src != dst) & ~none
-    n = state.kv_lens[src]
-    full = n // page
-    row = state.page_table[src]
-    cols = jnp.arange(state.max_pages_per_seq, dtype=jnp.int32)
-    share_low = (cols < full) & (row >= 0)
-    cow_src = jnp.where(full < state.max_pages_per_seq, row[jnp.minimum(full, state.max_pages_per_seq - 1)], -1)
-    alloc, cow_dst, ok_low = allocate_mask(state.alloc, (cow_src >= 0)[None] & ok_slots)
-    hrow = state.high_table[src]
-    hcols = jnp.arange(width, dtype=jnp.int32)
-    share_high = (hcols < nf) & ((hcols + 1) * page <= n) & (hrow >= 0)
-    copy_high = ~share_high & (hrow >= 0)
-    high_alloc, new_high, ok_high = allocate_mask(state.high_alloc, copy_high & ok_slots)
-    ok = ok_slots & ok_low & ok_high
-    alloc = retain_pages(alloc, jnp.where(share_low & ok, row, -1))
-    high_alloc = retain_pages(high_alloc, jnp.where(share_high & ok, hrow, -1))
-    dst_row = jnp.where(share_low, row, -1)
-    dst_row = jnp.where((cols == full) & (cow_src >= 0), cow_dst[0], dst_row)
-    dst_hrow = jnp.where(share_high, hrow, jnp.where(copy_high, new_high, -1))
-    err = jnp.where(none, 0, jnp.where(ok_slots, jnp.where(ok_low, 0, ERR_LOW_OOM)
-                                       | jnp.where(ok_high, 0, ERR_HIGH_OOM), ERR_BAD_SLOT))
-    out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
-                  page_table=state.page_table.at[dst].set(dst_row),
-                  high_table=state.high_table.at[dst].set(dst_hrow),
-                  kv_lens=state.kv_lens.at[dst].set(n), written=state.written.at[dst].set(state.written[src]),
-                  active=state.active.at[dst].set(True))
-    # the fresh destination pages are held once (allocated above): copy_pages' checks pass whenever ok
-    src_l, dst_l = jnp.where(ok, cow_src, -1)[None], jnp.where(ok, cow_dst, -1)
-    src_h, dst_h = jnp.where(copy_high & ok, hrow, -1), jnp.where(copy_high & ok, new_high, -1)
-    payload = offload.gather_pages(out, src_l, src_h)
-    out = offload.scatter_pages(out, dst_l, dst_h, payload)
-    return dataclasses.replace(out, error=state.error | err)
-
-
 def _alloc_pages(state: CacheState, need_low, need_high):
     """Allocate pages for True entries of bool[K] masks (refcount 1: the index's reference)."""
     alloc, low_ids, ok_low = allocate_mask(state.alloc, need_low)
@@ -229,22 +171,13 @@ def _restore(state: CacheState, low_ids, high_ids, payload):
     return offload.scatter_pages(state, low_ids, high_ids, payload)
 
 
-_JITS: Dict[bool, dict] = {}
-
-
-def _jits() -> dict:
-    """Jitted transitions, built once per process (donating the state on GPU) so that every `PrefixCache`
-    shares their compilation caches."""
-    gpu = on_gpu()
-    if gpu not in _JITS:
-        donate = dict(donate_argnums=0) if gpu else {}
-        _JITS[gpu] = dict(
-            admit=jax.jit(admit_with_prefix, **donate), fork=jax.jit(fork, **donate),
-            release=jax.jit(release, **donate), alloc=jax.jit(_alloc_pages, **donate),
-            retain=jax.jit(_retain_ids, **donate), release_ids=jax.jit(_release_ids, **donate),
-            restore=jax.jit(_restore, **donate), gather=jax.jit(offload.gather_pages),
-            append=jax.jit(append, static_argnames=("layer", "group", "rope", "backend"), **donate))
-    return _JITS[gpu]
+# the index's own transitions, donated as `CacheManager`'s (append / fork / release run there)
+_admit = jax.jit(admit_with_prefix, donate_argnums=0)
+_alloc = jax.jit(_alloc_pages, donate_argnums=0)
+_retain = jax.jit(_retain_ids, donate_argnums=0)
+_release_ids_jit = jax.jit(_release_ids, donate_argnums=0)
+_restore_jit = jax.jit(_restore, donate_argnums=0)
+_gather = jax.jit(offload.gather_pages)
 
 
 # ----------------------------------------------------------------------------------------------- host index
@@ -265,7 +198,8 @@ class Entry:
 
 
 class PrefixCache:
-    """Host-side engine API over a `CacheState`: prefix matching, commits, fork, release, offload and eviction.
+    """Prefix matching, commits, offload and eviction over a `CacheManager` (``.manager``), which runs append /
+    fork / release and raises `CacheError` / `CacheCapacityError`.
 
     Args:
       state: an initialised `CacheState` (`init_state`); `PrefixCache` owns it from now on (``.state``).
@@ -277,10 +211,9 @@ class PrefixCache:
     """
 
     def __init__(self, state: CacheState, salt=None, host_capacity_pages: Optional[int] = None,
-                 backend: str = "reference"):
-        self.state = state
+                 backend: str = "auto"):
+        self.manager = CacheManager.wrap(state, backend)
         self.salt = salt
-        self.backend = backend
         self.host = offload.HostTier(host_capacity_pages)
         self.index: Dict[bytes, Entry] = {}
         self.children: Dict[bytes, set] = {}
@@ -288,12 +221,16 @@ class PrefixCache:
         self._pending: Dict[int, int] = {}    # slot -> length its first append after a reuse admit must reach
         self._stats = dict(query_tokens=0, hit_tokens=0, pages_saved=0, evicted_pages=0, restored_pages=0,
                            dropped_pages=0, committed_pages=0)
-        jits = _jits()
-        self._admit, self._fork, self._release = jits["admit"], jits["fork"], jits["release"]
-        self._alloc, self._retain, self._release_ids = jits["alloc"], jits["retain"], jits["release_ids"]
-        self._restore, self._gather, self._append = jits["restore"], jits["gather"], jits["append"]
 
     # ------------------------------------------------------------------ small helpers
+    @property
+    def state(self) -> CacheState:
+        return self.manager.state
+
+    @state.setter
+    def state(self, new: CacheState) -> None:       # the index's own transitions: the manager re-reads its mirror
+        self.manager.replace_state(new)
+
     @property
     def config(self):
         return self.state.config
@@ -310,7 +247,7 @@ class PrefixCache:
         err = int(self.state.error)
         if err:
             self.state = dataclasses.replace(self.state, error=jnp.int32(0))
-            raise RuntimeError(f"PrefixCache.{what}: device transition failed: {describe_error(err)}")
+            raise CacheError(f"PrefixCache.{what}: device transition failed: {describe_error(err)}")
 
     def _slot(self, slot: int, active: Optional[bool], what: str) -> int:
         if not 0 <= int(slot) < self.state.max_seqs:
@@ -379,9 +316,9 @@ class PrefixCache:
         k = offload.page_bucket(len(victims))
         low_ids = self._ids([e.low for e in victims], k)
         high_ids = self._ids([e.high for e in victims], k)
-        pages = offload.payload_to_host(self._gather(self.state, low_ids, high_ids), len(victims),
+        pages = offload.payload_to_host(_gather(self.state, low_ids, high_ids), len(victims),
                                         [e.high >= 0 for e in victims])
-        self.state = self._release_ids(self.state, low_ids, high_ids)
+        self.state = _release_ids_jit(self.state, low_ids, high_ids)
         for e, page in zip(victims, pages):
             self.host.put(e.key, page)
             e.low, e.high, e.on_host = -1, -1, True
@@ -405,14 +342,14 @@ class PrefixCache:
             self.children[e.parent].discard(e.key)
 
     def ensure_free(self, num_low: int, num_high: int = 0, protect=()) -> None:
-        """Evict until ``num_low`` low and ``num_high`` high pages are free, or raise `CapacityError`."""
+        """Evict until ``num_low`` low and ``num_high`` high pages are free, or raise `CacheCapacityError`."""
         while True:
             free_low, free_high = self.free_pages()
             deficit = max(num_low - free_low, num_high - free_high)
             if deficit <= 0:
                 return
             if self.evict(deficit, protect) == 0:
-                raise CapacityError(f"need {num_low} low / {num_high} high free pages, have {free_low} / "
+                raise CacheCapacityError(f"need {num_low} low / {num_high} high free pages, have {free_low} / "
                                     f"{free_high} and nothing left to evict")
 
     def _restore_entries(self, entries: List[Entry]) -> None:
@@ -423,10 +360,10 @@ class PrefixCache:
         need_low = np.arange(k) < len(entries)
         need_high = np.zeros((k,), bool)
         need_high[:len(entries)] = [e.j < self.config.num_fixed_pages for e in entries]
-        self.state, low_ids, high_ids = self._alloc(self.state, jnp.asarray(need_low), jnp.asarray(need_high))
+        self.state, low_ids, high_ids = _alloc(self.state, jnp.asarray(need_low), jnp.asarray(need_high))
         self._check("restore")
         pages = [self.host.get(e.key) for e in entries]
-        self.state = self._restore(self.state, low_ids, high_ids, offload.host_to_payload(self.state, pages, k))
+        self.state = _restore_jit(self.state, low_ids, high_ids, offload.host_to_payload(self.state, pages, k))
         low_ids, high_ids = np.asarray(low_ids), np.asarray(high_ids)
         for i, e in enumerate(entries):
             self.host.pop(e.key)
@@ -467,7 +404,7 @@ class PrefixCache:
                 fixed[e.j] = e.high
             e.last_used = self._touch()
         m = len(entries) * self.page
-        self.state = self._admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m))
+        self.state = _admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m))
         self._check("admit")
         if m:
             self._pending[slot] = min(len(tokens), m + self.config.last_n)
@@ -477,39 +414,20 @@ class PrefixCache:
             self._stats["pages_saved"] += len(entries)
         return m
 
-    def append(self, k, v, seq_slots, positions, layer=None, group: int = 0, rope=None) -> None:
-        """`jmixedkv.append` with eviction when the low pool runs short; refuses writes into shared pages."""
-        seq = np.asarray(seq_slots, np.int32).reshape(-1)
-        pos = np.asarray(positions, np.int32).reshape(-1)
-        if seq.shape != pos.shape:
-            raise ValueError(f"PrefixCache.append: seq_slots {seq.shape} and positions {pos.shape} differ")
-        valid = (seq >= 0) & (pos >= 0)
-        table = np.asarray(self.state.page_table)
-        refcount = np.asarray(self.state.alloc.refcount)
-        q = pos // self.page
-        if np.any(valid & (q >= self.state.max_pages_per_seq)):
-            raise ValueError(f"PrefixCache.append: position past max_pages_per_seq * page_size "
-                             f"({self.state.max_pages_per_seq * self.page})")
-        flat = np.unique(seq[valid].astype(np.int64) * table.shape[1] + q[valid])
-        held = table.reshape(-1)[flat]
-        shared = held >= 0
-        shared[shared] = refcount[held[shared]] != 1
-        if np.any(shared):
-            bad = [divmod(int(x), table.shape[1]) for x in flat[shared][:4]]
-            raise ValueError(f"PrefixCache.append: (slot, page) {bad} are shared (refcount > 1); writes "
-                             f"into shared pages are not allowed (append at positions >= the matched length)")
-        for slot, need in list(self._pending.items()):
-            mine = valid & (seq == slot)
-            if np.any(mine):
-                if int(pos[mine].max()) + 1 < need:
-                    raise ValueError(f"PrefixCache.append: slot {slot} reused a prefix; its first append must reach "
-                                     f"length {need} (the Last-N window is recomputed, not shared), got "
-                                     f"{int(pos[mine].max()) + 1}")
-        self.ensure_free(int(np.sum(held < 0)))
-        self.state = self._append(self.state, k, v, jnp.asarray(seq), jnp.asarray(pos), layer=layer, group=group,
-                                  rope=rope, backend=self.backend)
-        self._check("append")
-        for slot in [s_ for s_ in self._pending if np.any(valid & (seq == s_))]:
+    def append(self, layer, k, v, seq_slots, positions, group: int = 0, rope=None) -> None:
+        """`CacheManager.append` (which refuses writes into shared pages), after the reuse rule below and, when
+        the low pool runs short, eviction of index pages."""
+        seq, pos = self.manager._host_tokens(seq_slots, positions, "PrefixCache.append")
+        for slot, need in self._pending.items():
+            mine = (seq == slot) & (pos >= 0)
+            if mine.any() and int(pos[mine].max()) + 1 < need:
+                raise ValueError(f"PrefixCache.append: slot {slot} reused a prefix; its first append must reach "
+                                 f"length {need} (the Last-N window is recomputed, not shared), got "
+                                 f"{int(pos[mine].max()) + 1}")
+        self.manager._check_append(seq, pos, capacity=False)   # refusals (shared page, position) before eviction
+        self.ensure_free(sum(self.manager.pages_needed(seq, pos).values()))
+        self.manager.append(layer, k, v, seq, pos, group=group, rope=rope)
+        for slot in [s_ for s_ in self._pending if (seq == s_).any()]:
             del self._pending[slot]
 
     def commit(self, slot: int, tokens, priority: int = offload.DEFAULT_PRIORITY) -> int:
@@ -546,7 +464,7 @@ class PrefixCache:
             parent = key
         if new_low:
             k = offload.page_bucket(len(new_low))
-            self.state = self._retain(self.state, self._ids(new_low, k), self._ids(new_high, k))
+            self.state = _retain(self.state, self._ids(new_low, k), self._ids(new_high, k))
         self._stats["committed_pages"] += len(new_low)
         return len(new_low)
 
@@ -559,14 +477,13 @@ class PrefixCache:
         need_low = int(n % page != 0)
         need_high = width - min(n // page, nf)
         self.ensure_free(need_low, need_high)
-        self.state = self._fork(self.state, jnp.int32(src), jnp.int32(dst))
-        self._check("fork")
+        self.manager.fork(src, dst)
 
     def release(self, slot: int) -> None:
         """Release ``slot``: its references go; committed pages stay held by the index."""
         slot = self._slot(slot, True, "release")
         self._pending.pop(slot, None)
-        self.state = self._release(self.state, jnp.int32(slot))
+        self.manager.release(slot)
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict:

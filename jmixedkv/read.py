@@ -40,18 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks, layout
-from .backend import interpret, resolve
-from .pools import read_row_pool
+from . import checks
+from .backend import dispatch
+from .numerics import E4M3_MAX, e4m3_saturate
+from .pools import pytree, read_row_pool
 from .reference import attention_reference, rows_reference, stage_reference
 
 __all__ = ["StagedCache", "stage", "gather_rows", "overlay_retained_rows", "fp8_scratch_scale", "encode_fp8_scratch",
-           "staged_page_table", "paged_attention_reference", "validate_read", "retained_keep_mask"]
+           "staged_page_table", "paged_attention_reference", "validate_read"]
 
-E4M3_MAX = 448.0
-
-
-@dataclasses.dataclass(frozen=True)
+@pytree()
 class StagedCache:
     """A plain paged cache in the attention dtype (see the module docstring for the layout)."""
 
@@ -76,25 +74,22 @@ class StagedCache:
         ok = (self.page_table[:, pos // page] >= 0) & (pos[None, :] < self.kv_lens[:, None])
         return jnp.where(ok[:, None, None, :, None], got, jnp.zeros((), got.dtype))
 
-    def flashinfer_csr(self):
-        """``(kv_indptr i32[B+1], kv_indices i32[total], kv_last_page_len i32[B])`` for FlashInfer (host arrays)."""
+    def flashinfer_csr(self, *, as_numpy: bool = False):
+        """``(kv_indptr i32[B+1], kv_indices i32[total], kv_last_page_len i32[B])`` over the staged pages for
+        FlashInfer: int32 JAX arrays on the pages' device (``as_numpy=True``: host NumPy arrays). Not jittable (the
+        index count depends on ``kv_lens``)."""
         lens = np.asarray(self.kv_lens)
         npages = -(-lens // self.page_size)
         indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
         last = np.where(npages > 0, lens - (npages - 1) * self.page_size, 0).astype(np.int32)
-        return indptr, np.arange(indptr[-1], dtype=np.int32), last
-
-
-jax.tree_util.register_dataclass(StagedCache, data_fields=["pages", "page_table", "kv_lens"], meta_fields=[])
+        csr = (indptr, np.arange(indptr[-1], dtype=np.int32), last)
+        if as_numpy:
+            return csr
+        device = next(iter(self.pages.devices()))
+        return tuple(jax.device_put(x, device) for x in csr)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _geometry(state, group: int):
-    from pallas_kernels.stage import ReadGeometry  # kernels package only imported on the Pallas path
-    cfg = state.config
-    return ReadGeometry(cfg.page_size, cfg.first_n, cfg.last_n, cfg.num_fixed_pages, cfg.num_ring_pages)
-
-
 def _lens_for(state, seq, kv_lens):
     lens = state.kv_lens if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
     return lens, jnp.where(seq >= 0, lens[jnp.maximum(seq, 0)], 0)
@@ -196,6 +191,9 @@ def _maybe_validate(validate, state, layer, seq, indices, group, kv_lens, op):
 
 # ----------------------------------------------------------------------------------------------- stage
 def _stage_reference_pages(state, layer, seq, group, lens, table, num_staged):
+    if layer is None:
+        return jnp.stack([_stage_reference_pages(state, i, seq, group, lens, table, num_staged)
+                          for i in range(state.groups[group].num_layers)])
     dense = stage_reference(state, layer, seq, group, lens)                  # [B, kv, H, W*page, D]
     b, kv, h, s_max, d = dense.shape
     page, w = state.page_size, table.shape[1]
@@ -230,7 +228,8 @@ def stage(state, layer, seq_slots, *, group: int = 0, backend: str = "auto", kv_
     num_staged = seq.shape[0] * width if num_staged_pages is None else num_staged_pages
     table = staged_page_table(batch_lens, width, state.page_size)
     table = jnp.where(table < num_staged, table, -1)
-    out = _stage_dispatch(state, layer, seq, group, backend, lens, table, num_staged)
+    out = dispatch("reference" if state.kinds[group] == "plain" else backend,   # plain rows: already a row dtype
+                   _stage_reference_pages, _stage_pallas)(state, layer, seq, group, lens, table, num_staged)
     poison = jnp.where(bad, table[:, 0], num_staged)
     poison = jnp.where(poison >= 0, poison, num_staged)
     if layer is None:
@@ -240,23 +239,16 @@ def stage(state, layer, seq_slots, *, group: int = 0, backend: str = "auto", kv_
     return StagedCache(out, table, batch_lens)
 
 
-def _stage_dispatch(state, layer, seq, group, backend, lens, table, num_staged):
-    kind, pools, spec = state.kinds[group], state.pools[group], state.groups[group]
-    if resolve(backend) == "reference" or kind == "plain":   # plain groups: rows are already in a row dtype
-        if layer is None:
-            pages = jnp.stack([_stage_reference_pages(state, l, seq, group, lens, table, num_staged)
-                               for l in range(spec.num_layers)])
-        else:
-            pages = _stage_reference_pages(state, layer, seq, group, lens, table, num_staged)
-        return pages
+def _stage_pallas(state, layer, seq, group, lens, table, num_staged, *, interpret):
     from pallas_kernels.stage import stage_pages
+    kind, pools, spec = state.kinds[group], state.pools[group], state.groups[group]
     layers = (jnp.arange(spec.num_layers, dtype=jnp.int32) if layer is None
               else jnp.asarray(layer, jnp.int32).reshape(1))
     high = pools.high if kind == "mixed" else None
     pages = stage_pages(layers, seq, lens, state.page_table, state.high_table, table, pools.low.data,
                         pools.low.scales, pools.low.gs, None if high is None else high.rows,
-                        None if high is None else high.scale, geom=_geometry(state, group),
-                        num_staged_pages=num_staged, out_dtype=state.config.attention_dtype, interpret=interpret())
+                        None if high is None else high.scale, geom=state.config.twin,
+                        num_staged_pages=num_staged, out_dtype=state.config.attention_dtype, interpret=interpret)
     return pages if layer is None else pages[0]
 
 
@@ -296,9 +288,7 @@ def fp8_scratch_scale(state, layer, seq_slots, indices, *, group: int = 0, kv_le
 
 def encode_fp8_scratch(rows, scale):
     """``e4m3(clip(f32(rows) / scale[b], ±448))`` for rows ``[B, K, ...]`` (NaN kept)."""
-    y = rows.astype(jnp.float32) / scale.reshape((-1,) + (1,) * (rows.ndim - 1))
-    y = jnp.where(jnp.isnan(y), y, jnp.clip(y, -E4M3_MAX, E4M3_MAX))
-    return y.astype(jnp.float8_e4m3fn)
+    return e4m3_saturate(rows.astype(jnp.float32) / scale.reshape((-1,) + (1,) * (rows.ndim - 1)))
 
 
 def _check_scratch_dtype(scratch_dtype):
@@ -343,44 +333,31 @@ def _flag_selection(state, layer, seq, indices, lens, group):
 def _gather_dispatch(state, layer, seq, indices, lens, group, fp8, backend, overlay):
     scale = (fp8_scratch_scale(state, layer, seq, indices, group=group, kv_lens=lens) if fp8
              else jnp.ones(seq.shape, jnp.float32))
-    kind, pools = state.kinds[group], state.pools[group]
-    if resolve(backend) == "reference" or kind == "plain":
-        rows = _rows_no_overlay(state, layer, seq, indices, group, lens) if not overlay else \
-            rows_reference(state, layer, seq[:, None], indices, group, lens)
-        return (encode_fp8_scratch(rows, scale) if fp8 else rows), scale
-    from pallas_kernels.gather import gather_rows as kernel
-    high = pools.high if (kind == "mixed" and overlay) else None
-    out = kernel(jnp.asarray(layer, jnp.int32).reshape(1), seq, lens, state.page_table, state.high_table, indices,
-                 scale, pools.low.data, pools.low.scales, pools.low.gs, None if high is None else high.rows,
-                 None if high is None else high.scale, geom=_geometry(state, group),
-                 att_dtype=state.config.attention_dtype, fp8=fp8, interpret=interpret())
+    out = dispatch("reference" if state.kinds[group] == "plain" else backend, _gather_reference, _gather_pallas)(
+        state, layer, seq, indices, lens, group, scale, fp8, overlay)
     return out, scale
 
 
-def _rows_no_overlay(state, layer, seq, indices, group, lens):
-    """rows_reference without the twin (NVFP4 / plain rows only)."""
-    import dataclasses as dc
+def _gather_reference(state, layer, seq, indices, lens, group, scale, fp8, overlay):
+    if not overlay:                                          # NVFP4 / plain rows only: the state without its twin
+        pools = state.pools[group]
+        state = dataclasses.replace(state, pools=state.pools[:group] + (dataclasses.replace(pools, high=None),)
+                                    + state.pools[group + 1:])
+    rows = rows_reference(state, layer, seq[:, None], indices, group, lens)
+    return encode_fp8_scratch(rows, scale) if fp8 else rows
+
+
+def _gather_pallas(state, layer, seq, indices, lens, group, scale, fp8, overlay, *, interpret):
+    from pallas_kernels.gather import gather_rows as kernel
     pools = state.pools[group]
-    bare = dc.replace(state, pools=state.pools[:group] + (dc.replace(pools, high=None),) + state.pools[group + 1:])
-    return rows_reference(bare, layer, seq[:, None], indices, group, lens)
+    high = pools.high if (state.kinds[group] == "mixed" and overlay) else None
+    return kernel(jnp.asarray(layer, jnp.int32).reshape(1), seq, lens, state.page_table, state.high_table, indices,
+                  scale, pools.low.data, pools.low.scales, pools.low.gs, None if high is None else high.rows,
+                  None if high is None else high.scale, geom=state.config.twin,
+                  att_dtype=state.config.attention_dtype, fp8=fp8, interpret=interpret)
 
 
-def retained_keep_mask(state, seq, indices, lens):
-    """bool[B, K]: the selected position is retained, readable, and its twin page is held; plus its high
-    ``(page, row)``."""
-    cfg = state.config
-    _, row, valid = _selected(state, seq, indices, lens)
-    n = jnp.where(seq >= 0, lens[jnp.maximum(seq, 0)], 0)[:, None]
-    col = layout.high_column(jnp.maximum(indices, 0), cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages)
-    width = state.high_table.shape[1]
-    if width == 0:
-        return jnp.zeros(indices.shape, bool), jnp.zeros_like(indices), row
-    hp = state.high_table[jnp.maximum(seq, 0)[:, None], jnp.clip(col, 0, width - 1)]
-    keep = valid & layout.is_retained(indices, n, cfg.first_n, cfg.last_n) & (col >= 0) & (col < width) & (hp >= 0)
-    return keep, jnp.maximum(hp, 0), row
-
-
-def overlay_retained_rows(scratch, state, layer, seq_slots, indices, *, scale=None, group: int = 0,
+def overlay_retained_rows(state, layer, scratch, seq_slots, indices, *, scale=None, group: int = 0,
                           backend: str = "auto", kv_lens=None, validate: Optional[bool] = None):
     """Copy the twin's rows over ``scratch[B, K, kv, H, D]`` where the selected position is retained.
 
@@ -406,16 +383,27 @@ def _overlay_dispatch(scratch, state, layer, seq, indices, scale, group, backend
     if kind != "mixed" or pools.high is None:
         return scratch
     scale = jnp.ones(seq.shape, jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-    att = state.config.attention_dtype
-    if resolve(backend) == "reference":
-        keep, hp, row = retained_keep_mask(state, seq, indices, lens)
-        high = read_row_pool(pools.high, layer, hp, row, att)
-        high = encode_fp8_scratch(high, scale) if fp8 else high.astype(scratch.dtype)
-        return jnp.where(keep[..., None, None, None], high, scratch)
+    return dispatch(backend, _overlay_reference, _overlay_pallas)(scratch, state, layer, seq, indices, scale, group,
+                                                                  lens, fp8)
+
+
+def _overlay_reference(scratch, state, layer, seq, indices, scale, group, lens, fp8):
+    twin = state.config.twin
+    _, row, valid = _selected(state, seq, indices, lens)
+    n = jnp.where(seq >= 0, lens[jnp.maximum(seq, 0)], 0)[:, None]
+    hp, held = twin.twin_page(state.high_table, jnp.maximum(seq, 0)[:, None], twin.high_column(jnp.maximum(indices, 0)))
+    keep = valid & twin.is_retained(indices, n) & held
+    high = read_row_pool(state.pools[group].high, layer, jnp.maximum(hp, 0), row, state.config.attention_dtype)
+    high = encode_fp8_scratch(high, scale) if fp8 else high.astype(scratch.dtype)
+    return jnp.where(keep[..., None, None, None], high, scratch)
+
+
+def _overlay_pallas(scratch, state, layer, seq, indices, scale, group, lens, fp8, *, interpret):
     from pallas_kernels.gather import overlay_rows
+    high = state.pools[group].high
     return overlay_rows(scratch, jnp.asarray(layer, jnp.int32).reshape(1), seq, lens, state.page_table,
-                        state.high_table, indices, scale, pools.high.rows, pools.high.scale,
-                        geom=_geometry(state, group), att_dtype=att, interpret=interpret())
+                        state.high_table, indices, scale, high.rows, high.scale, geom=state.config.twin,
+                        att_dtype=state.config.attention_dtype, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------- attention

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import checks, layout
+from . import checks
 from .pools import read_low_rows, read_row_pool
 
 __all__ = ["stage_reference", "rows_reference", "attention_reference"]
@@ -48,11 +48,8 @@ def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=N
     else:
         out = read_low_rows(pools.low, layer, lp, row, dtype)
     if kind == "mixed" and pools.high is not None:
-        col = layout.high_column(pos, page, cfg.num_fixed_pages, cfg.num_ring_pages)
-        width = state.high_table.shape[1]
-        hpage = state.high_table[s, jnp.clip(col, 0, width - 1)]
-        held = (col >= 0) & (col < width) & (hpage >= 0)
-        keep = layout.is_retained(pos, n, cfg.first_n, cfg.last_n) & held & valid
+        hpage, held = cfg.twin.twin_page(state.high_table, s, cfg.twin.high_column(pos))
+        keep = cfg.twin.is_retained(pos, n) & held & valid
         high = read_row_pool(pools.high, layer, jnp.maximum(hpage, 0), row, dtype)
         out = jnp.where(keep[..., None, None, None], high, out)
     out = jnp.where(valid[..., None, None, None], out, jnp.zeros((), dtype))

@@ -23,49 +23,20 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from .compat import shard_map
+from .placement import AXIS, check_divisible, shard_state, state_specs  # noqa: F401  (re-exported)
 from .state import CacheState, append
 
 __all__ = ["make_mesh", "state_specs", "shard_state", "local_view", "sharded", "sharded_append",
            "sharded_stage_reference", "sharded_decode_attention", "sharded_stage", "sharded_gather_rows"]
-
-AXIS = "tp"
-HEAD_AXIS = 3  # of every pool array [L, P, kv, H, page, X]
-
 
 def make_mesh(num_devices: Optional[int] = None, devices=None) -> Mesh:
     """A 1-D ``("tp",)`` mesh over the first ``num_devices`` devices (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
     devices = devices[: num_devices or len(devices)]
     return Mesh(np.array(devices), (AXIS,))
-
-
-def _pool_leaf_spec(leaf):
-    return P(None, None, None, AXIS) if getattr(leaf, "ndim", 0) == 6 else P()
-
-
-def state_specs(state: CacheState):
-    """PartitionSpec pytree for ``state``: pool arrays on the head axis, everything else replicated."""
-    pools = jax.tree.map(_pool_leaf_spec, state.pools)
-    rest = {f: jax.tree.map(lambda _: P(), getattr(state, f))
-            for f in ("page_table", "high_table", "kv_lens", "active", "written", "alloc", "high_alloc", "error")}
-    return dataclasses.replace(state, pools=pools, **rest)
-
-
-def _check_divisible(state: CacheState, tp: int):
-    for g in state.groups:
-        if g.num_kv_heads % tp:
-            raise ValueError(f"group {g.name!r}: num_kv_heads={g.num_kv_heads} is not divisible by the "
-                             f"tensor-parallel size {tp}")
-
-
-def shard_state(state: CacheState, mesh: Mesh) -> CacheState:
-    """Place ``state`` on ``mesh``: pools sharded over KV heads, the rest replicated."""
-    _check_divisible(state, mesh.shape[AXIS])
-    specs = state_specs(state)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
 
 
 def local_view(state: CacheState, tp: int) -> CacheState:
@@ -84,7 +55,7 @@ def sharded(fn: Callable, mesh: Mesh, state: CacheState, args=(), arg_specs=(), 
     ``arg_specs``: a PartitionSpec per arg; ``out_specs``: specs of fn's outputs (the state's spec is used for a
     returned state when ``returns_state``: then fn returns ``(state, *outputs)`` or just a state)."""
     tp = mesh.shape[AXIS]
-    _check_divisible(state, tp)
+    check_divisible(state, tp)
     groups = state.groups
     sspec = state_specs(state)
 
@@ -120,8 +91,8 @@ _KV_ROWS = P(None, None, AXIS, None)  # [L, T, H, D]
 _KV_ROWS_1 = P(None, AXIS, None)      # [T, H, D]
 
 
-def sharded_append(mesh: Mesh, state: CacheState, k, v, seq_slots, positions, layer=None, group: int = 0,
-                   rope=None, backend: str = "auto") -> CacheState:
+def sharded_append(mesh: Mesh, state: CacheState, layer, k, v, seq_slots, positions, group: int = 0, rope=None,
+                   backend: str = "auto") -> CacheState:
     """`jmixedkv.append` with K/V sharded over heads; tables and allocators advance identically on every shard.
 
     Host (Python / NumPy) slots, positions and layer are range-checked first (`ValueError`); JAX values are
@@ -139,7 +110,7 @@ def sharded_append(mesh: Mesh, state: CacheState, k, v, seq_slots, positions, la
     def fn(st, k_, s_, p_, *rest):
         v_ = rest[0] if v is not None else None
         l_ = rest[-1] if layer is not None else None
-        return append(st, k_, v_, s_, p_, l_, group=group, rope=rope, backend=backend)
+        return append(st, l_, k_, v_, s_, p_, group=group, rope=rope, backend=backend)
     return sharded(fn, mesh, state, args, specs, out_specs=None, returns_state=True)
 
 

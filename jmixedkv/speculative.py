@@ -50,8 +50,7 @@ from . import state as _state
 from .state import CacheState, GroupSpec
 
 __all__ = ["ERR_BAD_CORRECTION", "draft_config", "draft_dtype", "draft_group_spec", "verify_tokens",
-           "correct_kv_lens", "accept", "offset_positions", "trim", "draft_view", "restore", "check_linear_drafts",
-           "manager_accept"]
+           "correct_kv_lens", "accept", "offset_positions", "trim", "draft_view", "restore", "check_linear_drafts"]
 
 ERR_BAD_CORRECTION = _state.ERR_BAD_CORRECTION  # positive offset, rewind past max_draft_len / below 0, idle slot
 
@@ -285,12 +284,3 @@ def restore(target_state: CacheState, draft_state: CacheState) -> CacheState:
     pools = tuple(tp if k == "mixed" else dp for tp, dp, k in zip(t.pools, d.pools, t.kinds))
     return dataclasses.replace(d, kinds=t.kinds, pools=pools, high_table=t.high_table, high_alloc=t.high_alloc)
 
-
-# ---------------------------------------------------------------------------------------------- host manager glue
-def manager_accept(manager, seq_slots, num_accepted, num_drafts, trim_pages: bool = False) -> None:
-    """`accept` (then optionally `trim`) on a `jmixedkv.CacheManager`'s state, validated on the host, and its host
-    mirror (lengths, pages held, free pages) re-read. ``seq_slots`` / ``num_accepted`` / ``num_drafts`` as in
-    `accept` (host arrays or ints)."""
-    state = accept(manager.state, np.asarray(seq_slots, np.int32), np.asarray(num_accepted, np.int32),
-                   np.asarray(num_drafts, np.int32))
-    manager.replace_state(trim(state, np.asarray(seq_slots, np.int32)) if trim_pages else state)

@@ -1,7 +1,7 @@
 """The cache state: one immutable pytree (pools + page tables + lengths + allocators), and its pure transitions.
 
-``admit``, ``release`` and ``append`` are pure ``state -> state`` functions; jit them with
-``donate_argnums=0`` so the pools update in place (the Pallas write kernel aliases its outputs to its inputs).
+``admit``, ``release`` and ``append`` are pure ``state -> state`` functions. ``append`` jits itself
+(``donate=True`` updates the pools in place: the Pallas write kernel aliases its outputs to its inputs).
 Nothing retraces when lengths, page tables or batch membership change: they are all traced arrays.
 
 A transition that cannot be met (no free page, a position past the page table, a sequence slot that is not
@@ -20,14 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks, layout
-from .allocator import Allocator, allocate_mask, new_allocator, release_pages
+from .backend import dispatch
+from .allocator import Allocator, allocate_mask, new_allocator, release_pages, retain_pages
 from .config import KVCacheConfig
-from .pools import GroupPools, LowPool, RowPool, write_rows_reference
+from .offload import gather_pages, scatter_pages
+from .pools import GroupPools, LowPool, RowPool, pytree, write_rows_reference
 from .checks import (ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_POSITION, ERR_BAD_SLOT,
                      ERR_HIGH_OOM, ERR_LOW_OOM, ERR_SHARED_PAGE, ERR_TOO_LONG)
 from .rope import RopeSpec, apply_rope
 
-__all__ = ["GroupSpec", "CacheState", "init_state", "admit", "release", "append", "ERR_LOW_OOM",
+__all__ = ["GroupSpec", "CacheState", "init_state", "admit", "release", "append", "fork", "ERR_LOW_OOM",
            "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER", "ERR_BAD_POSITION",
            "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "describe_error"]
 
@@ -54,7 +56,6 @@ class GroupSpec:
     kv_factor: int = 2
     kind: Optional[str] = None
     name: str = "attn"
-    compression_ratio: int = 1
 
     def __post_init__(self):
         for f in ("num_layers", "num_kv_heads", "head_dim"):
@@ -80,7 +81,7 @@ class GroupSpec:
         return "low" if config.has_low else "plain"
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree("config", "groups", "kinds")
 class CacheState:
     """The whole cache as one pytree.
 
@@ -123,13 +124,6 @@ class CacheState:
     @property
     def page_size(self) -> int:
         return self.config.page_size
-
-
-jax.tree_util.register_dataclass(
-    CacheState,
-    data_fields=["pools", "page_table", "high_table", "kv_lens", "active", "written", "alloc", "high_alloc",
-                 "error"],
-    meta_fields=["config", "groups", "kinds"])
 
 
 def _pool_pages(num_pages, spec: GroupSpec, page, width, dtype, shards):
@@ -177,7 +171,7 @@ def init_state(config: KVCacheConfig, groups: Union[GroupSpec, Sequence[GroupSpe
       poison: fill pools with NaN-decoding bytes (tests: unwritten rows must never be read).
       page_order / high_page_order: permutations for the free stacks (tests: permuted page ids).
       mesh: optional ``jax.sharding.Mesh`` with a ``"tp"`` axis: pools are sharded over KV heads, the rest
-        replicated (`jmixedkv.sharding`).
+        replicated (`jmixedkv.placement`).
     """
     groups = (groups,) if isinstance(groups, GroupSpec) else tuple(groups)
     if not groups or not all(isinstance(g, GroupSpec) for g in groups):
@@ -215,7 +209,7 @@ def init_state(config: KVCacheConfig, groups: Union[GroupSpec, Sequence[GroupSpe
         alloc=new_allocator(num_pages, page_order), high_alloc=new_allocator(max(num_high_pages, 1), high_page_order),
         error=_order_error(page_order, num_pages) | _order_error(high_page_order, max(num_high_pages, 1)))
     if mesh is not None:
-        from .sharding import shard_state
+        from .placement import shard_state
         state = shard_state(state, mesh)
     return state
 
@@ -325,11 +319,9 @@ def _write_errors(state: CacheState, seq, pos, layer_ok):
     qc = jnp.clip(q, 0, max_pages - 1)
     low_pg = state.page_table[s, qc]
     low_shared = live & (q < max_pages) & (low_pg >= 0) & (state.alloc.refcount[jnp.maximum(low_pg, 0)] > 1)
-    width = state.high_table.shape[1]
-    if width:
-        col = layout.high_column(jnp.maximum(pos, 0), page, cfg.num_fixed_pages, cfg.num_ring_pages)
-        hp = state.high_table[s, jnp.clip(col, 0, width - 1)]
-        high_shared = live & (col >= 0) & (hp >= 0) & (state.high_alloc.refcount[jnp.maximum(hp, 0)] > 1)
+    if state.high_table.shape[1]:
+        hp, held = cfg.twin.twin_page(state.high_table, s, cfg.twin.high_column(jnp.maximum(pos, 0)))
+        high_shared = live & held & (state.high_alloc.refcount[jnp.maximum(hp, 0)] > 1)
     else:
         high_shared = jnp.zeros_like(live)
     shared = jnp.any(low_shared | high_shared)
@@ -359,14 +351,10 @@ def write_slots(state: CacheState, seq, pos):
 
     Ring rows that a later token of the same call overwrites are dropped from the high store, so one call never
     writes a high row twice."""
-    cfg = state.config
-    page, nf, nr = cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages
-    low_slot = layout.low_slots(state.page_table, seq, pos, page)
-    last = layout.segment_max_position(seq, pos, state.max_seqs)
-    q, qmax = pos // page, last[jnp.clip(seq, 0, state.max_seqs - 1)] // page
-    keep = (q < nf) | (q > qmax - nr)
-    high_slot = layout.high_slots(state.high_table, seq, pos, page, nf, nr, write_mask=keep & (low_slot >= 0))
-    return low_slot, high_slot
+    twin = state.config.twin
+    low_slot = layout.low_slots(state.page_table, seq, pos, twin.page)
+    keep = twin.write_mask(seq, pos, state.max_seqs) & (low_slot >= 0)
+    return low_slot, twin.high_slots(state.high_table, seq, pos, write_mask=keep)
 
 
 def _check_v(k, v, spec: GroupSpec):
@@ -394,19 +382,23 @@ def _check_rows(k, spec: GroupSpec, layer, num_tokens):
         raise ValueError(f"append: k must be a float array, got {k.dtype}")
 
 
-def append(state: CacheState, k, v, seq_slots, positions, layer=None, group: int = 0,
-           rope: Optional[RopeSpec] = None, backend: str = "auto") -> CacheState:
+def append(state: CacheState, layer, k, v, seq_slots, positions, group: int = 0, rope: Optional[RopeSpec] = None,
+           backend: str = "auto", donate: bool = False) -> CacheState:
     """Append new K/V rows (a ragged prefill chunk, or a decode / verify step) for one layer or all layers.
 
+    Jitted (``group``, ``rope``, ``backend`` static; ``layer`` traced, so layers share one compilation); inside
+    another jit it is inlined.
+
     Args:
-      k, v: ``[T, H, D]`` (``layer`` given) or ``[L, T, H, D]`` (``layer=None``: all layers of the group);
-        ``v=None`` for an MLA latent group. Any float dtype; RoPE (if ``rope``) is applied to ``k`` here.
+      layer: int or i32[] (traced), or None for all layers of the group.
+      k, v: ``[T, H, D]`` (``layer`` given) or ``[L, T, H, D]`` (``layer=None``); ``v=None`` for an MLA latent
+        group. Any float dtype; RoPE (if ``rope``) is applied to ``k`` here.
       seq_slots: i32[T] sequence slot of each token (-1 = padding, skipped).
       positions: i32[T] position of each token in its sequence.
-      layer: int (may be traced) or None for all layers.
       group: index of the layer group (static).
       rope: optional `RopeSpec` applied to K before both stores.
       backend: ``"auto"`` (Pallas on GPU), ``"reference"`` or ``"pallas"``.
+      donate: donate ``state`` (its pools update in place; the caller must not use the old state again).
 
     Positions follow the rule of `jmixedkv.checks`: per slot contiguous ``[p0, p1]`` with
     ``p0 <= kv_len <= p1 + 1`` (an extension from ``kv_len``, or a rewrite of a suffix reaching it, e.g. the
@@ -419,8 +411,8 @@ def append(state: CacheState, k, v, seq_slots, positions, layer=None, group: int
     if not isinstance(group, int) or not 0 <= group < len(state.groups):
         raise ValueError(f"append: group={group!r} out of range [0, {len(state.groups)})")
     spec = state.groups[group]
-    seq = checks.index_array(seq_slots, "seq_slots", "append", -1, state.max_seqs)
-    pos = checks.index_array(positions, "positions", "append")
+    seq = checks.index_array(seq_slots, "seq_slots", "append", -1, state.max_seqs, host=not checks.is_jax(seq_slots))
+    pos = checks.index_array(positions, "positions", "append", host=not checks.is_jax(positions))
     if seq.shape != pos.shape or seq.ndim != 1:
         raise ValueError(f"append: seq_slots and positions must be equal-length vectors, got {seq.shape}, {pos.shape}")
     if not checks.is_jax(seq_slots) and not checks.is_jax(positions):
@@ -431,7 +423,12 @@ def append(state: CacheState, k, v, seq_slots, positions, layer=None, group: int
     layer = checks.check_layer_arg(layer, spec.num_layers, "append", spec.name)
     _check_rows(k, spec, layer, seq.shape[0])
     _check_v(k, v, spec)
-    layer_c, layer_ok = checks.layer_in_range(layer, spec.num_layers)
+    return (_append_donated if donate else _append_jit)(state, layer, k, v, seq, pos, group=group, rope=rope,
+                                                         backend=backend)
+
+
+def _append(state: CacheState, layer, k, v, seq, pos, group, rope, backend) -> CacheState:
+    layer_c, layer_ok = checks.layer_in_range(layer, state.groups[group].num_layers)
     err, first, last = _write_errors(state, seq, pos, layer_ok)
     state, ok, oom = _ensure_pages(state, seq, pos, err == 0)
     err = err | oom
@@ -445,19 +442,85 @@ def append(state: CacheState, k, v, seq_slots, positions, layer=None, group: int
     return dataclasses.replace(state, pools=new_pools, kv_lens=kv_lens, written=written, error=state.error | err)
 
 
+_append_jit = jax.jit(_append, static_argnames=("group", "rope", "backend"))
+_append_donated = jax.jit(_append, static_argnames=("group", "rope", "backend"), donate_argnums=0)
+
+
 def _write(state: CacheState, group, k, v, pos, rope, layer, low_slot, high_slot, backend):
     """Dispatch the row store. RoPE'd K is rounded to K's dtype before both stores, so in-kernel RoPE equals
     RoPE applied by the model followed by a plain append."""
-    from .backend import resolve
-    spec = state.groups[group]
     if state.config.rotation is not None:   # lever (jmixedkv.levers): RoPE, then rotate K and V, then store
         from .levers import rotate_rows
         k, v, rope = rotate_rows(state.config.rotation, k, v, pos, rope)
-    if resolve(backend) == "pallas":
-        from pallas_kernels import write as write_kernel  # GPU kernel (interpret mode on CPU)
-        return write_kernel.write_rows(state.pools[group], k, v, layer, low_slot, high_slot, state.page_size,
-                                       positions=pos, rope=rope)
+    return dispatch(backend, _write_reference, _write_pallas)(state.pools[group], state.groups[group], k, v, pos,
+                                                              rope, layer, low_slot, high_slot, state.page_size,
+                                                              block_scale=state.config.block_scale)
+
+
+def _write_reference(pools, spec, k, v, pos, rope, layer, low_slot, high_slot, page_size, block_scale="max6"):
     if rope is not None:
         k = apply_rope(k, pos, rope).astype(k.dtype)
-    return write_rows_reference(state.pools[group], _stack_kv(k, v, spec), layer, low_slot, high_slot,
-                                state.page_size)
+    return write_rows_reference(pools, _stack_kv(k, v, spec), layer, low_slot, high_slot, page_size, block_scale)
+
+
+def _write_pallas(pools, spec, k, v, pos, rope, layer, low_slot, high_slot, page_size, block_scale="max6", *,
+                  interpret):
+    del interpret                 # write_rows picks it itself (compiled inside `lowering_for_cuda` on a CPU)
+    from pallas_kernels import write as write_kernel
+    return write_kernel.write_rows(pools, k, v, layer, low_slot, high_slot, page_size, positions=pos, rope=rope,
+                                   block_scale=block_scale)
+
+
+def _tables(state, ok, **new):
+    """Apply table / allocator updates only where ``ok`` (pools are never selected: no copies)."""
+    return dataclasses.replace(state, **{k: jax.tree.map(lambda a, b: jnp.where(ok, a, b), v, getattr(state, k))
+                                         for k, v in new.items()})
+
+
+def fork(state: CacheState, src, dst) -> CacheState:
+    """Fork sequence ``src`` into the empty slot ``dst`` (beam search / parallel sampling).
+
+    Shares the full low pages and the full fixed high pages by reference; copies the partial last low page, the
+    partially filled / empty fixed high pages and every ring page into fresh pages. ``dst`` gets ``src``'s
+    length and reads exactly what ``src`` reads. -1 for either slot is a no-op. Errors: ``ERR_BAD_SLOT`` (a slot
+    out of range, src not active, dst active or equal), ``ERR_LOW_OOM`` / ``ERR_HIGH_OOM``; on error nothing
+    changes but ``state.error``. Host slots outside [-1, max_seqs) raise `ValueError`."""
+    cfg, page = state.config, state.page_size
+    nf, width = cfg.num_fixed_pages, state.high_table.shape[1]
+    src, src_in, src_none = checks.slot_in_range(checks.check_slot_arg(src, state.max_seqs, "src", "fork"),
+                                                 state.max_seqs)
+    dst, dst_in, dst_none = checks.slot_in_range(checks.check_slot_arg(dst, state.max_seqs, "dst", "fork"),
+                                                 state.max_seqs)
+    none = src_none | dst_none
+    ok_slots = src_in & dst_in & state.active[src] & ~state.active[dst] & (src != dst) & ~none
+    n = state.kv_lens[src]
+    full = n // page
+    row = state.page_table[src]
+    cols = jnp.arange(state.max_pages_per_seq, dtype=jnp.int32)
+    share_low = (cols < full) & (row >= 0)
+    cow_src = jnp.where(full < state.max_pages_per_seq, row[jnp.minimum(full, state.max_pages_per_seq - 1)], -1)
+    alloc, cow_dst, ok_low = allocate_mask(state.alloc, (cow_src >= 0)[None] & ok_slots)
+    hrow = state.high_table[src]
+    hcols = jnp.arange(width, dtype=jnp.int32)
+    share_high = (hcols < nf) & ((hcols + 1) * page <= n) & (hrow >= 0)
+    copy_high = ~share_high & (hrow >= 0)
+    high_alloc, new_high, ok_high = allocate_mask(state.high_alloc, copy_high & ok_slots)
+    ok = ok_slots & ok_low & ok_high
+    alloc = retain_pages(alloc, jnp.where(share_low & ok, row, -1))
+    high_alloc = retain_pages(high_alloc, jnp.where(share_high & ok, hrow, -1))
+    dst_row = jnp.where(share_low, row, -1)
+    dst_row = jnp.where((cols == full) & (cow_src >= 0), cow_dst[0], dst_row)
+    dst_hrow = jnp.where(share_high, hrow, jnp.where(copy_high, new_high, -1))
+    err = jnp.where(none, 0, jnp.where(ok_slots, jnp.where(ok_low, 0, ERR_LOW_OOM)
+                                       | jnp.where(ok_high, 0, ERR_HIGH_OOM), ERR_BAD_SLOT))
+    out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
+                  page_table=state.page_table.at[dst].set(dst_row),
+                  high_table=state.high_table.at[dst].set(dst_hrow),
+                  kv_lens=state.kv_lens.at[dst].set(n), written=state.written.at[dst].set(state.written[src]),
+                  active=state.active.at[dst].set(True))
+    # the fresh destination pages are held once (allocated above): copy_pages' checks pass whenever ok
+    src_l, dst_l = jnp.where(ok, cow_src, -1)[None], jnp.where(ok, cow_dst, -1)
+    src_h, dst_h = jnp.where(copy_high & ok, hrow, -1), jnp.where(copy_high & ok, new_high, -1)
+    payload = gather_pages(out, src_l, src_h)
+    out = scatter_pages(out, dst_l, dst_h, payload)
+    return dataclasses.replace(out, error=state.error | err)

@@ -44,10 +44,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jmixedkv.compat import pl, pltriton, triton_params
-from jmixedkv.layout import check_offsets
+from jmixedkv.layout import TwinGeometry, check_offsets
 
-__all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "NUM_SMS", "DEFAULT_BLOCK_K",
-           "DEFAULT_NUM_WARPS"]
+__all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "default_tuning", "NUM_SMS",
+           "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS", "WIDE_GRID_TUNING"]
 
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
@@ -57,16 +57,32 @@ _dot = getattr(pltriton, "dot", None) or pl.dot
 # bench/RESULTS.md)
 DEFAULT_BLOCK_K = {"nvfp4": 64, "plain": 128}
 DEFAULT_NUM_WARPS = {"nvfp4": 2, "plain": 4}
+# NVFP4 pages with many (row, head) programs (batch x kv heads >= NUM_SMS / 2), pages <= 32 and 16 query rows:
+# 32-token steps, one warp per program, ~16 programs per SM (bench/decode_sweep.py, H200 2026-11-30, with v_late:
+# 64 x 32k 1.94 -> 1.69 ms, 16 x 32k 0.533 -> 0.513 ms; at batch 1 it is slower, so small grids keep 64 / 2).
+# Every configuration compiles to 255 registers per thread (8 warps per SM), so more, smaller programs only help
+# where the grid has work for them.
+WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=16)
+
+
+def default_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int):
+    """``(block_k, num_warps, programs per SM)`` the kernel uses when the caller leaves them out: `fmt_key`
+    ``"nvfp4"`` | ``"plain"``, ``m_rows`` = query rows per program (``Tq * G`` padded to a power of two >= 16)."""
+    if fmt_key == "nvfp4" and batch * num_kv_heads >= NUM_SMS // 2 and page <= 32 and m_rows == 16:
+        t = WIDE_GRID_TUNING
+        return t["block_k"], t["num_warps"], t["per_sm"]
+    return DEFAULT_BLOCK_K[fmt_key], DEFAULT_NUM_WARPS[fmt_key], 4
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Splits so that the grid has ~4 programs per SM, never more than the page blocks of the longest sequence."""
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_sm: int = 4) -> int:
+    """Splits so that the grid has ~``per_sm`` programs per SM, never more than the page blocks of the longest
+    sequence (and at most 64)."""
     programs = max(1, batch * num_kv_heads)
-    want = max(1, -(-4 * NUM_SMS // programs))
+    want = max(1, -(-per_sm * NUM_SMS // programs))
     return int(max(1, min(_next_pow2(want), max_blocks, 64)))
 
 
@@ -143,9 +159,9 @@ def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, par
 
 
 def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, lowmul_ref, hs_ref, data_ref,
-            scales_ref, high_ref, plain_ref, o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, first_n, last_n,
-            nf, nr, ht_width, sm_scale, window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts,
-            use_asm, keys_major):
+            scales_ref, high_ref, plain_ref, o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, geom,
+            ht_width, sm_scale, window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts,
+            use_asm, keys_major, v_late=False):
     s = pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[0]
@@ -168,10 +184,10 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     start = lo_blk + s * per
     end = jnp.minimum(start + per, n_blocks)
     # "clean" blocks [i0, i1): every key visible to every query, no retained row, no row at or past n
-    c_lo = first_n if has_high else 0
+    c_lo = geom.first_n if has_high else 0
     if window is not None:
         c_lo = jnp.maximum(c_lo, n - window)
-    c_hi = jnp.minimum(n - (last_n if has_high else 0), n - tq + 1)
+    c_hi = jnp.minimum(n - (geom.last_n if has_high else 0), n - tq + 1)
     i0 = (jnp.maximum(c_lo, 0) + k_tok - 1) // k_tok
     i1 = jnp.maximum(c_hi, 0) // k_tok
     a = jnp.clip(i0, start, jnp.maximum(end, start))
@@ -191,21 +207,21 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
             return _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm)
         return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8, parts)
 
-    def retained(blk, kpos):
+    def retained(blk, kpos, kvis=None):
         """(keep bool[k_tok], twin rows per K/V: parts x [k_tok, D/parts] in ``twin_dtype``, zero where not
         kept or at / past ``n``)."""
         qpg = blk * nb + lax.broadcasted_iota(jnp.int32, (nb,), 0)
-        col = jnp.where(qpg < nf, qpg, (nf + qpg % nr) if nr else -1)
+        col = geom.page_column(qpg)
         hid = ht_ref[jnp.clip(col, 0, ht_width - 1)]
         held = (col >= 0) & (hid >= 0)
         hid = jnp.maximum(hid, 0)
         held_row = jnp.broadcast_to(held[:, None], (nb, page)).reshape(k_tok)
-        keep = held_row & ((kpos < first_n) | (kpos >= n - last_n)) & (kpos < n)
+        keep = held_row & geom.is_retained(kpos, n)
         zero = jnp.zeros((), twin_dtype)
         # FP8 twin rows enter the dot as their exact e4m3 values in f16 (the scale goes to the f32 side)
         rows_ = tuple(tuple(jnp.where(keep[:, None], h_, zero) for h_ in
                             _load_rows(high_ref, None, layer, hid, kvi, k_tok, d, twin_dtype, False, parts))
-                      for kvi in range(kv_factor))
+                      for kvi in (range(kv_factor) if kvis is None else kvis))
         return keep, rows_
 
     def qk(qparts, kparts):
@@ -231,8 +247,10 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         o, m, l = carry
         ids = jnp.maximum(pt_ref[pl.ds(blk * nb, nb)], 0)
         kpos = blk * k_tok + lax.broadcasted_iota(jnp.int32, (k_tok,), 0)
-        kv = tuple(load(kvi, ids) for kvi in range(kv_factor))
-        ks, vs = kv[0], kv[-1]
+        ks = load(0, ids)
+        # v_late: V is read and dequantized after the softmax (K's dequantized tile is dead by then: fewer live
+        # registers per program); otherwise both at the top of the step
+        vs = load(kv_factor - 1, ids) if (kv_factor == 1 or not v_late) else None
         if has_low:
             logits = qk(qlow, ks) * qv(rowmul)                               # [M, K] (or [K, M]) f32
         else:
@@ -240,7 +258,7 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         keep = None
         if edge and has_high:
             # retained rows: a second dot in the attention dtype on the exact twin rows (no domain change)
-            keep, twin = retained(blk, kpos)
+            keep, twin = retained(blk, kpos, (0,) if (v_late and kv_factor == 2) else None)
             if high_fp8:
                 twin_logits = qk(qlow, twin[0]) * qv(rowmul * (hs[0] / lowmul_ref[0]))
             else:
@@ -253,18 +271,22 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
             if window is not None:
                 mask &= kvec(kpos) > qv(qpos) - window
             logits = jnp.where(mask, logits, -jnp.inf)
-            # rows at or past n may hold anything (NaN poison): zero them so that p == 0 never meets NaN
-            zero = jnp.zeros((), vs[0].dtype)
-            vs = tuple(jnp.where((kpos < n)[:, None], v_, zero) for v_ in vs)
         m_new = jnp.maximum(m, logits.max(axis=kax))
         alpha = jnp.exp(m - m_new)
         pr = jnp.exp(logits - qv(m_new))
         l_new = alpha * l + pr.sum(axis=kax)
+        if vs is None:
+            vs = load(kv_factor - 1, ids)
+        if edge:
+            # rows at or past n may hold anything (NaN poison): zero them so that p == 0 never meets NaN
+            zero = jnp.zeros((), vs[0].dtype)
+            vs = tuple(jnp.where((kpos < n)[:, None], v_, zero) for v_ in vs)
         if has_low:
             p_low = pr if keep is None else jnp.where(kvec(keep), 0.0, pr)
             acc = pv(p_low, vs, jnp.float16, precise)                         # low domain (x / (gs_v 2^7))
             if keep is not None:
-                twin_v = pv(jnp.where(kvec(keep), pr, 0.0), twin[-1], twin_dtype, True)
+                twin_vr = retained(blk, kpos, (1,))[1][0] if (v_late and kv_factor == 2) else twin[-1]
+                twin_v = pv(jnp.where(kvec(keep), pr, 0.0), twin_vr, twin_dtype, True)
                 t_mul = hs[-1] * inv_v if high_fp8 else inv_v
                 acc = [a_ + t_ * t_mul for a_, t_ in zip(acc, twin_v)]
         else:
@@ -306,16 +328,16 @@ def _pad_cols(x, multiple, fill):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "first_n", "last_n", "num_fixed", "num_ring", "sm_scale", "sliding_window", "soft_cap", "num_splits",
-    "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype", "dequant", "keys_major"))
+    "geom", "sm_scale", "sliding_window", "soft_cap", "num_splits",
+    "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype", "dequant", "keys_major", "v_late"))
 def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
-                           first_n: int = 0, last_n: int = 0, num_fixed: int = 0, num_ring: int = 0,
-                           sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
+                           geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
+                           sliding_window: Optional[int] = None,
                            soft_cap: Optional[float] = None, num_splits: Optional[int] = None,
                            block_k: Optional[int] = None,
                            num_warps: Optional[int] = None, num_stages: int = 3, precise: Optional[bool] = None,
                            interpret: bool = False, out_dtype=None, dequant: Optional[str] = None,
-                           keys_major: bool = False):
+                           keys_major: bool = False, v_late: Optional[bool] = None):
     """Paged decode / verify attention over raw pool arrays (one layer).
 
     Args:
@@ -328,11 +350,14 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       high: ``(rows dtype[L,Ph,kv,H,page,D], scale f32[L,kv])`` or a `RowPool`: the retained twin (optional).
       plain: ``(rows, scale)`` or a `RowPool`: plain pages (exclusive with ``low``).
       high_table: i32[B, F + R] high page ids (needed with ``high``).
-      first_n, last_n, num_fixed, num_ring: retained-set geometry (`KVCacheConfig`).
-      num_splits: split-K programs per (row, head); None = `default_num_splits`.
+      geom: the twin's static `jmixedkv.layout.TwinGeometry` (`KVCacheConfig.twin`; needed with ``high``).
+      num_splits: split-K programs per (row, head); None = `default_num_splits` (~4 programs per SM, ~16 with
+        `WIDE_GRID_TUNING`).
       block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens); None =
-        `DEFAULT_BLOCK_K` of the format (64 for NVFP4 pages, 128 for plain row pages).
-      num_warps: Triton warps per program; None = `DEFAULT_NUM_WARPS` of the format (2 NVFP4, 4 plain).
+        `DEFAULT_BLOCK_K` of the format (64 for NVFP4 pages, 128 for plain row pages), or `WIDE_GRID_TUNING`'s 32
+        for NVFP4 pages <= 32 tokens, 16 query rows and batch x kv heads >= 66.
+      num_warps: Triton warps per program; None = `DEFAULT_NUM_WARPS` of the format (2 NVFP4, 4 plain; 1 with
+        `WIDE_GRID_TUNING`).
       num_stages: software-pipelining depth of the interior loop.
       precise: P @ V with P split into two halves of the MMA dtype (f16 for NVFP4 pages, the attention dtype for
         plain pages), so the output error is that of float32 accumulation. None (default): True for a float32
@@ -343,6 +368,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         (the same arithmetic in plain ops; the only form in interpret mode).
       keys_major: compute the scores transposed, ``[keys, M] = K q^T`` and ``o^T = V^T P^T``, so the key tiles
         are the MMA's A operand (the query rows its N side) instead of its B operand.
+      v_late: read and dequantize V after the softmax of each step instead of beside K (fewer live registers,
+        fewer spills); None = True for NVFP4 pages (measured 2-4% faster on the H200), False for plain pages.
 
     Returns:
       ``(out [B, Tq, Hq, D] out_dtype, lse f32[B, Tq, Hq])``: natural-log LSE of the scaled (capped) logits;
@@ -360,16 +387,20 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     dtype = jnp.dtype(q.dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     fmt_key = "nvfp4" if low is not None else "plain"
-    block_k = DEFAULT_BLOCK_K[fmt_key] if block_k is None else block_k
-    num_warps = DEFAULT_NUM_WARPS[fmt_key] if num_warps is None else num_warps
+    m_rows = _next_pow2(max(16, tq * group))
+    tuned_k, tuned_w, per_sm = default_tuning(fmt_key, b, h, page, m_rows)
+    if block_k is not None or num_warps is not None:
+        per_sm = 4                       # a caller-chosen step size keeps the plain ~4 programs per SM
+    block_k = tuned_k if block_k is None else block_k
+    num_warps = tuned_w if num_warps is None else num_warps
+    v_late = low is not None if v_late is None else bool(v_late)
     if block_k < 1 or num_warps < 1 or num_stages < 1:
         raise ValueError(f"paged_decode_attention: block_k={block_k}, num_warps={num_warps}, "
                          f"num_stages={num_stages} must be >= 1")
     nb = max(1, block_k // page, -(-16 // page))
     k_tok = nb * page
     max_blocks = max(1, -(-page_table.shape[1] // nb))
-    splits = default_num_splits(b, h, max_blocks) if num_splits is None else int(num_splits)
-    m_rows = _next_pow2(max(16, tq * group))
+    splits = default_num_splits(b, h, max_blocks, per_sm) if num_splits is None else int(num_splits)
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     parts = 2 if low is not None else 1          # NVFP4: even / odd columns (low / high nibbles) kept apart
     dp = d // parts
@@ -397,6 +428,9 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         qlow = split(jnp.ldexp(qf, shift[..., None]).astype(jnp.float16))
         rowmul = jnp.ldexp(jnp.float32(sm_scale) * lowmul[0], -shift)         # [B, H, M]
     use_high = high is not None and high_table is not None and high_table.shape[1] > 0
+    if use_high and (geom is None or geom.page != page):
+        raise ValueError(f"paged_decode_attention: high= needs geom= with page={page} (the twin's TwinGeometry), "
+                         f"got {geom}")
     high_fp8 = use_high and jnp.dtype(high[0].dtype) == jnp.dtype(jnp.float8_e4m3fn)
     qg = split(qg) if (low is None or (use_high and not high_fp8)) else None    # attention-dtype dots
     pt = _pad_cols(jnp.asarray(page_table, jnp.int32), nb, 0)
@@ -439,10 +473,10 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
             low[0] if low is not None else None, low[1] if low is not None else None,
             high[0] if use_high else None, plain[0] if plain is not None else None]
     kernel = functools.partial(
-        _kernel, page=page, nb=nb, tq=tq, group=group, kv_factor=kv_factor, first_n=first_n, last_n=last_n,
-        nf=num_fixed, nr=num_ring, ht_width=ht_width, sm_scale=sm_scale, window=sliding_window, cap=soft_cap,
+        _kernel, page=page, nb=nb, tq=tq, group=group, kv_factor=kv_factor, geom=geom,
+        ht_width=ht_width, sm_scale=sm_scale, window=sliding_window, cap=soft_cap,
         num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts,
-        use_asm=dequant == "asm", keys_major=keys_major)
+        use_asm=dequant == "asm", keys_major=keys_major, v_late=v_late)
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
     check_offsets("decode_attention", **{f"pool operand {i}": a for i, a in enumerate(args[9:])})
     o, m, l = pl.pallas_call(

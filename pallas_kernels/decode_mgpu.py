@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmixedkv.layout import TwinGeometry
 from pallas_kernels.decode_attention import LOW_DOMAIN, merge_partials
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
@@ -435,11 +436,11 @@ def _decode_low_rows(data, scales, gs_l, layer, pid, kvi, row):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "first_n", "last_n", "num_fixed", "num_ring", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
+    "geom", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
     "partials_only"))
 def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
-                                first_n: int = 0, last_n: int = 0, num_fixed: int = 0, num_ring: int = 0,
-                                sm_scale: Optional[float] = None, num_splits: Optional[int] = None,
+                                geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
+                                num_splits: Optional[int] = None,
                                 stages: int = 2, interpret: bool = False, out_dtype=None,
                                 partials_only: bool = False):
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
@@ -447,8 +448,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
     `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
-    R]``. ``stages``: TMA ring depth (blocks of 64 tokens in flight). Returns ``(out [B, Tq, Hq, 128], lse
-    f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
+    R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
+    in flight). Returns ``(out [B, Tq, Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     """
     low = _as_tuple(low, ("data", "scales", "gs"))
     high = _as_tuple(high, ("rows", "scale"))
@@ -466,7 +467,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     use_high = high is not None and high_table is not None and high_table.shape[1] > 0
-    fn, ln = (first_n, last_n) if use_high else (0, 0)
+    if use_high and (geom is None or geom.page != page):
+        raise ValueError(f"paged_decode_attention_mgpu: high= needs geom= with page={page}, got {geom}")
+    fn, ln = (geom.first_n, geom.last_n) if use_high else (0, 0)
     tail = max(ln, tq - 1)
     lens = jnp.asarray(kv_lens, jnp.int32)
     layer_i = jnp.asarray(layer, jnp.int32)
@@ -567,11 +570,11 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         kv_rows = [_decode_low_rows(data, scales, gs_l, layer_i, pid, kvi, row) for kvi in (0, 1)]
         if use_high:
             rows_h = high[0]
-            col = jnp.where(pg < num_fixed, pg, (num_fixed + pg % num_ring) if num_ring else -1)
+            col = geom.page_column(pg)
             hid = jnp.take_along_axis(jnp.asarray(high_table, jnp.int32),
                                       jnp.clip(col, 0, high_table.shape[1] - 1), axis=1)
             held = (col >= 0) & (hid >= 0)
-            keep = held & ((pos < fn) | (pos >= lens[:, None] - ln)) & valid
+            keep = held & geom.is_retained(pos, lens[:, None]) & valid
             hid = jnp.maximum(hid, 0)
             for kvi in (0, 1):
                 tw = rows_h[layer_i, hid, kvi, :, row].astype(jnp.float32)      # [B, W, H, D]

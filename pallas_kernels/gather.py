@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jmixedkv.compat import triton_params
-from jmixedkv.layout import check_offsets
+from jmixedkv.layout import TwinGeometry, check_offsets
 from jmixedkv.numerics import decode_rows, e4m3_saturate
 
 from .nvfp4_ops import dequant_tile
-from .stage import ReadGeometry, column_chunks, high_column, retained_mask
+from .stage import column_chunks
 
 __all__ = ["gather_rows", "overlay_rows", "block_rows"]
 
@@ -40,7 +40,7 @@ def _encode_fp8(x, inv_scale):
     return e4m3_saturate(x.astype(jnp.float32) * inv_scale)
 
 
-def _row_setup(b, kb, seq_ref, lens_ref, pt_ref, ht_ref, idx_ref, geom: ReadGeometry, tk: int):
+def _row_setup(b, kb, seq_ref, lens_ref, pt_ref, ht_ref, idx_ref, geom: TwinGeometry, tk: int):
     """Per-block index math shared by both kernels."""
     s = seq_ref[b]
     sc = jnp.maximum(s, 0)
@@ -51,10 +51,8 @@ def _row_setup(b, kb, seq_ref, lens_ref, pt_ref, ht_ref, idx_ref, geom: ReadGeom
     lp = pt_ref[sc, jnp.minimum(q, width - 1)]
     valid = (idx >= 0) & (idx < n) & (q < width) & (lp >= 0)
     row = jnp.maximum(idx, 0) % geom.page
-    hwidth = ht_ref.shape[1]
-    col = high_column(q, geom)
-    hp = ht_ref[sc, jnp.clip(col, 0, hwidth - 1)]
-    keep = valid & retained_mask(idx, n, geom) & (col >= 0) & (col < hwidth) & (hp >= 0)
+    hp, held = geom.twin_page(ht_ref, sc, geom.page_column(q))
+    keep = valid & geom.is_retained(idx, n) & held
     return jnp.maximum(lp, 0), row, valid, jnp.maximum(hp, 0), keep
 
 
@@ -134,7 +132,7 @@ def _pad_indices(indices, tk):
 
 @functools.partial(jax.jit, static_argnames=("geom", "att_dtype", "fp8", "interpret", "num_warps"))
 def gather_rows(layer, seq, kv_lens, page_table, high_table, indices, fp8_scale, data, scales, gs, high_rows,
-                high_scale, *, geom: ReadGeometry, att_dtype, fp8: bool = False, interpret: bool = False,
+                high_scale, *, geom: TwinGeometry, att_dtype, fp8: bool = False, interpret: bool = False,
                 num_warps: int = 4):
     """Gather + dequantize + overlay the selected rows.
 
@@ -172,7 +170,7 @@ def gather_rows(layer, seq, kv_lens, page_table, high_table, indices, fp8_scale,
 
 @functools.partial(jax.jit, static_argnames=("geom", "att_dtype", "interpret", "num_warps"))
 def overlay_rows(scratch, layer, seq, kv_lens, page_table, high_table, indices, fp8_scale, high_rows, high_scale,
-                 *, geom: ReadGeometry, att_dtype, interpret: bool = False, num_warps: int = 4):
+                 *, geom: TwinGeometry, att_dtype, interpret: bool = False, num_warps: int = 4):
     """Copy the twin's rows over ``scratch[B, K, kv, H, D]`` where the selected position is retained.
 
     The kernel aliases ``scratch`` to its output: it updates in place when the caller's jit donates the scratch

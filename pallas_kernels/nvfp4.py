@@ -142,14 +142,15 @@ def resolve_interpret(interpret):
 
 
 # ---------------------------------------------------------------------------------------------- quantize
-def _quant_kernel(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, per_row, exact_asm, pairs):
+def _quant_kernel(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, per_row, exact_asm, pairs,
+                  block_scale):
     def tile(rows):
         gs = (gs_ref[rows] if per_row else gs_ref[...]).reshape(-1, 1)            # [S, 1] or [1, 1]
         if pairs:
             lo, hi, signs = bf16_pair_halves(x_ref[rows, :, :])                   # int32 [S, B, 8]: 2 x bf16
         else:
             lo, hi, signs = f32_halves(as_bits(x_ref[rows, :, :].astype(jnp.float32)))   # [S, B, 16] -> [S, B, 8]
-        packed, byte = quantize_halves(lo, hi, signs, gs, exact_asm)
+        packed, byte = quantize_halves(lo, hi, signs, gs, exact_asm, block_scale)
         packed_ref[rows, :, :] = packed.astype(jnp.uint8)
         scales_ref[rows, :] = byte.astype(jnp.uint8)
 
@@ -158,7 +159,8 @@ def _quant_kernel(x_ref, gs_ref, packed_ref, scales_ref, *, sub_rows, n_sub, per
 
 def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_rows"],
              sub_rows: int = QUANT_DEFAULTS["sub_rows"], num_warps: int = QUANT_DEFAULTS["num_warps"],
-             num_stages: int = QUANT_DEFAULTS["num_stages"], width=None, interpret=None):
+             num_stages: int = QUANT_DEFAULTS["num_stages"], width=None, interpret=None,
+             block_scale: str = "max6"):
     """NVFP4-quantize ``x`` with the Pallas kernel (bit-exact against `jmixedkv.nvfp4.quantize`).
 
     Args:
@@ -170,6 +172,7 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
       width: kernel row width ``W`` (power of two in [16, 512] dividing D; default `kernel_width(D)`). ``16`` makes
         every kernel row one quantization block; a per-row gs is then repeated D/16 times.
       interpret: run in Pallas interpret mode; default: when no GPU is present.
+      block_scale: ``"max6"`` or ``"4over6"`` (`jmixedkv.nvfp4.quantize`); same byte format either way.
 
     Returns:
       ``(packed uint8[rows, D/2], scales float8_e4m3fn[rows, D/16])``.
@@ -185,6 +188,8 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
     if d % BLOCK or d == 0:
         raise ValueError(f"NVFP4 quantize: last dimension D must be a positive multiple of {BLOCK}, got {d}")
     check_warps(num_warps, num_stages)
+    if block_scale not in ("max6", "4over6"):
+        raise ValueError(f"NVFP4 quantize: block_scale must be 'max6' or '4over6', got {block_scale!r}")
     w = row_width(d, width)
     if rows == 0:
         return (jnp.zeros((0, d // 2), jnp.uint8), jnp.zeros((0, d // BLOCK), jnp.float8_e4m3fn))
@@ -205,7 +210,7 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
         xk = xk.reshape(n_pad, nb, BLOCK)
         x_spec = pl.BlockSpec((br, nb, BLOCK), lambda i: (i, 0, 0))
     kernel = functools.partial(_quant_kernel, sub_rows=sr, n_sub=br // sr, per_row=per_row, exact_asm=not interp,
-                               pairs=pairs)
+                               pairs=pairs, block_scale=block_scale)
     gs_spec = pl.BlockSpec((br,), lambda i: (i,)) if per_row else pl.BlockSpec((1,), lambda i: (0,))
     packed, scales = pl.pallas_call(
         kernel,

@@ -126,7 +126,7 @@ def e2m1_value(code):
 
 
 # ------------------------------------------------------------------------------------------- blocks
-def block_quant(amax_bits, gs, exact_asm: bool):
+def block_quant(amax_bits, gs, exact_asm: bool, inv_max: float = SIXTH):
     """Per block, the pinned order (`jmixedkv.nvfp4`): ``s = e4m3(clip(1/gs * (amax * f32(1/6)), 0, 448))``,
     ``r = 0 if s == 0 else 1 / (f32(s) * gs)``.
 
@@ -134,12 +134,13 @@ def block_quant(amax_bits, gs, exact_asm: bool):
       amax_bits: int32 ``[S, B]`` bits of the block amax (NaN bits if the block holds a NaN).
       gs: float32 decode global scale, broadcastable to ``[S, B]``.
       exact_asm: exact reciprocals by inline ``div.rn.f32`` (compiled GPU path).
+      inv_max: the factor in place of ``f32(1/6)`` (``0.25``: the "max to 4" candidate of ``"4over6"``).
 
     Returns:
       ``(scale byte int32 [S, B], r float32 [S, B], NaN flag bool [S, B])``."""
     amax = from_bits(amax_bits)
     enc = recip(gs, exact_asm)
-    t = amax * SIXTH
+    t = amax * inv_max
     s = enc * keep(t, t)                                                          # the pinned order, no reassoc.
     s = jnp.where(s > E4M3_MAX, E4M3_MAX, s)
     s = jnp.where(s < 0.0, 0.0, s)                                                # NaN passes both
@@ -164,16 +165,50 @@ def bf16_pair_halves(u):
     return ua << 16, ua & 0x7FFF0000, ((u >> 12) & 0x08) | ((u >> 24) & 0x80)
 
 
-def quantize_halves(lo, hi, signs, gs, exact_asm: bool):
-    """NVFP4 of a block tile given by its element views (`f32_halves` / `bf16_pair_halves`).
+def _sq_error(lo, hi, ml, mh, byte, gs, exact_asm: bool):
+    """`jmixedkv.nvfp4.block_sq_error` of one candidate, op for op: ``d = |x| - (e2m1(m) * f32(s)) * gs``, ``d * d``,
+    then the adjacent-pair tree (elements ``2i + 2i+1`` first: ``lo + hi``). Products are ``mul.rn.f32`` on the GPU
+    (never contracted, subnormals kept) and fenced by `keep` elsewhere. -> ``f32[S, B]``."""
+    def mul(a, b):
+        if exact_asm:
+            return ptx_f32("mul.rn.f32 $0, $1, $2;", a, b)
+        p = a * b
+        return keep(p, p)
+    sf = e4m3_decode(byte)[:, :, None]
+    gs3 = jnp.asarray(gs)[:, :, None]                                             # [S, 1, 1] or [1, 1, 1]
+    sq = lambda b, m: mul(*(2 * [from_bits(b) - mul(mul(e2m1_value(m), sf), gs3)]))  # noqa: E731
+    e = sq(lo, ml) + sq(hi, mh)                                                   # [S, B, 8]
+    while e.shape[-1] > 1:
+        a, b = jnp.unstack(e.reshape(*e.shape[:-1], e.shape[-1] // 2, 2), axis=-1)
+        e = a + b
+    return e[..., 0]
+
+
+def quantize_halves(lo, hi, signs, gs, exact_asm: bool, block_scale: str = "max6"):
+    """NVFP4 of a block tile given by its element views (`f32_halves` / `bf16_pair_halves`); ``block_scale``
+    ``"max6"`` (the pinned order) or ``"4over6"`` (`jmixedkv.nvfp4.quantize`: per block the lower-error of the
+    max-to-6 and max-to-4 candidates, ties to max6).
 
     Returns ``(packed int32[S, B, 8]`` (byte ``i`` of a block: element ``2i`` low nibble, ``2i + 1`` high nibble; 0
     in NaN blocks), ``scale byte int32[S, B])``."""
     amax_bits = jnp.max(jnp.maximum(lo, hi), axis=-1)                             # [S, B]; NaN bits sort last
-    byte, r, nan = block_quant(amax_bits, gs, exact_asm)
-    r3 = r[:, :, None]
-    mag = lambda b: e2m1_code_magnitude(from_bits(b) * r3, nonneg=True)  # noqa: E731  = |x * r| exactly
-    packed = mag(lo) | (mag(hi) << 4) | signs
+
+    def candidate(inv_max):
+        byte, r, nan = block_quant(amax_bits, gs, exact_asm, inv_max)
+        r3 = r[:, :, None]
+        mag = lambda b: e2m1_code_magnitude(from_bits(b) * r3, nonneg=True)  # noqa: E731  = |x * r| exactly
+        return byte, nan, mag(lo), mag(hi)
+
+    byte, nan, ml, mh = candidate(SIXTH)
+    if block_scale == "4over6":
+        byte4, _, ml4, mh4 = candidate(0.25)
+        use4 = (_sq_error(lo, hi, ml4, mh4, byte4, gs, exact_asm) < _sq_error(lo, hi, ml, mh, byte, gs, exact_asm))
+        byte = jnp.where(use4, byte4, byte)
+        u3 = use4[:, :, None]
+        ml, mh = jnp.where(u3, ml4, ml), jnp.where(u3, mh4, mh)
+    elif block_scale != "max6":
+        raise ValueError(f"NVFP4 kernel: block_scale must be 'max6' or '4over6', got {block_scale!r}")
+    packed = ml | (mh << 4) | signs
     return jnp.where(nan[:, :, None], 0, packed), byte
 
 

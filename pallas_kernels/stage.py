@@ -1,8 +1,9 @@
 """Pallas Triton kernel: stage a mixed-precision paged cache into plain attention-dtype pages (one pass).
 
-Owns the staging copy of the read side (TensorRT-LLM's staging for generic backends) and the small in-kernel
-helpers the read kernels share (`column_chunks`, `retained_mask`, `high_column`); the NVFP4 arithmetic is
-`pallas_kernels.nvfp4_ops.dequant_tile`, the twin's row read form `jmixedkv.numerics.decode_rows`:
+Owns the staging copy of the read side (TensorRT-LLM's staging for generic backends) and `column_chunks`, shared
+by the read kernels; the retained set and the ring column are `jmixedkv.layout.TwinGeometry`'s (static ``geom``),
+the NVFP4 arithmetic `pallas_kernels.nvfp4_ops.dequant_tile`, the twin's row read form
+`jmixedkv.numerics.decode_rows`:
 
 * one program per ``(batch row b, page column j, (layer, kv, head))``: it loads the NVFP4 page tile
   ``u8[page, D/2]`` + ``e4m3[page, D/16]``, dequantizes it in registers (``(e2m1 * f32(s)) * gs``, then the
@@ -16,7 +17,6 @@ Inputs are validated by `jmixedkv.read` before this runs; inside the kernel -1 p
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -24,26 +24,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jmixedkv.compat import triton_params
-from jmixedkv.layout import check_offsets
+from jmixedkv.layout import TwinGeometry, check_offsets
 from jmixedkv.numerics import decode_rows
 
 from .nvfp4_ops import dequant_tile
 
-__all__ = ["ReadGeometry", "stage_pages", "column_chunks", "retained_mask", "high_column"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadGeometry:
-    """Static read parameters (hashable): page size, retained window and high-table layout.
-
-    ``first_n`` / ``last_n`` are in the rows of the pool (raw tokens, or compressed rows for a
-    compressed-history group); ``num_fixed`` (F) and ``num_ring`` (R) are the twin table's column layout."""
-
-    page: int
-    first_n: int
-    last_n: int
-    num_fixed: int
-    num_ring: int
+__all__ = ["stage_pages", "column_chunks"]
 
 
 def column_chunks(d: int):
@@ -59,20 +45,8 @@ def column_chunks(d: int):
     return out
 
 
-def retained_mask(pos, n, geom: ReadGeometry):
-    """bool: ``pos`` (a vector) is in the retained set of a sequence of length ``n`` (rows < n only)."""
-    return ((pos < geom.first_n) | (pos >= n - geom.last_n)) & (pos < n)
-
-
-def high_column(q, geom: ReadGeometry):
-    """Twin-table column of page ``q`` (-1 when no column holds it)."""
-    if geom.num_ring == 0:
-        return jnp.where(q < geom.num_fixed, q, -1)
-    return jnp.where(q < geom.num_fixed, q, geom.num_fixed + q % geom.num_ring)
-
-
 def _stage_kernel(layers_ref, seq_ref, lens_ref, pt_ref, ht_ref, ot_ref, data_ref, scales_ref, gs_ref,
-                  hrows_ref, hscale_ref, out_ref, *, geom: ReadGeometry, kv: int, heads: int, d: int,
+                  hrows_ref, hscale_ref, out_ref, *, geom: TwinGeometry, kv: int, heads: int, d: int,
                   has_high: bool, out_dtype):
     b, j, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     li, kvh = z // (kv * heads), z % (kv * heads)
@@ -104,12 +78,8 @@ def _stage_kernel(layers_ref, seq_ref, lens_ref, pt_ref, ht_ref, ot_ref, data_re
                 store(c0, w, low_chunk(c0, w))
         return
 
-    col = high_column(j, geom)
-    width = ht_ref.shape[1]
-    hp = ht_ref[sc, jnp.clip(col, 0, width - 1)]
-    held = (col >= 0) & (col < width) & (hp >= 0)
-    overlaps = (j * page < geom.first_n) | ((j + 1) * page > n - geom.last_n)
-    use_high = held & overlaps
+    hp, held = geom.twin_page(ht_ref, sc, geom.page_column(j))
+    use_high = held & geom.page_overlaps_window(j, n)
 
     @pl.when(active & ~use_high)
     def _():
@@ -118,7 +88,7 @@ def _stage_kernel(layers_ref, seq_ref, lens_ref, pt_ref, ht_ref, ot_ref, data_re
 
     @pl.when(active & use_high)
     def _():
-        keep = retained_mask(pos, n, geom)[:, None]
+        keep = geom.is_retained(pos, n)[:, None]
         hscale = hscale_ref[lay, kvi]
         for c0, w in column_chunks(d):
             high = decode_rows(hrows_ref[lay, hp, kvi, hi, :, pl.ds(c0, w)], hscale, out_dtype)
@@ -127,7 +97,7 @@ def _stage_kernel(layers_ref, seq_ref, lens_ref, pt_ref, ht_ref, ot_ref, data_re
 
 @functools.partial(jax.jit, static_argnames=("geom", "num_staged_pages", "out_dtype", "interpret", "num_warps"))
 def stage_pages(layers, seq, kv_lens, page_table, high_table, out_table, data, scales, gs, high_rows, high_scale,
-                *, geom: ReadGeometry, num_staged_pages: int, out_dtype, interpret: bool = False,
+                *, geom: TwinGeometry, num_staged_pages: int, out_dtype, interpret: bool = False,
                 num_warps: int = 4):
     """Stage pages of ``layers`` for batch rows ``seq`` into ``out_dtype[NL, num_staged_pages, kv, H, page, D]``.
 
@@ -138,6 +108,7 @@ def stage_pages(layers, seq, kv_lens, page_table, high_table, out_table, data, s
       out_table: i32[B, W] staged page id of each ``(b, j)`` (-1 = not staged).
       data / scales / gs: the low pool (`jmixedkv.pools.LowPool` fields).
       high_rows / high_scale: the twin (`RowPool` fields), or None for a group without a twin.
+      geom: the twin's static `TwinGeometry` (``geom.page`` = the pools' page size).
 
     Staged pages not named by ``out_table`` are left unwritten (unspecified contents).
     """

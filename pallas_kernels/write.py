@@ -128,14 +128,14 @@ def _negate(a):
 
 
 # --------------------------------------------------------------------------------------------- in-kernel codec
-def _quantize_tile(x, gs, exact_asm: bool):
+def _quantize_tile(x, gs, exact_asm: bool, block_scale: str = "max6"):
     """NVFP4 of ``x f32[BT, DP]`` with the arithmetic of the `pallas_kernels.nvfp4` quantize kernel
     (`pallas_kernels.nvfp4_ops.quantize_halves`, exact ``div.rn`` reciprocals when ``exact_asm``).
 
     Returns ``(packed u8[BT, DP/2], scales float8_e4m3fn[BT, DP/16])``, bit-identical to `jmixedkv.nvfp4.quantize`."""
     bt, dp = x.shape
     lo, hi, signs = f32_halves(as_bits(x).reshape(bt, dp // BLOCK, BLOCK))        # [BT, B, 8] each
-    packed, byte = quantize_halves(lo, hi, signs, jnp.reshape(gs, (1, 1)), exact_asm)
+    packed, byte = quantize_halves(lo, hi, signs, jnp.reshape(gs, (1, 1)), exact_asm, block_scale)
     packed = packed.astype(jnp.uint8).reshape(bt, dp // 2)
     return packed, jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
 
@@ -172,6 +172,7 @@ class _Plan:
     heads_per_program: int
     interpret: bool
     num_warps: int = 4
+    block_scale: str = "max6"   # NVFP4 block scaling ("max6" | "4over6", `jmixedkv.nvfp4.quantize`)
 
     @property
     def grid(self):
@@ -291,7 +292,8 @@ def _write_kernel(plan: _Plan, *refs):
         c2 = c0 // 2 + jax.lax.broadcasted_iota(jnp.int32, (1, w // 2), 1)
         c16 = c0 // BLOCK + jax.lax.broadcasted_iota(jnp.int32, (1, w // BLOCK), 1)
         if plan.has_low:
-            packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], not plan.interpret)
+            packed, scales = _quantize_tile(x.astype(jnp.float32), gs_ref[layer, kvi], not plan.interpret,
+                                            plan.block_scale)
             pltriton.store(data_ref.at[layer, low_pg, kvi, h, low_row, c2], packed,
                            mask=_row_mask(low_ok, c2, d // 2, padded))
             pltriton.store(scales_ref.at[layer, low_pg, kvi, h, low_row, c16], scales,
@@ -371,7 +373,7 @@ def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions,
 
 def plan_for(pools, k, v, layer, rope=None, *, block_t: Optional[int] = None,
              heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
-             num_warps: int = 4) -> _Plan:
+             num_warps: int = 4, block_scale: str = "max6") -> _Plan:
     """The static plan `write_rows` would use (shapes only; for benches and tests)."""
     num_layers, kv, heads, page, d = _geometry(pools)
     num_tokens = k.shape[-3]
@@ -399,7 +401,8 @@ def plan_for(pools, k, v, layer, rope=None, *, block_t: Optional[int] = None,
         k_dtype=jnp.dtype(k.dtype).name, v_dtype=jnp.dtype(v.dtype).name if v is not None else None,
         rope_style=rope.style if rope is not None else None,
         rotary_dim=(rope.rotary_dim or d) if rope is not None else 0,
-        block_t=block_t, heads_per_program=hb, interpret=bool(interpret), num_warps=num_warps)
+        block_t=block_t, heads_per_program=hb, interpret=bool(interpret), num_warps=num_warps,
+        block_scale=block_scale)
 
 
 def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
@@ -422,7 +425,7 @@ def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
 
 def write_rows(pools, k, v, layer, low_slot, high_slot, page_size: int, positions=None, rope=None, *,
                block_t: Optional[int] = None, heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
-               num_warps: int = 4, debug: bool = False):
+               num_warps: int = 4, debug: bool = False, block_scale: str = "max6"):
     """Store new rows of one layer or all layers into a group's pools, in place (one fused kernel).
 
     Args:
@@ -441,6 +444,7 @@ def write_rows(pools, k, v, layer, low_slot, high_slot, page_size: int, position
       num_warps: Triton warps per program (GPU only).
       interpret: force interpret mode (default: interpret when no GPU, unless inside `lowering_for_cuda`).
       debug: print the kernel jaxpr and Triton IR while lowering (pallas ``debug=True``).
+      block_scale: NVFP4 block scaling of the low rows, ``"max6"`` or ``"4over6"`` (`KVCacheConfig.block_scale`).
 
     Returns:
       the updated pools, ``dataclasses.replace`` of ``pools`` (the same buffers when the caller donates them).
@@ -452,7 +456,7 @@ def write_rows(pools, k, v, layer, low_slot, high_slot, page_size: int, position
     positions = None if positions is None else jnp.asarray(positions)
     _, kv, _, _, d = _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions, rope)
     plan = plan_for(pools, k, v, layer, rope, block_t=block_t, heads_per_program=heads_per_program,
-                    interpret=interpret, num_warps=num_warps)
+                    interpret=interpret, num_warps=num_warps, block_scale=block_scale)
     if plan.num_tokens == 0:
         return pools
     if plan.row_pool == "high" and high_slot is None:

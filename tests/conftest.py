@@ -1,4 +1,4 @@
-"""Shared test helpers: NaN-safe bitwise comparisons of arrays and pytrees.
+"""Test session setup (shared helpers live in `helpers.py`).
 
 Tests run with 4 host CPU devices (``--xla_force_host_platform_device_count=4``) so the tensor-parallel tests
 can build a ``("tp",)`` mesh; single-device code is unaffected (it runs on device 0).
@@ -18,28 +18,6 @@ if cuda_plugin_installed():
     os.environ["XLA_FLAGS"] = xla_flags_with_ieee_division(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
-import numpy as np
-
-
-def bits(x):
-    """Bit-pattern view of an array (so NaN == NaN when the bytes agree)."""
-    x = np.asarray(x)
-    if x.dtype == bool:
-        return x.view(np.uint8)
-    return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(f"u{x.dtype.itemsize}")
-
-
-def assert_trees_bit_equal(a, b):
-    """Same tree structure and every leaf bit-identical (shape, dtype, bytes)."""
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
-    for i, (x, y) in enumerate(zip(la, lb)):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.shape == y.shape and x.dtype == y.dtype, (i, x.shape, y.shape, x.dtype, y.dtype)
-        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"leaf {i}")
-
-
 import pytest  # noqa: E402
 
 

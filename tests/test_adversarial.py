@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jmixedkv as jm
-from conftest import assert_trees_bit_equal, bits
+from helpers import assert_trees_bit_equal, bits
 from jmixedkv import checks, offload, speculative as sp
 from jmixedkv.checks import (ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_POSITION, ERR_BAD_SLOT,
                              ERR_SHARED_PAGE)
@@ -23,7 +23,6 @@ CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=3, last_n=5, page_size=4, max
 LENS = (9, 14, 5)        # slots 0..2 filled, slot 3 free
 BACKENDS = ["reference", "pallas"]
 
-_append = jax.jit(jm.append, static_argnames=("group", "rope", "backend"))
 _stage_all = jax.jit(lambda st: jnp.stack([jm.stage_reference(st, l, jnp.arange(S, dtype=jnp.int32))
                                            for l in range(L)]))
 
@@ -41,7 +40,7 @@ def _filled_cached():
     for s, n in enumerate(LENS):
         state = jm.admit(state, s)
         k = _rows(rng, n)
-        state = _append(state, k, k * 2, jnp.full((n,), s, jnp.int32), jnp.arange(n, dtype=jnp.int32), None,
+        state = jm.append(state, None, k, k * 2, jnp.full((n,), s, jnp.int32), jnp.arange(n, dtype=jnp.int32),
                         backend="reference")
     assert int(state.error) == 0
     return jax.device_get(state)
@@ -79,8 +78,8 @@ def assert_others_unchanged(before, after, touched):
 
 
 def jit_append(state, k, v, seq, pos, layer=None, backend="reference"):
-    return _append(state, k, v, jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32),
-                   None if layer is None else jnp.int32(layer), backend=backend)
+    return jm.append(state, None if layer is None else jnp.int32(layer), k, v, jnp.asarray(seq, jnp.int32),
+                     jnp.asarray(pos, jnp.int32), backend=backend)
 
 
 # ------------------------------------------------------------------------------------------------ append
@@ -121,17 +120,17 @@ def test_append_host_values_raise_naming_the_value():
     state = filled()
     k = _rows(np.random.default_rng(1), 1)
     with pytest.raises(ValueError, match=r"seq_slots\[0\]=4 out of range \[-1, 4\)"):
-        jm.append(state, k, k, [S], [0], backend="reference")
+        jm.append(state, None, k, k, [S], [0], backend="reference")
     with pytest.raises(ValueError, match=r"positions\[0\]=4294967298 out of range"):
-        jm.append(state, k, k, [0], np.array([2 ** 32 + 2], np.int64), backend="reference")
+        jm.append(state, None, k, k, [0], np.array([2 ** 32 + 2], np.int64), backend="reference")
     with pytest.raises(ValueError, match="seq_slots must be integers, got dtype float"):
-        jm.append(state, k, k, [0.0], [9], backend="reference")
+        jm.append(state, None, k, k, [0.0], [9], backend="reference")
     with pytest.raises(ValueError, match=r"positions\[0\]=-1 is negative"):
-        jm.append(state, k, k, [0], [-1], backend="reference")
+        jm.append(state, None, k, k, [0], [-1], backend="reference")
     with pytest.raises(ValueError, match=r"layer=7 out of range \[0, 2\)"):
-        jm.append(state, k[0], k[0], [0], [9], layer=7, backend="reference")
+        jm.append(state, 7, k[0], k[0], [0], [9], backend="reference")
     with pytest.raises(ValueError, match="integer array"):
-        jm.append(state, k, k, jnp.array([0.0]), jnp.array([9]), backend="reference")
+        jm.append(state, None, k, k, jnp.array([0.0]), jnp.array([9]), backend="reference")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -438,9 +437,9 @@ def test_gather_and_overlay_bad_slot_layer_index_are_flagged(backend, fp8):
     if not fp8:
         ov = jax.jit(functools.partial(jm.overlay_retained_rows, backend=backend, validate=False))
         scratch, _ = jm.gather_rows(state, 0, np.array([0, 1, 2]), np.asarray(idx), overlay=False, backend=backend)
-        out = ov(scratch, state, jnp.int32(0), jnp.array([0, -7, 2], jnp.int32), idx)
+        out = ov(state, jnp.int32(0), scratch, jnp.array([0, -7, 2], jnp.int32), idx)
         assert np.isnan(np.asarray(out[1], np.float32)).all()
-        ref = ov(scratch, state, jnp.int32(0), jnp.array([0, 1, 2], jnp.int32), idx)
+        ref = ov(state, jnp.int32(0), scratch, jnp.array([0, 1, 2], jnp.int32), idx)
         np.testing.assert_array_equal(bits(out[0]), bits(ref[0]))
     with pytest.raises(ValueError, match="out of range"):
         jm.gather_rows(state, 0, np.array([0, S, 2]), np.asarray(idx), backend=backend)
@@ -473,28 +472,28 @@ def test_manager_refuses_what_the_device_would_and_mirrors_it():
                           backend="reference")
     a, b = mgr.admit(), mgr.admit()
     k = _rows(np.random.default_rng(0), 6)
-    mgr.append(k, k, [a] * 6, range(6))
+    mgr.append(None, k, k, [a] * 6, range(6))
     before = jax.device_get(mgr.state)
     k1 = _rows(np.random.default_rng(1), 1)
     with pytest.raises(ValueError, match=r"slot 0 has kv_len 6; positions \[8, 8\]"):
-        mgr.append(k1, k1, [a], [8])                                   # a gap: used to be accepted
+        mgr.append(None, k1, k1, [a], [8])                                   # a gap: used to be accepted
     with pytest.raises(ValueError, match=r"positions \[2, 2\]"):
-        mgr.append(k1, k1, [a], [2])                                   # old position
+        mgr.append(None, k1, k1, [a], [2])                                   # old position
     with pytest.raises(ValueError, match="distinct and contiguous"):
-        mgr.append(_rows(np.random.default_rng(1), 2), _rows(np.random.default_rng(1), 2), [a, a], [6, 6])
+        mgr.append(None, _rows(np.random.default_rng(1), 2), _rows(np.random.default_rng(1), 2), [a, a], [6, 6])
     with pytest.raises(ValueError, match="seq_slots must be integers, got dtype float"):
-        mgr.append(k1, k1, [0.0], [6])
+        mgr.append(None, k1, k1, [0.0], [6])
     with pytest.raises(ValueError, match=r"layer=7 out of range"):
-        mgr.append(k1[0], k1[0], [a], [6], layer=7)
+        mgr.append(7, k1[0], k1[0], [a], [6])
     with pytest.raises(ValueError, match=r"seq_slots\[0\]=5 out of range"):
-        mgr.append(k1, k1, [5], [0])
+        mgr.append(None, k1, k1, [5], [0])
     with pytest.raises(ValueError, match="slot=1.5|must be an integer"):
         mgr.admit(1.5)
     assert_trees_bit_equal(jax.device_get(mgr.state), before)
     # per-layer appends of the same tokens, then the mirror equals the device exactly
     for layer in range(L):
-        mgr.append(k1[layer], k1[layer], [a], [6], layer=layer)
-    mgr.append(k1, k1, [b], [0])
+        mgr.append(layer, k1[layer], k1[layer], [a], [6])
+    mgr.append(None, k1, k1, [b], [0])
     assert mgr.can_append([a] * 2, [7, 8])
     mgr.check()
     np.testing.assert_array_equal(mgr._lens, np.asarray(mgr.state.kv_lens))
@@ -523,8 +522,8 @@ def test_sharded_append_refusals(mesh2, backend):
     for seq, pos, layer, bit in (([S], [0], None, ERR_BAD_SLOT), ([1], [2], None, ERR_BAD_POSITION),
                                  ([0], [LENS[0]], 9, ERR_BAD_LAYER)):
         kk = k if layer is None else k[0]
-        after = fn(state, kk, kk, jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32),
-                   None if layer is None else jnp.int32(layer))
+        after = fn(state, None if layer is None else jnp.int32(layer), kk, kk, jnp.asarray(seq, jnp.int32),
+                   jnp.asarray(pos, jnp.int32))
         assert_refused(jax.device_get(state), jax.device_get(after), bit)
         # replicated leaves (error bits, tables) agree on every shard
         for leaf in (after.error, after.kv_lens, after.page_table):
@@ -532,10 +531,10 @@ def test_sharded_append_refusals(mesh2, backend):
             for c in copies[1:]:
                 np.testing.assert_array_equal(c, copies[0])
     with pytest.raises(ValueError, match=r"seq_slots\[0\]=4 out of range"):
-        sharding.sharded_append(mesh2, state, k, k, [S], [0], backend=backend)
+        sharding.sharded_append(mesh2, state, None, k, k, [S], [0], backend=backend)
     with pytest.raises(ValueError, match="layer=9 out of range"):
-        sharding.sharded_append(mesh2, state, k[0], k[0], [0], [9], layer=9, backend=backend)
-    ok = fn(state, k, k, jnp.array([0], jnp.int32), jnp.array([LENS[0]], jnp.int32), None)
+        sharding.sharded_append(mesh2, state, 9, k[0], k[0], [0], [9], backend=backend)
+    ok = fn(state, None, k, k, jnp.array([0], jnp.int32), jnp.array([LENS[0]], jnp.int32))
     assert int(ok.error) == 0
     assert_others_unchanged(jax.device_get(state), jax.device_get(ok), touched={0})
 
@@ -579,16 +578,16 @@ def test_manager_refuses_writes_into_shared_pages_after_fork():
                           backend="reference")
     a = mgr.admit()
     k = _rows(np.random.default_rng(0), 9)
-    mgr.append(k, k, [a] * 9, range(9))
+    mgr.append(None, k, k, [a] * 9, range(9))
     mgr.replace_state(jax.jit(jm.fork)(mgr.state, a, 1))           # pages 0, 1 shared, page 2 copied
     before = jax.device_get(mgr.state)
     with pytest.raises(ValueError, match="shared"):
-        mgr.append(k, k, [1] * 9, range(9))                         # a legal suffix by position, but shared pages
+        mgr.append(None, k, k, [1] * 9, range(9))                         # a legal suffix by position, but shared pages
     assert_trees_bit_equal(jax.device_get(mgr.state), before)
     k1 = _rows(np.random.default_rng(1), 2)
-    mgr.append(k1, k1, [a, 1], [9, 9])                              # from kv_len: the copied page, fine
+    mgr.append(None, k1, k1, [a, 1], [9, 9])                              # from kv_len: the copied page, fine
     mgr.check()
     mgr.release(a)                                                  # slot 1 now owns pages 0, 1 alone
-    mgr.append(k[:, :9], k[:, :9], [1] * 9, range(1, 10))
+    mgr.append(None, k[:, :9], k[:, :9], [1] * 9, range(1, 10))
     mgr.check()
     assert int(mgr.state.kv_lens[1]) == 10

@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_trees_bit_equal
+from helpers import assert_bits_equal, assert_trees_bit_equal, bits
 from jmixedkv import compressed as cz
 from jmixedkv import nvfp4
 from jmixedkv.config import KVCacheConfig
-from test_stage import assert_bitexact
 
 CFG = KVCacheConfig("mixed_nvfp4_bf16", first_n=64, last_n=100, page_size=8, max_draft_len=4)
 D = 64
@@ -20,17 +19,12 @@ D = 64
 _quantize = jax.jit(nvfp4.quantize)
 
 
-def _raw(x):
-    """Bytes of an array of any rank and dtype (bitwise, NaN-safe comparisons)."""
-    return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
-
-
 def test_geometry():
     g4, g128 = cz.compressed_geometry(CFG, 4), cz.compressed_geometry(CFG, 128)
-    assert (g4.first_c, g4.last_c, g4.num_fixed, g4.num_ring) == (16, 25, 2, 5)
-    assert (g128.first_c, g128.last_c, g128.num_fixed, g128.num_ring) == (1, 1, 1, 2)
+    assert (g4.first_n, g4.last_n, g4.num_fixed, g4.num_ring) == (16, 25, 2, 5)
+    assert (g128.first_n, g128.last_n, g128.num_fixed, g128.num_ring) == (1, 1, 1, 2)
     g = cz.compressed_geometry(KVCacheConfig("mixed_nvfp4_bf16", first_n=5, page_size=8), 4)
-    assert (g.first_c, g.last_c, g.num_fixed, g.num_ring) == (2, 0, 1, 0)
+    assert (g.first_n, g.last_n, g.num_fixed, g.num_ring) == (2, 0, 1, 0)
     with pytest.raises(ValueError, match="ratio must be an integer >= 1"):
         cz.compressed_geometry(CFG, 0)
 
@@ -42,7 +36,7 @@ def make_cache(ratios=(4, 128), seed=0):
     for r in ratios:
         geom = cache.geometry(r)
         low = rng.permutation(20)[:16].reshape(2, 8)
-        twin = rng.permutation(2 * geom.twin_width).reshape(2, geom.twin_width)
+        twin = rng.permutation(2 * geom.width).reshape(2, geom.width)
         cache = cz.with_tables(cache, r, page_table=low, twin_table=twin)
     return cache
 
@@ -101,14 +95,14 @@ def test_write_read_with_released_page(release_before_write):
     table = np.asarray(cache.levels[4].twin_table)
     held = expected_mask(table, seqs, cpos, geom)
     n_c = np.array(raw_lens) // 4
-    retained = (cpos < geom.first_c) | (cpos >= n_c[seqs] - geom.last_c)
+    retained = (cpos < geom.first_n) | (cpos >= n_c[seqs] - geom.last_n)
     gs = np.asarray(cache.levels[4].low.gs)
     for layer in (0, 1):
         got = cz.read_compressed_reference(cache, 4, layer, jnp.asarray(seqs), jnp.asarray(cpos))
         data, sc = _quantize(x[layer], gs[layer][None, :, None])   # jitted, like the write
         deq = nvfp4.dequantize(data, sc, gs[layer][None, :, None], jnp.bfloat16)
         want = np.where((retained & held)[:, None, None, None], np.asarray(x[layer]), np.asarray(deq))
-        assert_bitexact(got, want)
+        assert_bits_equal(got, want)
         assert (retained & ~held)[(seqs == 0) & (cpos >= 8) & (cpos < 16)].all()   # retained, read from NVFP4
     # twin rows were written exactly where the write mask held (the rest of the poisoned twin stays NaN)
     twin = np.asarray(cache.levels[4].twin.rows[0], np.float32)
@@ -135,7 +129,7 @@ def test_ratio_128_group_and_pallas_gather():
         ix = np.where(idx < (np.array([240, 36]) // ratio)[:, None], idx, -1)
         ref = cz.gather_compressed(cache, ratio, 1, np.array([0, 1]), ix, backend="reference")
         got = cz.gather_compressed(cache, ratio, 1, np.array([0, 1]), ix, backend="pallas")
-        assert_bitexact(got, ref)
+        assert_bits_equal(got, ref)
         assert not np.isnan(np.asarray(got, np.float32)).any()
     with pytest.raises(ValueError, match=r"indices\[1, 0\]=9 out of range \[-1, 9\) for sequence slot 1"):
         cz.gather_compressed(cache, 4, 1, np.array([0, 1]), np.array([[0], [9]], np.int32))
@@ -150,7 +144,7 @@ def test_ratio_128_group_and_pallas_gather():
     assert np.asarray(cz.twin_row_mask(cache, 128, jnp.array([0, 1, 1]), jnp.array([0, 0, 1]))).all()
     twin = cache.levels[128].twin.rows[0]
     ht = np.asarray(cache.levels[128].twin_table)
-    assert_bitexact(x[1:], twin[ht[1, 0], 0, 0, jnp.array([0, 1])][:, None, None])   # both on fixed page 0
+    assert_bits_equal(x[1:], twin[ht[1, 0], 0, 0, jnp.array([0, 1])][:, None, None])   # both on fixed page 0
 
 
 def test_pure_and_jittable():
@@ -158,7 +152,7 @@ def test_pure_and_jittable():
     before = jax.tree.map(np.asarray, cache)
     f = jax.jit(lambda c, x, s, p: cz.write_compressed_reference(c, 4, x, 0, s, p))
     out = f(cache, jnp.ones((3, 1, 1, D), jnp.bfloat16), jnp.array([0, 0, 1]), jnp.array([0, 1, 0]))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(_raw(a), _raw(b)), cache, before)
+    assert_trees_bit_equal(cache, before, "the input cache")
     assert jax.tree.structure(out) == jax.tree.structure(cache)
 
 
@@ -173,7 +167,7 @@ def test_compressed_gather_on_gpu_bitexact():
     idx[1] = np.where(idx[1] < 9, idx[1], -1)
     ref = cz.gather_compressed(cache, 4, 1, np.array([0, 1]), idx, backend="reference")
     got = cz.gather_compressed(cache, 4, 1, np.array([0, 1]), idx, backend="pallas")
-    assert_bitexact(got, ref)
+    assert_bits_equal(got, ref)
 
 
 # ---------------------------------------------------------------------------------------------- bad input (issue 17)
@@ -237,12 +231,12 @@ def test_old_row_rewrite_cannot_clobber_the_twin_window():
     out = _write4(cache, x2, 0, jnp.array([0, 0]), jnp.array([59, 58]))
     assert int(out.error) == 0
     after = _all_rows(out)
-    changed = np.flatnonzero((_raw(before).reshape(128, -1) != _raw(after).reshape(128, -1)).any(axis=1))
+    changed = np.flatnonzero((bits(before).reshape(128, -1) != bits(after).reshape(128, -1)).any(axis=1))
     assert changed.tolist() == [58, 59]
     # an extension from n_c (sequence 1: rows 9, 10) is legal and leaves sequence 0 alone
     out = _write4(cache, x2, 0, jnp.array([1, 1]), jnp.array([9, 10]))
     assert int(out.error) == 0
-    np.testing.assert_array_equal(_raw(_all_rows(out)[:64]), _raw(before[:64]))
+    assert_bits_equal(_all_rows(out)[:64], before[:64])
 
 
 def test_host_validation_names_the_value():
@@ -330,8 +324,8 @@ def test_readers_flag_bad_slot_layer_and_page():
     cache = _written()
     good = _read4(cache, jnp.int32(1), jnp.array([0, 1]), jnp.array([57, 3]))
     got = _read4(cache, jnp.int32(1), jnp.array([0, 2, -1, -3, 1, 7]), jnp.array([57, 3, 3, 3, 3, 0]))
-    np.testing.assert_array_equal(_raw(got[0]), _raw(good[0]))
-    np.testing.assert_array_equal(_raw(got[4]), _raw(good[1]))
+    assert_bits_equal(got[0], good[0])
+    assert_bits_equal(got[4], good[1])
     assert not np.asarray(got[2], np.float32).any()                      # padding: zero
     for row in (1, 3, 5):                                                # bad slots: NaN, never sequence 1's rows
         assert np.isnan(np.asarray(got[row], np.float32)).all()

@@ -1,16 +1,13 @@
 """Fused paged decode attention (`pallas_kernels.decode_attention`, `jmixedkv.attention`) against float32
 `attention_reference` over `stage_reference` (the cache a reader must see).
 
-States are built with `init_state(poison=True)` + `admit` + one ragged `append` (reference backend), so every row
-past a sequence's length decodes to NaN: a kernel that reads one shows. Kernels run in interpret mode on CPU,
+States are `helpers.decode_state` (`helpers.poisoned_state`: permuted page ids, one ragged reference `append`), so
+every row past a sequence's length decodes to NaN: a kernel that reads one shows. Kernels run in interpret mode on CPU,
 are cross-lowered for CUDA, and run for real under the ``gpu`` marker.
 
 Error metric: relative L2 of the kernel's output against the float32 reference rounded to the output dtype
 (< 1e-3), plus the float32-output kernel against the unrounded reference (< 1e-4) and LSE (abs < 1e-4).
 """
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,73 +15,31 @@ import pytest
 import jmixedkv as jm
 from jmixedkv.attention import decode_attention, merge_attention
 from jmixedkv.compat import cross_lower_cuda, on_gpu
+from jmixedkv.layout import TwinGeometry
 from pallas_kernels.decode_attention import default_num_splits, merge_partials, paged_decode_attention
+from helpers import check_kernel, rel_l2
+from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state
 
-_append = jax.jit(jm.append, static_argnames=("group", "rope", "backend"))
-_admit = jax.jit(jm.admit)
-
-
-def rel_l2(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+def _decode(st, layer, q, seq, **kw):
+    return decode_attention(st, layer, q, seq, backend="pallas", **kw)
 
 
-@functools.lru_cache(maxsize=None)
-def make_state(dtype="mixed_nvfp4_bf16", first_n=5, last_n=7, page=16, lens=(1, 15, 16, 17, 70), heads=2, d=64,
-               layers=2, max_draft_len=2, gs=0.05, seed=0, permute=True):
-    """A poisoned cache holding ``len(lens)`` sequences of random (outlier-laden) K/V, pages in permuted order."""
-    cfg = jm.KVCacheConfig(dtype, first_n=first_n, last_n=last_n, page_size=page, max_draft_len=max_draft_len)
-    spec = jm.GroupSpec(num_layers=layers, num_kv_heads=heads, head_dim=d)
-    num_pages = sum(-(-n // page) for n in lens) + 2
-    order = np.random.default_rng(seed).permutation(num_pages).astype(np.int32) if permute else None
-    high_order = None
-    if permute and cfg.num_high_pages_per_seq:
-        high_order = np.random.default_rng(seed + 1).permutation(len(lens) * cfg.num_high_pages_per_seq)
-    st = jm.init_state(cfg, spec, num_pages=num_pages, max_seqs=len(lens), max_pages_per_seq=-(-max(lens) // page),
-                       poison=True, gs=gs, high_scale=0.02, page_order=order, high_page_order=high_order)
-    for s in range(len(lens)):
-        st = _admit(st, s)
-    seq = np.concatenate([np.full(n, s) for s, n in enumerate(lens)]).astype(np.int32)
-    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
-    key = jax.random.PRNGKey(seed)
-    kk, kv, ko = jax.random.split(key, 3)
-    shape = (layers, len(seq), heads, d)
-    k = jax.random.normal(kk, shape) * 2.0
-    k = k + 20.0 * (jax.random.uniform(ko, shape) < 0.01)          # outliers: spread logits and block scales
-    v = jax.random.normal(kv, shape)
-    att = cfg.attention_dtype
-    st = _append(st, k.astype(att), v.astype(att), seq, pos, backend="reference")
-    assert int(st.error) == 0
-    return st
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
-def reference(st, layer, q, seq, sm_scale=None, sliding_window=None, soft_cap=None):
-    """float32 attention over the staged cache (float32 staging for NVFP4 groups: the exact decoded values); query rows that see no key (position < 0 when Tq > n) give zeros
-    and LSE -inf, as the kernel (the raw reference gives NaN there: softmax over nothing)."""
-    exact = st.kinds[0] != "plain"      # NVFP4 / twin values are read exactly by the kernel (never rounded)
-    staged = jm.stage_reference(st, layer, seq, dtype=jnp.float32 if exact else None)
-    out, lse = jm.attention_reference(q, staged[:, 0], staged[:, 1], st.kv_lens[seq], sm_scale=sm_scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap)
-    ok = lse > -jnp.inf
-    return jnp.where(ok[..., None], out, 0.0), jnp.where(ok, lse, -jnp.inf)
-
-
-def queries(st, tq, hq, seed=1):
-    d = st.groups[0].head_dim
-    return (jax.random.normal(jax.random.PRNGKey(seed), (st.max_seqs, tq, hq, d)) * 1.5).astype(
-        st.config.attention_dtype)
+def _decode_expected(st, layer, q, seq, **kw):
+    """`reference` with the output rounded to the attention dtype (what the kernel returns)."""
+    out, lse = reference(st, layer, q, seq, **kw)
+    return out.astype(st.config.attention_dtype), lse
 
 
 def check(st, tq, hq, layer=1, num_splits=None, **kw):
+    """The Pallas kernel through `decode_attention` (jitted, run twice) vs the float32 reference: relative L2 of
+    the output < 1e-3 against the reference rounded to the output dtype, < 4e-3 against float32; LSE within 1e-4."""
     q = queries(st, tq, hq)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
-    out, lse = decode_attention(st, layer, q, seq, num_splits=num_splits, backend="pallas", **kw)
+    (out, lse), _ = check_kernel(_decode, _decode_expected, (st, layer, q, seq), kernel_kw=dict(num_splits=num_splits,
+                                 **kw), reference_kw=kw, tol=(1e-3, 1e-4), msg=f"decode {kw}")
     ref_o, ref_lse = reference(st, layer, q, seq, **kw)
     assert out.dtype == st.config.attention_dtype and out.shape == q.shape and lse.shape == q.shape[:3]
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    err = rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32))
-    assert err < 1e-3, err
     assert rel_l2(np.asarray(out, np.float32), ref_o) < 4e-3          # bf16 rounding bound vs float32
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
     return q, out, lse
@@ -106,6 +61,19 @@ def test_fp8_twin_gqa1_all_high():
     """mixed_nvfp4_fp8 twin (scale 0.02); first_n + last_n >= n for every row: all reads come from the twin."""
     st = make_state("mixed_nvfp4_fp8", first_n=24, last_n=16, lens=(1, 16, 33), d=32)
     check(st, tq=1, hq=2)
+
+
+def test_wide_grid_tuning_batch9_heads8():
+    """batch x KV heads >= NUM_SMS / 2 with page 16 and one query row per head: the kernel's wide-grid default
+    (32-token steps, 1 warp, ~16 programs per SM, V read after the softmax) -- checked to be the one chosen."""
+    from pallas_kernels.decode_attention import DEFAULT_BLOCK_K, NUM_SMS, WIDE_GRID_TUNING, default_tuning
+    lens = (1, 15, 16, 17, 33, 2, 31, 48, 9)
+    assert len(lens) * 8 >= NUM_SMS // 2
+    assert default_tuning("nvfp4", len(lens), 8, 16, 16) == tuple(WIDE_GRID_TUNING[k] for k in
+                                                                  ("block_k", "num_warps", "per_sm"))
+    assert WIDE_GRID_TUNING["block_k"] != DEFAULT_BLOCK_K["nvfp4"]
+    st = make_state(lens=lens, heads=8, d=32, layers=1, first_n=3, last_n=9)
+    check(st, tq=1, hq=8, layer=0)
 
 
 def test_all_low_nvfp4():
@@ -137,8 +105,7 @@ def test_tq_longer_than_sequence_small_blocks_poisoned_splits():
         ref_o, ref_lse = reference(st, 1, q, seq, **kw)
         assert np.isfinite(np.asarray(ref_o)).all()
         out, lse = paged_decode_attention(
-            q, st.page_table, st.kv_lens, 1, pools.low, pools.high, None, st.high_table, first_n=cfg.first_n,
-            last_n=cfg.last_n, num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages, num_splits=3,
+            q, st.page_table, st.kv_lens, 1, pools.low, pools.high, None, st.high_table, geom=cfg.twin, num_splits=3,
             block_k=16, interpret=True, out_dtype=jnp.float32, **kw)
         assert np.isfinite(np.asarray(out)).all()
         assert rel_l2(out, ref_o) < 1e-4, kw
@@ -154,8 +121,7 @@ def test_float32_output_three_splits():
     ref_o, ref_lse = reference(st, 0, q, seq)
     cfg, pools = st.config, st.pools[0]
     out, lse = paged_decode_attention(
-        q, st.page_table, st.kv_lens, 0, pools.low, pools.high, None, st.high_table, first_n=cfg.first_n,
-        last_n=cfg.last_n, num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages, num_splits=3,
+        q, st.page_table, st.kv_lens, 0, pools.low, pools.high, None, st.high_table, geom=cfg.twin, num_splits=3,
         interpret=True, out_dtype=jnp.float32)
     assert rel_l2(out, ref_o) < 1e-4
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
@@ -245,7 +211,7 @@ def test_cross_lowers_for_cuda(variant, tuning):
     tq = 3 if variant == "mixed_fp8_verify" else 1
     q = jnp.zeros((B, tq, 8, D), jnp.bfloat16)
     pt, lens, ht = jnp.zeros((B, 8), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
-    kw = dict(first_n=5, last_n=7, num_fixed=1, num_ring=3, num_splits=2, **tuning)
+    kw = dict(geom=TwinGeometry(page, 5, 7, 1, 3), num_splits=2, **tuning)
     if variant.startswith("mixed"):
         extra = dict(sliding_window=64, soft_cap=30.0) if tq > 1 else {}
         fn = lambda q, pt, lens, ht, low, high: paged_decode_attention(  # noqa: E731

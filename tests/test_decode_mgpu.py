@@ -1,5 +1,5 @@
 """Mosaic GPU decode attention (`pallas_kernels.decode_mgpu`) against float32 `attention_reference` over
-`stage_reference` (the cache a reader must see), on the poisoned caches of `test_decode_attention.make_state`.
+`stage_reference` (the cache a reader must see), on the poisoned caches of `helpers.decode_state`.
 
 What CPU CI checks: the kernel body's semantics in the Mosaic GPU interpreter (``interpret=True``: TMA ring,
 barriers, wgmma on shared-memory operands, page-table indexing, masks, split-K merge, the retained-row / causal
@@ -14,9 +14,11 @@ import pytest
 
 from jmixedkv.attention import decode_attention
 from jmixedkv.compat import cross_lower_cuda, on_gpu
+from jmixedkv.layout import TwinGeometry
 from pallas_kernels import decode_mgpu
 from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu, preferred, supported
-from test_decode_attention import make_state, queries, reference, rel_l2
+from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state
+from helpers import rel_l2
 
 
 
@@ -33,8 +35,7 @@ def _run(st, q, layer, **kw):
     mixed = st.kinds[0] == "mixed"
     return paged_decode_attention_mgpu(
         q, st.page_table, st.kv_lens, layer, pools.low, pools.high if mixed else None,
-        st.high_table if mixed else None, first_n=cfg.first_n if mixed else 0, last_n=cfg.last_n if mixed else 0,
-        num_fixed=cfg.num_fixed_pages, num_ring=cfg.num_ring_pages, **kw)
+        st.high_table if mixed else None, geom=cfg.twin if mixed else None, **kw)
 
 
 # ------------------------------------------------------------------------------------------ interpret mode
@@ -115,8 +116,8 @@ def test_cross_lowers_for_cuda(page, tq, hq, twin):
     pt, lens, ht = jnp.zeros((B, 12), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
 
     def fn(q, pt, lens, ht, low, high):
-        return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht if twin else None, first_n=5, last_n=7,
-                                           num_fixed=1, num_ring=3, num_splits=2)
+        return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht if twin else None,
+                                           geom=TwinGeometry(page, 5, 7, 1, 3), num_splits=2)
     text = cross_lower_cuda(fn, q, pt, lens, ht, low, high)
     assert "mosaic_gpu" in text
 
@@ -124,9 +125,9 @@ def test_cross_lowers_for_cuda(page, tq, hq, twin):
 # ------------------------------------------------------------------------------------------ GPU (H200)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tq,hq,page", [
-    ("mixed_nvfp4_bf16", 1, 32, 16),      # ran on the H200 2026-11-30 (bench/_mgpu_probe-style check)
-    ("mixed_nvfp4_bf16", 3, 64, 16),      # ran on the H200 2026-11-30
-    ("mixed_nvfp4_bf16", 2, 16, 16),      # ran on the H200 2026-11-30
+    ("mixed_nvfp4_bf16", 1, 32, 16),
+    ("mixed_nvfp4_bf16", 3, 64, 16),
+    ("mixed_nvfp4_bf16", 2, 16, 16),
     ("nvfp4", 1, 32, 16),
     ("mixed_nvfp4_fp16", 2, 16, 16),
 ])

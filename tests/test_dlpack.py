@@ -142,7 +142,8 @@ def test_nvfp4_crosses_as_bytes():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 2, 64)).astype(np.float32)).astype(jnp.bfloat16)
     gs = jnp.float32(0.75)
     data, scales = nvfp4.quantize(x, gs)
-    td, ts, tgs = nvfp4_to_torch(data, scales, gs)
+    td, ts, tgs, meta = nvfp4_to_torch(data, scales, gs)
+    assert meta is None                                          # no config given: the transform is not stated
     assert td.dtype == torch.uint8 and ts.dtype == torch.float8_e4m3fn and tgs.dtype == torch.float32
     assert td.data_ptr() == data.unsafe_buffer_pointer() and ts.data_ptr() == scales.unsafe_buffer_pointer()
     table = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32)
@@ -151,7 +152,7 @@ def test_nvfp4_crosses_as_bytes():
     got = ((blocks * ts.float()[..., None]) * tgs).reshape(codes.shape).to(torch.bfloat16)
     want = nvfp4.dequantize(data, scales, gs, jnp.bfloat16)
     np.testing.assert_array_equal(_bytes(got), np.asarray(want).view(np.uint8))
-    _, tsu, _ = nvfp4_to_torch(data, scales, scales_as_uint8=True)
+    _, tsu, _, _ = nvfp4_to_torch(data, scales, scales_as_uint8=True)
     np.testing.assert_array_equal(tsu.numpy(), np.asarray(scales).view(np.uint8))
     with pytest.raises(ValueError, match="disagree"):
         nvfp4_to_torch(data[..., :16], scales)

@@ -4,6 +4,7 @@ against a numpy computation), MLA latent 576, host validation, CUDA cross-loweri
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,15 +12,20 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from helpers import assert_bits_equal, check_kernel, poisoned_state
+
 from jmixedkv import read
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.config import KVCacheConfig
 from jmixedkv.reference import rows_reference
 from jmixedkv.state import GroupSpec
 from pallas_kernels import gather as gk
-from pallas_kernels.stage import ReadGeometry
-from test_stage import CFG, EDGE_LENGTHS, S, SPEC, assert_bitexact, build
 
+CFG = KVCacheConfig("mixed_nvfp4_bf16", first_n=5, last_n=7, page_size=8, max_draft_len=2)
+SPEC = GroupSpec(num_layers=2, num_kv_heads=2, head_dim=32)
+S, W, P = 4, 6, 24
+EDGE_LENGTHS = [0, 1, 7, 8, 9, 12, 16, 17, 40, 48]
+build = functools.partial(poisoned_state, decode_steps=3, num_seqs=S, width=W, num_pages=P)
 _rows_ref = jax.jit(lambda state, layer, seq, idx: rows_reference(state, layer, seq[:, None], idx))
 
 
@@ -56,33 +62,38 @@ def scale_numpy(state, layer, seqs, idx):
     return np.array(out, np.float32)
 
 
+def _gather(state, layer, seqs, idx, *, backend, fp8, overlay=True):
+    return read.gather_rows(state, layer, seqs, idx, backend=backend, scratch_dtype=fp8, overlay=overlay)
+
+
+def _overlay(state, layer, scratch, seqs, idx, scale, *, backend):
+    return read.overlay_retained_rows(state, layer, scratch, seqs, idx, scale=scale, backend=backend)
+
+
 def check_gather(state, seqs, idx, layer):
-    want = _rows_ref(state, layer, jnp.asarray(seqs), jnp.asarray(idx))
-    got, scale = read.gather_rows(state, layer, seqs, idx, backend="pallas")
-    assert_bitexact(got, want)
-    np.testing.assert_array_equal(np.asarray(scale), 1.0)
-    got8, scale8 = read.gather_rows(state, layer, seqs, idx, backend="pallas", scratch_dtype="fp8")
-    ref8, rscale = read.gather_rows(state, layer, seqs, idx, backend="reference", scratch_dtype="fp8")
-    np.testing.assert_array_equal(np.asarray(scale8), scale_numpy(state, layer, seqs, idx))
-    np.testing.assert_array_equal(np.asarray(rscale), np.asarray(scale8))
-    assert_bitexact(got8, read.encode_fp8_scratch(want, scale8))
-    assert_bitexact(ref8, got8)
-    # two-step: gather without the twin, then the overlay (pallas and reference), bf16 and fp8
+    """Both backends of `gather_rows` (one step, and gather without the twin followed by `overlay_retained_rows`),
+    jitted and run twice, vs `rows_reference`: the bf16 scratch bit for bit, the FP8 scratch as the jnp encoding
+    with the numpy scale. Returns the reference rows."""
+    args = (state, layer, jnp.asarray(seqs), jnp.asarray(idx))
+    rows = _rows_ref(*args)
+    scale = scale_numpy(state, layer, seqs, idx)
+    want = {None: (rows, np.ones(len(seqs), np.float32)), "fp8": (read.encode_fp8_scratch(rows, scale), scale)}
     for fp8 in (None, "fp8"):
-        bare, sc = read.gather_rows(state, layer, seqs, idx, backend="pallas", overlay=False, scratch_dtype=fp8)
-        bare_ref, _ = read.gather_rows(state, layer, seqs, idx, backend="reference", overlay=False, scratch_dtype=fp8)
-        assert_bitexact(bare, bare_ref)
-        full = got8 if fp8 else got
+        (bare, sc), _ = check_kernel(_gather, _gather, args, kernel_kw=dict(backend="pallas", fp8=fp8, overlay=False),
+                                     reference_kw=dict(backend="reference", fp8=fp8, overlay=False),
+                                     msg=f"gather without the twin, {fp8}")
         for backend in ("pallas", "reference"):
-            out = read.overlay_retained_rows(jnp.array(bare), state, layer, seqs, idx, scale=sc, backend=backend)
-            assert_bitexact(out, full)
-    return got
+            check_kernel(_gather, want[fp8], args, kernel_kw=dict(backend=backend, fp8=fp8),
+                         msg=f"gather {backend} {fp8}")
+            check_kernel(_overlay, want[fp8][0], (state, layer, bare, args[2], args[3], sc),
+                         kernel_kw=dict(backend=backend), msg=f"overlay {backend} {fp8}")
+    return rows
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(lengths=st.lists(st.sampled_from(EDGE_LENGTHS), min_size=S, max_size=S), seed=st.integers(0, 2**16))
 def test_gather_matches_reference(lengths, seed):
-    state = build(CFG, SPEC, lengths, seed)
+    state = build(CFG, SPEC, lengths, seed=seed)
     rng = np.random.default_rng(seed)
     seqs = np.concatenate([rng.permutation(S)[:3], [-1]]).astype(np.int32)
     idx = topk(rng, lengths, seqs, 16, CFG.first_n, CFG.last_n)
@@ -126,7 +137,7 @@ def test_gather_validation():
     with pytest.raises(ValueError, match="scratch_dtype"):
         read.gather_rows(state, 0, seqs, idx[:, :2], scratch_dtype="int8")
     with pytest.raises(ValueError, match="needs scale="):
-        read.overlay_retained_rows(jnp.zeros((2, 2, 2, 2, 32), jnp.float8_e4m3fn), state, 0, seqs, idx[:, :2])
+        read.overlay_retained_rows(state, 0, jnp.zeros((2, 2, 2, 2, 32), jnp.float8_e4m3fn), seqs, idx[:, :2])
     # inside jit: no host checks; an index outside [-1, kv_len) is flagged: a NaN row (jmixedkv.checks), both
     # backends alike, the other rows exactly the reference's
     for backend in ("pallas", "reference"):
@@ -134,7 +145,7 @@ def test_gather_validation():
         got = traced(state, jnp.asarray(seqs), jnp.asarray(idx))
         want = _rows_ref(state, 0, jnp.asarray(seqs), jnp.asarray(idx))
         want = want.at[1, 2].set(jnp.nan)                                     # idx[1, 2] = 17 = kv_len of slot 2
-        assert_bitexact(got, want)
+        assert_bits_equal(got, want)
 
 
 def _args(state, d_seqs=2, k=32):
@@ -149,7 +160,7 @@ def test_gather_kernels_cross_lower_for_cuda(head_dim, kv, fp8):
     from jmixedkv.state import init_state
     spec = GroupSpec(num_layers=1, num_kv_heads=2, head_dim=head_dim, kv_factor=kv)
     state = init_state(CFG, spec, num_pages=8, max_seqs=2, max_pages_per_seq=4)
-    geom = ReadGeometry(8, CFG.first_n, CFG.last_n, CFG.num_fixed_pages, CFG.num_ring_pages)
+    geom = CFG.twin
     seqs, idx, pools = _args(state)
     lay, scale = jnp.zeros((1,), jnp.int32), jnp.ones((2,), jnp.float32)
     text = cross_lower_cuda(

@@ -19,7 +19,7 @@ import jmixedkv as jm
 from jmixedkv import codec, layout
 from jmixedkv.compat import on_gpu
 
-from conftest import bits
+from helpers import bits
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,6 @@ PAGE = 16
 CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=16, last_n=32, page_size=PAGE, max_draft_len=3)
 ROPE = jm.RopeSpec("neox", 10000.0)
 LENS = (300, 37)                 # two sequences; the first also takes three decode steps
-_append = jax.jit(jm.append, static_argnames=("group", "rope", "backend"), donate_argnums=0)
 
 
 def _fill(state, key, layers, heads, d, backend):
@@ -37,14 +36,14 @@ def _fill(state, key, layers, heads, d, backend):
         key, k1, k2 = jax.random.split(key, 3)
         k = jax.random.normal(k1, (layers, n, heads, d), jnp.bfloat16) * 3
         v = jax.random.normal(k2, (layers, n, heads, d), jnp.bfloat16)
-        state = _append(state, k, v, jnp.full((n,), slot, jnp.int32), jnp.arange(n, dtype=jnp.int32), None,
-                        rope=ROPE, backend=backend)
+        state = jm.append(state, None, k, v, jnp.full((n,), slot, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                        rope=ROPE, backend=backend, donate=True)
     for step in range(3):       # decode steps of sequence a (the ring turns over)
         key, k1, k2 = jax.random.split(key, 3)
         k = jax.random.normal(k1, (layers, 1, heads, d), jnp.bfloat16)
         v = jax.random.normal(k2, (layers, 1, heads, d), jnp.bfloat16)
-        state = _append(state, k, v, jnp.array([a], jnp.int32), jnp.array([LENS[0] + step], jnp.int32), None,
-                        rope=ROPE, backend=backend)
+        state = jm.append(state, None, k, v, jnp.array([a], jnp.int32), jnp.array([LENS[0] + step], jnp.int32),
+                        rope=ROPE, backend=backend, donate=True)
     return state
 
 

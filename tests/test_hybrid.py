@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers import assert_trees_bit_equal
+from helpers import assert_bits_equal, assert_trees_bit_equal, bits
 from jmixedkv import KVCacheConfig, rows_reference, stage_reference
 from jmixedkv import hybrid as hy
 from jmixedkv import speculative as spec
@@ -31,13 +31,7 @@ def _make():
     return hy.init_hybrid_state(MODEL, KV, 40, 2, 16, poison=True)
 
 
-_append = jax.jit(append, static_argnames=("group", "rope", "backend"))
 _admit = jax.jit(hy.hybrid_admit)
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
 
 
 def test_layer_mapping_and_recurrent_mask():
@@ -93,7 +87,7 @@ def test_buffers_page_tables_and_retained_rows():
     # write model layer 4 (attention-group layer 1) and find its retained rows through layer id 7's buffer
     n = 7
     k = jnp.asarray(np.random.default_rng(0).normal(size=(n, 1, 16)), jnp.float32)
-    state = dataclasses.replace(state, attn=_append(state.attn, k, -k, jnp.full(n, 1, jnp.int32), jnp.arange(n), 1))
+    state = dataclasses.replace(state, attn=append(state.attn, 1, k, -k, jnp.full(n, 1, jnp.int32), jnp.arange(n)))
     pos = jnp.arange(n)
     seen = rows_reference(state.attn, 1, jnp.ones(n, jnp.int32), pos)           # what a reader sees
     retained = np.flatnonzero((np.arange(n) < KV.first_n) | (np.arange(n) >= n - KV.last_n))
@@ -101,8 +95,8 @@ def test_buffers_page_tables_and_retained_rows():
     ht = hy.layer_page_table(state, 7)
     col = high_column(pos, KV.page_size, KV.num_fixed_pages, KV.num_ring_pages)
     twin = buf[ht[1, col], :, :, pos % KV.page_size]                           # [n, kv, H, D]
-    np.testing.assert_array_equal(_bits(seen[retained]), _bits(twin[retained]))
-    np.testing.assert_array_equal(_bits(twin[retained][:, 0]), _bits(k[retained].astype(jnp.bfloat16)))
+    assert_bits_equal(seen[retained], twin[retained])
+    assert_bits_equal(twin[retained][:, 0], k[retained].astype(jnp.bfloat16))
     # layer id 6 (twin of model layer 1) was not written; model layer 1's NVFP4 buffer neither
     assert np.isnan(np.asarray(hy.layer_buffers(state, 6)["rows"][ht[1, 0]], np.float32)).all()
     assert hy.layer_buffers(state, 4)["data"].shape == state.attn.pools[0].low.data.shape[1:]
@@ -128,7 +122,7 @@ def _forward(state, params, seq, x, katt, valid):
             state, x = hy.recurrent_forward(state, i, seq, x, valid, params)
             outs.append(x)
         else:
-            state = dataclasses.replace(state, attn=append(state.attn, katt[i], katt[i] * 0.5, s_flat, p_flat, layer=i))
+            state = dataclasses.replace(state, attn=append(state.attn, i, katt[i], katt[i] * 0.5, s_flat, p_flat))
     return state, jnp.stack(outs)
 
 
@@ -162,7 +156,7 @@ def test_speculative_rollback_matches_no_speculation():
         np.testing.assert_array_equal(np.asarray(ysp)[:, keep], np.asarray(yref)[:, keep])
         np.testing.assert_array_equal(np.asarray(sp.attn.kv_lens), np.asarray(ref.attn.kv_lens))
         for layer in range(2):
-            np.testing.assert_array_equal(_bits(_stage(sp.attn, layer, seq)), _bits(_stage(ref.attn, layer, seq)))
+            assert_bits_equal(_stage(sp.attn, layer, seq), _stage(ref.attn, layer, seq))
         assert int(sp.attn.error) == 0 and int(ref.attn.error) == 0
         if (acc < ks).any():   # the rollback mattered: without it the recurrent state would differ
             sensitive |= not np.array_equal(np.asarray(before.ssm), np.asarray(ref.ssm))
@@ -203,7 +197,7 @@ def _forward2(state, seq, x, katt, valid):
         if kind == "recurrent":
             state, x = hy.recurrent_forward(state, LAY2.local[lid], seq, x, valid, PARAMS2)
         else:
-            state = dataclasses.replace(state, attn=append(state.attn, katt, katt * 0.5, s_flat, p_flat, layer=0))
+            state = dataclasses.replace(state, attn=append(state.attn, 0, katt, katt * 0.5, s_flat, p_flat))
     return state, x
 
 
@@ -212,11 +206,6 @@ _rf2 = jax.jit(lambda st, layer, seq, x, valid: hy.recurrent_forward(st, layer, 
 _read2 = jax.jit(hy.recurrent_state)
 ALL2 = jnp.arange(S2, dtype=jnp.int32)
 _stage2 = jax.jit(lambda attn: stage_reference(attn, 0, ALL2))
-
-
-def _raw(x):
-    """Bytes of an array (NaN-safe, dtype-agnostic bitwise comparison)."""
-    return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
 
 
 def _no_error(state):
@@ -230,9 +219,9 @@ def assert_state_unchanged(a, b):
 
 def slot_view(state, staged, s):
     """Everything that belongs to slot ``s``: recurrent state + snapshots, lengths, tables, staged attention rows."""
-    return [_raw(a[s]) for a in (state.conv, state.ssm, state.conv_snap, state.ssm_snap, state.snap_tokens,
+    return [bits(a[s]) for a in (state.conv, state.ssm, state.conv_snap, state.ssm_snap, state.snap_tokens,
                                  state.attn.kv_lens, state.attn.active, state.attn.page_table,
-                                 state.attn.high_table)] + [_raw(staged[s])]
+                                 state.attn.high_table)] + [bits(staged[s])]
 
 
 def assert_slots_unchanged(a, b, slots):
@@ -296,8 +285,8 @@ def test_prefill_chunk_listed_with_zero_drafts_keeps_full_state(n):
             np.testing.assert_allclose(np.asarray(out.ssm[s, li]), np.asarray(ssm), rtol=2e-6, atol=1e-6)
             np.testing.assert_allclose(np.asarray(out.conv[s, li]), np.asarray(conv), rtol=2e-6, atol=1e-6)
     # bit for bit: the prefill chunk's state is exactly the state the forward left
-    np.testing.assert_array_equal(_raw(out.ssm[0]), _raw(st.ssm[0]))
-    np.testing.assert_array_equal(_raw(out.conv[0]), _raw(st.conv[0]))
+    assert_bits_equal(out.ssm[0], st.ssm[0])
+    assert_bits_equal(out.conv[0], st.conv[0])
     # the same chunk not listed at all: identical result
     alt = hy.accept_hybrid(st, np.array([1]), np.array([1]), np.array([2]))
     assert_state_unchanged(dataclasses.replace(alt, snap_tokens=out.snap_tokens), out)
@@ -314,7 +303,7 @@ def test_issue_repro_three_token_chunk():
     x = jax.random.normal(jax.random.key(1), (1, 3, 8))
     st, _ = _rf(st, 0, jnp.array([0]), x, jnp.ones((1, 3), bool), params)
     k = jnp.ones((3, 1, 16))
-    st = dataclasses.replace(st, attn=_append(st.attn, k, k, jnp.zeros(3, jnp.int32), jnp.arange(3), 0))
+    st = dataclasses.replace(st, attn=append(st.attn, 0, k, k, jnp.zeros(3, jnp.int32), jnp.arange(3)))
     out = _accept(st, jnp.array([0]), jnp.array([0]), jnp.array([0]))
     assert int(out.attn.kv_lens[0]) == 3 and int(out.attn.error) == 0
     conv, ssm = jnp.zeros((8, 3)), jnp.zeros((2, 4, 4))
@@ -322,7 +311,7 @@ def test_issue_repro_three_token_chunk():
     for t in range(3):
         conv, ssm, _ = mamba_step(conv, ssm, x[0, t], p)
     np.testing.assert_allclose(np.asarray(out.ssm[0, 0]), np.asarray(ssm), rtol=2e-6, atol=1e-6)
-    np.testing.assert_array_equal(_raw(out.ssm), _raw(st.ssm))
+    assert_bits_equal(out.ssm, st.ssm)
 
 
 def test_admit_minus_one_is_a_noop():
@@ -398,8 +387,8 @@ def test_host_validation_names_the_value():
         (lambda: hy.recurrent_forward(st, 0, [0, 0, -1], x, v, PARAMS2), "slot 0 more than once"),
         (lambda: hy.recurrent_forward(st, 0, [0, 1, 2**32 + 1], x, v, PARAMS2), r"=4294967297 out of range"),
         (lambda: hy.recurrent_forward(st, 0, [0, 1], x, v, PARAMS2), "need seq_slots i32"),
-        (lambda: hy.recurrent_state(st, [0, -5], 0), r"seq_slots\[1\]=-5 out of range"),
-        (lambda: hy.recurrent_state(st, [0], 9), r"layer=9 out of range"),
+        (lambda: hy.recurrent_state(st, 0, [0, -5]), r"seq_slots\[1\]=-5 out of range"),
+        (lambda: hy.recurrent_state(st, 9, [0]), r"layer=9 out of range"),
         (lambda: hy.accept_hybrid(st, [0, 3], [0, 0], [0, 0]), r"seq_slots\[1\]=3 out of range"),
         (lambda: hy.accept_hybrid(st, [1, 1], [0, 0], [0, 0]), "slot 1 more than once"),
         (lambda: hy.accept_hybrid(st, [0], [2], [1]), "slot 0 has num_accepted=2, num_drafts=1"),
@@ -453,13 +442,13 @@ def test_refusals_inside_jit_leave_every_sequence_unchanged():
 
 def test_reader_flags_bad_slot_and_layer():
     st, _ = _populated()
-    conv, ssm = _read2(st, jnp.array([1, -1, 3, 2, 0, -4], jnp.int32), jnp.int32(1))
-    np.testing.assert_array_equal(_raw(ssm[0]), _raw(st.ssm[1, 1]))
-    np.testing.assert_array_equal(_raw(conv[4]), _raw(st.conv[0, 1]))
+    conv, ssm = _read2(st, jnp.int32(1), jnp.array([1, -1, 3, 2, 0, -4], jnp.int32))
+    assert_bits_equal(ssm[0], st.ssm[1, 1])
+    assert_bits_equal(conv[4], st.conv[0, 1])
     assert not np.asarray(ssm[1]).any() and not np.asarray(conv[1]).any()      # padding: zero
     for row in (2, 3, 5):                                                       # out of range / idle: NaN
         assert np.isnan(np.asarray(ssm[row])).all() and np.isnan(np.asarray(conv[row])).all()
-    conv, ssm = _read2(st, jnp.array([0, 1, -1], jnp.int32), jnp.int32(2))     # layer out of range
+    conv, ssm = _read2(st, jnp.int32(2), jnp.array([0, 1, -1], jnp.int32))     # layer out of range
     assert np.isnan(np.asarray(ssm)).all() and np.isnan(np.asarray(conv)).all()
 
 
@@ -545,12 +534,12 @@ class HybridMachine(RuleBasedStateMachine):
         self.ref, _ = _forward2(self.ref, jnp.asarray(seq), x, katt, jnp.asarray(j < n_ref[:, None]))
         assert int(self.ref.attn.error) == 0
         for arr in ("conv", "ssm"):
-            np.testing.assert_array_equal(_raw(getattr(self.sp, arr)), _raw(getattr(self.ref, arr)), err_msg=arr)
+            assert_bits_equal(getattr(self.sp, arr), getattr(self.ref, arr), arr)
         np.testing.assert_array_equal(np.asarray(self.sp.attn.kv_lens), np.asarray(self.ref.attn.kv_lens))
         live = [s for s in range(S2) if s in self.active]
         st_sp, st_ref = _stage2(self.sp.attn), _stage2(self.ref.attn)
         for s in live:
-            np.testing.assert_array_equal(_raw(st_sp[s]), _raw(st_ref[s]), err_msg=f"staged slot {s}")
+            assert_bits_equal(st_sp[s], st_ref[s], f"staged slot {s}")
 
     @precondition(lambda self: self.active)
     @rule(data=st.data())
@@ -623,10 +612,10 @@ class HybridMachine(RuleBasedStateMachine):
         assert set(np.flatnonzero(act).tolist()) == self.active
         idle = ~act
         assert not np.asarray(self.sp.ssm)[idle].any() and not np.asarray(self.sp.snap_tokens)[idle].any()
-        conv, ssm = _read2(self.sp, jnp.array([0, 1, 2, -1, S2], jnp.int32), jnp.int32(1))   # the reader
+        conv, ssm = _read2(self.sp, jnp.int32(1), jnp.array([0, 1, 2, -1, S2], jnp.int32))   # the reader
         for s in range(S2):
             if act[s]:
-                np.testing.assert_array_equal(_raw(ssm[s]), _raw(self.sp.ssm[s, 1]))
+                assert_bits_equal(ssm[s], self.sp.ssm[s, 1])
             else:
                 assert np.isnan(np.asarray(ssm[s])).all() and np.isnan(np.asarray(conv[s])).all()
         assert not np.asarray(ssm[3]).any() and np.isnan(np.asarray(ssm[4])).all()

@@ -119,7 +119,7 @@ def _nvfp4_state():
     pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
     k = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32)).astype(jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32) * 3).astype(jnp.bfloat16)
-    return jax.jit(append, static_argnames="backend")(state, k, v, seq, pos, backend="reference")
+    return append(state, None, k, v, seq, pos, backend="reference")
 
 
 _STATE = []
@@ -191,7 +191,7 @@ def _kv_states():
         state = init_state(cfg, spec, num_pages=8, max_seqs=2, poison=True, gs=gs,
                            page_order=np.random.default_rng(0).permutation(8))
         state = jax.jit(lambda s: admit(admit(s, 0), 1))(state)
-        out.append(jax.jit(append, static_argnames="backend")(state, k, v, seq, pos, backend="reference"))
+        out.append(append(state, None, k, v, seq, pos, backend="reference"))
     return out
 
 
@@ -237,3 +237,39 @@ def test_csr_to_torch_and_to_device():
     for a, b in zip(csr, t):
         assert b.dtype == torch.int32 and b.device.type == "cpu" and b.tolist() == a.tolist()
     assert layouts.to_device(np.array([1, 2], np.int64), "cpu").dtype == torch.int32
+
+
+def test_exports_say_rotated_and_following_them_gives_the_plain_attention():
+    """A rotated cache's NVFP4 pages carry ``kv_transform`` (rotated, Hadamard); a consumer that follows it (rotate
+    q, un-rotate the output) gets the plain attention back up to NVFP4 error; one that ignores it does not."""
+    from interop.dlpack import nvfp4_to_torch
+    from jmixedkv import levers
+    spec = GroupSpec(num_layers=1, num_kv_heads=1, head_dim=32)
+    rng = np.random.default_rng(7)
+    t = 24
+    k = jnp.asarray(rng.standard_normal((t, 1, 32)) * 0.5, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((t, 1, 32)), jnp.bfloat16)
+    seq, pos = jnp.zeros((t,), jnp.int32), jnp.arange(t, dtype=jnp.int32)
+    cfg = KVCacheConfig("nvfp4", page_size=PAGE, rotation="hadamard")
+    state = append(admit(init_state(cfg, spec, num_pages=4, max_seqs=1), 0), 0, k, v, seq, pos, backend="reference")
+    assert int(state.error) == 0
+    pages = layouts.nvfp4_pages(state.pools[0].low, 0, config=cfg)
+    assert pages.kv_transform == {"rotated": True, "rotation": "hadamard", "k_smoothing": False,
+                                  "block_scale": "max6"}
+    ids = torch.as_tensor(np.array(state.page_table)[0, :2]).long()
+    rows = lambda d, s, g: _torch_decode_page_rows(d[ids], s[ids], g)[:, 0].reshape(-1, 32)[:t].double()  # noqa
+    kr, vr = rows(pages.k_data, pages.k_scales, pages.k_scale), rows(pages.v_data, pages.v_scales, pages.v_scale)
+    h = torch.as_tensor(np.array(levers.hadamard(32)), dtype=torch.float64)
+    q = torch.as_tensor(rng.standard_normal((5, 32)))
+    attend = lambda q, k, v: torch.softmax(q @ k.T / 32 ** 0.5, -1) @ v  # noqa: E731
+    exact = attend(q, *(torch.as_tensor(np.asarray(x, np.float64)[:, 0]) for x in (k, v)))
+    rel = lambda a: float(torch.linalg.norm(a - exact) / torch.linalg.norm(exact))  # noqa: E731
+    assert rel(attend(q @ h, kr, vr) @ h) < 0.15 < 0.5 < rel(attend(q, kr, vr))
+    # every other exporter / config states it too; nothing stated without a config
+    assert layouts.nvfp4_pages(state.pools[0].low, 0).kv_transform is None
+    plain = layouts.nvfp4_pages(state.pools[0].low, 0, config=KVCacheConfig("nvfp4", k_smoothing=True,
+                                                                            block_scale="4over6"))
+    assert plain.kv_transform == {"rotated": False, "rotation": None, "k_smoothing": True, "block_scale": "4over6"}
+    low = state.pools[0].low
+    out = nvfp4_to_torch(low.data, low.scales, low.gs, config=cfg)
+    assert out.kv_transform["rotated"] and out.data.data_ptr() == low.data.unsafe_buffer_pointer()

@@ -65,7 +65,7 @@ def test_append_rotates_after_rope(dtype):
 
     def staged(cfg, k, v, rope):
         s = admit(init_state(cfg, spec, num_pages=4, max_seqs=1), 0)
-        s = append(s, k, v, seq, pos, layer=1, rope=rope, backend="reference")
+        s = append(s, 1, k, v, seq, pos, rope=rope, backend="reference")
         assert int(s.error) == 0
         return np.asarray(stage_reference(s, 1, jnp.zeros((1,), jnp.int32), dtype=jnp.float32))[0]
 
@@ -116,11 +116,12 @@ SIM_CASES = [
     KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=8, page_size=PAGE, rotation="hadamard"),
     KVCacheConfig("nvfp4", page_size=PAGE, rotation="hadamard", k_smoothing=True),
     KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=PAGE, k_smoothing=True),
+    KVCacheConfig("mixed_nvfp4_fp8", first_n=2, last_n=5, page_size=PAGE, rotation="hadamard", block_scale="4over6"),
 ]
 
 
 @pytest.mark.parametrize("cfg", SIM_CASES, ids=lambda c: f"{c.dtype}-{c.first_n}-{c.last_n}-{c.rotation}-"
-                                                      f"{c.k_smoothing}")
+                                                      f"{c.k_smoothing}-{c.block_scale}")
 def test_simulated_decode_equals_the_real_cache(cfg):
     params, prompt, teacher = _setup()
     prefix, _ = exact_prefill(params, CFG1, prompt)

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from jmixedkv import KVCacheConfig, stage_reference
-from jmixedkv.model import (DenseSession, Decoder, ModelConfig, build_generate, generate, has_fused_attention,
-                            init_params)
-from conftest import assert_trees_bit_equal
+from jmixedkv.model import DenseSession, Decoder, ModelConfig, build_generate, generate, init_params
+from helpers import assert_trees_bit_equal
 
 CFG = ModelConfig.tiny(seed=3)
 B, P, N, PAGE = 2, 21, 8, 8        # 28 tokens: 4 pages, the last one partly filled
@@ -141,11 +140,7 @@ def test_loop_compiles_once():
 
 
 def test_fused_attention_mode():
-    if has_fused_attention():
-        assert build_generate(CFG, KVCacheConfig("bf16", page_size=PAGE), N, attention="fused") is not None
-    else:
-        with pytest.raises(ValueError, match="fused"):
-            build_generate(CFG, KVCacheConfig("bf16", page_size=PAGE), N, attention="fused")
+    assert build_generate(CFG, KVCacheConfig("bf16", page_size=PAGE), N, attention="fused") is not None
 
 
 def test_bad_input():

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmixedkv import GroupSpec, KVCacheConfig, init_state
+from jmixedkv import KVCacheConfig, init_state
 from jmixedkv import offload
-from jmixedkv.prefix import CapacityError, PrefixCache
+from jmixedkv.checks import CacheCapacityError
 from jmixedkv.state import admit
 
-from test_prefix import BASES, GROUPS, MAX_PAGES, PAGE, cache_append, host_bytes, new_cache, page_bytes, read_all
-from test_prefix import new_shadow, shadow_append
+from helpers import (BASES, GROUPS, MAX_PAGES, PAGE, cache_append, host_bytes, new_cache, new_shadow, page_bytes,
+                     read_all, shadow_append)
 
 _gather = jax.jit(offload.gather_pages)
 _scatter = jax.jit(offload.scatter_pages)
@@ -146,7 +146,7 @@ def test_pool_pressure_evicts_and_host_capacity_drops():
     assert len(pc.index) == s["device_entries"] + 1 == 2 + 6 + 1
     m, pages = pc.match_prefix(BASES[0][:16])                    # pages 0, 1 on device, 2 on host, 3 dropped
     assert m == 12 and pages[2] == -1 and min(pages[:2]) >= 0
-    with pytest.raises(CapacityError, match="nothing left to evict"):
+    with pytest.raises(CacheCapacityError, match="nothing left to evict"):
         m = pc.admit(1, BASES[1][:24])
         assert m == 8                                            # BASES[1] shares two pages with BASES[0]
         cache_append(pc, 1, BASES[1][m:24], m)
@@ -162,7 +162,8 @@ def test_zero_host_capacity_forgets():
 
 def test_transitions_cross_lower_for_cuda():
     from jmixedkv.compat import cross_lower_cuda
-    from jmixedkv.prefix import admit_with_prefix, copy_pages, fork
+    from jmixedkv.prefix import admit_with_prefix, copy_pages
+    from jmixedkv.state import fork
     state = init_state(KVCacheConfig("mixed_nvfp4_bf16", first_n=5, last_n=3, page_size=PAGE), GROUPS, 8, 2,
                        MAX_PAGES, 8)
     ids = jnp.asarray([1, -1], jnp.int32)

@@ -108,8 +108,9 @@ def test_codec_operands_are_padded_out_of_the_hole():
 
 def test_kernels_refuse_hand_built_operands_in_the_hole():
     """A pool built by hand (not by init_state) that lies in the hole is refused at trace time, naming it."""
+    from jmixedkv.layout import TwinGeometry
     from pallas_kernels import stage as stage_kernel
-    geom = stage_kernel.ReadGeometry(page=16, first_n=0, last_n=0, num_fixed=0, num_ring=0)
+    geom = TwinGeometry(page=16)
     s = jax.ShapeDtypeStruct
     i32 = jnp.int32
     data = s((1, 163840, 2, 8, 16, 64), jnp.uint8)                  # 2.68 GB

@@ -1,10 +1,7 @@
 """Prefix reuse (`jmixedkv.prefix`): content keys, admit-with-prefix, fork, and a hypothesis state machine that
 checks every live sequence reads bit-exactly what a cache without reuse gives it, refcounts balance, and pages
 evicted to the host tier come back byte-identical."""
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,109 +10,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jmixedkv import GroupSpec, KVCacheConfig, init_state, rows_reference
-from jmixedkv import offload
-from jmixedkv.prefix import CapacityError, PrefixCache, admit_with_prefix, fork, page_keys
+from jmixedkv import init_state
+from jmixedkv.checks import CacheCapacityError
+from jmixedkv.prefix import admit_with_prefix, page_keys
 from jmixedkv.state import ERR_BAD_SLOT, ERR_HIGH_OOM, admit
-
-PAGE, MAX_PAGES, SLOTS = 4, 6, 3
-MAX_TOKENS = PAGE * MAX_PAGES
-CFG = KVCacheConfig("mixed_nvfp4_bf16", first_n=5, last_n=3, page_size=PAGE)      # F = 2 fixed, R = 2 ring
-GROUPS = (GroupSpec(2, 1, 16, name="attn"), GroupSpec(1, 1, 16, kind="plain", name="draft"))
-BASES = ([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 2, 2, 2, 2],
-         [1, 2, 3, 4, 5, 6, 7, 8, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0, 0, 1, 1, 1, 1],
-         [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def kv_rows(tokens, positions, num_layers, heads=1, dim=16):
-    """Deterministic K/V = f(token id, position, layer): identical prefixes give identical rows."""
-    t = np.asarray(tokens, np.float32)[None, :, None, None]
-    p = np.asarray(positions, np.float32)[None, :, None, None]
-    l = np.arange(num_layers, dtype=np.float32)[:, None, None, None]
-    h = np.arange(heads, dtype=np.float32)[None, None, :, None]
-    d = np.arange(dim, dtype=np.float32)[None, None, None, :]
-    k = np.sin(t * 0.731 + p * 0.197 + l * 1.37 + h * 0.53 + d * 0.11) * (1 + t % 3)
-    v = np.cos(t * 0.291 + p * 0.613 + l * 0.77 + h * 0.31 + d * 0.05) * (1 + t % 2)
-    return jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
-
-
-def padded(slot, tokens, start):
-    """Fixed-size (MAX_TOKENS) append batch: one compile for every append."""
-    n = len(tokens)
-    seq = np.full(MAX_TOKENS, -1, np.int32)
-    seq[:n] = slot
-    pos = np.zeros(MAX_TOKENS, np.int32)
-    pos[:n] = np.arange(start, start + n)
-    tok = np.zeros(MAX_TOKENS, np.int32)
-    tok[:n] = tokens
-    return seq, pos, tok
-
-
-_append = jax.jit(jmixedkv.append, static_argnames=("layer", "group", "rope", "backend"))
-
-
-def shadow_append(state, slot, tokens, start):
-    seq, pos, tok = padded(slot, tokens, start)
-    for g, spec in enumerate(GROUPS):
-        k, v = kv_rows(tok, pos, spec.num_layers)
-        state = _append(state, k, v, jnp.asarray(seq), jnp.asarray(pos), group=g, backend="reference")
-    assert int(state.error) == 0
-    return state
-
-
-def cache_append(pc, slot, tokens, start):
-    seq, pos, tok = padded(slot, tokens, start)
-    for g, spec in enumerate(GROUPS):
-        k, v = kv_rows(tok, pos, spec.num_layers)
-        pc.append(k, v, seq, pos, group=g)
-
-
-@jax.jit
-def read_all(state):
-    """Rows every slot reads, per group and layer: tuple of [L, S, MAX_TOKENS, kv, H, D]."""
-    seq = jnp.arange(state.max_seqs, dtype=jnp.int32)[:, None]
-    pos = jnp.arange(MAX_TOKENS, dtype=jnp.int32)[None, :]
-    return tuple(jnp.stack([rows_reference(state, l, seq, pos, group=g) for l in range(spec.num_layers)])
-                 for g, spec in enumerate(state.groups))
-
-
-_gather = jax.jit(offload.gather_pages)
-
-
-def page_bytes(state, low, high):
-    """{field: raw bytes} of one low page (and high page if >= 0), every group."""
-    payload = jax.device_get(_gather(state, jnp.asarray([low], jnp.int32), jnp.asarray([high], jnp.int32)))
-    return {(g, name): np.ascontiguousarray(a[:, 0]).view(np.uint8).tobytes()
-            for g, grp in enumerate(payload) for name, a in grp.items() if high >= 0 or not name.startswith("high")}
-
-
-def pages_bytes(state, entries, bucket=16):
-    """`page_bytes` of many index entries in one gather."""
-    low = np.full(bucket, -1, np.int32)
-    high = np.full(bucket, -1, np.int32)
-    low[:len(entries)] = [e.low for e in entries]
-    high[:len(entries)] = [e.high for e in entries]
-    payload = jax.device_get(_gather(state, jnp.asarray(low), jnp.asarray(high)))
-    return [{(g, name): np.ascontiguousarray(a[:, i]).view(np.uint8).tobytes()
-             for g, grp in enumerate(payload) for name, a in grp.items()
-             if e.high >= 0 or not name.startswith("high")} for i, e in enumerate(entries)]
-
-
-def host_bytes(page):
-    return {(g, name): np.ascontiguousarray(a).view(np.uint8).tobytes()
-            for g, grp in enumerate(page.groups) for name, a in grp.items()}
-
-
-def new_cache(num_pages=11, num_high_pages=13, host_capacity=None, seed=0):
-    rng = np.random.default_rng(seed)
-    state = init_state(CFG, GROUPS, num_pages, SLOTS, MAX_PAGES, num_high_pages, poison=True,
-                       page_order=rng.permutation(num_pages), high_page_order=rng.permutation(num_high_pages))
-    return PrefixCache(state, host_capacity_pages=host_capacity)
-
-
-def new_shadow():
-    return init_state(CFG, GROUPS, SLOTS * MAX_PAGES, SLOTS, MAX_PAGES)
+from helpers import (BASES, CFG, GROUPS, MAX_PAGES, MAX_TOKENS, PAGE, SLOTS, cache_append, host_bytes, new_cache,
+                     new_shadow, page_bytes, pages_bytes, read_all, shadow_append)
 
 
 # ------------------------------------------------------------------------------------------------ unit tests
@@ -276,12 +176,12 @@ class PrefixMachine(RuleBasedStateMachine):
         slot = self._free_slot()
         try:
             m = self.pc.admit(slot, tokens)
-        except CapacityError:
+        except CacheCapacityError:
             return
         assert m % PAGE == 0 and m <= max(0, len(tokens) - CFG.last_n)
         try:
             cache_append(self.pc, slot, tokens[m:], m)
-        except CapacityError:
+        except CacheCapacityError:
             self.pc.release(slot)
             return
         self.shadow = shadow_append(admit(self.shadow, slot), slot, tokens, 0)
@@ -305,7 +205,7 @@ class PrefixMachine(RuleBasedStateMachine):
             return
         try:
             cache_append(self.pc, slot, extra, n)
-        except CapacityError:
+        except CacheCapacityError:
             return
         self.shadow = shadow_append(self.shadow, slot, extra, n)
         self.tokens[slot] += extra
@@ -332,7 +232,7 @@ class PrefixMachine(RuleBasedStateMachine):
         src, dst = data.draw(st.sampled_from(sorted(self.tokens))), self._free_slot()
         try:
             self.pc.fork(src, dst)
-        except CapacityError:
+        except CacheCapacityError:
             return
         self.shadow = shadow_append(admit(self.shadow, dst), dst, self.tokens[src], 0)
         self.tokens[dst] = list(self.tokens[src])
@@ -377,7 +277,7 @@ class PrefixMachine(RuleBasedStateMachine):
     def restore(self, data):
         try:
             self.pc.prefetch(data.draw(st.sampled_from(self.committed)))
-        except CapacityError:
+        except CacheCapacityError:
             pass
 
     # -------------------------------------------------------------- invariants

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jmixedkv as jm
 from jmixedkv import sharding
-from conftest import assert_trees_bit_equal, bits
+from helpers import assert_trees_bit_equal, bits
 
 L, H, D = 2, 4, 32
 CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=3, last_n=5, page_size=4, max_draft_len=1)
@@ -29,12 +29,12 @@ def _drive(append_fn, state, rng):
     pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
     k = jnp.asarray(rng.normal(size=(L, len(seq), H, D)), jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=(L, len(seq), H, D)), jnp.bfloat16)
-    state = append_fn(state, k, v, jnp.asarray(seq), jnp.asarray(pos), None)
+    state = append_fn(state, None, k, v, jnp.asarray(seq), jnp.asarray(pos))
     for step in range(6):
         seq = np.arange(3, dtype=np.int32)
         for layer in range(L):
             k = jnp.asarray(rng.normal(size=(3, H, D)), jnp.bfloat16)
-            state = append_fn(state, k, k * 2, jnp.asarray(seq), jnp.asarray(lens, jnp.int32), jnp.int32(layer))
+            state = append_fn(state, jnp.int32(layer), k, k * 2, jnp.asarray(seq), jnp.asarray(lens, jnp.int32))
         lens = lens + 1
         if step == 3:
             state = admit(release(state, 1), 1)
@@ -52,7 +52,7 @@ def test_sharded_transitions_and_stage_match_unsharded(mesh):
     sharded_state = jm.init_state(CFG, jm.GroupSpec(L, H, D), 32, 3, 8, poison=True, mesh=mesh)
     assert sharded_state.pools[0].low.data.sharding.spec == P(None, None, None, "tp")
 
-    plain_append = jax.jit(functools.partial(jm.append, backend="reference"))
+    plain_append = functools.partial(jm.append, backend="reference")
     shard_append = jax.jit(functools.partial(sharding.sharded_append, mesh, backend="reference"))
     plain = _drive(plain_append, base, np.random.default_rng(0))
     shard = _drive(shard_append, sharded_state, np.random.default_rng(0))
@@ -79,7 +79,7 @@ def test_head_count_must_divide(mesh):
 def _filled(mesh):
     """A mixed state with 3 ragged sequences, built unsharded, and its sharded copy."""
     state = jm.init_state(CFG, jm.GroupSpec(L, H, D), 32, 3, 8, poison=True)
-    state = _drive(jax.jit(functools.partial(jm.append, backend="reference")), state, np.random.default_rng(1))
+    state = _drive(functools.partial(jm.append, backend="reference"), state, np.random.default_rng(1))
     return state, sharding.shard_state(state, mesh)
 
 

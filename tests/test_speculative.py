@@ -2,7 +2,6 @@
 swap, and docs/DESIGN.md §3 invariant 3 (speculative equivalence) as a hypothesis property against a state that appended
 only the accepted tokens."""
 import dataclasses
-import functools
 
 import chex
 import jax
@@ -10,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+
+from helpers import assert_bits_equal, assert_trees_bit_equal, poisoned_state
 
 from jmixedkv import GroupSpec, KVCacheConfig, admit, append, init_state, release, rows_reference, stage_reference
 from jmixedkv import nvfp4
@@ -32,7 +33,6 @@ def _tseq(cfg):
     return max(cfg.max_draft_len + 1, 2 * cfg.page_size + 1)
 
 
-_append = jax.jit(append, static_argnames=("group", "rope", "backend"))
 _accept = jax.jit(spec.accept)
 _correct = jax.jit(spec.correct_kv_lens)
 _stage = jax.jit(stage_reference, static_argnames=("group",))
@@ -48,35 +48,23 @@ def _put(state, k, v, seq, pos, group=0, width=None):
     padrows = lambda x: jnp.concatenate([jnp.asarray(x, jnp.float32),  # noqa: E731
                                          jnp.zeros(lead + (pad,) + x.shape[-2:], jnp.float32)], axis=-3)
     layer = jnp.int32(0) if not lead else None
-    return _append(state, padrows(k), padrows(v), jnp.asarray(np.pad(seq, (0, pad), constant_values=-1), jnp.int32),
-                   jnp.asarray(np.pad(pos, (0, pad)), jnp.int32), layer, group=group)
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint8) if x.dtype.itemsize == 1 else x
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _make(cfg, groups, num_pages, num_seqs, mp, order):
-    state = init_state(cfg, groups, num_pages, num_seqs, mp, poison=True, page_order=order, high_scale=0.5)
-    for s in range(num_seqs):
-        state = admit(state, s)
-    return state
+    return append(state, layer, padrows(k), padrows(v), jnp.asarray(np.pad(seq, (0, pad), constant_values=-1),
+                  jnp.int32), jnp.asarray(np.pad(pos, (0, pad)), jnp.int32), group=group)
 
 
 def _fresh(cfg, seed, num_seqs=2, groups=None):
+    """Empty admitted slots of a `poisoned_state` with room for ``MAX_STEPS`` steps (global scale 1, FP8 scale 0.5:
+    states built with different seeds read alike)."""
     mp = -(-MAX_STEPS * _tseq(cfg) // cfg.page_size) + 2
-    num_pages = num_seqs * mp + 2
-    order = jnp.asarray(np.random.default_rng(seed).permutation(num_pages), jnp.int32)
-    return _make(cfg, tuple(groups or [GroupSpec(1, 1, D_HEAD)]), num_pages, num_seqs, mp, order)
+    return poisoned_state(cfg, groups or [GroupSpec(1, 1, D_HEAD)], [], num_seqs=num_seqs, width=mp,
+                          num_pages=num_seqs * mp + 2, seed=seed, gs=1.0, high_scale=0.5)
 
 
 def _assert_same_readable(a, b, num_seqs=2, group=0):
     np.testing.assert_array_equal(np.asarray(a.kv_lens), np.asarray(b.kv_lens))
     seq = jnp.arange(num_seqs, dtype=jnp.int32)
     sa, sb = _stage(a, 0, seq, group=group), _stage(b, 0, seq, group=group)
-    np.testing.assert_array_equal(_bits(sa), _bits(sb))
+    assert_bits_equal(sa, sb)
     assert not np.isnan(np.asarray(sa, np.float32)).any()
 
 
@@ -105,8 +93,8 @@ def run_plan(cfg, plan, seed, overlap):
         k = jnp.asarray(rng.normal(size=(t, 1, D_HEAD)) * 3, jnp.float32)
         v = jnp.asarray(rng.normal(size=(t, 1, D_HEAD)), jnp.float32)
         i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-        sp = _append(sp, k, v, i32(seq_s), i32(pos_s), jnp.int32(0))
-        ref = _append(ref, k, v, i32(seq_r), i32(pos_s), jnp.int32(0))
+        sp = append(sp, jnp.int32(0), k, v, i32(seq_s), i32(pos_s))
+        ref = append(ref, jnp.int32(0), k, v, i32(seq_r), i32(pos_s))
         if overlap:   # the host staged full acceptance; the device adds a - k <= 0 per slot
             off = np.zeros(2)
             off[acc_seq >= 0] = (acc_a - acc_k)[acc_seq >= 0]
@@ -162,7 +150,7 @@ def test_speculative_equivalence_edges(plan, overlap):
     pos = jnp.arange(max(0, n - cfg.last_n), n, dtype=jnp.int32)
     rows = _rows(sp, 0, jnp.zeros_like(pos), pos)
     hp = sp.high_table[0, high_column(pos, cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages)]
-    np.testing.assert_array_equal(_bits(rows), _bits(sp.pools[0].high.rows[0, hp, :, :, pos % cfg.page_size]))
+    assert_bits_equal(rows, sp.pools[0].high.rows[0, hp, :, :, pos % cfg.page_size])
 
 
 def test_accept_lengths_and_validation():
@@ -249,12 +237,12 @@ def test_appended_draft_layers_stay_plain(dtype, row_dtype):
     assert isinstance(state.pools[0].low, LowPool)
     assert pools.plain.rows.dtype == row_dtype and pools.plain.rows.shape == (1, 8, 2, 2, 4, 32)
     k = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, 2, 32)), jnp.float32)
-    out = _append(state, k, k * 2, jnp.zeros(5, jnp.int32), jnp.arange(5, dtype=jnp.int32), None, group=1)
+    out = append(state, None, k, k * 2, jnp.zeros(5, jnp.int32), jnp.arange(5, dtype=jnp.int32), group=1)
     for a, b in zip(jax.tree.leaves(out.pools[0]), jax.tree.leaves(state.pools[0])):
-        np.testing.assert_array_equal(_bits(a), _bits(b))          # target layers untouched
+        assert_bits_equal(a, b)          # target layers untouched
     got = _rows(out, 0, jnp.zeros(5, jnp.int32), jnp.arange(5), group=1)
     want_rows = k[0].astype(row_dtype).astype(jnp.float32).astype(cfg.attention_dtype)   # scale 1.0
-    np.testing.assert_array_equal(_bits(got[:, 0]), _bits(want_rows))
+    assert_bits_equal(got[:, 0], want_rows)
     # a separate draft state: plain too
     dcfg = spec.draft_config(cfg)
     dstate = init_state(dcfg, spec.draft_group_spec(dcfg, 1, 1, D_HEAD), 8, 2)
@@ -271,15 +259,6 @@ def test_draft_group_spec_needs_row_dtype():
         spec.draft_dtype(KVCacheConfig("nvfp4", compute_dtype="float32"))
 
 
-def _leaves_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(_bits(x), _bits(y))
-
-
 def test_draft_swap_identity_and_isolation():
     cfg = CONFIGS[0]
     groups = [GroupSpec(1, 1, D_HEAD), spec.draft_group_spec(cfg, 1, 1, D_HEAD)]
@@ -289,7 +268,7 @@ def test_draft_swap_identity_and_isolation():
     state = _put(state, k, k, [0] * 7, np.arange(7))
     view = spec.draft_view(state)
     assert view.kinds == ("low", "plain") and view.pools[0].high is None and view.high_table.shape == (2, 0)
-    _leaves_equal(spec.restore(state, view), state)                       # identity, every leaf bit-equal
+    assert_trees_bit_equal(spec.restore(state, view), state)                       # identity, every leaf bit-equal
     assert spec.restore(state, view).kinds == state.kinds
     # through the view: no twin store (high slots all -1), reads are pure NVFP4 (no overlay)
     s, p = spec.verify_tokens(view, jnp.array([0]), 4)
@@ -300,16 +279,16 @@ def test_draft_swap_identity_and_isolation():
     low = state.pools[0].low
     want = nvfp4.dequantize(low.data[0, lp, :, :, pos % 4], low.scales[0, lp, :, :, pos % 4],
                             low.gs[0][:, None], cfg.attention_dtype)
-    np.testing.assert_array_equal(_bits(seen), _bits(want))
+    assert_bits_equal(seen, want)
     # a draft forward through the view writes the draft layers only; restore gives the twin back unchanged
     dk = jnp.asarray(rng.normal(size=(1, 4, 1, D_HEAD)), jnp.float32)
     view = _put(view, dk, dk, s, p, group=1)
     back = spec.restore(state, view)
-    _leaves_equal(back.pools[0], state.pools[0])
-    _leaves_equal((back.high_table, back.high_alloc), (state.high_table, state.high_alloc))
+    assert_trees_bit_equal(back.pools[0], state.pools[0])
+    assert_trees_bit_equal((back.high_table, back.high_alloc), (state.high_table, state.high_alloc))
     assert back.kv_lens.tolist() == [11, 0] and back.kinds == state.kinds
     got = _rows(back, 0, jnp.zeros(4, jnp.int32), p, group=1)
-    np.testing.assert_array_equal(_bits(got[:, 0]), _bits(dk[0].astype(jnp.bfloat16)))
+    assert_bits_equal(got[:, 0], dk[0].astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="draft_view"):
         spec.restore(state, state)
 
@@ -375,9 +354,9 @@ def test_jitted_speculative_loop_compiles_once():
         s, p = spec.verify_tokens(state, seq, t)
         dk, tk = rows(key)
         view = spec.draft_view(state)                                   # draft forward: twin off
-        view = append(view, dk, dk, s, p, group=1)
+        view = append(view, None, dk, dk, s, p, group=1)
         state = spec.restore(state, view)                               # twin back
-        state = append(state, tk[0], tk[1], s, p, layer=0)              # verify k + 1 rows
+        state = append(state, 0, tk[0], tk[1], s, p)              # verify k + 1 rows
         state = spec.accept(state, seq, jnp.stack([a[0], kd]), kd)
         return state, jnp.zeros(2, jnp.int32).at[1].set(a[1] - kd)
 
@@ -387,7 +366,7 @@ def test_jitted_speculative_loop_compiles_once():
         s, p = spec.verify_tokens(ref, seq, t)
         _, tk = rows(key)
         s = jnp.where(jnp.arange(2 * t) % t <= a[s], s, -1)             # only the accepted rows
-        return append(ref, tk[0], tk[1], s, p, layer=0)
+        return append(ref, 0, tk[0], tk[1], s, p)
 
     keys = jax.random.split(jax.random.key(0), 100)
     acc = np.random.default_rng(0).integers(0, kd + 1, (100, 2)).astype(np.int32)
@@ -407,16 +386,16 @@ def test_manager_accept_updates_host_mirror():
     m = CacheManager(cfg, GroupSpec(1, 1, D_HEAD), 12, 2, 6, backend="reference")
     m.admit(0)
     ones = jnp.ones((7, 1, D_HEAD), jnp.float32)
-    m.append(ones, ones, np.zeros(7, np.int32), np.arange(7), layer=0)            # n0 = 7
-    m.append(ones[:4], ones[:4], np.zeros(4, np.int32), np.arange(7, 11), layer=0)  # verified token + 3 drafts
+    m.append(0, ones, ones, np.zeros(7, np.int32), np.arange(7))            # n0 = 7
+    m.append(0, ones[:4], ones[:4], np.zeros(4, np.int32), np.arange(7, 11))  # verified token + 3 drafts
     assert m.kv_len(0) == 11 and m.free_pages == 12 - 3
-    spec.manager_accept(m, [0], [0], [3])                                          # keep pages
+    m.accept([0], [0], [3])                                                        # keep pages
     assert m.kv_len(0) == 8 and m.free_pages == 12 - 3
-    spec.manager_accept(m, [0], [0], [0], trim_pages=True)                         # no rewind, drop page 2
+    m.accept([0], [0], [0], trim_pages=True)                                       # no rewind, drop page 2
     assert m.kv_len(0) == 8 and m.free_pages == 12 - 2
     assert m.pages_needed([0] * 4, np.arange(8, 12)) == {0: 1}
     with pytest.raises(ValueError, match="num_accepted=2"):
-        spec.manager_accept(m, [0], [2], [1])
+        m.accept([0], [2], [1])
     m.check()
 
 
@@ -447,15 +426,15 @@ def test_readers_follow_corrected_lengths(backend="pallas"):
     seq = jnp.arange(2, dtype=jnp.int32)
     a, b = stage(sp, 0, seq, backend=backend), stage(ref, 0, seq, backend=backend)
     np.testing.assert_array_equal(np.asarray(a.kv_lens), np.asarray(b.kv_lens))
-    np.testing.assert_array_equal(_bits(a.to_dense()), _bits(b.to_dense()))
+    assert_bits_equal(a.to_dense(), b.to_dense())
     n = np.asarray(sp.kv_lens)
     raw = np.stack([np.arange(8), np.arange(8)[::-1] + 2])
     with pytest.raises(ValueError, match=f"kv_len {n[1]}"):                    # a rejected draft's row: refused
         gather_rows(sp, 0, seq, jnp.asarray(raw, jnp.int32), backend=backend)
     idx = jnp.asarray(np.where(raw < n[:, None], raw, -1), jnp.int32)
     ga, gb = (gather_rows(s, 0, seq, idx, backend=backend) for s in (sp, ref))
-    _leaves_equal(ga, gb)
+    assert_trees_bit_equal(ga, gb)
     q = jnp.asarray(np.random.default_rng(0).normal(size=(2, 2, 2, D_HEAD)), CONFIGS[0].attention_dtype)
     (oa, la), (ob, lb) = (decode_attention(s, 0, q, seq, backend=backend) for s in (sp, ref))
-    np.testing.assert_array_equal(_bits(oa), _bits(ob))
+    assert_bits_equal(oa, ob)
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))

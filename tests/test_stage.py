@@ -3,97 +3,65 @@ the staged layout / FlashInfer export, host validation, the paged attention refe
 and (``-m gpu``) the kernel on the GPU."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from helpers import assert_bits_equal, check_kernel, poisoned_state
+
 from jmixedkv import read
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.config import KVCacheConfig
 from jmixedkv.reference import stage_reference
-from jmixedkv.state import GroupSpec, admit, append, init_state
-from pallas_kernels.stage import ReadGeometry, column_chunks, stage_pages
+from jmixedkv.state import GroupSpec, init_state
+from pallas_kernels.stage import column_chunks, stage_pages
 
 CFG = KVCacheConfig("mixed_nvfp4_bf16", first_n=5, last_n=7, page_size=8, max_draft_len=2)
 SPEC = GroupSpec(num_layers=2, num_kv_heads=2, head_dim=32)
 S, W, P = 4, 6, 24
 EDGE_LENGTHS = [0, 1, 7, 8, 9, 12, 16, 17, 40, 48]
 
-_append = jax.jit(append, static_argnames=("layer", "group", "rope", "backend"))
-_admit = jax.jit(admit)
-_stage_ref = jax.jit(stage_reference, static_argnames=("group",))
+build = functools.partial(poisoned_state, decode_steps=3, num_seqs=S, width=W, num_pages=P)
 
 
-def build(cfg, spec, lengths, seed=0, decode_steps=3, num_seqs=S, width=W, num_pages=P):
-    """A poisoned state with permuted page ids: each sequence prefilled, then a few decode steps (ring wraps)."""
-    rng = np.random.default_rng(seed)
-    hp = num_seqs * cfg.num_high_pages_per_seq
-    gs = rng.uniform(0.005, 0.05, (spec.num_layers, spec.kv_factor)).astype(np.float32)
-    state = init_state(cfg, spec, num_pages=num_pages, max_seqs=num_seqs, max_pages_per_seq=width, poison=True,
-                       page_order=rng.permutation(num_pages), high_page_order=rng.permutation(max(hp, 1)), gs=gs,
-                       high_scale=0.05)
-    for s in range(num_seqs):
-        state = _admit(state, s)
-    page = cfg.page_size
-    total = num_seqs * width * page
-    pre = [max(n - decode_steps, 0) for n in lengths]
-
-    def rows(t):
-        shape = (spec.num_layers, t, spec.num_kv_heads, spec.head_dim)
-        k = jnp.asarray(rng.normal(size=shape) * rng.uniform(0.5, 8), jnp.bfloat16)
-        v = None if spec.kv_factor == 1 else jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-        return k, v
-
-    seq = np.full(total, -1, np.int32)
-    pos = np.zeros(total, np.int32)
-    at = 0
-    for s, n in enumerate(pre):
-        seq[at:at + n], pos[at:at + n] = s, np.arange(n)
-        at += n
-    k, v = rows(total)
-    state = _append(state, k, v, seq, pos, backend="reference")
-    for i in range(decode_steps):
-        seq = np.array([s if pre[s] + i < lengths[s] else -1 for s in range(num_seqs)], np.int32)
-        pos = np.array([pre[s] + i for s in range(num_seqs)], np.int32)
-        k, v = rows(num_seqs)
-        state = _append(state, k, v, seq, pos, backend="reference")
-    assert int(state.error) == 0
-    np.testing.assert_array_equal(np.asarray(state.kv_lens), lengths)
-    return state
+def _stage_dense(state, seqs, *, layer, backend):
+    """``(rows [L', B, kv, H, S, D], page_table)`` staged by `read.stage` (``L' = 1`` for one layer)."""
+    staged = read.stage(state, layer, seqs, backend=backend)
+    if layer is not None:
+        return staged.to_dense()[None], staged.page_table
+    return jnp.stack([staged.to_dense(i) for i in range(state.groups[0].num_layers)]), staged.page_table
 
 
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint8 if x.dtype.itemsize == 1 else np.uint16 if x.dtype.itemsize == 2 else np.uint32)
-
-
-def assert_bitexact(got, want):
-    np.testing.assert_array_equal(bits(got), bits(want))
+def _stage_expected(state, seqs, *, layer):
+    """What `_stage_dense` must give: `stage_reference` per layer, and compact staged page ids in batch order
+    (row b holds ``ceil(n_b / page)`` consecutive ids after those of rows < b; -1 past them)."""
+    layers = range(state.groups[0].num_layers) if layer is None else [layer]
+    npages = -(-jnp.where(seqs >= 0, state.kv_lens[seqs], 0) // state.page_size)
+    j = jnp.arange(state.max_pages_per_seq)[None, :]
+    table = jnp.where(j < npages[:, None], (jnp.cumsum(npages) - npages)[:, None] + j, -1)
+    return jnp.stack([stage_reference(state, l, seqs) for l in layers]), table.astype(jnp.int32)
 
 
 def check_stage(state, seqs, layer, backend="pallas"):
-    staged = read.stage(state, layer, seqs, backend=backend)
-    layers = range(state.groups[0].num_layers) if layer is None else [layer]
-    for i, l in enumerate(layers):
-        want = _stage_ref(state, l, jnp.asarray(seqs, jnp.int32))
-        assert_bitexact(staged.to_dense(i if layer is None else None), want)
-    return staged
+    """`read.stage` (jitted, run twice) vs `stage_reference`, bit for bit. Returns (rows, page_table)."""
+    got, _ = check_kernel(_stage_dense, _stage_expected, (state, jnp.asarray(seqs, jnp.int32)),
+                          kernel_kw=dict(layer=layer, backend=backend), reference_kw=dict(layer=layer),
+                          msg=f"stage layer={layer} backend={backend}")
+    return got
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(lengths=st.lists(st.sampled_from(EDGE_LENGTHS), min_size=S, max_size=S), seed=st.integers(0, 2**16),
        perm_seed=st.integers(0, 2**16))
 def test_stage_matches_reference(lengths, seed, perm_seed):
-    state = build(CFG, SPEC, lengths, seed)
+    state = build(CFG, SPEC, lengths, seed=seed)
     rng = np.random.default_rng(perm_seed)
     seqs = np.concatenate([rng.permutation(S)[:3], [-1]]).astype(np.int32)
-    staged = check_stage(state, seqs, layer=int(rng.integers(0, SPEC.num_layers)))
-    npages = -(-np.asarray(staged.kv_lens) // CFG.page_size)
-    table = np.asarray(staged.page_table)
-    used = np.sort(table[table >= 0])
-    np.testing.assert_array_equal(used, np.arange(npages.sum()))      # compact ids
+    check_stage(state, seqs, layer=int(rng.integers(0, SPEC.num_layers)))
 
 
 @pytest.mark.parametrize("dtype", ["mixed_nvfp4_fp8", "nvfp4"])
@@ -107,12 +75,13 @@ def test_stage_other_dtypes(dtype):
 def test_stage_all_layers_and_reference_backend():
     state = build(CFG, SPEC, [9, 40, 1, 16], seed=5)
     seqs = np.array([3, 1, 0, 2], np.int32)
-    staged = check_stage(state, seqs, layer=None)
+    check_stage(state, seqs, layer=None)
+    check_stage(state, seqs, layer=None, backend="reference")
+    staged, ref = (read.stage(state, None, seqs, backend=b) for b in ("pallas", "reference"))
     assert staged.pages.shape == (2, 4 * W, 2, 2, 8, 32)
-    ref = check_stage(state, seqs, layer=None, backend="reference")
     table = np.asarray(ref.page_table)
     for l in range(2):
-        assert_bitexact(np.asarray(staged.pages[l])[table[table >= 0]], np.asarray(ref.pages[l])[table[table >= 0]])
+        assert_bits_equal(np.asarray(staged.pages[l])[table[table >= 0]], np.asarray(ref.pages[l])[table[table >= 0]])
 
 
 def test_stage_mla_latent_576():
@@ -126,7 +95,13 @@ def test_stage_mla_latent_576():
 def test_flashinfer_export_and_nhd():
     state = build(CFG, SPEC, [9, 0, 17, 8], seed=11)
     staged = read.stage(state, 0, np.array([0, 1, 2, 3], np.int32), backend="reference")
-    indptr, indices, last = staged.flashinfer_csr()
+    csr = staged.flashinfer_csr()
+    dev = next(iter(staged.pages.devices()))
+    assert all(isinstance(x, jax.Array) and x.dtype == jnp.int32 and x.devices() == {dev} for x in csr)
+    for x, y in zip(csr, staged.flashinfer_csr(as_numpy=True)):
+        assert isinstance(y, np.ndarray) and y.dtype == np.int32
+        np.testing.assert_array_equal(np.asarray(x), y)
+    indptr, indices, last = map(np.asarray, csr)
     np.testing.assert_array_equal(indptr, [0, 2, 2, 5, 6])
     np.testing.assert_array_equal(indices, np.arange(6))
     np.testing.assert_array_equal(last, [1, 0, 1, 8])
@@ -190,7 +165,7 @@ def _kernel_args(state, seqs, layers):
 def test_stage_kernel_cross_lowers_for_cuda(head_dim, kv):
     spec = GroupSpec(num_layers=2, num_kv_heads=2, head_dim=head_dim, kv_factor=kv)
     state = init_state(CFG, spec, num_pages=8, max_seqs=2, max_pages_per_seq=4)
-    geom = ReadGeometry(8, CFG.first_n, CFG.last_n, CFG.num_fixed_pages, CFG.num_ring_pages)
+    geom = CFG.twin
     for layers in ([1], [0, 1]):
         text = cross_lower_cuda(lambda *a: stage_pages(*a, geom=geom, num_staged_pages=8,
                                                        out_dtype=jnp.bfloat16, interpret=False),

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import jmixedkv as jm
-from conftest import assert_trees_bit_equal, bits
+from helpers import assert_trees_bit_equal, bits
 from jmixedkv import nvfp4
 from jmixedkv.state import (ERR_BAD_LAYER, ERR_BAD_POSITION, ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM,
                             ERR_TOO_LONG)
@@ -24,7 +24,6 @@ from jmixedkv.state import (ERR_BAD_LAYER, ERR_BAD_POSITION, ERR_BAD_SLOT, ERR_H
 L, H, D = 2, 2, 32
 T_PAD = 16  # every append is padded to this many tokens (one compile per config)
 
-_append = jax.jit(jm.append, static_argnames=("group", "rope", "backend"))
 _admit = jax.jit(jm.admit)
 _release = jax.jit(jm.release)
 _stage = jax.jit(jm.stage_reference, static_argnames=("group",))
@@ -114,7 +113,7 @@ class CacheMachine(RuleBasedStateMachine):
         k = jnp.asarray(np.transpose(x[:, :, 0], (1, 0, 2, 3)), jnp.bfloat16)
         v = jnp.asarray(np.transpose(x[:, :, 1], (1, 0, 2, 3)), jnp.bfloat16)
         before = self.state
-        self.state = _append(self.state, k, v, s, p, None, backend="reference")
+        self.state = jm.append(self.state, None, k, v, s, p, backend="reference")
         return before
 
     @rule(slot=st.integers(0, 2))
@@ -195,10 +194,10 @@ class CacheMachine(RuleBasedStateMachine):
         before = self.state
         if layer is None:
             k = jnp.ones((L, T_PAD, H, D), jnp.bfloat16)
-            after = _append(before, k, k, s, p, None, backend="reference")
+            after = jm.append(before, None, k, k, s, p, backend="reference")
         else:
             k = jnp.ones((T_PAD, H, D), jnp.bfloat16)
-            after = _append(before, k, k, s, p, jnp.int32(layer), backend="reference")
+            after = jm.append(before, jnp.int32(layer), k, k, s, p, backend="reference")
         assert int(after.error) & bit, jm.describe_error(int(after.error))
         assert_trees_bit_equal(dataclasses.replace(after, error=before.error), before)
 
@@ -231,7 +230,7 @@ def _fill(cfg, lens, seed=0, group=None):
         state = _admit(state, slot)
         x = rng.normal(size=(2, L, n, H, D)).astype(np.float32)
         k, v = jnp.asarray(x[0], jnp.bfloat16), jnp.asarray(x[1], jnp.bfloat16)
-        state = _append(state, k, v, jnp.full((n,), slot, jnp.int32), jnp.arange(n, dtype=jnp.int32), None,
+        state = jm.append(state, None, k, v, jnp.full((n,), slot, jnp.int32), jnp.arange(n, dtype=jnp.int32),
                         backend="reference")
         rows[slot] = x
     assert int(state.error) == 0
@@ -277,14 +276,14 @@ def test_mla_latent_group():
     g = jm.GroupSpec(1, 1, 576, kv_factor=1, name="mla")
     state = jm.admit(jm.init_state(cfg, g, 8, 1, 4, poison=True), 0)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, 1, 576)), jnp.bfloat16)
-    state = jm.append(state, x, None, jnp.zeros(6, jnp.int32), jnp.arange(6), backend="reference")
+    state = jm.append(state, None, x, None, jnp.zeros(6, jnp.int32), jnp.arange(6), backend="reference")
     got = jm.stage_reference(state, 0, jnp.array([0]))[0, 0, 0, :6]
     np.testing.assert_array_equal(bits(got[:2]), bits(x[0, :2, 0]))
     np.testing.assert_array_equal(bits(got[4:6]), bits(x[0, 4:6, 0]))
     low = nvfp4.dequantize(*nvfp4.quantize(x[0, 2:4, 0]), 1.0, jnp.bfloat16)
     np.testing.assert_array_equal(bits(got[2:4]), bits(low))
     with pytest.raises(ValueError, match="MLA latent"):
-        jm.append(state, x, x, jnp.zeros(6, jnp.int32), jnp.arange(6))
+        jm.append(state, None, x, x, jnp.zeros(6, jnp.int32), jnp.arange(6))
 
 
 def test_oom_inside_jit_sets_flag_and_changes_nothing():
@@ -293,24 +292,24 @@ def test_oom_inside_jit_sets_flag_and_changes_nothing():
     state = _admit(_admit(state, 0), 1)
     k = jnp.ones((L, T_PAD, H, D), jnp.bfloat16)
     s, p = padded([0] * 8, range(8))
-    state = _append(state, k, k, s, p, None, backend="reference")  # 2 pages
+    state = jm.append(state, None, k, k, s, p, backend="reference")  # 2 pages
     assert int(state.error) == 0
     s, p = padded([0] * 4 + [1] * 4, list(range(8, 12)) + list(range(4)))  # needs 2, 1 free
-    after = _append(state, k, k, s, p, None, backend="reference")
+    after = jm.append(state, None, k, k, s, p, backend="reference")
     assert int(after.error) == ERR_LOW_OOM
     assert_trees_bit_equal(dataclasses.replace(after, error=state.error), state)
     # the host API refuses the same request up front, naming the shortfall
     mgr = jm.CacheManager(cfg, jm.GroupSpec(L, H, D), num_pages=3, max_seqs=2, max_pages_per_seq=8)
     a, b = mgr.admit(), mgr.admit()
-    mgr.append(k[:, :8], k[:, :8], [a] * 8, range(8))
+    mgr.append(None, k[:, :8], k[:, :8], [a] * 8, range(8))
     with pytest.raises(jm.CacheCapacityError, match=r"needs 2 new low pages but only 1 are free \(short by 1"):
-        mgr.append(k[:, :8], k[:, :8], [a] * 4 + [b] * 4, list(range(8, 12)) + list(range(4)))
+        mgr.append(None, k[:, :8], k[:, :8], [a] * 4 + [b] * 4, list(range(8, 12)) + list(range(4)))
     assert not mgr.can_append([a] * 4 + [b] * 4, list(range(8, 12)) + list(range(4)))
     assert mgr.can_append([b] * 4, range(4))
     with pytest.raises(jm.CacheCapacityError, match="past the page table"):
-        mgr.append(k[:, :1], k[:, :1], [a], [40])
+        mgr.append(None, k[:, :1], k[:, :1], [a], [40])
     with pytest.raises(ValueError, match=r"seq_slots\[0\]=7 out of range \[-1, 2\)"):
-        mgr.append(k[:, :1], k[:, :1], [7], [0])
+        mgr.append(None, k[:, :1], k[:, :1], [7], [0])
     mgr.check()
 
 
@@ -349,7 +348,7 @@ def test_decode_loop_compiles_once():
     def step(state, k, v, seq, pos, admit_slot, release_slot):
         state = jm.release(state, release_slot)
         state = jm.admit(state, admit_slot)
-        state = jm.append(state, k, v, seq, pos, 0, backend="reference")
+        state = jm.append(state, 0, k, v, seq, pos, backend="reference")
         return state, jm.stage_reference(state, 0, seq[:4])
 
     rng = np.random.default_rng(0)
@@ -386,7 +385,7 @@ def test_retained_set_is_exact(n, first_n, last_n, page, draft):
     x = jnp.full((n, 1, 16), 1.1, jnp.bfloat16) * (1 + jnp.arange(n, dtype=jnp.bfloat16)[:, None, None] / 64)
     for t in range(0, n, 5):  # several appends: the ring wraps
         m = min(5, n - t)
-        state = _append(state, x[t:t + m], x[t:t + m], jnp.zeros(m, jnp.int32), jnp.arange(t, t + m), 0,
+        state = jm.append(state, 0, x[t:t + m], x[t:t + m], jnp.zeros(m, jnp.int32), jnp.arange(t, t + m),
                         backend="reference")
     got = np.asarray(jm.stage_reference(state, 0, jnp.array([0]))[0, 0, 0, :n, 0], np.float32)
     exact = got == np.asarray(x[:, 0, 0], np.float32)
@@ -412,7 +411,6 @@ AL, AH, AD, AS, AT = 2, 1, 16, 3, 6           # layers, heads, head_dim, slots, 
 ADV_CONFIGS = [dict(dtype="mixed_nvfp4_bf16", first_n=2, last_n=3, page_size=4, max_draft_len=2),
                dict(dtype="nvfp4", page_size=4, max_draft_len=1)]
 ADV_PAGES, ADV_MAX_PAGES = 10, 4
-_adv_append = jax.jit(jm.append, static_argnames=("group", "rope", "backend"))
 _adv_fork = jax.jit(jm.fork)
 _adv_correct = jax.jit(spec_mod.correct_kv_lens)
 _adv_trim = jax.jit(spec_mod.trim)
@@ -523,9 +521,9 @@ class AdversarialMachine(RuleBasedStateMachine):
         pos_a = jnp.asarray(poss + [0] * (AT - t), jnp.int32)
         x = jnp.asarray(self.rng.normal(size=(AL, AT, AH, AD)), jnp.bfloat16)
         if layer is None:
-            after = _adv_append(before, x, x, seq_a, pos_a, None, backend="reference")
+            after = jm.append(before, None, x, x, seq_a, pos_a, backend="reference")
         else:
-            after = _adv_append(before, x[0], x[0], seq_a, pos_a, jnp.int32(layer), backend="reference")
+            after = jm.append(before, jnp.int32(layer), x[0], x[0], seq_a, pos_a, backend="reference")
         self._check(before, after, exp, {s for s, _ in live})
 
     @rule(src=st.sampled_from([-2, -1, 0, 1, 2, AS, AS + 1]), dst=st.sampled_from([-2, -1, 0, 1, 2, AS]))

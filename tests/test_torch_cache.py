@@ -26,7 +26,6 @@ GS = np.array([[0.5, 2.0], [1.5, 0.25]], np.float32)
 
 # every cache in this file has the same geometry (the jitted transitions compile once)
 GEOM = dict(num_pages=NUM_PAGES, max_seqs=len(LENS), max_pages_per_seq=MAX_PAGES, backend="reference")
-_append_jit = jax.jit(append, static_argnames=("group", "rope", "backend"))
 _stage_ref = jax.jit(stage_reference)
 _rows_ref = jax.jit(lambda s, seq, idx: rows_reference(s, 1, seq[:, None], idx))
 
@@ -92,7 +91,7 @@ def _pair():
     k, v = _kv(rng, (L, seq.size, H, D))
     cache.append(None, k, v, torch.from_numpy(seq), torch.from_numpy(pos))
     kp, vp, sp, pp = tc._pad_tokens(k, v, seq, pos, token_axis=1)     # same bucketed shapes: one compile
-    mirror.append(_jax(kp), _jax(vp), sp, pp)
+    mirror.append(None, _jax(kp), _jax(vp), sp, pp)
     for t in range(seq.size):
         written[:, 0, seq[t], :, pos[t]] = k[:, t].float().numpy()
         written[:, 1, seq[t], :, pos[t]] = v[:, t].float().numpy()
@@ -102,7 +101,7 @@ def _pair():
         k, v = _kv(rng, (dec.size, H, D))
         cache.append(layer, k, v, torch.from_numpy(dec).long(), dpos)        # int64 slots accepted
         kp, vp, sp, pp = tc._pad_tokens(k, v, dec, dpos, token_axis=0)
-        mirror.append(_jax(kp), _jax(vp), sp, pp, layer=layer)
+        mirror.append(layer, _jax(kp), _jax(vp), sp, pp)
         for t in range(dec.size):
             written[layer, 0, dec[t], :, dpos[t]] = k[t].float().numpy()
             written[layer, 1, dec[t], :, dpos[t]] = v[t].float().numpy()
@@ -497,7 +496,7 @@ def test_gpu_torch_cache_matches_jax(backend):
         seq = np.repeat(np.arange(2), 20).astype(np.int32)
         pos = np.tile(np.arange(20), 2).astype(np.int32)
         cache.append(0, k.cuda(), v.cuda(), torch.from_numpy(seq).cuda(), torch.from_numpy(pos).cuda())
-        state = _append_jit(state, _jax(k), _jax(v), seq, pos, jnp.int32(0), backend="reference")
+        state = append(state, jnp.int32(0), _jax(k), _jax(v), seq, pos, backend="reference")
         st = cache.stage(0, torch.tensor([1, 0], dtype=torch.int32, device="cuda"))
         assert st.pages.device.type == "cuda"
         kd, vd = st.dense()

@@ -12,7 +12,6 @@ oracle.
 """
 from __future__ import annotations
 
-import functools
 import re
 
 import ml_dtypes
@@ -22,8 +21,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from helpers import assert_bits_equal, assert_trees_bit_equal
+from helpers import assert_bits_equal, assert_trees_bit_equal, check_kernel, jit_static, poisoned_state
 import jmixedkv as jk
+from jmixedkv import numerics
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.rope import rope_cos_sin
 from jmixedkv.state import GroupSpec
@@ -61,26 +61,18 @@ def _schedule():
 
 
 def _state(dtype, spec, first_n=5, last_n=9, gs=1.0, high_scale=1.0, seed=0):
+    """Three empty admitted slots of a `poisoned_state` (24 pages, each slot may hold all of them)."""
     cfg = jk.KVCacheConfig(dtype, first_n=first_n, last_n=last_n, page_size=PAGE)
-    rng = np.random.default_rng(seed)
-    num_pages = 24
-    num_high = max(3 * cfg.num_high_pages_per_seq, 1)
-    st = jk.init_state(cfg, spec, num_pages=num_pages, max_seqs=3, poison=True, gs=gs, high_scale=high_scale,
-                       page_order=rng.permutation(num_pages), high_page_order=rng.permutation(num_high))
-    for s in range(3):
-        st = jk.admit(st, s)
-    return st
+    return poisoned_state(cfg, spec, [0, 0, 0], seed=seed, num_pages=24, width=24, gs=gs, high_scale=high_scale)
 
 
 def _rows(rng, shape, dtype, scale=3.0):
     return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _jit_append(rope, backend):
-    """``append`` jitted once per (rope, backend); ``layer`` is a traced argument (None = all layers)."""
-    return jax.jit(lambda st, k, v, q, p, layer: jk.append(st, k, v, q, p, layer=layer, rope=rope,
-                                                           backend=backend))
+def _append(st, k, v, q, p, layer, *, rope, backend):
+    """`jmixedkv.append` with the arguments of `run_scenario` (``layer`` traced; None = all layers)."""
+    return jk.append(st, layer, k, v, q, p, rope=rope, backend=backend)
 
 
 def reference_append(st, k, v, seq, pos, layer, rope, device=None):
@@ -99,7 +91,7 @@ def reference_append(st, k, v, seq, pos, layer, rope, device=None):
     device = device or jax.devices()[0]
     st, k, v, seq, pos, layer = jax.device_put((st, k, v, seq, pos, layer), device)
     with jax.default_device(device):
-        out = _jit_append(None, "reference")(st, k, v, seq, pos, layer)
+        out = jit_static(_append, rope=None, backend="reference")(st, k, v, seq, pos, layer)
     return jax.device_put(out, jax.devices()[0])
 
 
@@ -111,12 +103,11 @@ def reference_devices():
 
 def run_scenario(st, rope, *, all_layers=True, k_dtype=jnp.bfloat16, v_dtype=jnp.bfloat16, seed=1,
                  data_fn=None, steps=None):
-    """Append the schedule with both backends, comparing all pools after every step; each sequence continues from
-    its current length. Returns the final state."""
+    """Append the schedule with both backends (the kernel jitted and run twice: `helpers.check_kernel`), comparing
+    the whole state after every step; each sequence continues from its current length. Returns the final state."""
     spec = st.groups[0]
     rng = np.random.default_rng(seed)
     starts = [int(n) for n in np.asarray(st.kv_lens)[:3]]
-    fn = _jit_append(rope, "pallas")
     for step, lengths in enumerate(steps or _schedule()):
         seq, pos = _chunk(lengths, starts, rng)
         starts = [s + n for s, n in zip(starts, lengths)]
@@ -125,12 +116,15 @@ def run_scenario(st, rope, *, all_layers=True, k_dtype=jnp.bfloat16, v_dtype=jnp
         k = data_fn(rng, shape, seq, pos) if data_fn else _rows(rng, shape, k_dtype)
         v = _rows(rng, shape, v_dtype, 1.0) if spec.kv_factor == 2 else None
         layer = None if all_layers else jnp.int32(step % spec.num_layers)
-        got = fn(st, k, v, seq, pos, layer)
-        for device in reference_devices():
-            want = reference_append(st, k, v, seq, pos, layer, rope, device)
-            assert int(want.error) == 0
+        devices = reference_devices()
+        wants = [reference_append(st, k, v, seq, pos, layer, rope, device) for device in devices]
+        assert all(int(w.error) == 0 for w in wants)
+        got, _ = check_kernel(_append, wants[0], (st, k, v, seq, pos, layer),
+                              kernel_kw=dict(rope=rope, backend="pallas"), any_nan=True,
+                              msg=f"step {step}, reference on {devices[0]}")
+        for device, want in zip(devices[1:], wants[1:]):
             assert_pools_equal(got.pools, want.pools, f"step {step}, reference on {device}")
-        st = want
+        st = wants[0]
     return st
 
 
@@ -275,9 +269,12 @@ def test_rope_rows_interpret_match_numpy(style):
 
 
 def test_barrier_does_not_stop_fma():
-    """Why the kernel's interpret path (and `jmixedkv.rope`) does not rely on ``lax.optimization_barrier``: the
-    jitted barrier form ``barrier(x*c, y*s)`` then ``a - b`` is contracted into ``fma(x, c, -y*s)`` by XLA CPU
-    (barriers are expanded before fusion), while the laundered form always rounds each product separately."""
+    """Why `jmixedkv.rope` and the kernels' jnp paths fence products with `jmixedkv.numerics.launder` rather than
+    ``lax.optimization_barrier``: jitted on XLA CPU, ``x*c - y*s`` is contracted into ``fma(x, c, -y*s)`` with or
+    without a barrier around the two products (XLA CPU expands barriers before fusion), while the products
+    routed through the integer fence (`numerics.opaque_zero` + `numerics.launder`) are rounded separately. The
+    unfenced form is checked too, so the test fails if XLA stops contracting (the fence would then be untested)
+    as well as if the fence stops working."""
     rng = np.random.default_rng(0)
     x, y = (rng.standard_normal((2, 4096)) * 3).astype(np.float32)
     c, s = np.cos(rng.uniform(0, 50, 4096)).astype(np.float32), np.sin(rng.uniform(0, 50, 4096)).astype(np.float32)
@@ -285,16 +282,23 @@ def test_barrier_does_not_stop_fma():
     sensitive = sep != fma
     assert sensitive.sum() > 100                                     # data where an FMA changes the result
 
-    def barrier_rotate(x_, y_, c_, s_):
+    def plain(x_, y_, c_, s_):
+        return x_ * c_ - y_ * s_
+
+    def barrier(x_, y_, c_, s_):
         a, b = jax.lax.optimization_barrier((x_ * c_, y_ * s_))
         return a - b
 
+    def fenced(x_, y_, c_, s_):
+        z = numerics.opaque_zero(c_)
+        return numerics.launder(x_ * c_, z) - numerics.launder(y_ * s_, z)
+
     cpu = jax.devices("cpu")[0]
     args = [jax.device_put(a, cpu) for a in (x, y, c, s)]
-    barrier = np.asarray(jax.jit(barrier_rotate)(*args))
-    assert_bits_equal(barrier[sensitive], fma[sensitive], "barrier form on XLA CPU: contracted into an FMA")
-    laundered = np.asarray(jax.jit(W._JnpOps.rotate)(*args))
-    assert_bits_equal(laundered, sep, "laundered form: every product rounded")
+    run = lambda f: np.asarray(jax.jit(f)(*args))  # noqa: E731
+    assert_bits_equal(run(plain)[sensitive], fma[sensitive], "unfenced form on XLA CPU: contracted into an FMA")
+    assert_bits_equal(run(barrier)[sensitive], fma[sensitive], "barrier form on XLA CPU: contracted into an FMA")
+    assert_bits_equal(run(fenced), sep, "numerics.launder fence: every product rounded")
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -335,7 +339,7 @@ def _lower_append(st, rope, layer=None, kv=True):
     k = jnp.zeros(lead + (T, spec.num_kv_heads, spec.head_dim), jnp.bfloat16)
     seq, pos = jnp.zeros((T,), jnp.int32), jnp.arange(T, dtype=jnp.int32)
     with W.lowering_for_cuda():
-        fn = lambda s, k, v, q, p: jk.append(s, k, v, q, p, layer=layer, rope=rope, backend="pallas")  # noqa
+        fn = lambda s, k, v, q, p: jk.append(s, layer, k, v, q, p, rope=rope, backend="pallas")  # noqa
         return cross_lower_cuda(fn, st, k, k if kv else None, seq, pos, donate_argnums=0)
 
 
@@ -419,7 +423,7 @@ def test_gpu_fma_sensitive_rows_match_numpy():
     assert hits > 500
     k[pos == 0, :, 64:] = -0.0                 # sin = +0 at position 0: the sign of each rotated zero is tested
     seq = np.zeros(n, np.int32)
-    out = jk.append(st, jnp.asarray(k), jnp.asarray(k), seq, pos, layer=0, rope=rope, backend="pallas")
+    out = jk.append(st, 0, jnp.asarray(k), jnp.asarray(k), seq, pos, rope=rope, backend="pallas")
     hslot = np.asarray(jk.state.write_slots(out, jnp.asarray(seq), jnp.asarray(pos))[1])
     rows = np.asarray(out.pools[0].high.rows[0][hslot // PAGE, 0, :, hslot % PAGE, :])  # [T, H, D]
     want = numpy_rope(k, cos[:, None, :], sin[:, None, :], rope).astype(ml_dtypes.bfloat16)

@@ -1,0 +1,41 @@
+"""Placement of a `CacheState` on a ``("tp",)`` mesh: pool arrays ``[L, P, kv, H, page, X]`` sharded on their
+KV-head axis, the rest replicated. Imports no `jmixedkv` module, so `state` (``init_state(mesh=...)``) and
+`sharding` (which imports `state`) both use it without a cycle (docs/DESIGN.md §7)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+__all__ = ["AXIS", "state_specs", "check_divisible", "shard_state"]
+
+AXIS = "tp"
+
+
+def _pool_leaf_spec(leaf):
+    """Axis 3 (KV heads) of a 6-d pool array over ``AXIS``; any other leaf replicated."""
+    return P(None, None, None, AXIS) if getattr(leaf, "ndim", 0) == 6 else P()
+
+
+def state_specs(state):
+    """PartitionSpec pytree for a `CacheState`: pool arrays on the head axis, everything else replicated."""
+    pools = jax.tree.map(_pool_leaf_spec, state.pools)
+    rest = {f: jax.tree.map(lambda _: P(), getattr(state, f))
+            for f in ("page_table", "high_table", "kv_lens", "active", "written", "alloc", "high_alloc", "error")}
+    return dataclasses.replace(state, pools=pools, **rest)
+
+
+def check_divisible(state, tp: int):
+    """`ValueError` naming the group unless every group's ``num_kv_heads`` divides by ``tp``."""
+    for g in state.groups:
+        if g.num_kv_heads % tp:
+            raise ValueError(f"group {g.name!r}: num_kv_heads={g.num_kv_heads} is not divisible by the "
+                             f"tensor-parallel size {tp}")
+
+
+def shard_state(state, mesh: Mesh):
+    """Place a `CacheState` on ``mesh``: pools sharded over KV heads, the rest replicated."""
+    check_divisible(state, mesh.shape[AXIS])
+    specs = state_specs(state)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
