@@ -43,18 +43,23 @@ def quantize(x, global_scale=1.0, backend: str = "auto", block_scale: str = "max
     Returns:
       ``(packed uint8[..., D/2], scales float8_e4m3fn[..., D/16])``.
     """
-    which = _backend.resolve(backend)
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError(f"NVFP4 quantize: x must have at least one dimension, got shape {x.shape}")
-    if which == "reference":
-        return _ref.quantize(x, global_scale, block_scale)
+    return _backend.dispatch(backend, _quantize_reference, _quantize_pallas)(x, global_scale, block_scale,
+                                                                             **kernel_kwargs)
+
+
+def _quantize_reference(x, global_scale, block_scale, **_):
+    return _ref.quantize(x, global_scale, block_scale)
+
+
+def _quantize_pallas(x, global_scale, block_scale, *, interpret, **kernel_kwargs):
     from pallas_kernels import nvfp4 as _k  # lazy: the reference never imports a kernel
 
     lead, d = x.shape[:-1], x.shape[-1]
-    rows = math.prod(lead)
-    packed, scales = _k.quantize(x.reshape(rows, d), _flat_gs(global_scale, lead),
-                                 interpret=_backend.interpret(), block_scale=block_scale, **kernel_kwargs)
+    packed, scales = _k.quantize(x.reshape(math.prod(lead), d), _flat_gs(global_scale, lead), interpret=interpret,
+                                 block_scale=block_scale, **kernel_kwargs)
     return packed.reshape(*lead, packed.shape[-1]), scales.reshape(*lead, scales.shape[-1])
 
 
@@ -63,18 +68,24 @@ def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16, backend: st
 
     ``global_scale``: a scalar or broadcastable to ``packed.shape[:-1]``; ``backend`` as in `quantize`.
     """
-    which = _backend.resolve(backend)
     packed = jnp.asarray(packed)
     scales = jnp.asarray(scales)
     if packed.ndim == 0 or scales.ndim != packed.ndim or scales.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"NVFP4 dequantize: packed {packed.shape} and scales {scales.shape} must share their "
                          f"leading dimensions")
-    if which == "reference":
-        return _ref.dequantize(packed, scales, global_scale, dtype)
+    return _backend.dispatch(backend, _dequantize_reference, _dequantize_pallas)(packed, scales, global_scale, dtype,
+                                                                                 **kernel_kwargs)
+
+
+def _dequantize_reference(packed, scales, global_scale, dtype, **_):
+    return _ref.dequantize(packed, scales, global_scale, dtype)
+
+
+def _dequantize_pallas(packed, scales, global_scale, dtype, *, interpret, **kernel_kwargs):
     from pallas_kernels import nvfp4 as _k
 
     lead = packed.shape[:-1]
     rows = math.prod(lead)
     out = _k.dequantize(packed.reshape(rows, packed.shape[-1]), scales.reshape(rows, scales.shape[-1]),
-                        _flat_gs(global_scale, lead), dtype, interpret=_backend.interpret(), **kernel_kwargs)
+                        _flat_gs(global_scale, lead), dtype, interpret=interpret, **kernel_kwargs)
     return out.reshape(*lead, out.shape[-1])

@@ -399,17 +399,17 @@ def mamba_step_reference(conv, ssm, x, p):
     return window[:, 1:].astype(conv.dtype), ssm, y.reshape(-1)
 
 
-def recurrent_forward(state: HybridState, rec_layer, seq_slots, x, valid, params):
+def recurrent_forward(state: HybridState, rec_layer, x, valid, seq_slots, params):
     """Run one block of tokens through recurrent layer ``rec_layer`` (index among recurrent layers; may be traced)
     and record its rewind snapshots (see the module docstring for the contract with `accept_hybrid`).
 
-    Args:
-      seq_slots: i32[B] distinct admitted slots (-1 = padding row).
+    Args (the library's order: state, layer, data, slots):
       x: ``[B, T, conv_dim]`` float inputs; ``valid`` bool[B, T]: which tokens of a row are real (any pattern;
         invalid tokens leave the state unchanged). ``T`` is free: a verify block has ``k + 1 <= D + 1`` valid
         tokens, a prefill chunk any number; in both, ``snap[r]`` = state with the row's last ``r`` valid tokens
         undone, ``r = 0 .. D``, and ``snap_tokens`` = the row's valid-token count. Rows with no valid token change
         nothing.
+      seq_slots: i32[B] distinct admitted slots (-1 = padding row).
       params: `init_recurrent_params` output (all layers).
     Returns ``(state', y f32[B, T, conv_dim])``; ``y`` of a padding row is computed from a zero state.
 

@@ -31,7 +31,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["TwinGeometry", "high_column", "low_slots", "segment_max_position",
+__all__ = ["TwinGeometry", "low_slots", "segment_max_position",
            "OFFSET_HOLE", "in_offset_hole", "offset_safe_count", "check_offsets"]
 
 # --- Pallas Triton addressing -------------------------------------------------------------------------------
@@ -149,11 +149,6 @@ class TwinGeometry:
         if write_mask is not None:
             ok = ok & write_mask
         return jnp.where(ok, page * self.page + pos % self.page, -1)
-
-
-def high_column(pos, page_size: int, num_fixed: int, num_ring: int):
-    """`TwinGeometry.high_column` with the columns spelled out (host callers and tests)."""
-    return TwinGeometry(page_size, num_fixed=num_fixed, num_ring=num_ring).high_column(pos)
 
 
 def low_slots(page_table, seq, pos, page_size: int):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks, layout, speculative
+from . import checks, speculative
 from . import state as st
 from .checks import CacheCapacityError, CacheError
 from .config import KVCacheConfig
@@ -89,7 +89,9 @@ class CacheManager:
         slot_ok = (not self._active.all()) if slot is None else (0 <= slot < self.max_seqs and not self._active[slot])
         return slot_ok and need <= self._free_high
 
-    def _host_tokens(self, seq_slots, positions, op):
+    def host_tokens(self, seq_slots, positions, op: str = "append"):
+        """``(seq, pos)`` as host int32 vectors, range-checked (slots in ``[-1, max_seqs)``); `ValueError` naming
+        ``op`` and the offending entry otherwise."""
         seq = checks.index_array(seq_slots, "seq_slots", op, -1, self.max_seqs, host=True)
         pos = checks.index_array(positions, "positions", op, host=True)
         if seq.shape != pos.shape or seq.ndim != 1:
@@ -99,7 +101,7 @@ class CacheManager:
 
     def pages_needed(self, seq_slots, positions) -> dict[int, int]:
         """New low pages an append of tokens (seq_slots, positions) would allocate, per slot."""
-        seq, pos = self._host_tokens(seq_slots, positions, "pages_needed")
+        seq, pos = self.host_tokens(seq_slots, positions, "pages_needed")
         out = {}
         for s in np.unique(seq[seq >= 0]):
             last = int(pos[seq == s].max())
@@ -108,20 +110,24 @@ class CacheManager:
 
     def can_append(self, seq_slots, positions) -> bool:
         try:
-            self._check_append(seq_slots, positions)
+            self.check_append(seq_slots, positions)
             return True
         except CacheCapacityError:
             return False
 
-    # ------------------------------------------------------------------ transitions
-    def admit(self, slot: Optional[int] = None) -> int:
-        """Admit an empty sequence; returns its slot. Raises `CacheCapacityError` if it cannot."""
+    def _free_slot(self, slot, name: str, op: str) -> int:
+        """``slot`` range-checked, or the first free slot when None (`CacheCapacityError` if there is none)."""
         if slot is None:
             free = self.free_slots()
             if not free:
-                raise CacheCapacityError(f"no free sequence slot: all {self.max_seqs} slots are admitted")
+                raise CacheCapacityError(f"{op}: no free sequence slot: all {self.max_seqs} slots are admitted")
             slot = free[0]
-        slot = checks.host_int(slot, "slot", "admit", 0, self.max_seqs)
+        return checks.host_int(slot, name, op, 0, self.max_seqs)
+
+    # ------------------------------------------------------------------ transitions
+    def admit(self, slot: Optional[int] = None) -> int:
+        """Admit an empty sequence; returns its slot. Raises `CacheCapacityError` if it cannot."""
+        slot = self._free_slot(slot, "slot", "admit")
         if self._active[slot]:
             raise ValueError(f"admit: slot {slot} is already admitted")
         need = self.config.num_high_pages_per_seq
@@ -147,11 +153,11 @@ class CacheManager:
         self._free_high = int(self.state.high_alloc.num_free)
         self._read_shared()
 
-    def _check_append(self, seq_slots, positions, capacity: bool = True):
+    def check_append(self, seq_slots, positions, capacity: bool = True):
         """Host mirror of `jmixedkv.append`'s refusals (`jmixedkv.checks`): `ValueError` for bad slots / positions,
         `CacheCapacityError` for capacity (the pool's free pages only when ``capacity``). Returns the new pages
         per slot."""
-        seq, pos = self._host_tokens(seq_slots, positions, "append")
+        seq, pos = self.host_tokens(seq_slots, positions, "append")
         bad = sorted({int(s) for s in seq[seq >= 0] if not self._active[s]})
         if bad:
             raise ValueError(f"append: sequence slots {bad} are not admitted")
@@ -170,7 +176,7 @@ class CacheManager:
                                  f"{p[:16].tolist()}{'...' if p.size > 16 else ''}")
             cfg = self.config
             q = p // cfg.page_size
-            col = np.asarray(layout.high_column(p, cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages))
+            col = cfg.twin.high_column(p)
             width = self._hshared.shape[1]
             if self._shared[s, q].any() or (width and ((col >= 0) & self._hshared[s, np.clip(col, 0, width - 1)]).any()):
                 raise ValueError(f"append: slot {s}: positions [{p[0]}, {p[-1]}] write into a page shared with "
@@ -196,8 +202,8 @@ class CacheManager:
         if layer is not None:
             layer = checks.host_int(np.asarray(layer).item() if checks.is_jax(layer) else layer, "layer", "append",
                                     0, spec.num_layers)
-        need = self._check_append(seq_slots, positions)
-        seq, pos = self._host_tokens(seq_slots, positions, "append")
+        need = self.check_append(seq_slots, positions)
+        seq, pos = self.host_tokens(seq_slots, positions, "append")
         layer_arg = None if layer is None else np.int32(layer)
         self.state = st.append(self.state, layer_arg, k, v, seq, pos, group=group,
                                rope=rope, backend=self.backend, donate=True)
@@ -248,12 +254,7 @@ class CacheManager:
         src = checks.host_int(src, "src", "fork", 0, self.max_seqs)
         if not self._active[src]:
             raise ValueError(f"fork: source slot {src} is not admitted")
-        if dst is None:
-            free = self.free_slots()
-            if not free:
-                raise CacheCapacityError(f"fork: no free sequence slot (all {self.max_seqs} are admitted)")
-            dst = free[0]
-        dst = checks.host_int(dst, "dst", "fork", 0, self.max_seqs)
+        dst = self._free_slot(dst, "dst", "fork")
         if dst == src or self._active[dst]:
             raise ValueError(f"fork: destination slot {dst} is admitted already (or equals src {src})")
         self._run(f"fork {src} -> {dst}", _fork, np.int32(src), np.int32(dst))

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from . import levers
+from . import levers, numerics
 from .config import KVCacheConfig
 from .reference import attention_reference, stage_reference
 from .pools import pytree
@@ -499,7 +499,7 @@ def calibrate(prefix, knobs):
     amax = jnp.stack([jnp.max(jnp.abs(jnp.einsum("...d,de->...e", x, rot, precision=hi)), axis=(1, 2, 3, 4))
                       for x in (k, prefix["v"])], axis=1)                      # [L, 2]
     ok = amax > 0
-    return {"gs": nvfp4.global_scale_from_amax(amax), "high": jnp.where(ok, amax / 448.0, 1.0)}
+    return {"gs": nvfp4.global_scale_from_amax(amax), "high": jnp.where(ok, amax / numerics.E4M3_MAX, 1.0)}
 
 
 class SimulatedDecodeSession:

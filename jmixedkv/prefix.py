@@ -417,14 +417,14 @@ class PrefixCache:
     def append(self, layer, k, v, seq_slots, positions, group: int = 0, rope=None) -> None:
         """`CacheManager.append` (which refuses writes into shared pages), after the reuse rule below and, when
         the low pool runs short, eviction of index pages."""
-        seq, pos = self.manager._host_tokens(seq_slots, positions, "PrefixCache.append")
+        seq, pos = self.manager.host_tokens(seq_slots, positions, "PrefixCache.append")
         for slot, need in self._pending.items():
             mine = (seq == slot) & (pos >= 0)
             if mine.any() and int(pos[mine].max()) + 1 < need:
                 raise ValueError(f"PrefixCache.append: slot {slot} reused a prefix; its first append must reach "
                                  f"length {need} (the Last-N window is recomputed, not shared), got "
                                  f"{int(pos[mine].max()) + 1}")
-        self.manager._check_append(seq, pos, capacity=False)   # refusals (shared page, position) before eviction
+        self.manager.check_append(seq, pos, capacity=False)   # refusals (shared page, position) before eviction
         self.ensure_free(sum(self.manager.pages_needed(seq, pos).values()))
         self.manager.append(layer, k, v, seq, pos, group=group, rope=rope)
         for slot in [s_ for s_ in self._pending if (seq == s_).any()]:

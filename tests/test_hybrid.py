@@ -15,7 +15,6 @@ from helpers import assert_bits_equal, assert_trees_bit_equal, bits
 from jmixedkv import KVCacheConfig, rows_reference, stage_reference
 from jmixedkv import hybrid as hy
 from jmixedkv import speculative as spec
-from jmixedkv.layout import high_column
 from jmixedkv.pools import RowPool
 from jmixedkv.state import append
 
@@ -93,7 +92,7 @@ def test_buffers_page_tables_and_retained_rows():
     retained = np.flatnonzero((np.arange(n) < KV.first_n) | (np.arange(n) >= n - KV.last_n))
     buf = hy.layer_buffers(state, 7)["rows"]
     ht = hy.layer_page_table(state, 7)
-    col = high_column(pos, KV.page_size, KV.num_fixed_pages, KV.num_ring_pages)
+    col = KV.twin.high_column(pos)
     twin = buf[ht[1, col], :, :, pos % KV.page_size]                           # [n, kv, H, D]
     assert_bits_equal(seen[retained], twin[retained])
     assert_bits_equal(twin[retained][:, 0], k[retained].astype(jnp.bfloat16))
@@ -119,7 +118,7 @@ def _forward(state, params, seq, x, katt, valid):
     for lid, kind in enumerate(LAY.kinds[:len(TYPES)]):
         i = LAY.local[lid]
         if kind == "recurrent":
-            state, x = hy.recurrent_forward(state, i, seq, x, valid, params)
+            state, x = hy.recurrent_forward(state, i, x, valid, seq, params)
             outs.append(x)
         else:
             state = dataclasses.replace(state, attn=append(state.attn, i, katt[i], katt[i] * 0.5, s_flat, p_flat))
@@ -195,14 +194,14 @@ def _forward2(state, seq, x, katt, valid):
     s_flat = jnp.where(valid.reshape(-1), s_flat, -1)
     for lid, kind in enumerate(LAY2.kinds[:len(TYPES2)]):
         if kind == "recurrent":
-            state, x = hy.recurrent_forward(state, LAY2.local[lid], seq, x, valid, PARAMS2)
+            state, x = hy.recurrent_forward(state, LAY2.local[lid], x, valid, seq, PARAMS2)
         else:
             state = dataclasses.replace(state, attn=append(state.attn, 0, katt, katt * 0.5, s_flat, p_flat))
     return state, x
 
 
 _admit2, _release2, _accept2 = jax.jit(hy.hybrid_admit), jax.jit(hy.hybrid_release), jax.jit(hy.accept_hybrid)
-_rf2 = jax.jit(lambda st, layer, seq, x, valid: hy.recurrent_forward(st, layer, seq, x, valid, PARAMS2))
+_rf2 = jax.jit(lambda st, layer, seq, x, valid: hy.recurrent_forward(st, layer, x, valid, seq, PARAMS2))
 _read2 = jax.jit(hy.recurrent_state)
 ALL2 = jnp.arange(S2, dtype=jnp.int32)
 _stage2 = jax.jit(lambda attn: stage_reference(attn, 0, ALL2))
@@ -301,7 +300,7 @@ def test_issue_repro_three_token_chunk():
     st = _admit(_make(), 0)
     params = hy.init_recurrent_params(MODEL, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (1, 3, 8))
-    st, _ = _rf(st, 0, jnp.array([0]), x, jnp.ones((1, 3), bool), params)
+    st, _ = _rf(st, 0, x, jnp.ones((1, 3), bool), jnp.array([0]), params)
     k = jnp.ones((3, 1, 16))
     st = dataclasses.replace(st, attn=append(st.attn, 0, k, k, jnp.zeros(3, jnp.int32), jnp.arange(3)))
     out = _accept(st, jnp.array([0]), jnp.array([0]), jnp.array([0]))
@@ -381,12 +380,12 @@ def test_host_validation_names_the_value():
         (lambda: hy.hybrid_admit(st, -2), r"hybrid_admit: seq_slot=-2 out of range \[-1, 3\)"),
         (lambda: hy.hybrid_release(st, 7), r"hybrid_release: seq_slot=7 out of range \[-1, 3\)"),
         (lambda: hy.hybrid_admit(st, 1.0), "must be an integer"),
-        (lambda: hy.recurrent_forward(st, 2, [0, 1, -1], x, v, PARAMS2), r"layer=2 out of range \[0, 2\)"),
-        (lambda: hy.recurrent_forward(st, -1, [0, 1, -1], x, v, PARAMS2), r"layer=-1 out of range"),
-        (lambda: hy.recurrent_forward(st, 0, [0, 3, -1], x, v, PARAMS2), r"seq_slots\[1\]=3 out of range"),
-        (lambda: hy.recurrent_forward(st, 0, [0, 0, -1], x, v, PARAMS2), "slot 0 more than once"),
-        (lambda: hy.recurrent_forward(st, 0, [0, 1, 2**32 + 1], x, v, PARAMS2), r"=4294967297 out of range"),
-        (lambda: hy.recurrent_forward(st, 0, [0, 1], x, v, PARAMS2), "need seq_slots i32"),
+        (lambda: hy.recurrent_forward(st, 2, x, v, [0, 1, -1], PARAMS2), r"layer=2 out of range \[0, 2\)"),
+        (lambda: hy.recurrent_forward(st, -1, x, v, [0, 1, -1], PARAMS2), r"layer=-1 out of range"),
+        (lambda: hy.recurrent_forward(st, 0, x, v, [0, 3, -1], PARAMS2), r"seq_slots\[1\]=3 out of range"),
+        (lambda: hy.recurrent_forward(st, 0, x, v, [0, 0, -1], PARAMS2), "slot 0 more than once"),
+        (lambda: hy.recurrent_forward(st, 0, x, v, [0, 1, 2**32 + 1], PARAMS2), r"=4294967297 out of range"),
+        (lambda: hy.recurrent_forward(st, 0, x, v, [0, 1], PARAMS2), "need seq_slots i32"),
         (lambda: hy.recurrent_state(st, 0, [0, -5]), r"seq_slots\[1\]=-5 out of range"),
         (lambda: hy.recurrent_state(st, 9, [0]), r"layer=9 out of range"),
         (lambda: hy.accept_hybrid(st, [0, 3], [0, 0], [0, 0]), r"seq_slots\[1\]=3 out of range"),

@@ -16,7 +16,6 @@ from jmixedkv import GroupSpec, KVCacheConfig, admit, append, init_state, releas
 from jmixedkv import nvfp4
 from jmixedkv import speculative as spec
 from jmixedkv.pools import LowPool, RowPool
-from jmixedkv.layout import high_column
 from jmixedkv.state import write_slots
 
 D_HEAD = 16
@@ -149,7 +148,7 @@ def test_speculative_equivalence_edges(plan, overlap):
     cfg, n = CONFIGS[0], int(sp.kv_lens[0])
     pos = jnp.arange(max(0, n - cfg.last_n), n, dtype=jnp.int32)
     rows = _rows(sp, 0, jnp.zeros_like(pos), pos)
-    hp = sp.high_table[0, high_column(pos, cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages)]
+    hp = sp.high_table[0, cfg.twin.high_column(pos)]
     assert_bits_equal(rows, sp.pools[0].high.rows[0, hp, :, :, pos % cfg.page_size])
 
 

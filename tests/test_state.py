@@ -508,7 +508,7 @@ class AdversarialMachine(RuleBasedStateMachine):
             if q < ADV_MAX_PAGES and table[s, q] >= 0 and refc[table[s, q]] > 1:
                 shared = True
             if htable.shape[1]:
-                col = int(layout_col(max(p, 0), cfg))
+                col = int(cfg.twin.high_column(max(p, 0)))
                 if col >= 0 and htable[s, min(col, htable.shape[1] - 1)] >= 0 and \
                         hrefc[htable[s, min(col, htable.shape[1] - 1)]] > 1:
                     shared = True
@@ -572,11 +572,6 @@ class AdversarialMachine(RuleBasedStateMachine):
             assert int(st_.alloc.num_free) == int((refc == 0).sum())
             lens, written = np.asarray(st_.kv_lens), np.asarray(st_.written)
             assert (lens <= written).all() and (written <= lens + self.cfg.max_draft_len).all()
-
-
-def layout_col(p, cfg):
-    from jmixedkv import layout
-    return layout.high_column(p, cfg.page_size, cfg.num_fixed_pages, cfg.num_ring_pages)
 
 
 def test_adversarial_state_machine_2000_steps():
