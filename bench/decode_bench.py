@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import layout, nvfp4  # noqa: E402
-from jmixedkv.attention import decode_attention  # noqa: E402
+from jmixedkv.decode import decode_attention  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.pools import LowPool, RowPool  # noqa: E402
 from pallas_kernels.decode_attention import default_num_splits, paged_decode_attention  # noqa: E402
@@ -212,7 +212,7 @@ def stage_xla(low, high, page_table, high_table, kv_lens, layer=0, *, first_n, l
     page = low.data.shape[4]
     ids = jnp.maximum(page_table, 0)
     gs = low.gs[layer]                                                         # [kv]
-    x = nvfp4.dequantize(low.data[layer][ids], low.scales[layer][ids], gs[:, None, None], jnp.bfloat16)
+    x = nvfp4.dequantize_reference(low.data[layer][ids], low.scales[layer][ids], gs[:, None, None], jnp.bfloat16)
     pos = jnp.arange(npg)[None, :, None] * page + jnp.arange(page)[None, None, :]
     x = jnp.where((pos < kv_lens[:, None, None])[:, :, None, None, :, None], x, jnp.zeros((), x.dtype))  # rows >= n: 0
     # x: [B, np, kv, H, page, D]; overlay fixed pages (positions < first_n) and the ring (last_n window)
@@ -585,6 +585,151 @@ def versions(torch):
     return v
 
 
+# --------------------------------------------------------------------------------------------- --grid
+GRID_JAX_PA_SPLITS = {1: 16, 16: 4, 64: 1}   # jax paged_attention k_splits per batch (best of earlier sweeps)
+
+
+def set_geometry(gqa, page):
+    """Point the module-level shape constants (used by `tables` / `mixed_pools`) at one grid geometry."""
+    global HQ, PAGE, CFG, NF, NR
+    HQ, PAGE = H * gqa, page
+    CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
+    NF, NR = CFG.num_fixed_pages, CFG.num_ring_pages
+
+
+def torch_sdpa(torch, b, ctx, tq):
+    """cuDNN and flash SDPA over contiguous bf16 K/V ``[b, H, ctx, D]``, ``tq`` query tokens (no mask: the
+    same bytes as the causal verify step), ms each (None where the backend refuses): the better of torch's
+    ``enable_gqa`` and the group folded into the query rows (``q [b, H, tq * G, D]``, what a serving engine does;
+    for Tq > 1 ``enable_gqa`` expands K / V to every query head and reads G x the bytes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = HQ // H
+    q = torch.randn(b, HQ, tq, D, dtype=torch.bfloat16, device="cuda")
+    qf = torch.randn(b, H, tq * g, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, H, ctx, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    res = {}
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        times = []
+        for qq, gqa in ((q, True), (qf, False)):
+            def f():
+                with sdpa_kernel(be):
+                    return torch.nn.functional.scaled_dot_product_attention(qq, k, v, enable_gqa=gqa)
+            try:
+                times.append(time_torch(torch, f))
+            except Exception as e:  # backend not available for this shape
+                print(f"    sdpa {name} enable_gqa={gqa}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+        res[name] = min(times) if times else None
+    del q, qf, k, v
+    torch.cuda.empty_cache()
+    return res
+
+
+def grid_row(torch, bw, b, ctx, gqa, page, tq):
+    """One grid shape: the default NVFP4 kernel, the Mosaic GPU kernel (where `supported`), cuDNN / flash SDPA
+    over contiguous bf16, jax's Pallas paged attention over bf16 (Tq 1 only: it has no multi-token query), and
+    both bytes floors. Every timed output must be finite; the Mosaic GPU output must match the Triton one."""
+    set_geometry(gqa, page)
+    key = jax.random.PRNGKey(b * 1000 + ctx // 1024 + 7 * gqa + page + tq)
+    row = dict(batch=b, context=ctx, gqa=gqa, page=page, tq=tq)
+    tokens = b * ctx
+    row["floor_nvfp4_ms"] = (tokens * H * D * 2 * (0.5 + 1 / 16) + b * (FIRST_N + LAST_N) * H * D * 4) / bw * 1e-9
+    row["floor_bf16_ms"] = tokens * H * D * 4 / bw * 1e-9
+    if torch is not None:
+        s = torch_sdpa(torch, b, ctx, tq)
+        row["cudnn_ms"], row["flash_ms"] = s.get("cudnn"), s.get("flash")
+    q = jax.random.normal(key, (b, tq, HQ, D), jnp.bfloat16)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    pt, ht = tables(jax.random.fold_in(key, 1), b, ctx)
+    low, high = mixed_pools(jax.random.fold_in(key, 2), b, ctx)
+    fn = jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
+        q, pt, lens, LAYERS - 1, low, high, None, ht, geom=CFG.twin, interpret=INTERPRET)[0])
+    out = np.asarray(fn(q, pt, lens, ht, low, high), np.float32)
+    if not np.isfinite(out).all():
+        raise FloatingPointError("mixed: non-finite output")
+    row["mixed_ms"] = time_jax(fn, q, pt, lens, ht, low, high)
+
+    def mgpu():
+        mg = jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
+            q, pt, lens, LAYERS - 1, low, high, ht, geom=CFG.twin, interpret=INTERPRET)[0])
+        got = np.asarray(mg(q, pt, lens, ht, low, high), np.float32)
+        rel = float(np.linalg.norm(got - out) / max(np.linalg.norm(out), 1e-30))
+        if not rel < 1e-2:
+            raise ValueError(f"mgpu output differs from the Triton kernel's by {rel:.2e}")
+        return time_jax(mg, q, pt, lens, ht, low, high)
+    if USE_MGPU and decode_mgpu.supported(head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=high.rows.dtype):
+        _method(row, "mgpu", mgpu)
+    del low, high
+
+    def jax_pa():   # 128-token compute blocks: 8 pages of 16 or 2 of 64 (8 x 64 needs 276 KB of shared memory)
+        kp, vp = jax_layout_pages(jax.random.fold_in(key, 4), b, ctx)
+        npg, ppcb, ks = ctx // PAGE, max(1, 128 // PAGE), GRID_JAX_PA_SPLITS.get(b, 1)
+        while ks > 1 and npg % (ks * ppcb):
+            ks //= 2
+        return time_jax(jax_pa_fn(min(ppcb, npg), ks), q[:, 0], kp, vp, pt, lens)
+    if tq == 1:
+        _method(row, "jax_pa", jax_pa)
+    row["mixed_vs_nvfp4_floor"] = row["mixed_ms"] / row["floor_nvfp4_ms"]
+    for other in ("cudnn", "flash", "jax_pa", "mgpu"):
+        if row.get(f"{other}_ms"):
+            row[f"{other}_over_mixed"] = row[f"{other}_ms"] / row["mixed_ms"]
+    return row
+
+
+def _method(row, name, thunk):
+    """``row[name + "_ms"] = thunk()``; a method that fails on this shape is recorded, not fatal for the row."""
+    try:
+        row[f"{name}_ms"] = thunk()
+    except Exception as e:
+        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        print(f"    {name}: {row[f'{name}_error']}")
+
+
+def grid_table(rows):
+    head = (f"{'pg':>3} {'gqa':>3} {'tq':>2} {'B x ctx':>11} {'mixed':>7} {'mgpu':>7} {'cuDNN':>7} {'flash':>7} "
+            f"{'jaxPA':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'mix/fl4':>7} {'cuDNN/mix':>9}")
+    lines = [head]
+    for r in rows:
+        f = lambda k: fmt(r.get(k), 7)  # noqa: E731
+        lines.append(f"{r['page']:>3} {r['gqa']:>3} {r['tq']:>2} {r['batch']:>4} x {r['context'] // 1024:>4}k "
+                     f"{f('mixed_ms')} {f('mgpu_ms')} {f('cudnn_ms')} {f('flash_ms')} {f('jax_pa_ms')} "
+                     f"{f('floor_nvfp4_ms')} {f('floor_bf16_ms')} {f('mixed_vs_nvfp4_floor')} "
+                     f"{fmt(r.get('cudnn_over_mixed'), 9)}" + (f"  {r['error']}" if r.get("error") else ""))
+    return "\n".join(lines)
+
+
+def grid_main(args, torch, bw, bw_how, info):
+    """``--grid``: batch x context x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only (one compile per
+    kernel and shape), the headline geometry (GQA 4, page 16, Tq 1) first so a time-budget cut loses variants."""
+    shapes = [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
+    geos = [tuple(map(int, g.split("/"))) for g in args.geos.split(",")]
+    order = [(b, c, *geo) for geo in geos for b, c in shapes]
+    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
+                  copy_bandwidth_tbs=bw, copy_bandwidth_how=bw_how, heads=H, head_dim=D, first_n=FIRST_N,
+                  last_n=LAST_N, layers=LAYERS, rows=[], skipped=[])
+    path = os.path.join(args.out, "decode_bench-grid.json")
+    t0 = time.time()
+    for b, c, g, p, t in order:
+        if time.time() - t0 > args.budget_s:
+            result["skipped"].append([b, c, g, p, t])
+            continue
+        try:
+            row = grid_row(torch, bw, b, c, g, p, t)
+        except Exception as e:  # OOM or a failure on one shape must not lose the rest
+            row = dict(batch=b, context=c, gqa=g, page=p, tq=t, error=f"{type(e).__name__}: {str(e)[:160]}")
+        result["rows"].append(row)
+        print(grid_table([row]).splitlines()[-1], f"({time.time() - t0:.0f}s)", flush=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    text = grid_table(result["rows"])
+    print(text)
+    if result["skipped"]:
+        print(f"not run (time budget {args.budget_s:.0f}s): {result['skipped']}")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -599,6 +744,10 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=520.0,
                     help="stop starting new shapes after this many seconds (the device runs commands for <= 600 s)")
     ap.add_argument("--mem-gib", type=float, default=120.0, help="skip shapes needing more device memory")
+    ap.add_argument("--grid", action="store_true",
+                    help="the issue-18 grid: x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only")
+    ap.add_argument("--geos", default="4/16/1,4/16/4,4/64/1,4/64/4,8/16/1,8/16/4,8/64/1,8/64/4",
+                    help="--grid geometries GQA/page/Tq, in the order they run")
     ap.add_argument("--results-md", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     args = ap.parse_args(argv)
     global INTERPRET, CHECK_LENS, USE_MGPU, MGPU_CONFIGS, LAYERS
@@ -627,6 +776,8 @@ def main(argv=None):
     info = versions(torch)
     print(f"device {info['device']}  jax {info['jax']}  triton {info['triton']}  torch {info['torch']}  "
           f"copy bandwidth {bw:.2f} TB/s ({bw_how})")
+    if args.grid:
+        return grid_main(args, torch, bw, bw_how, info)
     torch_ms = torch_sdpa_all(torch, shapes) if torch is not None else {}
     ok, corr = check_correctness(torch)
     print("correctness:", json.dumps(corr), "OK" if ok else "FAILED")

@@ -74,6 +74,12 @@ VARIANTS = {
     "k32w2s2x4-vl": dict(block_k=32, num_warps=2, num_stages=2, x=4, v_late=True),
     "k64w2s2x2-vl": dict(block_k=64, num_warps=2, num_stages=2, x=2, v_late=True),
     "k64w4s3x2-vl": dict(block_k=64, num_warps=4, num_stages=3, x=2, v_late=True),
+    # fewer, longer splits for the short / narrow shapes (16 x 4k, 1 x 32k GQA 8: 2-8x their floor on the grid)
+    "k32w1s3x0.5-vl": dict(block_k=32, num_warps=1, num_stages=3, x=0.5, v_late=True),
+    "k32w1s3x1-vl": dict(block_k=32, num_warps=1, num_stages=3, x=1, v_late=True),
+    "k32w1s3x2-vl": dict(block_k=32, num_warps=1, num_stages=3, x=2, v_late=True),
+    "k64w2s3x0.5-vl": dict(block_k=64, num_warps=2, num_stages=3, x=0.5, v_late=True),
+    "k64w2s3x0.25-vl": dict(block_k=64, num_warps=2, num_stages=3, x=0.25, v_late=True),
 }
 # later shapes: this subset (the default first) unless --all
 SUBSET = ["k64w2s3x1", "k64w2s3x4-vl", "k64w2s3x2", "k64w2s3x4", "k64w2s4x2", "k64w1s3x4", "k32w1s3x4",
@@ -85,7 +91,10 @@ SHAPES = [("16x32k g4 p16 t1", 16, 32768, 32, 16, 1),
           ("16x32k g8 p16 t1", 16, 32768, 64, 16, 1),
           ("16x32k g4 p64 t1", 16, 32768, 32, 64, 1),
           ("16x32k g4 p16 t4", 16, 32768, 32, 16, 4),
-          ("64x4k g4 p16 t1", 64, 4096, 32, 16, 1)]
+          ("64x4k g4 p16 t1", 64, 4096, 32, 16, 1),
+          ("16x4k g4 p16 t1", 16, 4096, 32, 16, 1),
+          ("1x32k g8 p16 t1", 1, 32768, 64, 16, 1),
+          ("1x32k g4 p16 t1", 1, 32768, 32, 16, 1)]
 
 
 # --------------------------------------------------------------------------------------------- helpers

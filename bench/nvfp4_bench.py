@@ -162,8 +162,8 @@ def _quant_kernel_blocked(x_ref, gs_ref, *refs, sub_rows, n_sub, per_row, exact_
 def quantize_variant(x, global_scale=1.0, *, impl: str = "pairs", code_impl: str = "magic", recip: str = "div",
                      scale_cvt: bool = False, block_rows: int = 32, sub_rows: int = 32, num_warps: int = 4,
                      num_stages: int = 1, width=None, interpret=None):
-    """An experimental NVFP4 quantize kernel (all bit-exact against `jmixedkv.nvfp4.quantize`; they differ only in
-    speed). ``impl``: "v1" | "blocked" | "strided" | "pairs" ("pairs" runs "blocked" for non-bf16 input);
+    """An experimental NVFP4 quantize kernel (all bit-exact against `jmixedkv.nvfp4.quantize_reference`; they differ
+    only in speed). ``impl``: "v1" | "blocked" | "strided" | "pairs" ("pairs" runs "blocked" for non-bf16 input);
     ``code_impl``: "magic" | "compare"; ``recip``: "div" | "table" (per-block variants, scalar gs);
     ``scale_cvt``: hardware E4M3 rounding (per-block variants, GPU). Tiling as `pallas_kernels.nvfp4.quantize`.
     ``impl="pairs"`` with the other options at their defaults is the library kernel."""
@@ -337,8 +337,8 @@ def bit_exact_checks(quick: bool):
     host CPU, rows not a multiple of the block; dequantize vs the GPU reference. ``quick``: the per-block impls
     only for (D=128, scalar gs) and (D=576, per-row gs)."""
     results = []
-    ref_q = jax.jit(nvfp4.quantize)
-    ref_dq = jax.jit(nvfp4.dequantize)
+    ref_q = jax.jit(nvfp4.quantize_reference)
+    ref_dq = jax.jit(nvfp4.dequantize_reference)
     cpu = jax.devices("cpu")[0]
     for d in (64, 128, 256, 576):
         for per_row in (False, True):
@@ -347,7 +347,7 @@ def bit_exact_checks(quick: bool):
             gs = (jnp.asarray(np.random.default_rng(d).uniform(1e-3, 10.0, rows), jnp.float32) if per_row
                   else nvfp4.global_scale_from_amax(jnp.float32(1e3)))
             with jax.default_device(cpu):
-                want_cpu = jax.jit(nvfp4.quantize)(jax.device_put(x, cpu), jax.device_put(gs, cpu))
+                want_cpu = jax.jit(nvfp4.quantize_reference)(jax.device_put(x, cpu), jax.device_put(gs, cpu))
             want_gpu = ref_q(x, gs)
             impls = (("library",) + QUANT_IMPLS if (not quick or (d, per_row) in ((128, False), (576, True)))
                      else ("library",))
@@ -379,7 +379,7 @@ def smoke():
     """CPU: the library kernel and every experimental variant in interpret mode on 64 x 128 (special blocks
     included), bit for bit against the reference. Returns the exit code."""
     x = _make_input(64, 128, 0)
-    want = jax.jit(nvfp4.quantize)(x, jnp.float32(1.0))
+    want = jax.jit(nvfp4.quantize_reference)(x, jnp.float32(1.0))
     tile = dict(block_rows=32, sub_rows=16, interpret=True)
     cases = [("library", functools.partial(K.quantize, **tile))]
     cases += [(impl, functools.partial(quantize_variant, impl=impl, **tile)) for impl in QUANT_IMPLS]
@@ -504,9 +504,9 @@ def main(argv=None):
     copy_gbps = max(r["gbps"] for r in rows_out if r["kind"] == "copy" and "gbps" in r and "elementwise" not in r["name"])
 
     # references
-    attempt("reference", "XLA nvfp4.quantize", jax.jit(nvfp4.quantize), (x, gs), q_bytes, op="quantize")
-    pr, sr = jax.jit(nvfp4.quantize)(x, gs)
-    attempt("reference", "XLA nvfp4.dequantize (bf16)", jax.jit(nvfp4.dequantize), (pr, sr, gs), dq_bytes,
+    attempt("reference", "XLA nvfp4.quantize", jax.jit(nvfp4.quantize_reference), (x, gs), q_bytes, op="quantize")
+    pr, sr = jax.jit(nvfp4.quantize_reference)(x, gs)
+    attempt("reference", "XLA nvfp4.dequantize (bf16)", jax.jit(nvfp4.dequantize_reference), (pr, sr, gs), dq_bytes,
             op="dequantize")
 
     # kernels

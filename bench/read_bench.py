@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jmixedkv import read  # noqa: E402
+from jmixedkv import checks, gather, staging  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.config import KVCacheConfig  # noqa: E402
 from jmixedkv.pools import GroupPools, LowPool, RowPool  # noqa: E402
@@ -107,8 +107,8 @@ def retained_rows(cfg, idx, tokens):
 def bench_stage(cfg, spec, batch, tokens, bw, iters):
     state = synthetic_state(cfg, spec, batch, tokens)
     seqs = jnp.arange(batch, dtype=jnp.int32)
-    read.validate_read(state, 0, seqs, op="stage")
-    fns = {be: jax.jit(lambda st, q, be=be: read.stage(st, 0, q, backend=be, validate=False).pages)
+    checks.validate_read(state, 0, seqs, op="stage")
+    fns = {be: jax.jit(lambda st, q, be=be: staging.stage(st, 0, q, backend=be, validate=False).pages)
            for be in ("pallas", "reference")}
     ok = bits_equal(fns["pallas"](state, seqs), fns["reference"](state, seqs))
     rows = batch * tokens * spec.kv_factor * spec.num_kv_heads
@@ -129,13 +129,13 @@ def bench_gather(cfg, spec, batch, tokens, k, bw, iters):
     state = synthetic_state(cfg, spec, batch, tokens, seed=1)
     seqs = jnp.arange(batch, dtype=jnp.int32)
     idx = topk_indices(batch, tokens, k, cfg.first_n, cfg.last_n)
-    read.validate_read(state, 0, seqs, idx, op="gather_rows")
+    checks.validate_read(state, 0, seqs, idx, op="gather_rows")
     out = []
     d = spec.head_dim
     rows = batch * k * spec.kv_factor * spec.num_kv_heads
     high = retained_rows(cfg, idx, tokens) * spec.kv_factor * spec.num_kv_heads * d * 2
     for scratch in (None, "fp8"):
-        fns = {be: jax.jit(lambda st, q, i, be=be, sd=scratch: read.gather_rows(st, 0, q, i, backend=be,
+        fns = {be: jax.jit(lambda st, q, i, be=be, sd=scratch: gather.gather_rows(st, 0, q, i, backend=be,
                                                                                 scratch_dtype=sd, validate=False))
                for be in ("pallas", "reference")}
         (gp, sp), (gr, sr) = fns["pallas"](state, seqs, idx), fns["reference"](state, seqs, idx)
@@ -170,11 +170,11 @@ def smoke():
     spec = GroupSpec(num_layers=1, num_kv_heads=1, head_dim=32)
     state = synthetic_state(cfg, spec, 2, 40)
     seqs = jnp.arange(2, dtype=jnp.int32)
-    a = read.stage(state, 0, seqs, backend="pallas").pages
-    b = read.stage(state, 0, seqs, backend="reference").pages
+    a = staging.stage(state, 0, seqs, backend="pallas").pages
+    b = staging.stage(state, 0, seqs, backend="reference").pages
     idx = topk_indices(2, 40, 16, cfg.first_n, cfg.last_n)
-    g = read.gather_rows(state, 0, seqs, idx, backend="pallas")[0]
-    r = read.gather_rows(state, 0, seqs, idx, backend="reference")[0]
+    g = gather.gather_rows(state, 0, seqs, idx, backend="pallas")[0]
+    r = gather.gather_rows(state, 0, seqs, idx, backend="reference")[0]
     print(f"smoke: stage bit-exact {bits_equal(a, b)}, gather bit-exact {bits_equal(g, r)}")
 
 

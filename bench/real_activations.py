@@ -138,25 +138,21 @@ def evaluate(q, k, v, page_size: int, caches):
 
 
 def plot(rows, info, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for r in rows:
-        if r["dtype"] == "bf16":
-            continue
-        a.plot(range(info["num_layers"]), r["attn_rel_err_per_layer"], marker="o", label=r["label"])
-        b.plot(r["k_rel_err_per_position"], lw=1, label=r["label"])
-    a.set(yscale="log", xlabel="layer", ylabel="relative L2 error",
-          title="attention output vs fp32 (all-MiniLM-L6-v2, real Q/K/V)")
-    b.set(xlabel="token position", ylabel="relative L2 error (all layers)",
-          title="K rows per position: retained windows exact")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from jmixedkv.cli import two_panel_plot
+
+    def draw(a, b):
+        for r in rows:
+            if r["dtype"] == "bf16":
+                continue
+            a.plot(range(info["num_layers"]), r["attn_rel_err_per_layer"], marker="o", label=r["label"])
+            b.plot(r["k_rel_err_per_position"], lw=1, label=r["label"])
+        a.set(yscale="log", xlabel="layer", ylabel="relative L2 error",
+              title="attention output vs fp32 (all-MiniLM-L6-v2, real Q/K/V)")
+        b.set(xlabel="token position", ylabel="relative L2 error (all layers)",
+              title="K rows per position: retained windows exact")
+        a.legend(fontsize=7)
+        b.legend(fontsize=7)
+    two_panel_plot(path, (13, 4.5), draw)
 
 
 def table(rows, num_layers):

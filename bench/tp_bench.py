@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import layout, sharding  # noqa: E402
-from jmixedkv.attention import decode_attention  # noqa: E402
+from jmixedkv.decode import decode_attention  # noqa: E402
 from pallas_kernels.decode_attention import DEFAULT_BLOCK_K, default_num_splits  # noqa: E402
 from read_bench import timeit as _median_s  # noqa: E402  (warm-up + median wall time, seconds)
 

@@ -57,7 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jmixedkv as jk  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
-from jmixedkv.pools import write_rows_reference  # noqa: E402
+from jmixedkv.write import write_rows_reference  # noqa: E402
 from jmixedkv.allocator import allocate_mask  # noqa: E402
 from jmixedkv.state import GroupSpec, write_slots  # noqa: E402
 from pallas_kernels import write as W  # noqa: E402

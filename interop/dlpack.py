@@ -62,16 +62,8 @@ __all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "NVFP4Tens
 CPU_ALIGNMENT = 64
 
 #: jnp dtype -> torch dtype for every dtype that crosses zero-copy
-ZERO_COPY_DTYPES = {
-    jnp.dtype(jnp.bfloat16): torch.bfloat16,
-    jnp.dtype(jnp.float16): torch.float16,
-    jnp.dtype(jnp.float32): torch.float32,
-    jnp.dtype(jnp.uint8): torch.uint8,
-    jnp.dtype(jnp.int32): torch.int32,
-    jnp.dtype(jnp.bool_): torch.bool,
-    jnp.dtype(jnp.float8_e4m3fn): torch.float8_e4m3fn,
-    jnp.dtype(jnp.float8_e5m2): torch.float8_e5m2,
-}
+ZERO_COPY_DTYPES = {jnp.dtype(name): getattr(torch, name) for name in
+                    ("bfloat16", "float16", "float32", "uint8", "int32", "bool", "float8_e4m3fn", "float8_e5m2")}
 _TORCH_TO_JAX = {t: j for j, t in ZERO_COPY_DTYPES.items()}
 _WIDE = {torch.int64: torch.int32, torch.float64: torch.float32}
 
@@ -99,23 +91,11 @@ def torch_device_of(device: jax.Device) -> torch.device:
     raise ValueError(f"no torch device for JAX platform {device.platform!r}")
 
 
-def _pointer(x: jax.Array) -> int:
-    return x.unsafe_buffer_pointer()
-
-
 def same_buffer(x: jax.Array, t: torch.Tensor) -> bool:
     """True when JAX array ``x`` and torch tensor ``t`` start at the same address (zero-copy)."""
     if x.size == 0 or t.numel() == 0:
         return True
-    return _pointer(x) == t.data_ptr()
-
-
-def _check_single_device(x) -> None:
-    if not isinstance(x, jax.Array):
-        raise TypeError(f"to_torch expects a jax.Array, got {type(x).__name__}")
-    if len(x.sharding.device_set) > 1:
-        raise ValueError(f"to_torch: array of shape {x.shape} is sharded over {len(x.sharding.device_set)} devices; "
-                         f"export one shard at a time (x.addressable_shards[i].data)")
+    return x.unsafe_buffer_pointer() == t.data_ptr()
 
 
 def to_torch(x: jax.Array, *, sync: Sync = True, check: bool = True) -> torch.Tensor:
@@ -128,14 +108,18 @@ def to_torch(x: jax.Array, *, sync: Sync = True, check: bool = True) -> torch.Te
     Returns:
       a torch tensor of the same shape and dtype on the matching device (do not write into it).
     """
-    _check_single_device(x)
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"to_torch expects a jax.Array, got {type(x).__name__}")
+    if len(x.sharding.device_set) > 1:
+        raise ValueError(f"to_torch: array of shape {x.shape} is sharded over {len(x.sharding.device_set)} devices; "
+                         f"export one shard at a time (x.addressable_shards[i].data)")
     torch_dtype(x.dtype)
     if sync is True:
         x.block_until_ready()
     t = torch.from_dlpack(x)
     if check and not same_buffer(x, t):
         raise ZeroCopyError(f"to_torch: export of {x.dtype}{list(x.shape)} was not zero-copy "
-                            f"(jax {_pointer(x):#x} vs torch {t.data_ptr():#x})")
+                            f"(jax {x.unsafe_buffer_pointer():#x} vs torch {t.data_ptr():#x})")
     return t
 
 
@@ -213,7 +197,7 @@ def from_torch(t: torch.Tensor, copy: Optional[bool] = False, *, sync: Sync = Tr
                             f"on {t.device}: {e}") from e
     if not same_buffer(x, t):
         raise ZeroCopyError(f"from_torch: import of {t.dtype}{list(t.shape)} was not zero-copy "
-                            f"(torch {t.data_ptr():#x} vs jax {_pointer(x):#x})")
+                            f"(torch {t.data_ptr():#x} vs jax {x.unsafe_buffer_pointer():#x})")
     return x
 
 

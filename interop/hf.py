@@ -149,8 +149,7 @@ class JMixedKVCache(Cache):
                   decode: str = "stage", backend: str = "auto", spare_slots: int = 0, **kwargs) -> "JMixedKVCache":
         """A cache sized for ``model`` (a transformers causal LM): ``max_batch_size`` rows (+ ``spare_slots`` for
         ``batch_repeat_interleave``) of up to ``max_cache_len`` real tokens each; ``kwargs`` go to `TorchKVCache`."""
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cfg, head_dim = _text_config(model.config)
         pages = -(-max_cache_len // kv_config.page_size)
         seqs = max_batch_size + spare_slots
         device = next(model.parameters()).device
@@ -206,20 +205,22 @@ class JMixedKVCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: new row ``b`` continues old row ``beam_idx[b]`` (forks; old rows no one uses are freed)."""
-        self._remap(np.asarray(beam_idx.detach().cpu() if isinstance(beam_idx, torch.Tensor) else beam_idx))
+        self._remap(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._remap(np.asarray(indices.detach().cpu() if isinstance(indices, torch.Tensor) else indices))
+        self._remap(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.slots is not None:
             self._remap(np.repeat(np.arange(self.slots.shape[0]), repeats))
 
     # ------------------------------------------------------------------ internals
-    def _remap(self, src_rows: np.ndarray) -> None:
+    def _remap(self, src_rows) -> None:
         if self.slots is None:
             return
-        src_rows = src_rows.astype(np.int64).reshape(-1)
+        if isinstance(src_rows, torch.Tensor):
+            src_rows = src_rows.detach().cpu()
+        src_rows = np.asarray(src_rows).astype(np.int64).reshape(-1)
         b = self.slots.shape[0]
         if src_rows.size and (src_rows.min() < 0 or src_rows.max() >= b):
             raise ValueError(f"reorder: row indices {src_rows.tolist()} out of range [0, {b})")
@@ -254,12 +255,11 @@ class JMixedKVCache(Cache):
         lens = layer.lens
         if position_ids is None:
             return np.full(batch, t, np.int64)
-        memo_key, memo = self._pos_memo
+        memo_key, pos = self._pos_memo
         if memo_key is not position_ids:
-            memo = position_ids.detach().to("cpu", torch.int64).numpy()
-            memo = np.broadcast_to(memo.reshape(-1, memo.shape[-1]), (batch, memo.shape[-1]))
-            self._pos_memo = (position_ids, memo)
-        pos = memo
+            pos = position_ids.detach().to("cpu", torch.int64).numpy()
+            pos = np.broadcast_to(pos.reshape(-1, pos.shape[-1]), (batch, pos.shape[-1]))
+            self._pos_memo = (position_ids, pos)
         if pos.shape[1] != t:
             raise ValueError(f"JMixedKVCache: position_ids has {pos.shape[1]} tokens, the step has {t}")
         new = pos[:, -1] + 1 - lens                           # real tokens of this step per row
@@ -294,20 +294,16 @@ class JMixedKVCache(Cache):
         new = self._new_rows(layer, batch, t, position_ids)
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)                              # [B, T, H, D]
         if (new == t).all():
-            rows = np.repeat(np.arange(batch), t)
-            cols = np.tile(np.arange(t), batch)
+            rows, cols = np.repeat(np.arange(batch), t), np.tile(np.arange(t), batch)
+            ks, vs = kt.reshape(batch * t, heads, dim), vt.reshape(batch * t, heads, dim)
         else:
             rows = np.concatenate([np.full(int(r), b) for b, r in enumerate(new)]).astype(np.int64)
             cols = np.concatenate([np.arange(t - int(r), t) for r in new]).astype(np.int64)
-        seq = self.slots[rows]
-        pos = (layer.lens[rows] + cols - (t - new[rows])).astype(np.int32)
+            ri, ci = torch.from_numpy(rows).to(k.device), torch.from_numpy(cols).to(k.device)
+            ks, vs = kt[ri, ci], vt[ri, ci]
         if rows.size:
-            if (new == t).all():
-                ks, vs = kt.reshape(batch * t, heads, dim), vt.reshape(batch * t, heads, dim)
-            else:
-                ri, ci = torch.from_numpy(rows).to(k.device), torch.from_numpy(cols).to(k.device)
-                ks, vs = kt[ri, ci], vt[ri, ci]
-            self.cache.append(layer.layer_idx, ks.contiguous(), vs.contiguous(), seq, pos)
+            pos = (layer.lens[rows] + cols - (t - new[rows])).astype(np.int32)
+            self.cache.append(layer.layer_idx, ks.contiguous(), vs.contiguous(), self.slots[rows], pos)
         layer.lens = layer.lens + new
         layer.seen += t
         if self.decode == "fused" and 1 <= t <= self.cache.config.max_draft_len + 1:
@@ -347,9 +343,14 @@ def _position_ids(args, kwargs):
     return None
 
 
-def _check_config(config, spec, decode):
+def _text_config(config):
+    """``(text config, head_dim)`` of a transformers ``PretrainedConfig`` (multimodal ones: the text model's)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _check_config(config, spec, decode):
+    cfg, head_dim = _text_config(config)
     want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
     have = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     if want != have:

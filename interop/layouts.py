@@ -25,7 +25,7 @@ What a table over which pool means. A CSR / block table over the **NVFP4 pool** 
 flashinfer_page_table`` / ``block_table``, with `nvfp4_pages`) gives *history only*: plain NVFP4, the
 high-precision twin (first-N / last-N rows) is dropped. The **mixed** semantics (retained rows bit-exact from the
 twin, the rest dequantized NVFP4) is the staged cache: `interop.torch_cache.TorchStaged` (from
-``jmixedkv.read.stage``) is a paged HND cache ``[N, kv, H, page, D]`` with a compact page table; its
+``jmixedkv.staging.stage``) is a paged HND cache ``[N, kv, H, page, D]`` with a compact page table; its
 ``flashinfer_csr()`` / ``block_table()`` index those staged pages.
 
 NVFP4 pages (`nvfp4_pages`): FlashInfer's paged NVFP4 KV layout (``nvfp4_quantize_append_paged_kv_cache``,

@@ -45,11 +45,6 @@ def build_model(cfg: transformers.LlamaConfig, device="cpu", seed: int = 0) -> t
     return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
-def set_attention(model, impl: str) -> None:
-    """Switch the attention implementation of a loaded model (``"sdpa"``, ``"eager"``, ``"jmixedkv"``)."""
-    model.set_attn_implementation(impl)
-
-
 def left_pad(prompts, device="cpu", pad_id: int = 0):
     """``(input_ids i64[B, T], attention_mask i64[B, T])`` with the prompts left-padded to the longest."""
     t = max(map(len, prompts))
@@ -99,17 +94,17 @@ def compare(cfg: transformers.LlamaConfig, first_n: int, last_n: int, prompts, s
         return JMixedKVCache.for_model(model, kv, max_batch_size=len(prompts), max_cache_len=total, decode=decode,
                                        backend=backend)
 
-    set_attention(model, "sdpa")
+    model.set_attn_implementation("sdpa")
     base_tokens = generate(model, DynamicCache(config=model.config), prompts, steps)
     base_logits = forced_logits(model, DynamicCache(config=model.config), prompts, base_tokens)
-    set_attention(model, ATTN_IMPLEMENTATION if decode == "fused" else "sdpa")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION if decode == "fused" else "sdpa")
     try:
         t0 = time.perf_counter()
         tokens = generate(model, mixed(), prompts, steps)
         seconds = time.perf_counter() - t0
         logits = forced_logits(model, mixed(), prompts, base_tokens)
     finally:
-        set_attention(model, "sdpa")
+        model.set_attn_implementation("sdpa")
     err = (logits - base_logits).abs()
     return {"first_n": first_n, "last_n": last_n, "decode": decode, "total_len": total,
             "all_high": first_n + last_n >= total, "tokens_equal": bool(torch.equal(tokens, base_tokens)),

@@ -1,22 +1,18 @@
 """A torch-facing mixed-precision KV cache for engines written in PyTorch.
 
 `TorchKVCache` only converts torch <-> JAX and delegates: one `jmixedkv.CacheManager` owns the state, the host
-capacity mirror and the jitted, donated transitions; the reads call `jmixedkv.read.stage` /
-`jmixedkv.read.gather_rows` / `jmixedkv.attention.decode_attention`; every transition (append, fork, the
+capacity mirror and the jitted, donated transitions; the reads call `jmixedkv.staging.stage` /
+`jmixedkv.gather.gather_rows` / `jmixedkv.decode.decode_attention`; every transition (append, fork, the
 speculative `correct_kv_lens` / `accept`) is the manager's. K/V, queries and
 indices come in as torch tensors; staged caches, gathered rows and attention outputs go out as torch tensors, all
 through the zero-copy DLPack bridge (`interop.dlpack`). Inputs are checked on the host first (dtype, device,
 shape, slot / layer / page ids); a bad one raises a ``ValueError`` naming the offending value.
 
-Length correction follows `jmixedkv.speculative`: ``offsets i32[S] <= 0`` are *added* (``kv_lens += offsets``,
-``-min(max_draft_len, kv_len) <= offset <= 0``, 0 on idle slots); ``accept`` keeps the verified token plus
-``num_accepted`` of ``num_drafts`` drafts (``kv_len += num_accepted - num_drafts``). Pages are kept.
+Length correction (`correct_kv_lens`, `accept`) follows `jmixedkv.speculative`; pages are kept.
 
-Hot path. Every call takes ``sync=`` and ``validate=`` (default: the cache's own settings). ``sync=True`` makes
-inputs complete on every torch stream before JAX reads them and outputs complete before torch sees them;
-``sync="stream"`` relies on the DLPack stream protocol only (torch's *current* stream; no host round trip);
-``sync=False`` does nothing (see `interop.dlpack`). ``validate=False`` skips the host checks of the page tables
-(a device-to-host copy per read). ``stage(None, ...)`` stages every layer of a group in one call.
+Hot path: every call takes ``sync=`` (the DLPack stream policy, `interop.dlpack`; ``"stream"`` has no host round
+trip) and ``validate=`` (host checks of the page tables: a device-to-host copy per read), by default the cache's
+own settings. ``stage(None, ...)`` stages every layer of a group in one call.
 
 Aliasing: outputs are zero-copy views of fresh JAX arrays; ``kv_lens()`` is a view of the live state: drop it
 before the next append (JAX silently skips donating a buffer torch still views).
@@ -52,16 +48,17 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jmixedkv import read
+from jmixedkv import checks, gather, staging
 from jmixedkv.allocator import Allocator
-from jmixedkv.attention import decode_attention as _jax_decode_attention
+from jmixedkv.decode import decode_attention as _jax_decode_attention
 from jmixedkv.config import KVCacheConfig
 from jmixedkv.manager import CacheCapacityError, CacheManager
+from jmixedkv.offload import page_bucket
 from jmixedkv.rope import RopeSpec
 from jmixedkv.state import GroupSpec
 
 from . import layouts
-from .dlpack import from_torch, to_torch, torch_device_of
+from .dlpack import from_torch, to_torch, torch_device_of, torch_dtype
 
 __all__ = ["TorchKVCache", "TorchStaged", "CacheCapacityError", "cache_from_handle", "lse_to_base2",
            "lse_from_base2"]
@@ -72,8 +69,8 @@ LOG2_E = 1.0 / math.log(2.0)
 SYNC_MODES = (True, False, "stream")
 
 # host validation off inside jit: TorchKVCache validates before calling
-_stage_jit = jax.jit(read.stage, static_argnames=("group", "backend", "validate", "num_staged_pages"))
-_gather_jit = jax.jit(read.gather_rows, static_argnames=("group", "backend", "validate", "scratch_dtype", "overlay"))
+_stage_jit = jax.jit(staging.stage, static_argnames=("group", "backend", "validate", "num_staged_pages"))
+_gather_jit = jax.jit(gather.gather_rows, static_argnames=("group", "backend", "validate", "scratch_dtype", "overlay"))
 
 
 def lse_to_base2(lse):
@@ -84,7 +81,7 @@ def lse_to_base2(lse):
 
 
 def lse_from_base2(lse2):
-    """Base-2 LSE (FlashInfer's default) -> natural-log LSE (ours, `jmixedkv.attention.merge_attention`):
+    """Base-2 LSE (FlashInfer's default) -> natural-log LSE (ours, `jmixedkv.decode.merge_attention`):
     ``lse2 / log2(e)``; -inf stays -inf."""
     return lse2 / LOG2_E
 
@@ -148,11 +145,9 @@ class TorchStaged(NamedTuple):
         tensors on the pages' device (NumPy with ``as_numpy=True``). Entries past a row's pages hold ``pad``
         (vLLM pads with 0): a padded entry names a real staged page, which a reader never uses (it stops at
         ``seq_lens``) and nobody writes (staged pages are a read-only snapshot)."""
-        table, lens = layouts.block_table(self.page_table, self.kv_lens, np.arange(self.page_table.shape[0]),
-                                          self.pages.shape[-2], pad=pad)
-        if as_numpy:
-            return table, lens
-        return layouts.to_device(table, self.pages.device), layouts.to_device(lens, self.pages.device)
+        out = layouts.block_table(self.page_table, self.kv_lens, np.arange(self.page_table.shape[0]),
+                                  self.pages.shape[-2], pad=pad)
+        return out if as_numpy else tuple(layouts.to_device(a, self.pages.device) for a in out)
 
 
 # ---------------------------------------------------------------------------------------------- the cache
@@ -170,7 +165,7 @@ class TorchKVCache:
         (slot -1, skipped), so the jitted append compiles once per bucket instead of once per token count
         (a power-of-two count crosses without a copy).
       validate: before every read, check the page tables, lengths and indices on the host
-        (``jmixedkv.read.validate_read``; costs a device-to-host copy of the tables). Default for every call;
+        (``jmixedkv.checks.validate_read``; costs a device-to-host copy of the tables). Default for every call;
         each call takes ``validate=`` too.
       sync: ``True`` | ``"stream"`` | ``False``, the DLPack stream policy (`interop.dlpack`); default for every
         call, each call takes ``sync=`` too (``"stream"`` keeps a hot loop on torch's current stream).
@@ -193,14 +188,10 @@ class TorchKVCache:
             groups = (GroupSpec(num_layers, num_kv_heads, head_dim),)
         self.manager = CacheManager(config, groups, num_pages, max_seqs, max_pages_per_seq, backend=backend,
                                     **init_kwargs)
-        self.config = config
-        self.backend = backend
-        self.validate = validate
-        self.sync = sync
-        self.reserve_null_page = bool(reserve_null_page)
+        self.config, self.backend, self.validate, self.sync = config, backend, validate, sync
+        self.reserve_null_page, self.token_buckets = bool(reserve_null_page), token_buckets
         self.handle = next(_HANDLE_IDS)          # for the torch.library ops (see the end of this module)
         _HANDLES[self.handle] = weakref.ref(self)
-        self.token_buckets = token_buckets
         jax_dev = next(iter(self.manager.state.kv_lens.devices()))     # CacheManager committed the state there
         self.device = torch_device_of(jax_dev)
         if device is not None and not _same_device(torch.device(device), self.device):
@@ -236,7 +227,6 @@ class TorchKVCache:
 
     @property
     def attention_dtype(self) -> torch.dtype:
-        from .dlpack import torch_dtype
         return torch_dtype(self.config.attention_dtype)
 
     def kv_lens(self) -> torch.Tensor:
@@ -292,11 +282,7 @@ class TorchKVCache:
         retained positions are the high rows bit-for-bit, others dequantized NVFP4; see `TorchStaged`.
 
         ``layer=None`` stages every layer of the group in one call (``pages [L, N, kv, H, page, D]``)."""
-        sync = self._sync(sync, "stage")
-        spec = self._group(group, "stage")
-        if layer is not None:
-            self._layer(layer, spec, "stage")
-        seq = self._slots(seq_slots, "stage")
+        sync, _, seq = self._read_args("stage", layer, group, seq_slots, sync, all_layers=True)
         self._validate_read(layer, seq, None, group, "stage", validate)
         st = _stage_jit(self.state, None if layer is None else np.int32(layer), seq, group=group,
                         backend=self.backend, validate=False)
@@ -310,10 +296,7 @@ class TorchKVCache:
         Returns ``(k, v, scale)``: ``k, v [B, K, H, D]`` (``v`` None for a latent group) in the attention dtype, or
         float8_e4m3fn with ``scratch_dtype="fp8"`` (value = f32(row) * scale[b]); ``scale f32[B]``. Positions
         outside ``[0, n)`` read as zero."""
-        sync = self._sync(sync, "gather_rows")
-        spec = self._group(group, "gather_rows")
-        self._layer(layer, spec, "gather_rows")
-        seq = self._slots(seq_slots, "gather_rows")
+        sync, spec, seq = self._read_args("gather_rows", layer, group, seq_slots, sync)
         idx = self._indices(indices, "gather_rows indices", ndim=2)
         if idx.shape[0] != seq.shape[0]:
             raise ValueError(f"gather_rows: indices has {idx.shape[0]} rows for {seq.shape[0]} sequences")
@@ -335,10 +318,7 @@ class TorchKVCache:
         GQA: ``Hq % H == 0``. Returns ``(out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])`` (no ``Tq`` axis
         for a 3-D ``q``); ``lse`` is the **natural-log** LSE of the scaled logits (FlashInfer's is base 2: see
         `lse_to_base2`); padding rows give zeros and LSE -inf."""
-        sync = self._sync(sync, "decode_attention")
-        spec = self._group(group, "decode_attention")
-        self._layer(layer, spec, "decode_attention")
-        seq = self._slots(seq_slots, "decode_attention")
+        sync, spec, seq = self._read_args("decode_attention", layer, group, seq_slots, sync)
         self._check_query(q, spec, seq.shape[0])
         squeeze = q.dim() == 3
         self._validate_read(layer, seq, None, group, "decode_attention", validate)
@@ -356,8 +336,7 @@ class TorchKVCache:
         `jmixedkv.speculative.correct_kv_lens`'s (a `ValueError` names the slot): ``offset <= 0``, 0 on idle
         slots, and ``kv_len + offset >= max(written - max_draft_len, 0)`` (``written``: one past the highest
         row written since admit, so rewinds never add up past the twin ring's slack)."""
-        full = self._offsets(offsets, seq_slots, "correct_kv_lens")
-        self.manager.correct_kv_lens(full)
+        self.manager.correct_kv_lens(self._offsets(offsets, seq_slots, "correct_kv_lens"))
 
     def accept(self, seq_slots, num_accepted, num_drafts) -> None:
         """After a verify append of ``num_drafts[b] + 1`` rows (the verified token + drafts) to ``seq_slots[b]``,
@@ -390,13 +369,19 @@ class TorchKVCache:
         ``reserve_null_page=True`` a padded 0 may name a page holding data (harmless for readers, which stop at
         ``seq_lens``). Padding rows (slot -1) are all ``pad`` with length 0."""
         seq = self._slots(seq_slots, "block_table")
-        table, lens = layouts.block_table(np.asarray(self.state.page_table), np.asarray(self.state.kv_lens), seq,
-                                          self.page_size, pad=pad)
-        if as_numpy:
-            return table, lens
-        return layouts.to_device(table, self.device), layouts.to_device(lens, self.device)
+        out = layouts.block_table(np.asarray(self.state.page_table), np.asarray(self.state.kv_lens), seq,
+                                  self.page_size, pad=pad)
+        return out if as_numpy else tuple(layouts.to_device(a, self.device) for a in out)
 
     # ------------------------------------------------------------------ validation helpers
+    def _read_args(self, what, layer, group, seq_slots, sync, all_layers: bool = False):
+        """``(sync, group spec, host slots)`` of a read, each checked (``layer=None`` only with ``all_layers``)."""
+        sync = self._sync(sync, what)
+        spec = self._group(group, what)
+        if layer is not None or not all_layers:
+            self._layer(layer, spec, what)
+        return sync, spec, self._slots(seq_slots, what)
+
     def _group(self, group, what):
         if not (isinstance(group, int) and 0 <= group < len(self.groups)):
             raise ValueError(f"{what}: group {group!r} out of range [0, {len(self.groups)})")
@@ -486,10 +471,10 @@ class TorchKVCache:
                              f"{self.config.max_draft_len + 1} (use stage() for prefill attention)")
 
     def _validate_read(self, layer, seq, indices, group, what, validate=None):
-        """Host checks of the tables and of ``indices`` (`jmixedkv.read.validate_read`), unless switched off."""
+        """Host checks of the tables and of ``indices`` (`jmixedkv.checks.validate_read`), unless switched off."""
         if not (self.validate if validate is None else validate):
             return
-        read.validate_read(self.state, layer, seq, indices, group=group, op=what)
+        checks.validate_read(self.state, layer, seq, indices, group=group, op=what)
 
     def _sync(self, sync, what):
         sync = self.sync if sync is None else sync
@@ -522,14 +507,10 @@ def _reserve_page_zero(state):
     return dataclasses.replace(state, alloc=jax.device_put(new, next(iter(state.kv_lens.devices()))))
 
 
-def _bucket(n: int, minimum: int = 8) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
 def _pad_tokens(k, v, seq, pos, token_axis):
-    """Pad the token axis to `_bucket` size with zero rows at slot -1 (skipped by append)."""
+    """Pad the token axis to a power of two >= 8 with zero rows at slot -1 (skipped by append)."""
     t = seq.shape[0]
-    b = _bucket(t)
+    b = max(8, page_bucket(t))
     if b == t:
         return k, v, seq, pos
     pad = [0, 0] * (k.dim() - 1 - token_axis) + [0, b - t]
@@ -551,9 +532,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- torch.library ops
-# The read calls as custom ops, so torch.compile / torch.export can trace an engine that uses the cache: the cache
-# is named by its integer ``handle`` (a graph constant); fake kernels give the output shapes. Reads only: appends
-# change the cache's own (JAX) state, not a tensor, and stay eager.
+# The reads as custom ops (module docstring; ``handle`` is a graph constant). Appends change the cache's own (JAX)
+# state, not a tensor, and stay eager.
 _HANDLE_IDS = itertools.count()
 _HANDLES: dict = {}
 

@@ -16,15 +16,15 @@ _EXPORTS = {
     "RopeSpec": "rope", "apply_rope": "rope",
     "CacheState": "state", "GroupSpec": "state", "admit": "state", "append": "state", "describe_error": "state",
     "init_state": "state", "release": "state",
-    "attention_reference": "reference", "rows_reference": "reference", "stage_reference": "reference",
     "CacheError": "checks", "CacheCapacityError": "checks", "CacheManager": "manager",
-    "StagedCache": "read", "gather_rows": "read", "overlay_retained_rows": "read", "stage": "read",
-    "decode_attention": "attention", "merge_attention": "attention",
+    "StagedCache": "staging", "stage": "staging", "stage_reference": "staging",
+    "gather_rows": "gather", "overlay_retained_rows": "gather", "rows_reference": "gather",
+    "decode_attention": "decode", "attention_reference": "decode", "merge_attention": "decode",
     "accept": "speculative", "correct_kv_lens": "speculative", "draft_view": "speculative", "restore": "speculative",
     "trim": "speculative",
     "PrefixCache": "prefix", "admit_with_prefix": "prefix", "fork": "state", "page_keys": "prefix",
 }
-_MODULES = ("nvfp4", "codec", "capacity", "compressed", "hybrid", "sharding", "speculative", "layout", "numerics",
+_MODULES = ("nvfp4", "capacity", "compressed", "hybrid", "sharding", "speculative", "layout", "numerics",
             "checks", "compat")
 
 __all__ = sorted(_EXPORTS) + [m for m in _MODULES if m not in ("layout", "numerics", "checks", "compat")]

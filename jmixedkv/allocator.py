@@ -49,8 +49,7 @@ def allocate_mask(alloc: Allocator, need):
     rank = jnp.cumsum(flat, dtype=jnp.int32) - 1
     src = alloc.num_free - 1 - rank
     ids = jnp.where(flat & ok, alloc.free[jnp.clip(src, 0, alloc.num_pages - 1)], -1)
-    refcount = alloc.refcount.at[jnp.where(ids >= 0, ids, alloc.num_pages)].add(1, mode="drop")
-    new = Allocator(alloc.free, alloc.num_free - jnp.where(ok, count, 0), refcount)
+    new = Allocator(alloc.free, alloc.num_free - jnp.where(ok, count, 0), retain_pages(alloc, ids).refcount)
     return new, ids.reshape(need.shape), ok
 
 

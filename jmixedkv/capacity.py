@@ -229,16 +229,12 @@ def row_bytes(fmt: str, head_dim: int) -> int:
     raise ValueError(f"row_bytes: unknown format {fmt!r}")
 
 
-def _main_format(config: KVCacheConfig) -> str:
-    low, high = DTYPES[config.dtype]
-    return low if low is not None else high
-
-
 def bytes_per_token(config: KVCacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                     kv_factor: int = 2) -> int:
     """Bytes every token costs in the main pool (NVFP4 for mixed / nvfp4 dtypes, else the plain dtype),
     over all layers, K and V (``kv_factor``) and KV heads. The twin is counted by `twin_bytes_per_sequence`."""
-    return num_layers * kv_factor * num_kv_heads * row_bytes(_main_format(config), head_dim)
+    low, high = DTYPES[config.dtype]
+    return num_layers * kv_factor * num_kv_heads * row_bytes(low or high, head_dim)
 
 
 def twin_bytes_per_sequence(config: KVCacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -51,7 +51,7 @@ __all__ = ["ERR_LOW_OOM", "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_B
            "ERR_BAD_POSITION", "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "ERROR_NAMES", "describe_error", "is_traced",
            "is_jax", "host_int", "index_array", "check_slot_arg", "check_layer_arg", "slot_in_range",
            "layer_in_range", "append_position_errors", "page_ids_ok", "write_dst_errors", "INT32_MAX", "CacheError",
-           "CacheCapacityError"]
+           "CacheCapacityError", "validate_read", "maybe_validate_read", "bad_read_rows", "nan_like"]
 
 ERR_LOW_OOM = 1
 ERR_HIGH_OOM = 2
@@ -224,3 +224,85 @@ def write_dst_errors(alloc, dst):
     bad = ~page_ids_ok(dst, n) | jnp.any(count > 1)
     shared = jnp.any(live & (refc > 1))
     return (jnp.where(bad, ERR_BAD_PAGE, 0) | jnp.where(shared & ~bad, ERR_SHARED_PAGE, 0)).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------- readers
+def bad_read_rows(state, layer, seq, lens, group):
+    """Inside jit, for a reader: (bool flagged batch rows, clipped layer): slot outside [-1, S), length outside
+    [0, W * page], or a bad layer (every row)."""
+    layer, layer_ok = layer_in_range(layer, state.groups[group].num_layers)
+    n = lens[jnp.clip(seq, 0, state.max_seqs - 1)]
+    bad = ((seq < -1) | (seq >= state.max_seqs)
+           | ((seq >= 0) & ((n < 0) | (n > state.max_pages_per_seq * state.page_size))) | ~layer_ok)
+    return bad, layer
+
+
+def nan_like(x):
+    return jnp.array(jnp.nan, jnp.float32).astype(x.dtype)
+
+
+def validate_read(state, layer, seq_slots, indices=None, *, group: int = 0, kv_lens=None, op: str = "read"):
+    """Host-side checks of a read (pulls the arrays); raises `ValueError` naming the offending entry."""
+    if not isinstance(group, int) or not 0 <= group < len(state.groups):
+        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
+    spec = state.groups[group]
+    if layer is not None:
+        host_int(np.asarray(layer).item() if np.ndim(layer) == 0 and not isinstance(layer, int) else layer,
+                 "layer", op, 0, spec.num_layers)
+    seq = np.asarray(seq_slots)
+    if seq.ndim != 1 or not np.issubdtype(seq.dtype, np.integer):
+        raise ValueError(f"{op}: seq_slots must be an integer vector [B], got shape {seq.shape} dtype {seq.dtype}")
+    num_seqs, width = state.page_table.shape
+    page = state.page_size
+    bad = np.nonzero((seq < -1) | (seq >= num_seqs))[0]
+    if bad.size:
+        raise ValueError(f"{op}: seq_slots[{bad[0]}]={seq[bad[0]]} out of range [-1, {num_seqs})")
+    lens = np.asarray(state.kv_lens if kv_lens is None else kv_lens)
+    pt, ht = np.asarray(state.page_table), np.asarray(state.high_table)
+    pools = state.pools[group]
+    num_pages = state.alloc.num_pages          # pool arrays may carry padding pages past it (layout.offset_safe_count)
+    num_high = state.high_alloc.num_pages if pools.high is not None else 0
+    for b, s in enumerate(seq):
+        if s < 0:
+            continue
+        n = int(lens[s])
+        if not 0 <= n <= width * page:
+            raise ValueError(f"{op}: batch row {b} (sequence slot {s}): kv_len={n} out of range [0, {width * page}]")
+        npg = -(-n // page)
+        for j, pid in enumerate(pt[s]):
+            if pid < -1 or pid >= num_pages or (j < npg and pid < 0):
+                what = "not allocated (-1)" if pid == -1 else f"out of range [0, {num_pages})"
+                raise ValueError(f"{op}: batch row {b} (sequence slot {s}, kv_len {n}): page_table[{s}, {j}]={pid} "
+                                 f"{what}")
+        if num_high:
+            hb = np.nonzero((ht[s] < -1) | (ht[s] >= num_high))[0]
+            if hb.size:
+                raise ValueError(f"{op}: batch row {b} (sequence slot {s}): high_table[{s}, {hb[0]}]={ht[s][hb[0]]} "
+                                 f"out of range [-1, {num_high})")
+    if indices is not None:
+        idx = np.asarray(indices)
+        if idx.ndim != 2 or idx.shape[0] != seq.shape[0] or not np.issubdtype(idx.dtype, np.integer):
+            raise ValueError(f"{op}: indices must be integer [B={seq.shape[0]}, K], got shape {idx.shape} "
+                             f"dtype {idx.dtype}")
+        for b, s in enumerate(seq):
+            if s < 0:
+                continue
+            n = int(lens[s])
+            bad = np.nonzero((idx[b] < -1) | (idx[b] >= n))[0]
+            if bad.size:
+                raise ValueError(f"{op}: indices[{b}, {bad[0]}]={idx[b, bad[0]]} out of range [-1, {n}) for "
+                                 f"sequence slot {s} (kv_len {n})")
+
+
+def maybe_validate_read(validate, state, layer, seq, indices, group, kv_lens, op):
+    """A reader's checks: the group and a host layer always; `validate_read` when ``validate`` is True, or None
+    with concrete inputs (True with traced inputs raises)."""
+    if not isinstance(group, int) or not 0 <= group < len(state.groups):
+        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
+    spec = state.groups[group]
+    check_layer_arg(layer, spec.num_layers, op, spec.name)
+    traced = is_traced(state, layer, seq, indices, kv_lens)
+    if validate and traced:
+        raise ValueError(f"{op}: validate=True needs concrete arrays (call it outside jit, or pass validate=False)")
+    if validate or (validate is None and not traced):
+        validate_read(state, layer, seq, indices, group=group, kv_lens=kv_lens, op=op)

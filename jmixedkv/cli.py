@@ -41,38 +41,30 @@ class CliError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- arguments
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+def _parsed_by(fn):
+    """An argparse ``type=`` that turns ``fn``'s ValueError into a usage error carrying its message."""
+    def parse(text: str):
+        try:
+            return fn(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
-def _bytes(text: str) -> int:
-    try:
-        return cap.parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _shape(text: str) -> cap.ModelShape:
-    try:
-        return cap.parse_model_shape(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_positive_int, _nonneg_int = _int_at_least(1), _int_at_least(0)
+_bytes, _shape = _parsed_by(cap.parse_bytes), _parsed_by(cap.parse_model_shape)
 
 
 LEVER_SUFFIXES = {"rot": ("rotation", "hadamard"), "smooth": ("k_smoothing", True),
@@ -160,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=_nonneg_int, default=0, help="weights and prompts seed (default 0)")
     d.add_argument("--attention", choices=("auto", "reference", "fused"), default="auto",
                    help="decode attention: fused kernel entry point when present (auto), or staged reference")
-    _capacity_args(d, seq_len_default=8192)
+    _capacity_args(d)
     d.add_argument("--plot", metavar="PNG", help="write plots (smollm2: KL vs bytes per element and vs position; "
                    "random: error vs cache position / generated token); needs matplotlib")
     d.add_argument("--json", metavar="PATH", help="write every metric as JSON")
@@ -171,14 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "per-sequence twin counted). The KV budget is --kv-budget when given, else "
                                    "--gpu-mem minus the model's weights (parameters known for the named shapes "
                                    "and counted from a dense model's config.json); the output says which.")
-    _capacity_args(c, seq_len_default=8192)
-    for action in c._actions:
-        if action.dest == "budget":
-            action.help = ("GPU memory, e.g. 80GiB, 141GB (default 80GiB); the model's weights are subtracted "
-                           "(see --weights-dtype) to get the KV budget")
-        if action.dest == "model_shape":
-            action.help = (f"named shape ({', '.join(cap.MODEL_SHAPES)}), L,H,D, or a Hugging Face config.json "
-                           f"(or its folder) (default llama3-8b)")
+    _capacity_args(c, shape_help=f"named shape ({', '.join(cap.MODEL_SHAPES)}), L,H,D, or a Hugging Face "
+                   f"config.json (or its folder) (default llama3-8b)",
+                   budget_help="GPU memory, e.g. 80GiB, 141GB (default 80GiB); the model's weights are subtracted "
+                               "(see --weights-dtype) to get the KV budget")
     c.add_argument("--kv-budget", type=_bytes, default=None,
                    help="memory for the KV cache itself (replaces --gpu-mem; weights not considered)")
     c.add_argument("--weights-dtype", choices=sorted(cap.WEIGHT_BYTES), default="bf16",
@@ -198,13 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _capacity_args(p, seq_len_default):
-    p.add_argument("--model-shape", type=_shape, default=cap.MODEL_SHAPES["llama3-8b"],
-                   help=f"named shape ({', '.join(cap.MODEL_SHAPES)}) or L,H,D (default llama3-8b)")
+def _capacity_args(p, shape_help=None, budget_help=None):
+    p.add_argument("--model-shape", type=_shape, default=cap.MODEL_SHAPES["llama3-8b"], help=shape_help or
+                   f"named shape ({', '.join(cap.MODEL_SHAPES)}) or L,H,D (default llama3-8b)")
     p.add_argument("--gpu-mem", "--budget", dest="budget", type=_bytes, default=cap.parse_bytes("80GiB"),
-                   help="memory for the KV cache, e.g. 80GiB, 141GB (default 80GiB)")
-    p.add_argument("--seq-len", type=_positive_int, default=seq_len_default,
-                   help=f"tokens per sequence for the capacity columns (default {seq_len_default})")
+                   help=budget_help or "memory for the KV cache, e.g. 80GiB, 141GB (default 80GiB)")
+    p.add_argument("--seq-len", type=_positive_int, default=8192,
+                   help="tokens per sequence for the capacity columns (default 8192)")
 
 
 # ---------------------------------------------------------------------------------------------- capacity
@@ -214,9 +202,6 @@ def cmd_capacity(args) -> int:
         configs = [KVCacheConfig(d, page_size=args.page_size) for d in ("bf16", "fp8", "nvfp4")] + [
             KVCacheConfig(d, first_n=args.first_n, last_n=args.last_n, page_size=args.page_size)
             for d in ("mixed_nvfp4_bf16", "mixed_nvfp4_fp8")]
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    try:
         budget = cap.kv_budget(args.model_shape, gpu_mem=args.budget, kv_budget_bytes=args.kv_budget,
                                weights_dtype=args.weights_dtype)
     except ValueError as e:
@@ -277,14 +262,10 @@ def run_demo(s: DemoSettings, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from .model import ModelConfig, build_generate, init_params
-    from .reference import stage_reference
+    from .staging import stage_reference
 
     total = s.prompt_len + s.new_tokens
-    caches = [parse_cache_spec(c, total, s.page_size) for c in s.caches.split(",") if c.strip()]
-    if not caches:
-        raise CliError("--caches: no cache spec given")
-    if caches[0][1].dtype != "bf16":
-        caches.insert(0, parse_cache_spec("bf16", total, s.page_size))     # the baseline runs first
+    caches = _cache_list(s.caches, total, s.page_size, lambda c: c.dtype != "bf16")
     model_cfg = ModelConfig.tiny(s.seed) if s.quick else ModelConfig(seed=s.seed)
     params = init_params(model_cfg)
     prompts = jax.random.randint(jax.random.PRNGKey(s.seed + 1), (s.batch, s.prompt_len), 0,
@@ -315,6 +296,17 @@ def run_demo(s: DemoSettings, progress: bool = True) -> dict:
     n_cached = total - 1
     return {"settings": dataclasses.asdict(s), "model": dataclasses.asdict(model_cfg), "device": _device(),
             "positions": list(range(n_cached)), "results": results, "cached_len": n_cached}
+
+
+def _cache_list(specs: str, total: int, page: int, not_baseline) -> list:
+    """Comma-separated cache specs -> ``[(label, config)]``, the bf16 baseline first (prepended when the first
+    config is ``not_baseline``)."""
+    caches = [parse_cache_spec(c, total, page) for c in specs.split(",") if c.strip()]
+    if not caches:
+        raise CliError("--caches: no cache spec given")
+    if not_baseline(caches[0][1]):
+        caches.insert(0, parse_cache_spec("bf16", total, page))
+    return caches
 
 
 def _rel(a, b, axis, np):
@@ -362,27 +354,35 @@ def demo_table(report: dict, shape: cap.ModelShape, budget: int, seq_len: int):
     return headers, rows
 
 
-def plot_demo(report: dict, path: str) -> None:
+def two_panel_plot(path: str, figsize, draw) -> None:
+    """``draw(left_axes, right_axes)`` on a 1 x 2 matplotlib figure (Agg), grids on, saved to ``path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    n = report["cached_len"]
-    for m in report["results"][1:]:
-        a.plot(range(n), m["kv0_rel_err_per_position"][:n], label=m["label"], lw=1.2)
-        b.plot(range(1, len(m["logit_rel_err_per_step"]) + 1), m["logit_rel_err_per_step"], marker=".",
-               label=m["label"])
-    p = report["settings"]["prompt_len"]
-    for ax in (a, b):
+    fig, axes = plt.subplots(1, 2, figsize=figsize)
+    draw(*axes)
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    a.axvline(p - 0.5, color="k", ls=":", lw=0.8)
-    a.set(title="layer-0 K/V rows: relative error vs bf16 (retained windows are exact)",
-          xlabel="cache position (prompt | generated)", ylabel="relative L2 error")
-    b.set(title="teacher-forced logits: relative error vs bf16", xlabel="generated token", ylabel="relative L2 error")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_demo(report: dict, path: str) -> None:
+    def draw(a, b):
+        n = report["cached_len"]
+        for m in report["results"][1:]:
+            a.plot(range(n), m["kv0_rel_err_per_position"][:n], label=m["label"], lw=1.2)
+            b.plot(range(1, len(m["logit_rel_err_per_step"]) + 1), m["logit_rel_err_per_step"], marker=".",
+                   label=m["label"])
+        a.legend(fontsize=8)
+        b.legend(fontsize=8)
+        a.axvline(report["settings"]["prompt_len"] - 0.5, color="k", ls=":", lw=0.8)
+        a.set(title="layer-0 K/V rows: relative error vs bf16 (retained windows are exact)",
+              xlabel="cache position (prompt | generated)", ylabel="relative L2 error")
+        b.set(title="teacher-forced logits: relative error vs bf16", xlabel="generated token",
+              ylabel="relative L2 error")
+    two_panel_plot(path, (13, 4.5), draw)
 
 
 def _check_outputs(args) -> None:
@@ -410,7 +410,7 @@ def run_smollm_demo(args, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from .gguf import ModelUnavailable, load_model
-    from .model import build_generate, builtin_text, evaluate_caches, high_fraction
+    from .model import build_generate, builtin_text, calibrate, evaluate_caches, high_fraction, sim_knobs
     q = args.quick
     eval_tokens = args.eval_tokens or (1024 if q else 4096)
     window = args.window or (64 if q else 256)
@@ -418,13 +418,8 @@ def run_smollm_demo(args, progress: bool = True) -> dict:
     page = args.page_size or 16
     if window >= eval_tokens - 1:
         raise CliError(f"--window {window} must be smaller than --eval-tokens {eval_tokens} - 1")
-    caches = [parse_cache_spec(c, eval_tokens, page) for c in (args.caches or (SMOLLM_QUICK_CACHES if q else
-                                                                              SMOLLM_CACHES)).split(",")
-              if c.strip()]
-    if not caches:
-        raise CliError("--caches: no cache spec given")
-    if caches[0][1].dtype != "bf16" or caches[0][1].rotation or caches[0][1].k_smoothing:
-        caches.insert(0, parse_cache_spec("bf16", eval_tokens, page))       # the baseline runs first
+    caches = _cache_list(args.caches or (SMOLLM_QUICK_CACHES if q else SMOLLM_CACHES), eval_tokens, page,
+                         lambda c: c.dtype != "bf16" or c.rotation or c.k_smoothing)
     try:
         t0 = time.perf_counter()
         model = load_model()
@@ -438,8 +433,6 @@ def run_smollm_demo(args, progress: bool = True) -> dict:
     ids = ids[:eval_tokens + 1]
     prompt = jnp.asarray([model.encode(model.chat_prompt(args.prompt))], jnp.int32)
     bar = tqdm(total=2 * len(caches) + 1, desc="demo", unit="step", disable=not progress, file=sys.stderr)
-    # calibration (per-layer K/V scales) from the text's prefix: the same scales drive generation and accuracy
-    from .model import calibrate, sim_knobs
     gens = []
     zeros = jnp.zeros((1, new_tokens), jnp.int32)
     t_eval = time.perf_counter()
@@ -449,7 +442,7 @@ def run_smollm_demo(args, progress: bool = True) -> dict:
     prefix = acc.pop("prefix")
     for label, cfg in caches:
         bar.set_postfix_str(f"generate: {label}")
-        scales = calibrate(prefix, sim_knobs(cfg, model.cfg))
+        scales = calibrate(prefix, sim_knobs(cfg, model.cfg))   # the text prefix's scales, as in the accuracy run
         t0 = time.perf_counter()
         fn = build_generate(model.cfg, cfg, new_tokens, args.attention)
         out = jax.block_until_ready(fn(params, prompt, zeros, jnp.asarray(False), scales))
@@ -487,29 +480,24 @@ def smollm_table(report: dict, shape: cap.ModelShape, budget: int, seq_len: int)
 
 
 def plot_smollm(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for r in report["results"][1:]:
-        a.scatter(r["bytes_per_element"], max(r["kl"], 1e-6), s=30)
-        a.annotate(r["label"], (r["bytes_per_element"], max(r["kl"], 1e-6)), fontsize=7, xytext=(3, 3),
-                   textcoords="offset points")
-        k = np.asarray(r["kl_per_position"])
-        w = min(16, len(k))
-        b.plot(report["prefix_len"] + np.arange(len(k) - w + 1), np.convolve(k, np.ones(w) / w, "valid"), lw=1.1,
-               label=r["label"])
-    a.set(yscale="log", xlabel=f"KV bytes per element at {report['seq_len']} tokens (twin and pages included)",
-          ylabel="mean KL(bf16 || cache), nats", title=f"{report['model']}: error vs memory ({report['text']} text)")
-    b.set(yscale="log", xlabel="token position (decode steps after the exact prefill)",
-          ylabel=f"KL vs bf16 (moving mean of {16})", title="error vs position")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-    b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    def draw(a, b):
+        for r in report["results"][1:]:
+            a.scatter(r["bytes_per_element"], max(r["kl"], 1e-6), s=30)
+            a.annotate(r["label"], (r["bytes_per_element"], max(r["kl"], 1e-6)), fontsize=7, xytext=(3, 3),
+                       textcoords="offset points")
+            k = np.asarray(r["kl_per_position"])
+            w = min(16, len(k))
+            b.plot(report["prefix_len"] + np.arange(len(k) - w + 1), np.convolve(k, np.ones(w) / w, "valid"),
+                   lw=1.1, label=r["label"])
+        a.set(yscale="log", xlabel=f"KV bytes per element at {report['seq_len']} tokens (twin and pages included)",
+              ylabel="mean KL(bf16 || cache), nats",
+              title=f"{report['model']}: error vs memory ({report['text']} text)")
+        b.set(yscale="log", xlabel="token position (decode steps after the exact prefill)",
+              ylabel="KL vs bf16 (moving mean of 16)", title="error vs position")
+        b.legend(fontsize=7)
+    two_panel_plot(path, (13, 4.8), draw)
 
 
 def cmd_demo_smollm(args) -> int:
@@ -541,14 +529,7 @@ def cmd_demo_smollm(args) -> int:
           f"{args.seq_len}-token sequences.")
     print(f"time: load {report['load_s']:.0f} s, accuracy {report['eval_s']:.0f} s, total "
           f"{time.perf_counter() - t0:.0f} s")
-    if args.plot:
-        plot_smollm(report, args.plot)
-        print(f"plot: {args.plot}")
-    if args.json:
-        out = dict(report)
-        out["results"] = [{k: v for k, v in r.items() if k != "config"} for r in report["results"]]
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"json: {args.json}")
+    _write_outputs(args, report, plot_smollm)
     return 0
 
 
@@ -573,21 +554,24 @@ def cmd_demo(args) -> int:
           "agree % = free-running greedy tokens equal to bf16's; TF top1 % = argmax equal when fed bf16's "
           "tokens; logit / attn err = mean relative L2 error per step, teacher-forced; tok/s = generated tokens "
           "per second after compilation (prefill included)")
+    _write_outputs(args, report, plot_demo)
+    return 0
+
+
+def _write_outputs(args, report: dict, plot) -> None:
+    """``--plot`` (``plot(report, path)``) and ``--json`` (every metric; the configs left out)."""
     if args.plot:
-        plot_demo(report, args.plot)
+        plot(report, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
-        out = {k: v for k, v in report.items() if k != "results"}
-        out["results"] = [{k: v for k, v in r.items() if k != "config"} for r in report["results"]]
+        out = dict(report, results=[{k: v for k, v in r.items() if k != "config"} for r in report["results"]])
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"json: {args.json}")
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------- bench
 def _benches():
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_")) if BENCH_DIR.is_dir() \
-        else []
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))    # none without a checkout
 
 
 def cmd_bench(args) -> int:

@@ -46,7 +46,8 @@ from . import checks, layout
 from .backend import dispatch
 from .checks import ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_POSITION, ERR_BAD_SLOT, ERR_SHARED_PAGE, ERR_TOO_LONG
 from .config import KVCacheConfig
-from .pools import GroupPools, LowPool, RowPool, pytree, read_low_rows, read_row_pool, write_rows_reference
+from .pools import GroupPools, LowPool, RowPool, pytree, read_low_rows, read_row_pool
+from .write import write_rows_reference
 
 __all__ = ["CompressedLevel", "CompressedCache", "compressed_geometry", "init_compressed",
            "with_tables", "release_twin_page", "set_lengths", "compressed_lengths", "twin_row_mask",
@@ -140,6 +141,11 @@ def num_low_pages(level: CompressedLevel) -> int:
     return min(level.low.data.shape[1], level.low.scales.shape[1])
 
 
+def _level(cache: CompressedCache, ratio: int):
+    """``(geometry, level)`` of the ratio-``ratio`` group (`ValueError` when there is none)."""
+    return cache.geometry(ratio), cache.levels[ratio]
+
+
 def _replace_level(cache: CompressedCache, ratio: int, **changes) -> CompressedCache:
     cache.geometry(ratio)
     levels = dict(cache.levels)
@@ -186,16 +192,14 @@ def with_tables(cache: CompressedCache, ratio: int, page_table=None, twin_table=
     once in the table. Host tables with a bad entry raise `ValueError`. JAX tables with one set ``ERR_BAD_PAGE`` and change
     nothing (a table of a new width, which cannot keep the old contents, is replaced by an empty one: nothing
     held)."""
-    cache.geometry(ratio)
-    lv = cache.levels[ratio]
+    _, lv = _level(cache, ratio)
     new, ok = {}, jnp.bool_(True)
-    if page_table is not None:
-        new["page_table"] = _table_arg(page_table, "page_table", cache.max_seqs, num_low_pages(lv), True)
-        ok = ok & _ids_ok(new["page_table"], num_low_pages(lv), True)
-    if twin_table is not None:
-        n_twin = lv.twin.rows.shape[1] if lv.twin is not None else 0
-        new["twin_table"] = _table_arg(twin_table, "twin_table", cache.max_seqs, n_twin, False)
-        ok = ok & _ids_ok(new["twin_table"], n_twin, False)
+    n_twin = lv.twin.rows.shape[1] if lv.twin is not None else 0
+    for name, table, n, per_row in (("page_table", page_table, num_low_pages(lv), True),
+                                    ("twin_table", twin_table, n_twin, False)):
+        if table is not None:
+            new[name] = _table_arg(table, name, cache.max_seqs, n, per_row)
+            ok = ok & _ids_ok(new[name], n, per_row)
     old = {k: getattr(lv, k) for k in new}
     kept = {k: jnp.where(ok, v, old[k] if old[k].shape == v.shape else -1) for k, v in new.items()}
     return _flag(_replace_level(cache, ratio, **kept), jnp.where(ok, 0, ERR_BAD_PAGE))
@@ -205,8 +209,7 @@ def release_twin_page(cache: CompressedCache, ratio: int, seq_slot, column) -> C
     """Mark twin column ``column`` of ``seq_slot`` released (-1): its rows are no longer held. ``seq_slot = -1`` is
     a no-op. Host values out of range raise `ValueError`; JAX values set ``ERR_BAD_SLOT`` (slot outside
     ``[-1, S)``) or ``ERR_BAD_PAGE`` (column outside the table) and change nothing."""
-    cache.geometry(ratio)
-    lv = cache.levels[ratio]
+    _, lv = _level(cache, ratio)
     width = lv.twin_table.shape[1]
     slot = checks.check_slot_arg(seq_slot, cache.max_seqs, "seq_slot", "release_twin_page")
     if checks.is_jax(column):
@@ -256,8 +259,7 @@ def twin_row_mask(cache: CompressedCache, ratio: int, seq, cpos):
 def twin_write_mask(cache: CompressedCache, ratio: int, seq, cpos):
     """bool[T]: rows of a write call that go to the twin: held (`twin_row_mask`), stored in the low pool too, and
     not overwritten later in the same call by a ring row of the same sequence."""
-    geom = cache.geometry(ratio)
-    lv = cache.levels[ratio]
+    geom, lv = _level(cache, ratio)
     seq = _live(cache, jnp.asarray(seq, jnp.int32))
     low_ok = layout.low_slots(lv.page_table, seq, cpos, geom.page) >= 0
     fresh = geom.write_mask(seq, cpos, lv.page_table.shape[0])
@@ -283,8 +285,7 @@ def write_compressed_reference(cache: CompressedCache, ratio: int, x, layer, seq
     row whose low page is not held / whose page id is out of range (``ERR_BAD_PAGE``) or is also held by another
     sequence (``ERR_SHARED_PAGE``: no copy-on-write here, the manager gives a writer its own page) write nothing
     and set the bit in ``cache.error``. Host ``seq`` / ``layer`` out of range raise `ValueError`."""
-    geom = cache.geometry(ratio)
-    lv = cache.levels[ratio]
+    geom, lv = _level(cache, ratio)
     op = "write_compressed_reference"
     num_layers, num_seqs = lv.low.data.shape[0], cache.max_seqs
     layer = checks.check_layer_arg(layer, num_layers, op)
@@ -334,8 +335,7 @@ def read_compressed_reference(cache: CompressedCache, ratio: int, layer, seq, cp
     (``seq == -1``) and where the low page is -1. NaN rows for a slot outside ``[-1, S)``, a layer out of range
     or a page id outside the pool (never another sequence's rows); host slots / layer out of range raise
     `ValueError`."""
-    geom = cache.geometry(ratio)
-    lv = cache.levels[ratio]
+    geom, lv = _level(cache, ratio)
     op = "read_compressed_reference"
     dtype = cache.config.attention_dtype
     num_layers, num_pages = lv.low.data.shape[0], num_low_pages(lv)
@@ -370,8 +370,7 @@ def read_compressed_reference(cache: CompressedCache, ratio: int, layer, seq, cp
 def validate_compressed(cache: CompressedCache, ratio: int, seq_slots, indices, kv_lens=None, layer=None) -> None:
     """Host checks for `gather_compressed` (pulls the arrays): layer, slots, indices in ``[-1, n_c)``, and the low
     pages of selected rows in ``[0, P)``; raises `ValueError` naming the offending entry."""
-    lv = cache.levels[ratio]
-    geom = cache.geometry(ratio)
+    geom, lv = _level(cache, ratio)
     if layer is not None:
         checks.host_int(np.asarray(layer).item() if checks.is_jax(layer) else layer, "layer", "gather_compressed",
                         0, lv.low.data.shape[0])
@@ -418,8 +417,7 @@ def _gather_compressed_reference(cache, ratio, layer, seq, indices, kv_lens):
 
 def _gather_compressed_pallas(cache, ratio, layer, seq, indices, kv_lens, *, interpret):
     from pallas_kernels.gather import gather_rows
-    geom = cache.geometry(ratio)
-    lv = cache.levels[ratio]
+    geom, lv = _level(cache, ratio)
     num_layers, num_pages = lv.low.data.shape[0], num_low_pages(lv)
     n_c = compressed_lengths(cache, ratio, kv_lens)
     # the kernel gets only in-range ids (bad slots -> padding, bad page ids -> not held); their rows are NaN after
@@ -431,8 +429,7 @@ def _gather_compressed_pallas(cache, ratio, layer, seq, indices, kv_lens, *, int
     page = _page_at(lv.page_table, seq_k[:, None], idx_k // geom.page)
     bad_rows = bad[:, None] | ((idx_k >= 0) & ((page < -1) | (page >= num_pages)))
     page_table = jnp.where((lv.page_table >= 0) & (lv.page_table < num_pages), lv.page_table, -1)
-    twin = lv.twin
-    twin_table = lv.twin_table
+    twin, twin_table = lv.twin, lv.twin_table
     if twin is not None:
         n_twin = twin.rows.shape[1]
         hcol = geom.high_column(idx_k)

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from .layout import TwinGeometry
+from .levers import ROTATIONS
 
 __all__ = ["KVCacheConfig", "DTYPES", "SPECULATIVE_MODES", "SUPPORTED_MIXED_SPARSE"]
 
@@ -51,10 +52,6 @@ _ALIASES = {
     "mixed_precision_last_n": "last_n",
     "tokens_per_block": "page_size",
 }
-
-
-def _is_power_of_two(n: int) -> bool:
-    return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -109,49 +106,37 @@ class KVCacheConfig:
             if values[field] is not None and values[field] != value:
                 raise ValueError(f"KVCacheConfig: {alias}={value!r} conflicts with {field}={values[field]!r}")
             values[field] = value
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        set_("dtype", dtype)
-        set_("first_n", 0 if values["first_n"] is None else values["first_n"])
-        set_("last_n", 0 if values["last_n"] is None else values["last_n"])
-        set_("page_size", 32 if values["page_size"] is None else values["page_size"])
-        set_("max_draft_len", max_draft_len)
-        set_("speculative_mode", speculative_mode)
-        set_("sparse_algorithm", sparse_algorithm)
-        default_compute = {"bfloat16": "bfloat16", "float16": "float16"}.get(
-            DTYPES.get(dtype, (None, None))[1], "bfloat16")
-        set_("compute_dtype", default_compute if compute_dtype is None else compute_dtype)
-        set_("rotation", rotation)
-        set_("k_smoothing", k_smoothing)
-        set_("block_scale", block_scale)
+        defaults = {"first_n": 0, "last_n": 0, "page_size": 32}
+        values = {k: defaults[k] if v is None else v for k, v in values.items()}
+        if compute_dtype is None:
+            compute_dtype = {"float16": "float16"}.get(DTYPES.get(dtype, (None, None))[1], "bfloat16")
+        for name, value in dict(dtype=dtype, **values, max_draft_len=max_draft_len, speculative_mode=speculative_mode,
+                                sparse_algorithm=sparse_algorithm, compute_dtype=compute_dtype, rotation=rotation,
+                                k_smoothing=k_smoothing, block_scale=block_scale).items():
+            object.__setattr__(self, name, value)
         self._validate()
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"KVCacheConfig.dtype: unknown value {self.dtype!r}; expected one of {sorted(DTYPES)}")
+        for name, allowed in (("dtype", sorted(DTYPES)), ("speculative_mode", list(SPECULATIVE_MODES)),
+                              ("compute_dtype", list(COMPUTE_DTYPES)), ("rotation", list(ROTATIONS)),
+                              ("block_scale", ["max6", "4over6"])):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"KVCacheConfig.{name}: unknown value {getattr(self, name)!r}; expected one of "
+                                 f"{allowed}")
         for name in ("first_n", "last_n", "max_draft_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"KVCacheConfig.{name} must be an integer >= 0, got {value!r}")
-        if not _is_power_of_two(self.page_size) or isinstance(self.page_size, bool):
+        page = self.page_size
+        if isinstance(page, bool) or not isinstance(page, int) or page < 1 or page & (page - 1):
             raise ValueError(f"KVCacheConfig.page_size (tokens_per_block) must be a power of two >= 1, "
                              f"got {self.page_size!r}")
         if not self.is_mixed and (self.first_n or self.last_n):
             raise ValueError(f"KVCacheConfig: first_n={self.first_n}, last_n={self.last_n} need a mixed dtype "
                              f"(mixed_nvfp4_*), but dtype={self.dtype!r} keeps no high-precision twin")
-        if self.speculative_mode not in SPECULATIVE_MODES:
-            raise ValueError(f"KVCacheConfig.speculative_mode: unknown value {self.speculative_mode!r}; "
-                             f"expected one of {list(SPECULATIVE_MODES)}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"KVCacheConfig.compute_dtype: unknown value {self.compute_dtype!r}; "
-                             f"expected one of {list(COMPUTE_DTYPES)}")
-        if self.rotation not in (None, "hadamard"):
-            raise ValueError(f"KVCacheConfig.rotation: unknown value {self.rotation!r}; expected None or 'hadamard'")
         if not isinstance(self.k_smoothing, bool):
             raise ValueError(f"KVCacheConfig.k_smoothing must be a bool, got {self.k_smoothing!r}")
-        if self.block_scale not in ("max6", "4over6"):
-            raise ValueError(f"KVCacheConfig.block_scale: unknown value {self.block_scale!r}; expected 'max6' or "
-                             f"'4over6'")
         if self.sparse_algorithm is not None and not isinstance(self.sparse_algorithm, str):
             raise ValueError(f"KVCacheConfig.sparse_algorithm must be a string or None, got {self.sparse_algorithm!r}")
         if not self.is_mixed:
@@ -222,6 +207,4 @@ class KVCacheConfig:
         return self.twin.width
 
     def replace(self, **changes: Any) -> "KVCacheConfig":
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields.update(changes)
-        return KVCacheConfig(**fields)
+        return KVCacheConfig(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})

@@ -119,14 +119,12 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF (rotate-half) row order -> llama.cpp interleaved order, per head (``convert_hf_to_gguf.py``'s permute).
 
     ``w [n_head * D, in]``: within a head, row ``j * 2 + r`` of the result is input row ``r * D/2 + j``."""
-    out_dim = w.shape[0]
-    return w.reshape(n_head, 2, out_dim // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of `permute_qk`: GGUF interleaved rows back to HF rotate-half order (NeoX RoPE)."""
-    out_dim = w.shape[0]
-    return w.reshape(n_head, out_dim // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------------------------- config / params
@@ -136,8 +134,7 @@ def _field(reader, key, default=None):
         if default is None:
             raise KeyError(f"GGUF metadata key {key!r} not found")
         return default
-    v = f.contents()
-    return v
+    return f.contents()
 
 
 def read_config(reader_or_path, **overrides):
@@ -172,9 +169,10 @@ def load_params(reader, cfg, layers: Optional[int] = None):
     ``layers`` (default ``cfg.num_layers``) loads only the first blocks (tests on a slice of the model)."""
     layers = cfg.num_layers if layers is None else layers
     t = lambda name: _tensor(reader, name)  # noqa: E731
+    kernel = lambda name: {"kernel": t(name).T.copy()}  # noqa: E731  (nn.Dense: [in, out])
     p = {"embed": {"embedding": t("token_embd.weight")}, "final_norm": {"scale": t("output_norm.weight")}}
     if not cfg.tie_embeddings:
-        p["lm_head"] = {"kernel": t("output.weight").T.copy()}
+        p["lm_head"] = kernel("output.weight")
     for layer in range(layers):
         b = f"blk.{layer}."
         q = unpermute_qk(t(b + "attn_q.weight"), cfg.num_heads)
@@ -182,12 +180,9 @@ def load_params(reader, cfg, layers: Optional[int] = None):
         p[f"block{layer}"] = {
             "attn_norm": {"scale": t(b + "attn_norm.weight")},
             "mlp_norm": {"scale": t(b + "ffn_norm.weight")},
-            "attn": {"q": {"kernel": q.T.copy()}, "k": {"kernel": k.T.copy()},
-                     "v": {"kernel": t(b + "attn_v.weight").T.copy()},
-                     "o": {"kernel": t(b + "attn_output.weight").T.copy()}},
-            "mlp": {"gate": {"kernel": t(b + "ffn_gate.weight").T.copy()},
-                    "up": {"kernel": t(b + "ffn_up.weight").T.copy()},
-                    "down": {"kernel": t(b + "ffn_down.weight").T.copy()}},
+            "attn": {"q": {"kernel": q.T.copy()}, "k": {"kernel": k.T.copy()}, "v": kernel(b + "attn_v.weight"),
+                     "o": kernel(b + "attn_output.weight")},
+            "mlp": {n: kernel(b + f"ffn_{n}.weight") for n in ("gate", "up", "down")},
         }
     return {"params": p}
 

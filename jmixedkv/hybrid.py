@@ -161,27 +161,17 @@ def hybrid_layout(model: HybridModelConfig, kv: KVCacheConfig) -> HybridLayout:
         raise ValueError(f"hybrid model with sparse_attention_config algorithm={sparse!r} cannot use "
                          f"dtype={kv.dtype!r}: the hybrid manager's retained twin serves the staging path of full "
                          f"attention layers only (a sparse backend on a hybrid stack has no retained-row hooks)")
-    kinds, local, twin_of = [], [], []
-    counts = {"recurrent": 0, "attention": 0}
+    ids, counts = [], {"recurrent": 0, "attention": 0}           # ids: (kind, local, twin_of) per layer id
     for t in model.layer_types:
         k = "recurrent" if t in RECURRENT_KINDS else "attention"
-        kinds.append(k)
-        local.append(counts[k])
-        twin_of.append(-1)
+        ids.append((k, counts[k], -1))
         counts[k] += 1
-    for d in range(model.num_draft_layers):
-        kinds.append("draft")
-        local.append(d)
-        twin_of.append(-1)
+    ids += [("draft", d, -1) for d in range(model.num_draft_layers)]
     if kv.is_mixed and kv.num_high_pages_per_seq:
-        for lid, t in enumerate(model.layer_types):
-            if t in ATTENTION_KINDS:
-                kinds.append("retained")
-                local.append(local[lid])
-                twin_of.append(lid)
+        ids += [("retained", ids[lid][1], lid) for lid, t in enumerate(model.layer_types) if t in ATTENTION_KINDS]
     if not counts["attention"] and kv.is_mixed:
         raise ValueError("hybrid_layout: a mixed dtype needs at least one attention layer, layer_types has none")
-    return HybridLayout(tuple(kinds), tuple(local), tuple(twin_of))
+    return HybridLayout(*map(tuple, zip(*ids))) if ids else HybridLayout((), (), ())
 
 
 @pytree("layout")
@@ -249,10 +239,8 @@ def _slot_checks(state: HybridState, seq):
     """Checks of i32[B] slots inside jit: (clipped slot, live (>= 0 and in range), per-row ok (-1, or in range
     and admitted), any live slot listed twice)."""
     s_max = state.max_seqs
-    in_range = (seq >= -1) & (seq < s_max)
-    live = (seq >= 0) & in_range
-    safe = jnp.clip(seq, 0, s_max - 1)
-    row_ok = in_range & (~live | state.attn.active[safe])
+    safe, live, pad = checks.slot_in_range(seq, s_max)
+    row_ok = pad | (live & state.attn.active[safe])
     counts = jnp.zeros((s_max,), jnp.int32).at[jnp.where(live, seq, s_max)].add(1, mode="drop")
     return safe, live, row_ok, jnp.any(counts > 1)
 
@@ -260,6 +248,12 @@ def _slot_checks(state: HybridState, seq):
 def _select(ok, new, old):
     """``new`` where ``ok`` else ``old``, leaf by leaf (leaves a transition did not replace are passed through)."""
     return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, old)
+
+
+def _commit(old: HybridState, new: HybridState, added) -> HybridState:
+    """All or nothing: ``new`` if its transition added no error bit, else ``old``; ``added`` OR-ed into the bits."""
+    out = _select(added == 0, new, old)
+    return dataclasses.replace(out, attn=dataclasses.replace(out.attn, error=old.attn.error | added))
 
 
 def _with_error(state: HybridState, err) -> HybridState:
@@ -282,12 +276,9 @@ def _zero_slot(state: HybridState, slot, ok) -> HybridState:
 def _admit_or_release(state: HybridState, seq_slot, fn, what: str) -> HybridState:
     slot = checks.check_slot_arg(seq_slot, state.max_seqs, "seq_slot", what)
     tried = fn(_clear_error(state).attn, slot)
-    added = tried.error
-    ok = added == 0
-    attn = _select(ok, tried, state.attn)
-    out = _zero_slot(dataclasses.replace(state, attn=attn), jnp.clip(slot, 0, state.max_seqs - 1),
-                     ok & (slot >= 0) & (slot < state.max_seqs))
-    return dataclasses.replace(out, attn=dataclasses.replace(attn, error=state.attn.error | added))
+    new = _zero_slot(dataclasses.replace(state, attn=tried), jnp.clip(slot, 0, state.max_seqs - 1),
+                     (slot >= 0) & (slot < state.max_seqs))
+    return _commit(state, new, tried.error)
 
 
 def hybrid_admit(state: HybridState, seq_slot) -> HybridState:
@@ -357,8 +348,8 @@ def recurrent_state(state: HybridState, rec_layer, seq_slots):
     seq = _slots_arg("recurrent_state", seq_slots, state.max_seqs)
     layer = _layer_arg("recurrent_state", rec_layer, state.layout.num_recurrent)
     safe, live, row_ok, _ = _slot_checks(state, seq)
-    row_ok = row_ok & (layer >= 0) & (layer < state.layout.num_recurrent)
-    lc = jnp.clip(layer, 0, state.layout.num_recurrent - 1)
+    lc, layer_ok = checks.layer_in_range(layer, state.layout.num_recurrent)
+    row_ok = row_ok & layer_ok
 
     def pick(a):
         x = a[safe, lc]
@@ -428,11 +419,10 @@ def recurrent_forward(state: HybridState, rec_layer, x, valid, seq_slots, params
         raise ValueError(f"recurrent_forward: x must be float and valid bool, got {x.dtype}, {valid.dtype}")
     s_max, n_rec, n_snap = state.max_seqs, state.layout.num_recurrent, state.conv_snap.shape[1]
     safe, live, row_ok, dup = _slot_checks(state, seq)
-    layer_ok = (layer >= 0) & (layer < n_rec)
+    lc, layer_ok = checks.layer_in_range(layer, n_rec)
     slots_ok = jnp.all(row_ok) & ~dup
     ok = layer_ok & slots_ok
     err = jnp.where(slots_ok, 0, ERR_BAD_SLOT) | jnp.where(layer_ok, 0, ERR_BAD_LAYER)
-    lc = jnp.clip(layer, 0, n_rec - 1)
     p = jax.tree.map(lambda a: a[lc], params)
     step = jax.vmap(mamba_step_reference, in_axes=(0, 0, 0, None))
 
@@ -468,19 +458,15 @@ def recurrent_forward(state: HybridState, rec_layer, x, valid, seq_slots, params
     return _with_error(out, err), y
 
 
-def _counts(state: HybridState, seq, num_accepted, num_drafts, what: str):
-    """Broadcast counts to i32[B]; host values are checked here (``0 <= a <= k <= D`` on live rows)."""
+def _accept_args(state: HybridState, seq_slots, num_accepted, num_drafts, what: str):
+    """``(seq, a, k)`` i32[B]: the distinct slots (`_slots_arg`) and the counts broadcast to them; host values are
+    checked here (``0 <= a <= k <= D`` on live rows)."""
+    seq = _slots_arg(what, seq_slots, state.max_seqs, distinct=True)
     a = jnp.broadcast_to(jnp.asarray(num_accepted, jnp.int32), seq.shape)
     k = jnp.broadcast_to(jnp.asarray(num_drafts, jnp.int32), seq.shape)
-    if not checks.is_jax(num_accepted) and not checks.is_jax(num_drafts) and not checks.is_jax(seq):
-        s_, a_, k_ = np.asarray(seq), np.asarray(a), np.asarray(k)
-        bad = np.flatnonzero((s_ >= 0) & ((a_ < 0) | (a_ > k_) | (k_ > state.attn.config.max_draft_len)))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"{what}: need 0 <= num_accepted <= num_drafts <= max_draft_len "
-                             f"({state.attn.config.max_draft_len}); slot {s_[i]} has num_accepted={a_[i]}, "
-                             f"num_drafts={k_[i]}")
-    return a, k
+    if not any(checks.is_jax(x) for x in (num_accepted, num_drafts, seq_slots)):
+        spec._check_accept_counts(seq_slots, a, k, state.attn.config.max_draft_len, what)
+    return seq, a, k
 
 
 def rollback(state: HybridState, seq_slots, num_accepted, num_drafts) -> HybridState:
@@ -493,9 +479,7 @@ def rollback(state: HybridState, seq_slots, num_accepted, num_drafts) -> HybridS
     Refused (all or nothing, error bit): a bad / repeated / idle slot (``ERR_BAD_SLOT``), bad counts or
     ``r >= snap_tokens`` in some layer (``ERR_BAD_CORRECTION``). Host (Python / NumPy) bad slots or counts raise
     `ValueError`."""
-    host_seq = not checks.is_jax(seq_slots)
-    seq = _slots_arg("rollback", seq_slots, state.max_seqs, distinct=True)
-    a, k = _counts(state, np.asarray(seq_slots) if host_seq else seq, num_accepted, num_drafts, "rollback")
+    seq, a, k = _accept_args(state, seq_slots, num_accepted, num_drafts, "rollback")
     s_max, n_snap = state.max_seqs, state.conv_snap.shape[1]
     safe, live, row_ok, dup = _slot_checks(state, seq)
     r = k - a
@@ -525,14 +509,9 @@ def accept_hybrid(state: HybridState, seq_slots, num_accepted, num_drafts, draft
     both are OR-ed into ``state.attn.error``. A listed slot that is not admitted is refused even with
     ``num_drafts = 0`` (``ERR_BAD_SLOT``)."""
     spec.check_linear_drafts(state.attn.config, draft_tree, what="accept_hybrid")
-    host_seq = not checks.is_jax(seq_slots)
-    seq = _slots_arg("accept_hybrid", seq_slots, state.max_seqs, distinct=True)
-    a, k = _counts(state, np.asarray(seq_slots) if host_seq else seq, num_accepted, num_drafts, "accept_hybrid")
+    seq, a, k = _accept_args(state, seq_slots, num_accepted, num_drafts, "accept_hybrid")
     clean = _clear_error(state)
     # spec.accept treats every negative slot as padding: give it only the in-range rows (rollback flags the rest)
     attn = spec.accept(clean.attn, jnp.where(seq < state.max_seqs, seq, -1), a, k)
     rec = rollback(clean, seq, a, k)
-    added = attn.error | rec.attn.error
-    new = dataclasses.replace(rec, attn=attn)
-    out = _select(added == 0, new, state)
-    return dataclasses.replace(out, attn=dataclasses.replace(out.attn, error=state.attn.error | added))
+    return _commit(state, dataclasses.replace(rec, attn=attn), attn.error | rec.attn.error)

@@ -4,7 +4,7 @@ Both are `KVCacheConfig` options (``rotation="hadamard"``, ``k_smoothing=True``)
 are stored, never how they are stored: pools, page tables, kernels and exporters are untouched; exporters given
 the config say so (`interop.dlpack.kv_transform`, docs/DESIGN.md §11). The third lever, "4 over 6" block scaling
 (``block_scale="4over6"``), changes how a block is scaled, not what is stored: it lives in the codec
-(`jmixedkv.nvfp4.quantize`).
+(`jmixedkv.nvfp4.quantize_reference`).
 
 * **Hadamard rotation** (``rotation="hadamard"``): every stored K and V row (after RoPE) is multiplied by the
   orthonormal Sylvester-Hadamard matrix ``Hd = H_D / sqrt(D)`` (symmetric, ``Hd @ Hd = I``). Scores are unchanged

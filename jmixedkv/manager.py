@@ -144,14 +144,7 @@ class CacheManager:
         slot = checks.host_int(slot, "slot", "release")
         if not (0 <= slot < self.max_seqs and self._active[slot]):
             raise ValueError(f"release: slot {slot} is not admitted")
-        self.state = _release(self.state, np.int32(slot))
-        self._active[slot] = False
-        self._lens[slot] = 0
-        self._written[slot] = 0
-        self._pages_held[slot] = 0
-        self._free_low = int(self.state.alloc.num_free)
-        self._free_high = int(self.state.high_alloc.num_free)
-        self._read_shared()
+        self.replace_state(_release(self.state, np.int32(slot)))
 
     def check_append(self, seq_slots, positions, capacity: bool = True):
         """Host mirror of `jmixedkv.append`'s refusals (`jmixedkv.checks`): `ValueError` for bad slots / positions,

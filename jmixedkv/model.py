@@ -12,7 +12,7 @@ RoPE is applied **in the model** to q and k (`jmixedkv.apply_rope`, float32, no 
 rotated (``append(..., rope=None)``), so every cache dtype sees the same rows.
 
 Cache I/O: each layer appends its K/V with `jmixedkv.append(state, k, v, seq_slots, positions, layer=l)` and
-attends over what the cache gives back: single-token decode steps use `jmixedkv.attention.decode_attention`
+attends over what the cache gives back: single-token decode steps use `jmixedkv.decode.decode_attention`
 (the fused kernel) when that module is importable and ``attention="auto"`` or ``"fused"``; prefill, and
 ``attention="reference"``, stage the cache with `stage_reference` and run `attention_reference` (float32,
 causal). Both paths take queries in the cache's attention dtype and round the output to it (the fused kernel's
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from . import levers, numerics
 from .config import KVCacheConfig
-from .reference import attention_reference, stage_reference
+from .decode import attention_reference
+from .staging import stage_reference
 from .pools import pytree
 from .rope import RopeSpec, apply_rope
 from .state import GroupSpec, admit, append, init_state
@@ -96,11 +97,11 @@ class CacheSession:
     """Trace-time helper threading a `CacheState` through one forward pass (not a pytree; lives in one trace).
 
     ``attend(layer, q, k, v, positions)`` appends ``k, v [B, T, H, D]`` at ``positions i32[B, T]`` and returns
-    the attention output ``f32[B, T, Hq, D]`` over the whole cache of each sequence (causal)."""
+    the attention output ``f32[B, T, Hq, D]`` over the whole cache of each sequence (causal; also in ``outputs``)."""
 
-    def __init__(self, state, seq_slots, attention: str = "auto", record: bool = False, k_means=None):
+    def __init__(self, state, seq_slots, attention: str = "auto", k_means=None):
         self.state, self.seq_slots, self.attention = state, seq_slots, attention
-        self.outputs = [] if record else None
+        self.outputs = []
         self.k_means = k_means          # f32[L, B, H, D] frozen K means (k_smoothing), None: take them now
         self.new_means = []
 
@@ -118,15 +119,14 @@ class CacheSession:
         # readers take queries in the attention dtype (as the fused kernel does); rotated like the stored K
         q = levers.rotate(q, cfg.rotation).astype(dtype)
         if t == 1 and self.attention != "reference":
-            from .attention import decode_attention
+            from .decode import decode_attention
             backend = "pallas" if self.attention == "fused" else "auto"
             out, _ = decode_attention(self.state, layer, q, self.seq_slots, backend=backend)
         else:
             staged = stage_reference(self.state, layer, self.seq_slots)     # [B, kv, H, S, D]
             out, _ = attention_reference(q, staged[:, 0], staged[:, 1], self.state.kv_lens[self.seq_slots])
         out = levers.rotate(out.astype(dtype).astype(jnp.float32), cfg.rotation)     # un-rotate (self-inverse)
-        if self.outputs is not None:
-            self.outputs.append(out)
+        self.outputs.append(out)
         return out
 
 
@@ -162,13 +162,12 @@ class Attention(nn.Module):
     def __call__(self, x, positions, session):
         c = self.cfg
         b, t, _ = x.shape
+        proj = lambda heads, gain, name: _dense(heads * c.head_dim, c.d_model, gain, name)(x).reshape(  # noqa: E731
+            b, t, heads, c.head_dim)
         # q.k ~ qk_gain**2 * D before the 1/sqrt(D) scale: logits std ~ qk_gain**2
-        q = _dense(c.num_heads * c.head_dim, c.d_model, c.qk_gain, "q")(x).reshape(b, t, c.num_heads, c.head_dim)
-        k = _dense(c.num_kv_heads * c.head_dim, c.d_model, c.qk_gain, "k")(x).reshape(
-            b, t, c.num_kv_heads, c.head_dim)
-        v = _dense(c.num_kv_heads * c.head_dim, c.d_model, 1.0, "v")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        q = apply_rope(q, positions, c.rope)
-        k = apply_rope(k, positions, c.rope)
+        q = apply_rope(proj(c.num_heads, c.qk_gain, "q"), positions, c.rope)
+        k = apply_rope(proj(c.num_kv_heads, c.qk_gain, "k"), positions, c.rope)
+        v = proj(c.num_kv_heads, 1.0, "v")
         out = session.attend(self.layer, q, k, v, positions)
         return _dense(c.d_model, c.num_heads * c.head_dim, 1.0, "o")(out.reshape(b, t, -1))
 
@@ -245,17 +244,11 @@ def with_scales(state, scales):
     ``scales["gs"] f32[L, 2]`` -> NVFP4 decode global scale, ``scales["high"] f32[L, 2]`` -> FP8 twin / plain
     scale (ignored by bf16 / fp16 pools). Call it before anything is appended."""
     from .pools import GroupPools
-    pools = []
-    for gp in state.pools:
-        rep_ = lambda pool, f, x: None if pool is None else dataclasses.replace(  # noqa: E731
-            pool, **{f: jnp.broadcast_to(jnp.asarray(x, jnp.float32), getattr(pool, f).shape)})
-        pools.append(GroupPools(rep_(gp.low, "gs", scales["gs"]), rep_(gp.high, "scale", scales["high"]),
-                                rep_(gp.plain, "scale", scales["high"])))
-    return dataclasses.replace(state, pools=tuple(pools))
-
-
-def _pages_needed(total: int, page: int) -> int:
-    return -(-total // page)
+    rep_ = lambda pool, f, x: None if pool is None else dataclasses.replace(  # noqa: E731
+        pool, **{f: jnp.broadcast_to(jnp.asarray(x, jnp.float32), getattr(pool, f).shape)})
+    return dataclasses.replace(state, pools=tuple(
+        GroupPools(rep_(gp.low, "gs", scales["gs"]), rep_(gp.high, "scale", scales["high"]),
+                   rep_(gp.plain, "scale", scales["high"])) for gp in state.pools))
 
 
 def _generate_impl(params, prompts, teacher, forced, scales=None, *, model_cfg: ModelConfig,
@@ -265,7 +258,7 @@ def _generate_impl(params, prompts, teacher, forced, scales=None, *, model_cfg: 
     ``scales`` (optional, see `calibrate`): ``{"gs": f32[L, 2], "high": f32[L, 2]}`` NVFP4 global / FP8 scales."""
     b, p = prompts.shape
     total = p + num_new
-    max_pages = _pages_needed(total, cache_cfg.page_size)
+    max_pages = -(-total // cache_cfg.page_size)
     state = init_state(cache_cfg, cache_shape(model_cfg), num_pages=b * max_pages, max_seqs=b,
                        max_pages_per_seq=max_pages)
     if scales is not None:
@@ -275,7 +268,14 @@ def _generate_impl(params, prompts, teacher, forced, scales=None, *, model_cfg: 
     stacked = _stack_blocks(params, model_cfg)
 
     def forward(state, tokens, positions, k_means=None):
-        return _scan_forward(params, stacked, model_cfg, state, slots, attention, tokens, positions, k_means)
+        """``(state', last-token logits f32[B, V], attention outputs f32[B, L, Hq, D] of the last token, K means
+        f32[L, B, H, D] or f32[0])``."""
+        def emit(s):
+            return s.state, (s.outputs[0][:, -1], s.new_means[0] if s.new_means else jnp.zeros((0,), jnp.float32))
+        logits, state, (attn, means) = _scan_layers(
+            params, model_cfg, tokens, positions, emit=emit, carry=state, last_only=True, stacked=stacked,
+            make_session=lambda layer, st: CacheSession(st, slots, attention, k_means=k_means))
+        return state, logits[:, -1].astype(jnp.float32), jnp.swapaxes(attn, 0, 1), means
 
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     state, logits0, attn0, k_means = forward(state, prompts, positions)   # k_means frozen from the prefill
@@ -310,30 +310,6 @@ def _stack_blocks(params, cfg: ModelConfig):
     """Per-block parameter trees stacked along a leading layer axis (for ``lax.scan`` over layers)."""
     p = params["params"]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *[p[f"block{l}"] for l in range(cfg.num_layers)])
-
-
-def _scan_forward(params, stacked, cfg: ModelConfig, state, slots, attention, tokens, positions, k_means=None):
-    """`Decoder` through the cache with a ``lax.scan`` over layers (one traced block instead of ``L``: compile
-    time independent of depth; same operations as the unrolled `Decoder`). Returns ``(state, last-token logits
-    f32[B, V], attention outputs f32[B, L, Hq, D] of the last token, K means f32[L, B, H, D] or f32[0])``."""
-    p = params["params"]
-    x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
-
-    def body(carry, xs):
-        x, state = carry
-        block_params, layer = xs
-        session = CacheSession(state, slots, attention, record=True, k_means=k_means)
-        x = Block(cfg, 0).apply({"params": block_params}, x, positions, _AtLayer(session, layer))
-        mean = session.new_means[0] if session.new_means else jnp.zeros((0,), jnp.float32)
-        return (x, session.state), (session.outputs[0][:, -1], mean)
-
-    (x, state), (attn, means) = jax.lax.scan(body, (x, state), (stacked, jnp.arange(cfg.num_layers)))
-    x = RMSNorm(cfg.rms_eps).apply({"params": p["final_norm"]}, x[:, -1:])
-    if cfg.tie_embeddings:
-        logits = jnp.dot(x, p["embed"]["embedding"].T)
-    else:
-        logits = jnp.dot(x, p["lm_head"]["kernel"])
-    return state, logits[:, -1].astype(jnp.float32), jnp.swapaxes(attn, 0, 1), means
 
 
 def build_generate(model_cfg: ModelConfig, cache_cfg: KVCacheConfig, num_new: int, attention: str = "auto",
@@ -387,7 +363,7 @@ def generate(params, prompts, model_cfg: ModelConfig, cache_cfg: KVCacheConfig, 
 # forward in which the query at position ``t`` sees, for every key ``j <= t``, exactly what the cache serves at the
 # decode step of length ``n = t + 1``: the high (twin) row where ``j`` is retained (``j < first_n`` or
 # ``n - last_n <= j < n``), the dequantized NVFP4 row elsewhere (or the plain pool's row). The rows go through the
-# cache's own codec functions (`jmixedkv.nvfp4.quantize` / `dequantize`, `jmixedkv.pools.encode_rows` /
+# cache's own codec functions (`nvfp4.quantize_reference` / `dequantize_reference`, `jmixedkv.pools.encode_rows` /
 # `decode_rows`) with per-layer K/V scales calibrated on the prefix (NVFP4 ``gs = amax / 2688``, FP8
 # ``amax / 448``), queries and outputs are rounded to the attention dtype and the levers are applied as
 # `CacheSession` applies them, so this equals ``T`` teacher-forced decode steps of `build_generate` after an exact
@@ -398,16 +374,12 @@ def generate(params, prompts, model_cfg: ModelConfig, cache_cfg: KVCacheConfig, 
 def _prefill_fn(model_cfg: ModelConfig):
     class Recorder:
         """Exact causal attention in query chunks of ``CHUNK`` (keys up to the chunk's end only: half the work of
-        a masked dense pass, and no ``T x T`` logits in memory); records K/V."""
+        a masked dense pass, and no ``T x T`` logits in memory); records K/V (one block: one call)."""
 
         CHUNK = 512
 
-        def __init__(self):
-            self.k, self.v = [], []
-
         def attend(self, layer, q, k, v, positions):
-            self.k.append(k.astype(jnp.float32))
-            self.v.append(v.astype(jnp.float32))
+            self.kv = (k.astype(jnp.float32), v.astype(jnp.float32))
             t, outs = q.shape[1], []
             for lo in range(0, t, self.CHUNK):
                 hi_ = min(lo + self.CHUNK, t)
@@ -419,33 +391,37 @@ def _prefill_fn(model_cfg: ModelConfig):
 
     def fn(params, tokens):
         pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-
-        def make(layer):
-            return Recorder()
-        logits, (k, v) = _scan_layers(params, model_cfg, tokens, pos, make, lambda r: (r.k[0], r.v[0]),
-                                      last_only=True)
+        logits, _, (k, v) = _scan_layers(params, model_cfg, tokens, pos, lambda layer, _: Recorder(),
+                                         lambda r: (None, r.kv), last_only=True)
         return {"k": k, "v": v}, logits[:, -1].astype(jnp.float32)
     return jax.jit(fn)
 
 
-def _scan_layers(params, cfg: ModelConfig, tokens, positions, make_session, emit, last_only=False):
-    """Cache-free forward with a ``lax.scan`` over layers: ``make_session(layer)`` (traced layer) gives the
-    attention session of a block, ``emit(session)`` what to stack over layers. Returns ``(logits, stacked)``."""
+def _scan_layers(params, cfg: ModelConfig, tokens, positions, make_session, emit, carry=None, last_only=False,
+                 stacked=None):
+    """`Decoder` with a ``lax.scan`` over layers (one traced block instead of ``L``: compile time independent of
+    depth; the same operations as the unrolled `Decoder`). ``make_session(layer, carry)`` (traced layer) gives
+    the attention session of a block, ``emit(session) -> (carry', out)`` what goes on to the next block and what
+    to stack over layers; ``stacked``: `_stack_blocks` of ``params`` when already built. Returns ``(logits, carry,
+    stacked outs)``."""
     p = params["params"]
     x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
 
-    def body(x, xs):
+    def body(xc, xs):
+        x, c = xc
         block_params, layer = xs
-        session = make_session(layer)
+        session = make_session(layer, c)
         x = Block(cfg, 0).apply({"params": block_params}, x, positions, _AtLayer(session, layer))
-        return x, emit(session)
+        c, out = emit(session)
+        return (x, c), out
 
-    x, out = jax.lax.scan(body, x, (_stack_blocks(params, cfg), jnp.arange(cfg.num_layers)))
+    blocks = _stack_blocks(params, cfg) if stacked is None else stacked
+    (x, carry), out = jax.lax.scan(body, (x, carry), (blocks, jnp.arange(cfg.num_layers)))
     if last_only:
         x = x[:, -1:]
     x = RMSNorm(cfg.rms_eps).apply({"params": p["final_norm"]}, x)
     logits = jnp.dot(x, p["embed"]["embedding"].T) if cfg.tie_embeddings else jnp.dot(x, p["lm_head"]["kernel"])
-    return logits, out
+    return logits, carry, out
 
 
 def exact_prefill(params, model_cfg: ModelConfig, tokens):
@@ -466,13 +442,9 @@ def _sim_kind(cache_cfg: KVCacheConfig):
 def sim_knobs(cache_cfg: KVCacheConfig, model_cfg: ModelConfig) -> dict:
     """The data part of a simulated cache: ``first_n`` / ``last_n`` of the high view (everything for plain row
     caches, nothing for ``nvfp4``), the rotation matrix (identity when off) and the K-smoothing switch."""
-    big = 1 << 30
-    if cache_cfg.is_mixed:
-        fn, ln = cache_cfg.first_n, cache_cfg.last_n
-    elif cache_cfg.has_low:
-        fn, ln = 0, 0
-    else:
-        fn, ln = big, 0
+    # mixed: its window; nvfp4: nothing high; plain row caches: every row "first"
+    fn, ln = ((cache_cfg.first_n, cache_cfg.last_n) if cache_cfg.is_mixed else (0, 0) if cache_cfg.has_low
+              else (1 << 30, 0))
     d = model_cfg.head_dim
     rot = levers.hadamard(d) if cache_cfg.rotation else jnp.eye(d, dtype=jnp.float32)
     return {"first_n": jnp.int32(fn), "last_n": jnp.int32(ln), "rot": rot,
@@ -483,8 +455,8 @@ def _views(rows, high_dtype, attn_dtype, gs, hs, block_scale="max6"):
     """(low view, high view) of rows ``f32[..., 2, H, D]`` as the cache serves them (attention dtype)."""
     from . import nvfp4
     from .pools import decode_rows, encode_rows
-    data, sc = nvfp4.quantize(rows, gs[:, None], block_scale)
-    low = nvfp4.dequantize(data, sc, gs[:, None], attn_dtype)
+    data, sc = nvfp4.quantize_reference(rows, gs[:, None], block_scale)
+    low = nvfp4.dequantize_reference(data, sc, gs[:, None], attn_dtype)
     high = decode_rows(encode_rows(rows, high_dtype, hs), hs, attn_dtype)
     return low, high
 
@@ -552,9 +524,9 @@ def _score_fn(model_cfg: ModelConfig, high_dtype: str, attn_dtype: str, block_sc
         scales = calibrate(prefix, knobs)
         p = prefix["k"].shape[2]
         pos = jnp.broadcast_to(p + jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        make = lambda layer: SimulatedDecodeSession(  # noqa: E731
+        make = lambda layer, _: SimulatedDecodeSession(  # noqa: E731
             prefix, knobs, scales, high_dtype, attn_dtype, block_scale)
-        logits, attn = _scan_layers(params, model_cfg, tokens, pos, make, lambda s: s.outputs[0])
+        logits, _, attn = _scan_layers(params, model_cfg, tokens, pos, make, lambda s: (None, s.outputs[0]))
         return logits.astype(jnp.float32), attn, scales
     return jax.jit(fn)
 
@@ -604,10 +576,10 @@ def evaluate_caches(params, model_cfg: ModelConfig, tokens, caches, prefix_len: 
       caches: list of ``(label, KVCacheConfig)``; the first is the reference.
       progress: optional callable ``(label) -> None`` called before each cache.
 
-    Returns a dict: ``prefix_len``, ``window``, ``seq_len`` (tokens in the cache at the last step) and ``results``:
-    ``prefix`` (the exact prefill's K/V, see `exact_prefill`), and ``results``:
-    per cache ``label``, ``config``, ``kl``, ``kl_per_position``, ``nll``, ``ppl``, ``top1``, ``attn_rel_err_per_layer``
-    (relative L2 error of each layer's attention output vs the reference, teacher-forced), ``seconds``.
+    Returns a dict: ``prefix_len``, ``window``, ``seq_len`` (tokens in the cache at the last step), ``prefix`` (the
+    exact prefill's K/V, see `exact_prefill`) and ``results``: per cache ``label``, ``config``, ``kl``,
+    ``kl_per_position``, ``nll``, ``ppl``, ``top1``, ``attn_rel_err_per_layer`` (relative L2 error of each layer's
+    attention output vs the reference, teacher-forced), ``seconds``.
     """
     import time
     import numpy as np

@@ -7,9 +7,10 @@ A leaf module: it imports nothing from `jmixedkv` or `pallas_kernels`, so kernel
 * The FMA / reassociation fence. XLA's algebraic simplifier hoists scalar factors out of products
   (``e * (a * c)`` -> ``a * (e * c)``) and its CPU LLVM backend contracts ``a * b - c`` into an FMA;
   ``lax.optimization_barrier`` stops neither (XLA CPU expands barriers before fusion). A value routed through an
-  integer OR with a zero the compiler cannot prove zero is opaque to both: `keep` (the zero is the sign bit of a
-  known non-negative value) and `launder` with `opaque_zero` (bit 30 of ``|c| <= 1``). Two integer ops each;
-  the value is unchanged bit for bit.
+  integer OR with a zero the compiler cannot prove zero is opaque to both: `launder` with `opaque_zero`
+  (``u * (u + 1)`` is even for every int32 ``u``, wrapping included), or `keep` (both in one call); the value is
+  unchanged bit for bit. The zero holds for any data: one that rests on a fact about the data (a sign bit known
+  clear) is folded away wherever the compiler can prove that fact too (LLVM's known bits see through ``abs``).
 * The FP8 row codec of row pools (an FP8 twin, plain FP8 pages, the FP8 gather scratch): `e4m3_saturate`
   (``e4m3(clip(y, ±448))``, NaN kept), `encode_rows` (``e4m3_saturate(f32(x) / scale)``, or a cast for 16-bit
   pools) and `decode_rows` (``f32(e4m3) * scale``, or a cast).
@@ -38,26 +39,23 @@ SIXTH = np.float32(1.0) / np.float32(6.0)
 
 
 # ------------------------------------------------------------------------------------------------ the fence
-def keep(a, nonneg):
-    """``a`` (float32) unchanged, but opaque to XLA's simplifier: no reassociation / contraction across it.
-
-    ``nonneg`` is a float32 array (broadcastable to ``a``) known to be >= 0 or +NaN: its sign bit is an int32 zero
-    that XLA cannot prove zero. Works in jnp and inside Pallas kernels (two integer ops)."""
-    z = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(nonneg, jnp.int32), jnp.int32(31))
-    b = jax.lax.bitcast_convert_type(a, jnp.int32) | jnp.broadcast_to(z, jnp.shape(a))
-    return jax.lax.bitcast_convert_type(b, jnp.float32)
-
-
 def opaque_zero(c):
-    """int32 zeros the compiler cannot prove zero, from float32 ``c`` with ``|c| <= 1`` (bit 30, the exponent MSB,
-    is clear). Pair with `launder`."""
-    return (jax.lax.bitcast_convert_type(c, jnp.int32) >> 30) & 1
+    """int32 zeros the compiler cannot prove zero, one per element of float32 ``c`` (any value): ``(u * (u + 1)) & 1``
+    of its bits ``u``. Pair with `launder`."""
+    u = jax.lax.bitcast_convert_type(c, jnp.int32)
+    return (u * (u + 1)) & 1
 
 
 def launder(a, z):
-    """``a`` (float32) unchanged, routed through an integer OR with ``z`` (`opaque_zero`), so no FMA can absorb the
-    product that made it."""
+    """``a`` (float32) unchanged, routed through an integer OR with ``z`` (`opaque_zero`, broadcastable to ``a``),
+    so no reassociation or FMA crosses it. Works in jnp and inside Pallas kernels."""
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.int32) | z, jnp.float32)
+
+
+def keep(a, like):
+    """``launder(a, opaque_zero(like))``: ``a`` (float32) unchanged but fenced; ``like`` is any float32 array
+    broadcastable to ``a`` (``a`` itself, or a smaller array to save integer ops)."""
+    return launder(a, opaque_zero(like))
 
 
 # ------------------------------------------------------------------------------------------------ FP8 rows

@@ -1,4 +1,6 @@
-"""NVFP4 reference codec (pure jnp, runs anywhere): the one convention every kernel must match bit-exactly.
+"""The NVFP4 codec: `quantize` / `dequantize` (backend dispatch: the Pallas kernels of `pallas_kernels.nvfp4` on a GPU,
+any leading shape) and their pure-jnp references `quantize_reference` / `dequantize_reference` (run anywhere): the
+one convention every kernel must match bit-exactly.
 
 Format (docs/DESIGN.md §2):
 
@@ -33,15 +35,20 @@ NaN in that block only; ±Inf gives scale 448 and element ±6. Nothing outside t
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from .backend import dispatch
 from .numerics import BLOCK, E2M1_MAX, E4M3_MAX, SIXTH, keep
 
-__all__ = ["quantize", "dequantize", "global_scale_from_amax", "pack_nibbles", "unpack_nibbles",
-           "e2m1_codes", "e2m1_values", "e4m3_values", "block_sq_error", "BLOCK", "BLOCK_SCALES", "E4M3_MAX",
+__all__ = ["quantize", "dequantize", "quantize_reference", "dequantize_reference", "global_scale_from_amax",
+           "pack_nibbles", "unpack_nibbles", "e2m1_codes", "e2m1_values", "e4m3_values", "block_sq_error", "BLOCK",
+           "BLOCK_SCALES", "E4M3_MAX",
            "E2M1_MAX", "E2M1_TABLE"]
 
 #: block scaling rules (`quantize`'s ``block_scale``): ``"max6"`` maps the block max to 6 (the pinned order);
@@ -129,7 +136,7 @@ def block_sq_error(xf, codes, sf, gs):
     return e[..., 0]
 
 
-def quantize(x, global_scale=1.0, block_scale: str = "max6"):
+def quantize_reference(x, global_scale=1.0, block_scale: str = "max6"):
     """Quantize ``x[..., D]`` (any float dtype, D % 16 == 0) to NVFP4.
 
     Args:
@@ -158,7 +165,7 @@ def quantize(x, global_scale=1.0, block_scale: str = "max6"):
     return pack_nibbles(codes.reshape(x.shape)), s
 
 
-def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16):
+def dequantize_reference(packed, scales, global_scale=1.0, dtype=jnp.bfloat16):
     """Dequantize NVFP4 ``(packed u8[..., D/2], scales e4m3[..., D/16])`` to ``dtype[..., D]``."""
     packed = jnp.asarray(packed)
     d = packed.shape[-1] * 2
@@ -171,3 +178,53 @@ def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16):
     sf = scales.astype(jnp.float32)[..., None]
     out = keep(vals * sf, sf) * gs
     return out.reshape(*packed.shape[:-1], d).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+def _flat_gs(global_scale, lead):
+    gs = jnp.asarray(global_scale, jnp.float32)
+    if gs.size == 1:
+        return gs.reshape(())
+    try:
+        gs = jnp.broadcast_to(gs, lead)
+    except ValueError as e:
+        raise ValueError(f"NVFP4: global_scale of shape {gs.shape} does not broadcast to x.shape[:-1]={lead}") from e
+    return gs.reshape(-1)
+
+
+def quantize(x, global_scale=1.0, *, backend: str = "auto", block_scale: str = "max6", **kernel_kwargs):
+    """`quantize_reference` (``backend="reference"``, or ``"auto"`` without a GPU) or the Pallas kernel, same bits.
+    ``x[..., D]`` is viewed as ``[prod(...), D]`` for the kernel; ``**kernel_kwargs``: tiling knobs of
+    `pallas_kernels.nvfp4.quantize` (``block_rows``, ``sub_rows``, ``num_warps``, ``num_stages``, ``width``)."""
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        raise ValueError(f"NVFP4 quantize: x must have at least one dimension, got shape {x.shape}")
+    return dispatch(backend, quantize_reference, functools.partial(_quantize_pallas, **kernel_kwargs))(
+        x, global_scale, block_scale)
+
+
+def _quantize_pallas(x, global_scale, block_scale, *, interpret, **kernel_kwargs):
+    from pallas_kernels import nvfp4 as kernels   # lazy: the reference never imports a kernel
+    lead, d = x.shape[:-1], x.shape[-1]
+    packed, scales = kernels.quantize(x.reshape(math.prod(lead), d), _flat_gs(global_scale, lead), interpret=interpret,
+                                      block_scale=block_scale, **kernel_kwargs)
+    return packed.reshape(*lead, packed.shape[-1]), scales.reshape(*lead, scales.shape[-1])
+
+
+def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16, *, backend: str = "auto", **kernel_kwargs):
+    """`dequantize_reference` or the Pallas kernel (``backend`` and ``**kernel_kwargs`` as in `quantize`)."""
+    packed, scales = jnp.asarray(packed), jnp.asarray(scales)
+    if packed.ndim == 0 or scales.ndim != packed.ndim or scales.shape[:-1] != packed.shape[:-1]:
+        raise ValueError(f"NVFP4 dequantize: packed {packed.shape} and scales {scales.shape} must share their "
+                         f"leading dimensions")
+    return dispatch(backend, dequantize_reference, functools.partial(_dequantize_pallas, **kernel_kwargs))(
+        packed, scales, global_scale, dtype)
+
+
+def _dequantize_pallas(packed, scales, global_scale, dtype, *, interpret, **kernel_kwargs):
+    from pallas_kernels import nvfp4 as kernels
+    lead = packed.shape[:-1]
+    rows = math.prod(lead)
+    out = kernels.dequantize(packed.reshape(rows, packed.shape[-1]), scales.reshape(rows, scales.shape[-1]),
+                             _flat_gs(global_scale, lead), dtype, interpret=interpret, **kernel_kwargs)
+    return out.reshape(*lead, out.shape[-1])

@@ -31,20 +31,9 @@ MIN_PRIORITY, MAX_PRIORITY, DEFAULT_PRIORITY = 0, 100, 35   # TensorRT-LLM's KvC
 _FIELDS = (("low", "data", "low"), ("low", "scales", "low"), ("plain", "rows", "low"), ("high", "rows", "high"))
 
 
-def _name(pool: str, arr: str) -> str:
-    return f"{pool}_{arr}"
-
-
 def page_bucket(count: int) -> int:
     """Padded page count (power of two >= 1) so page copies compile once per bucket, not once per count."""
     return 1 << max(0, int(count - 1).bit_length()) if count > 1 else 1
-
-
-def _poison(arr):
-    """NaN-decoding fill for a pool array's dtype (NVFP4 data 0x77 with E4M3 scales 0x7F decode to NaN)."""
-    if arr.dtype == jnp.uint8:
-        return jnp.uint8(0x77)
-    return jnp.array(jnp.nan, jnp.float32).astype(arr.dtype)
 
 
 def gather_pages(state, low_ids, high_ids):
@@ -59,7 +48,7 @@ def gather_pages(state, low_ids, high_ids):
       tuple (one per group) of dicts ``{"low_data", "low_scales", "plain_rows", "high_rows"}`` (present pools
       only) of arrays ``[L, K, kv, H, page, X]`` in the pool's storage dtype.
     """
-    from .checks import index_array
+    from .checks import index_array, nan_like
     raw = {"low": index_array(low_ids, "low_ids", "gather_pages", -1, state.alloc.num_pages),
            "high": index_array(high_ids, "high_ids", "gather_pages", -1, state.high_alloc.num_pages)}
     limit = {"low": state.alloc.num_pages, "high": state.high_alloc.num_pages}
@@ -74,7 +63,9 @@ def gather_pages(state, low_ids, high_ids):
                 bad = (ids < -1) | (ids >= limit[which])
                 got = arr[:, jnp.clip(ids, 0, limit[which] - 1)]
                 bad = bad.reshape((1, -1) + (1,) * (got.ndim - 2))
-                group[_name(pool_name, arr_name)] = jnp.where(bad, _poison(arr), got)
+                # NaN-decoding fill: NVFP4 data 0x77 (with E4M3 scales NaN, 0x7F) decodes to NaN
+                poison = jnp.uint8(0x77) if arr.dtype == jnp.uint8 else nan_like(arr)
+                group[f"{pool_name}_{arr_name}"] = jnp.where(bad, poison, got)
         out.append(group)
     return tuple(out)
 
@@ -105,7 +96,7 @@ def scatter_pages(state, low_ids, high_ids, payload):
                 continue
             arr = getattr(pool, arr_name)
             dst = jnp.where((ids[which] >= 0) & ok, ids[which], arr.shape[1])
-            arr = arr.at[:, dst].set(group[_name(pool_name, arr_name)].astype(arr.dtype), mode="drop")
+            arr = arr.at[:, dst].set(group[f"{pool_name}_{arr_name}"].astype(arr.dtype), mode="drop")
             changes[pool_name] = dataclasses.replace(pool, **{arr_name: arr})
         new_pools.append(dataclasses.replace(pools, **changes))
     return dataclasses.replace(state, pools=tuple(new_pools), error=state.error | err)
@@ -139,17 +130,14 @@ def host_to_payload(state, pages: Sequence[HostPage], bucket: int):
     """Stack host pages into a device payload of ``bucket`` pages (missing ones zero-filled)."""
     template = jax.eval_shape(lambda s: gather_pages(s, jnp.zeros((bucket,), jnp.int32),
                                                      jnp.zeros((bucket,), jnp.int32)), state)
-    out = []
-    for gi, g in enumerate(template):
-        group = {}
-        for name, spec in g.items():
-            arr = np.zeros(spec.shape, spec.dtype)
-            for i, page in enumerate(pages):
-                if name in page.groups[gi]:
-                    arr[:, i] = page.groups[gi][name]
-            group[name] = jnp.asarray(arr)
-        out.append(group)
-    return tuple(out)
+
+    def stack(gi, name, spec):
+        arr = np.zeros(spec.shape, spec.dtype)
+        for i, page in enumerate(pages):
+            if name in page.groups[gi]:
+                arr[:, i] = page.groups[gi][name]
+        return jnp.asarray(arr)
+    return tuple({name: stack(gi, name, spec) for name, spec in g.items()} for gi, g in enumerate(template))
 
 
 class HostTier:

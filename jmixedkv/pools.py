@@ -1,4 +1,4 @@
-"""Page pools as immutable pytrees, and the reference row store / row read over them.
+"""Page pools as immutable pytrees, and the reference row read over them (the row store: `jmixedkv.write`).
 
 * `LowPool`: NVFP4 history (packed data, E4M3 block scales, per-layer K/V decode global scale).
 * `RowPool`: rows in an attention dtype (bf16 / fp16) or FP8 E4M3 with a per-layer K/V scale. Used for the
@@ -14,12 +14,11 @@ import dataclasses
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from . import numerics, nvfp4
 
-__all__ = ["pytree", "LowPool", "RowPool", "GroupPools", "encode_rows", "decode_rows", "write_rows_reference",
-           "read_low_rows", "read_row_pool"]
+__all__ = ["pytree", "LowPool", "RowPool", "GroupPools", "encode_rows", "decode_rows", "read_low_rows",
+           "read_row_pool"]
 
 
 def pytree(*meta: str):
@@ -67,56 +66,11 @@ def decode_rows(rows, scale, out_dtype):
     return numerics.decode_rows(rows, scale[:, None, None], out_dtype)
 
 
-def _scatter(pool_l, slots, values, page_size):
-    """pool_l [P, kv, H, page, X]; slots i32[T] (-1 skip); values [T, kv, H, X]."""
-    num_pages = pool_l.shape[0]
-    page = jnp.where(slots >= 0, slots // page_size, num_pages)  # out of range -> dropped
-    row = jnp.where(slots >= 0, slots % page_size, 0)
-    return pool_l.at[page, :, :, row, :].set(values.astype(pool_l.dtype), mode="drop")
-
-
-def write_rows_reference(pools: GroupPools, x, layer, low_slot, high_slot, page_size: int,
-                         block_scale: str = "max6") -> GroupPools:
-    """Store new rows of one layer (``layer`` int, may be traced) or all layers (``layer=None``).
-
-    Args:
-      x: ``[T, kv, H, D]`` for one layer, ``[L, T, kv, H, D]`` for all (already RoPE'd, any float dtype).
-      low_slot: i32[T] slots into the low pool (mixed / low groups) or the plain pool (plain groups); -1 skip.
-      high_slot: i32[T] slots into the high twin; -1 skip (ignored for groups without a twin).
-      block_scale: NVFP4 block scaling of the low rows (`KVCacheConfig.block_scale`).
-    """
-    def one_layer(pools, l, xl):
-        low, high, plain = pools.low, pools.high, pools.plain
-        if low is not None:
-            data, scales = nvfp4.quantize(xl, low.gs[l][None, :, None], block_scale)
-            low = dataclasses.replace(
-                low,
-                data=low.data.at[l].set(_scatter(low.data[l], low_slot, data, page_size)),
-                scales=low.scales.at[l].set(_scatter(low.scales[l], low_slot, scales, page_size)))
-        if high is not None:
-            enc = encode_rows(xl, high.rows.dtype, high.scale[l])
-            high = dataclasses.replace(high, rows=high.rows.at[l].set(
-                _scatter(high.rows[l], high_slot, enc, page_size)))
-        if plain is not None:
-            enc = encode_rows(xl, plain.rows.dtype, plain.scale[l])
-            plain = dataclasses.replace(plain, rows=plain.rows.at[l].set(
-                _scatter(plain.rows[l], low_slot, enc, page_size)))
-        return GroupPools(low, high, plain)
-
-    if layer is not None:
-        return one_layer(pools, layer, x)
-    num_layers = x.shape[0]
-
-    def body(l, p):
-        return one_layer(p, l, x[l])
-    return jax.lax.fori_loop(0, num_layers, body, pools)
-
-
 def read_low_rows(low: LowPool, layer, pages, rows, out_dtype):
     """Dequantized low rows at ``(pages[...], rows[...])`` of ``layer`` -> ``[..., kv, H, D]``."""
     data = low.data[layer][pages, :, :, rows, :]
     scales = low.scales[layer][pages, :, :, rows, :]
-    return nvfp4.dequantize(data, scales, low.gs[layer][:, None], out_dtype)
+    return nvfp4.dequantize_reference(data, scales, low.gs[layer][:, None], out_dtype)
 
 
 def read_row_pool(pool: RowPool, layer, pages, rows, out_dtype):

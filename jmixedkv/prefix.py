@@ -47,18 +47,12 @@ __all__ = ["page_keys", "admit_with_prefix", "copy_pages", "Entry", "PrefixCache
 
 
 # ----------------------------------------------------------------------------------------------- content keys
-def _salt_bytes(salt) -> bytes:
-    if salt is None:
-        return b""
-    return salt if isinstance(salt, bytes) else str(salt).encode()
-
-
 def page_keys(tokens: Sequence[int], page_size: int, salt=None) -> List[bytes]:
     """Content keys of the full pages of ``tokens`` (a hash chain; ``len(tokens) // page_size`` keys)."""
     if page_size < 1:
         raise ValueError(f"page_keys: page_size must be >= 1, got {page_size}")
     toks = np.asarray(tokens, np.int64).reshape(-1)
-    salt_b = _salt_bytes(salt)
+    salt_b = b"" if salt is None else salt if isinstance(salt, bytes) else str(salt).encode()
     prev = hashlib.sha256(salt_b).digest()
     keys = []
     for j in range(toks.shape[0] // page_size):
@@ -76,10 +70,10 @@ def copy_pages(state: CacheState, src_low, dst_low, src_high, dst_high) -> Cache
     ``ERR_BAD_PAGE`` (range / repeated destination) or ``ERR_SHARED_PAGE`` and nothing changes. Destinations must
     be pages the caller owns (fresh ones): a page id does not say which sequence holds it."""
     op = "copy_pages"
-    ids = [checks.index_array(x, name, op, -1, n, ndim=1) for x, name, n in
-           ((src_low, "src_low", state.alloc.num_pages), (dst_low, "dst_low", state.alloc.num_pages),
-            (src_high, "src_high", state.high_alloc.num_pages), (dst_high, "dst_high", state.high_alloc.num_pages))]
-    src_low, dst_low, src_high, dst_high = ids
+    src_low, dst_low, src_high, dst_high = (
+        checks.index_array(x, name, op, -1, n, ndim=1) for x, name, n in
+        ((src_low, "src_low", state.alloc.num_pages), (dst_low, "dst_low", state.alloc.num_pages),
+         (src_high, "src_high", state.high_alloc.num_pages), (dst_high, "dst_high", state.high_alloc.num_pages)))
     dst_low = jnp.where(src_low >= 0, dst_low, -1)
     dst_high = jnp.where(src_high >= 0, dst_high, -1)
     err = checks.write_dst_errors(state.alloc, dst_low) | checks.write_dst_errors(state.high_alloc, dst_high)
@@ -157,26 +151,19 @@ def _alloc_pages(state: CacheState, need_low, need_high):
             jnp.where(ok, low_ids, -1), jnp.where(ok, high_ids, -1))
 
 
-def _retain_ids(state: CacheState, low_ids, high_ids):
-    return dataclasses.replace(state, alloc=retain_pages(state.alloc, low_ids),
-                               high_alloc=retain_pages(state.high_alloc, high_ids))
-
-
-def _release_ids(state: CacheState, low_ids, high_ids):
-    return dataclasses.replace(state, alloc=release_pages(state.alloc, low_ids),
-                               high_alloc=release_pages(state.high_alloc, high_ids))
-
-
-def _restore(state: CacheState, low_ids, high_ids, payload):
-    return offload.scatter_pages(state, low_ids, high_ids, payload)
+def _refs(update):
+    """``(state, low_ids, high_ids) -> state`` applying ``update`` (`retain_pages` / `release_pages`) to both
+    allocators."""
+    return lambda state, low_ids, high_ids: dataclasses.replace(
+        state, alloc=update(state.alloc, low_ids), high_alloc=update(state.high_alloc, high_ids))
 
 
 # the index's own transitions, donated as `CacheManager`'s (append / fork / release run there)
 _admit = jax.jit(admit_with_prefix, donate_argnums=0)
 _alloc = jax.jit(_alloc_pages, donate_argnums=0)
-_retain = jax.jit(_retain_ids, donate_argnums=0)
-_release_ids_jit = jax.jit(_release_ids, donate_argnums=0)
-_restore_jit = jax.jit(_restore, donate_argnums=0)
+_retain = jax.jit(_refs(retain_pages), donate_argnums=0)
+_release_ids_jit = jax.jit(_refs(release_pages), donate_argnums=0)
+_restore_jit = jax.jit(offload.scatter_pages, donate_argnums=0)
 _gather = jax.jit(offload.gather_pages)
 
 
@@ -352,14 +339,19 @@ class PrefixCache:
                 raise CacheCapacityError(f"need {num_low} low / {num_high} high free pages, have {free_low} / "
                                     f"{free_high} and nothing left to evict")
 
-    def _restore_entries(self, entries: List[Entry]) -> None:
-        """Bring host-tier entries back onto the device (fresh pages; the index holds their reference)."""
+    def _restore_entries(self, matched: List[Entry], extra_high: int = 0) -> int:
+        """Bring the host-tier entries of a matched prefix back onto the device (fresh pages; the index holds their
+        reference), first evicting other pages until they and ``extra_high`` more high pages fit. Returns how many
+        came back."""
+        entries = [e for e in matched if e.on_host]
+        nf = self.config.num_fixed_pages
+        self.ensure_free(len(entries), sum(e.j < nf for e in entries) + extra_high, protect={e.key for e in matched})
         if not entries:
-            return
+            return 0
         k = offload.page_bucket(len(entries))
         need_low = np.arange(k) < len(entries)
         need_high = np.zeros((k,), bool)
-        need_high[:len(entries)] = [e.j < self.config.num_fixed_pages for e in entries]
+        need_high[:len(entries)] = [e.j < nf for e in entries]
         self.state, low_ids, high_ids = _alloc(self.state, jnp.asarray(need_low), jnp.asarray(need_high))
         self._check("restore")
         pages = [self.host.get(e.key) for e in entries]
@@ -369,15 +361,11 @@ class PrefixCache:
             self.host.pop(e.key)
             e.low, e.high, e.on_host = int(low_ids[i]), int(high_ids[i]), False
         self._stats["restored_pages"] += len(entries)
+        return len(entries)
 
     def prefetch(self, tokens) -> int:
         """Restore the host-tier pages of ``tokens``' matched prefix ahead of `admit`; returns pages restored."""
-        entries = self._match_entries(tokens)
-        host = [e for e in entries if e.on_host]
-        nf = self.config.num_fixed_pages
-        self.ensure_free(len(host), sum(e.j < nf for e in host), protect={e.key for e in entries})
-        self._restore_entries(host)
-        return len(host)
+        return self._restore_entries(self._match_entries(tokens))
 
     # ------------------------------------------------------------------ sequence lifecycle
     def admit(self, slot: int, tokens, count_stats: bool = True) -> int:
@@ -391,11 +379,7 @@ class PrefixCache:
             raise ValueError(f"PrefixCache.admit: {len(tokens)} tokens exceed max_pages_per_seq * page_size = "
                              f"{self.state.max_pages_per_seq * self.page}")
         entries = self._match_entries(tokens)
-        host = [e for e in entries if e.on_host]
-        shared_fixed = sum(e.j < nf for e in entries)
-        need_high = sum(e.j < nf for e in host) + self.state.high_table.shape[1] - shared_fixed
-        self.ensure_free(len(host), need_high, protect={e.key for e in entries})
-        self._restore_entries(host)
+        self._restore_entries(entries, extra_high=self.state.high_table.shape[1] - sum(e.j < nf for e in entries))
         low = np.full((self.state.max_pages_per_seq,), -1, np.int32)
         fixed = np.full((nf,), -1, np.int32)
         for e in entries:
@@ -446,20 +430,16 @@ class PrefixCache:
             e = self.index.get(key)
             high = int(hrow[j]) if j < nf else -1
             if e is None:
-                e = Entry(key, parent, j, int(row[j]), high, priority, 0)
-                self.index[key] = e
+                e = self.index[key] = Entry(key, parent, j, -1, -1, priority, 0)
                 if parent is not None:
                     self.children.setdefault(parent, set()).add(key)
-                new_low.append(e.low)
-                new_high.append(high)
             elif e.on_host:
                 self.host.pop(key)
+            if e.low < 0:                  # new, or back from the host tier: this sequence's device pages
                 e.low, e.high, e.on_host = int(row[j]), high, False
-                e.priority = max(e.priority, priority)
                 new_low.append(e.low)
                 new_high.append(high)
-            else:
-                e.priority = max(e.priority, priority)
+            e.priority = max(e.priority, priority)
             e.last_used = self._touch()
             parent = key
         if new_low:
@@ -473,10 +453,8 @@ class PrefixCache:
         src = self._slot(src, True, "fork")
         dst = self._slot(dst, False, "fork")
         n, page, nf = int(np.asarray(self.state.kv_lens)[src]), self.page, self.config.num_fixed_pages
-        width = self.state.high_table.shape[1]
-        need_low = int(n % page != 0)
-        need_high = width - min(n // page, nf)
-        self.ensure_free(need_low, need_high)
+        # new pages: the partial last page, and every twin page but the full fixed ones (shared)
+        self.ensure_free(int(n % page != 0), self.state.high_table.shape[1] - min(n // page, nf))
         self.manager.fork(src, dst)
 
     def release(self, slot: int) -> None:

@@ -45,10 +45,6 @@ def local_view(state: CacheState, tp: int) -> CacheState:
     return dataclasses.replace(state, groups=groups)
 
 
-def _global_view(state: CacheState, groups) -> CacheState:
-    return dataclasses.replace(state, groups=groups)
-
-
 def sharded(fn: Callable, mesh: Mesh, state: CacheState, args=(), arg_specs=(), out_specs=P(), returns_state=False):
     """Run ``fn(local_state, *args)`` on every shard.
 
@@ -64,8 +60,8 @@ def sharded(fn: Callable, mesh: Mesh, state: CacheState, args=(), arg_specs=(), 
         if not returns_state:
             return out
         if isinstance(out, CacheState):
-            return _global_view(out, groups)
-        return (_global_view(out[0], groups),) + tuple(out[1:])
+            return dataclasses.replace(out, groups=groups)
+        return (dataclasses.replace(out[0], groups=groups),) + tuple(out[1:])
 
     if returns_state:
         outs = sspec if out_specs is None else (sspec,) + tuple(out_specs)
@@ -116,56 +112,46 @@ def sharded_append(mesh: Mesh, state: CacheState, layer, k, v, seq_slots, positi
 
 def sharded_stage_reference(mesh: Mesh, state: CacheState, layer, seq_slots, group: int = 0):
     """`stage_reference` per shard: ``[B, kv, H, S, D]`` sharded over H."""
-    from .reference import stage_reference
+    from .staging import stage_reference
     seq_slots, _, layer = _host_checks(state, group, "sharded_stage_reference", layer, seq_slots)
-
-    def fn(st, l_, s_):
-        return stage_reference(st, l_, s_, group)
-    return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), seq_slots), (P(), P()),
-                   out_specs=P(None, None, AXIS))
+    return sharded(lambda st, l_, s_: stage_reference(st, l_, s_, group), mesh, state,
+                   (jnp.asarray(layer, jnp.int32), seq_slots), (P(), P()), out_specs=P(None, None, AXIS))
 
 
 def sharded_stage(mesh: Mesh, state: CacheState, layer, seq_slots, group: int = 0, backend: str = "auto"):
-    """`jmixedkv.read.stage` per shard: staged pages sharded over KV heads (page table / lengths replicated)."""
-    from .read import stage
+    """`jmixedkv.staging.stage` per shard: staged pages sharded over KV heads (page table / lengths replicated)."""
+    from .staging import stage
     seq_slots, _, layer = _host_checks(state, group, "sharded_stage", layer, seq_slots)
-
-    def fn(st, l_, s_):
-        return stage(st, l_, s_, group=group, backend=backend)
     probe = jax.eval_shape(lambda st: stage(local_view(st, 1), layer, seq_slots, group=group, backend="reference"),
                            state)
     specs = jax.tree.map(lambda x: P(*([None] * (x.ndim - 3)), AXIS) if x.ndim >= 5 else P(), probe)
-    return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), seq_slots), (P(), P()), out_specs=specs)
+    return sharded(lambda st, l_, s_: stage(st, l_, s_, group=group, backend=backend), mesh, state,
+                   (jnp.asarray(layer, jnp.int32), seq_slots), (P(), P()), out_specs=specs)
 
 
 def sharded_gather_rows(mesh: Mesh, state: CacheState, layer, seq_slots, indices, group: int = 0, **kwargs):
-    """`jmixedkv.read.gather_rows` per shard: the scratch ``[B, K, kv, H, D]`` sharded over H.
+    """`jmixedkv.gather.gather_rows` per shard: the scratch ``[B, K, kv, H, D]`` sharded over H.
 
     Only attention-dtype scratches: the FP8 scratch's per-row scale is a maximum over *all* heads, which a shard
     cannot compute alone (it would need a cross-device max before the encode)."""
-    from .read import gather_rows
+    from .gather import gather_rows
     seq_slots, _, layer = _host_checks(state, group, "sharded_gather_rows", layer, seq_slots)
     if kwargs.get("scratch_dtype") is not None:
         raise ValueError(f"sharded_gather_rows: scratch_dtype={kwargs['scratch_dtype']!r} is not supported under "
                          f"tensor parallelism (the FP8 scale spans all heads); use the attention-dtype scratch")
-
-    def fn(st, l_, s_, i_):
-        return gather_rows(st, l_, s_, i_, group=group, **kwargs)
     probe = jax.eval_shape(lambda st: gather_rows(local_view(st, 1), layer, seq_slots, indices, group=group,
                                                   **{**kwargs, "backend": "reference"}), state)
     specs = jax.tree.map(lambda x: P(None, None, None, AXIS) if x.ndim == 5 else P(), probe)
-    return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), seq_slots, indices), (P(), P(), P()),
-                   out_specs=specs)
+    return sharded(lambda st, l_, s_, i_: gather_rows(st, l_, s_, i_, group=group, **kwargs), mesh, state,
+                   (jnp.asarray(layer, jnp.int32), seq_slots, indices), (P(), P(), P()), out_specs=specs)
 
 
 def sharded_decode_attention(mesh: Mesh, state: CacheState, layer, q, seq_slots, group: int = 0, **kwargs):
-    """`jmixedkv.attention.decode_attention` per shard: ``q [B, Tq, Hq, D]`` and the outputs sharded over
+    """`jmixedkv.decode.decode_attention` per shard: ``q [B, Tq, Hq, D]`` and the outputs sharded over
     query heads (each shard holds the KV heads its query heads attend to)."""
-    from .attention import decode_attention
+    from .decode import decode_attention
     seq_slots, _, layer = _host_checks(state, group, "sharded_decode_attention", layer, seq_slots)
-
-    def fn(st, l_, q_, s_):
-        return decode_attention(st, l_, q_, s_, group=group, **kwargs)
     qspec = P(None, None, AXIS, None)
-    return sharded(fn, mesh, state, (jnp.asarray(layer, jnp.int32), q, seq_slots), (P(), qspec, P()),
+    return sharded(lambda st, l_, q_, s_: decode_attention(st, l_, q_, s_, group=group, **kwargs), mesh, state,
+                   (jnp.asarray(layer, jnp.int32), q, seq_slots), (P(), qspec, P()),
                    out_specs=(qspec, P(None, None, AXIS)))

@@ -131,11 +131,6 @@ def offset_positions(positions, seq_slots, offsets):
 
 
 # ---------------------------------------------------------------------------------------------- lengths
-def _rewind_floor(config, state):
-    """Smallest legal corrected length per slot: ``max(written - max_draft_len, 0)`` (active), ``kv_len`` (idle)."""
-    return jnp.where(state.active, jnp.maximum(state.written - config.max_draft_len, 0), state.kv_lens)
-
-
 def correct_kv_lens(state: CacheState, offsets) -> CacheState:
     """Add per-slot offsets ``offsets i32[S] <= 0`` to the device lengths (overlap-scheduler correction).
 
@@ -148,9 +143,8 @@ def correct_kv_lens(state: CacheState, offsets) -> CacheState:
     if off.shape != state.kv_lens.shape:
         raise ValueError(f"correct_kv_lens: offsets must be i32[{state.max_seqs}] (one per slot), got {off.shape}")
     if _is_concrete(offsets, state.kv_lens, state.active, state.written):
-        o = np.asarray(off)
-        lens = np.asarray(state.kv_lens)
-        lo = np.asarray(_rewind_floor(state.config, state)) - lens
+        o, lens = np.asarray(off), np.asarray(state.kv_lens)
+        lo = np.asarray(_floor(state.config.max_draft_len, state.kv_lens, state.active, state.written)) - lens
         bad = np.flatnonzero((o > 0) | (o < lo))
         if bad.size:
             detail = ", ".join(f"slot {s}: offset {o[s]} (allowed [{lo[s]}, 0])" for s in bad[:8])
@@ -161,11 +155,15 @@ def correct_kv_lens(state: CacheState, offsets) -> CacheState:
     return dataclasses.replace(state, kv_lens=kv_lens, error=error)
 
 
+def _floor(max_draft_len, kv_lens, active, written):
+    """Smallest legal corrected length per slot: ``max(written - max_draft_len, 0)`` (active), ``kv_len`` (idle)."""
+    return jnp.where(active, jnp.maximum(written - max_draft_len, 0), kv_lens)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _apply_offsets(max_draft_len, kv_lens, active, written, error, off):
-    floor = jnp.where(active, jnp.maximum(written - max_draft_len, 0), kv_lens)
     new = kv_lens + off
-    bad = jnp.any((off > 0) | (new < floor))
+    bad = jnp.any((off > 0) | (new < _floor(max_draft_len, kv_lens, active, written)))
     return jnp.where(bad, kv_lens, new), error | jnp.where(bad, ERR_BAD_CORRECTION, 0)
 
 
@@ -189,14 +187,9 @@ def accept(state: CacheState, seq_slots, num_accepted, num_drafts, draft_tree=No
     a = jnp.broadcast_to(_checks.index_array(num_accepted, "num_accepted", "accept"), seq.shape)
     k = jnp.broadcast_to(_checks.index_array(num_drafts, "num_drafts", "accept"), seq.shape)
     if _is_concrete(seq_slots, num_accepted, num_drafts):
-        s_, a_, k_ = np.asarray(seq), np.asarray(a), np.asarray(k)
+        _check_accept_counts(seq, a, k, state.config.max_draft_len, "accept")
+        s_ = np.asarray(seq)
         live = s_ >= 0
-        bad = live & ((a_ < 0) | (a_ > k_) | (k_ > state.config.max_draft_len))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"accept: need 0 <= num_accepted <= num_drafts <= max_draft_len "
-                             f"({state.config.max_draft_len}); slot {s_[i]} has num_accepted={a_[i]}, "
-                             f"num_drafts={k_[i]}")
         if (len(set(s_[live].tolist())) != int(live.sum()) or (s_[live] >= state.max_seqs).any()
                 or (s_ < -1).any()):
             raise ValueError(f"accept: seq_slots must be distinct slots in [0, {state.max_seqs}) or -1, "
@@ -206,6 +199,17 @@ def accept(state: CacheState, seq_slots, num_accepted, num_drafts, draft_tree=No
     out = correct_kv_lens(state, offsets)
     return dataclasses.replace(out, error=out.error | jnp.where(bad, ERR_BAD_CORRECTION, 0)
                                | jnp.where(bad_slot, _checks.ERR_BAD_SLOT, 0))
+
+
+def _check_accept_counts(seq_slots, num_accepted, num_drafts, max_draft_len: int, what: str) -> None:
+    """The accept rule on host values: ``0 <= num_accepted <= num_drafts <= max_draft_len`` on every live row
+    (``seq_slots >= 0``), else `ValueError` naming the first bad slot."""
+    s_, a_, k_ = np.asarray(seq_slots), np.asarray(num_accepted), np.asarray(num_drafts)
+    bad = np.flatnonzero((s_ >= 0) & ((a_ < 0) | (a_ > k_) | (k_ > max_draft_len)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{what}: need 0 <= num_accepted <= num_drafts <= max_draft_len ({max_draft_len}); slot "
+                         f"{s_[i]} has num_accepted={a_[i]}, num_drafts={k_[i]}")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

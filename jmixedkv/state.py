@@ -20,26 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks, layout
-from .backend import dispatch
 from .allocator import Allocator, allocate_mask, new_allocator, release_pages, retain_pages
 from .config import KVCacheConfig
 from .offload import gather_pages, scatter_pages
-from .pools import GroupPools, LowPool, RowPool, pytree, write_rows_reference
+from .pools import GroupPools, LowPool, RowPool, pytree
 from .checks import (ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_POSITION, ERR_BAD_SLOT,
                      ERR_HIGH_OOM, ERR_LOW_OOM, ERR_SHARED_PAGE, ERR_TOO_LONG)
-from .rope import RopeSpec, apply_rope
+from .rope import RopeSpec
+from .write import write_rows
 
 __all__ = ["GroupSpec", "CacheState", "init_state", "admit", "release", "append", "fork", "ERR_LOW_OOM",
            "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER", "ERR_BAD_POSITION",
            "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "describe_error"]
 
-# error bits and the validation rule: one implementation in jmixedkv.checks (see its docstring)
-_ERR_NAMES = checks.ERROR_NAMES
-
 GROUP_KINDS = ("mixed", "low", "plain")
-
-
-describe_error = checks.describe_error
+describe_error = checks.describe_error      # error bits and the validation rule: jmixedkv.checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,11 +360,6 @@ def _check_v(k, v, spec: GroupSpec):
                          f"{None if v is None else v.shape}")
 
 
-def _stack_kv(k, v, spec: GroupSpec):
-    """``[..., T, H, D]`` k (and v) -> ``[..., T, kv, H, D]`` rows."""
-    return k[..., None, :, :] if spec.kv_factor == 1 else jnp.stack([k, v], axis=-3)
-
-
 def _check_rows(k, spec: GroupSpec, layer, num_tokens):
     want_rank = 3 if layer is not None else 4
     if k.ndim != want_rank or k.shape[-2:] != (spec.num_kv_heads, spec.head_dim) or k.shape[-3] != num_tokens:
@@ -434,7 +424,7 @@ def _append(state: CacheState, layer, k, v, seq, pos, group, rope, backend) -> C
     err = err | oom
     seq = jnp.where(ok, seq, -1)
     low_slot, high_slot = write_slots(state, seq, pos)
-    pools = _write(state, group, k, v, pos, rope, layer_c, low_slot, high_slot, backend)
+    pools = write_rows(state, layer_c, k, v, pos, low_slot, high_slot, group=group, rope=rope, backend=backend)
     has = ok & (last >= 0)
     kv_lens = jnp.where(has, last + 1, state.kv_lens)
     written = jnp.where(has, jnp.maximum(state.written, last + 1), state.written)
@@ -444,31 +434,6 @@ def _append(state: CacheState, layer, k, v, seq, pos, group, rope, backend) -> C
 
 _append_jit = jax.jit(_append, static_argnames=("group", "rope", "backend"))
 _append_donated = jax.jit(_append, static_argnames=("group", "rope", "backend"), donate_argnums=0)
-
-
-def _write(state: CacheState, group, k, v, pos, rope, layer, low_slot, high_slot, backend):
-    """Dispatch the row store. RoPE'd K is rounded to K's dtype before both stores, so in-kernel RoPE equals
-    RoPE applied by the model followed by a plain append."""
-    if state.config.rotation is not None:   # lever (jmixedkv.levers): RoPE, then rotate K and V, then store
-        from .levers import rotate_rows
-        k, v, rope = rotate_rows(state.config.rotation, k, v, pos, rope)
-    return dispatch(backend, _write_reference, _write_pallas)(state.pools[group], state.groups[group], k, v, pos,
-                                                              rope, layer, low_slot, high_slot, state.page_size,
-                                                              block_scale=state.config.block_scale)
-
-
-def _write_reference(pools, spec, k, v, pos, rope, layer, low_slot, high_slot, page_size, block_scale="max6"):
-    if rope is not None:
-        k = apply_rope(k, pos, rope).astype(k.dtype)
-    return write_rows_reference(pools, _stack_kv(k, v, spec), layer, low_slot, high_slot, page_size, block_scale)
-
-
-def _write_pallas(pools, spec, k, v, pos, rope, layer, low_slot, high_slot, page_size, block_scale="max6", *,
-                  interpret):
-    del interpret                 # write_rows picks it itself (compiled inside `lowering_for_cuda` on a CPU)
-    from pallas_kernels import write as write_kernel
-    return write_kernel.write_rows(pools, k, v, layer, low_slot, high_slot, page_size, positions=pos, rope=rope,
-                                   block_scale=block_scale)
 
 
 def _tables(state, ok, **new):

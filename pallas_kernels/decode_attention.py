@@ -27,12 +27,12 @@ columns, and q / o are permuted to ``[even | odd]`` outside the kernel (``QK^T =
 ``PV`` gives the even and odd output columns separately). Dequantization: the widened byte gives the f16 bit
 pattern ``sign << 15 | magnitude << 9`` (= e2m1 value * 2^-14, exact) with 4 integer ops per element, one
 f16 -> f32 convert, one multiply by the per-block factor ``f32(s) * (2^14 * gs)`` (a ``[tokens, D/16]`` tile
-broadcast over 8 bytes), one cast to the attention dtype. This equals `jmixedkv.nvfp4.dequantize`'s
+broadcast over 8 bytes), one cast to the attention dtype. This equals `jmixedkv.nvfp4.dequantize_reference`'s
 ``(e2m1 * f32(s)) * gs`` except for a rare double rounding of ``s * gs`` (<= 1 f32 ulp before the cast).
 ``precise=True`` splits the probabilities into two attention-dtype halves for the P @ V product, so the output
 error is dominated by the final rounding (``precise=False`` is ~1e-3 relative L2 from the rounded reference).
 
-Entry: `paged_decode_attention` (raw arrays; used by `jmixedkv.attention.decode_attention` and the bench).
+Entry: `paged_decode_attention` (raw arrays; used by `jmixedkv.decode.decode_attention` and the bench).
 """
 from __future__ import annotations
 

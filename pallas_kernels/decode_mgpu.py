@@ -5,20 +5,13 @@ Scope (`supported` says when it applies; everything else runs the Pallas Triton 
 pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of **16 tokens**, optional
 bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap.
 
-Status (H200, jax 0.11.2, 2026-11-30; numbers in bench/RESULTS.md): correct against the float32 reference at page 16
-(Tq 1 / 2 / 3, GQA 2 / 4 / 8, mixed bf16 twin: relative L2 1.0e-5 - 1.6e-5 with float32 output, LSE <= 1.3e-5),
-but **slower than the Triton kernel** (16 x 32k: 0.69 - 0.79 ms against 0.54 ms), so it is opt-in
-(``JMIXEDKV_DECODE_KERNEL=mgpu``, see `preferred`). Pages of 32 / 64 / 128 tokens fault on the H200 with
-``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (the same kernel runs correctly in the Mosaic GPU interpreter; not found in
-the time: neither 16-token bulk copies nor a leading-index-only pool view changed it), so `supported` refuses them.
-What bounds the speed (measured: kernel alone 0.67 - 0.70 ms = 4.5 - 4.9x the NVFP4 bytes floor, stages 2 - 4 and
-2 - 16 splits within 15%): one warpgroup per CTA does everything in sequence (wait for the TMA ring, dequantize K
-and V into swizzled f16 tiles, fence, two wgmma, softmax) with 2 - 3 CTAs per SM, so the tensor-core and
-shared-memory latencies are not hidden; the query rows are padded to wgmma's M = 64 (4 - 8 real rows: the
-softmax and rescaling do 8 - 16x redundant work); and the WGMMA register layout gives each thread 2 bytes per
-register, so the dequantization costs ~4 instructions per element (the Triton kernel's packed form ~1.5). The
-design that the issue sketches (keys on M: ``S^T = K Q^T`` with the GQA group as N = 8 / 16, a producer warp for
-the page TMA and consumer warpgroups) removes the padding and the serialization; it is not built here.
+Status: correct against the float32 reference at page 16, but slower than the Triton kernel on the H200, so it is
+opt-in (``JMIXEDKV_DECODE_KERNEL=mgpu``, see `preferred`); timings and what bounds the speed (one warpgroup per CTA
+does everything in sequence, query rows padded to wgmma's M = 64, ~4 instructions per dequantized element in the
+WGMMA register layout) are in bench/RESULTS.md. Pages of 32 / 64 / 128 tokens fault on the H200 with
+``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run correctly in the Mosaic GPU interpreter; cause not found), so
+`supported` refuses them. The faster design (keys on M: ``S^T = K Q^T`` with the GQA group as N = 8 / 16, a
+producer warp for the page TMA and consumer warpgroups) is not built here.
 
 Work split
 * **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* keys
@@ -47,7 +40,7 @@ compiled form (inline PTX, register-A wgmma) is checked by cross-lowering for CU
 swizzle / TMA descriptors or timing: that needs the GPU (tests marked ``gpu``).
 
 Entry: `paged_decode_attention_mgpu` (raw arrays), `supported` (static shape / option check), `preferred` (the
-dispatch choice of `jmixedkv.attention`).
+dispatch choice of `jmixedkv.decode`).
 """
 from __future__ import annotations
 
@@ -62,7 +55,8 @@ import numpy as np
 from jax import lax
 
 from jmixedkv.layout import TwinGeometry
-from pallas_kernels.decode_attention import LOW_DOMAIN, merge_partials
+from pallas_kernels.decode_attention import LOW_DOMAIN, _as_tuple, merge_partials
+from pallas_kernels.nvfp4_ops import dequant_tile
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
            "KERNEL_ENV"]
@@ -86,6 +80,10 @@ def available() -> bool:
 
 
 # ----------------------------------------------------------------------------- dequantization
+# E2M1 nibble of a 16-bit word -> f16 bits of e2m1 * 2^-14, for the low nibble (even columns) and the high nibble
+# (odd columns): (magnitude mask, its left shift, sign mask, its left shift)
+_NIBBLE_TO_F16 = ((0x7, 9, 0x8, 12), (0x70, 5, 0x80, 8))
+
 # 2 packed bytes (one i32, bytes in bits 0-15) + their E4M3 block scale (i32, bits 0-7) -> two f16x2 registers:
 # $0 = low nibbles (even columns), $1 = high nibbles (odd columns), both in the low domain e2m1 * s * 2^-7 (exact).
 _DEQUANT_PTX = """{
@@ -97,19 +95,9 @@ cvt.u16.u32 sp, sc;
 cvt.rn.f16x2.e4m3x2 sc, sp;
 mov.b32 k, 0x58005800;
 mul.rn.f16x2 sc, sc, k;
-and.b32 m, x, 0x00070007;
-shl.b32 m, m, 9;
-and.b32 t, x, 0x00080008;
-shl.b32 t, t, 12;
-or.b32 m, m, t;
-mul.rn.f16x2 $0, m, sc;
-and.b32 m, x, 0x00700070;
-shl.b32 m, m, 5;
-and.b32 t, x, 0x00800080;
-shl.b32 t, t, 8;
-or.b32 m, m, t;
-mul.rn.f16x2 $1, m, sc;
-}"""
+""" + "".join(f"and.b32 m, x, {mm | mm << 16:#010x};\nshl.b32 m, m, {ms};\nand.b32 t, x, {sm | sm << 16:#010x};\n"
+              f"shl.b32 t, t, {ss};\nor.b32 m, m, t;\nmul.rn.f16x2 ${i}, m, sc;\n"
+              for i, (mm, ms, sm, ss) in enumerate(_NIBBLE_TO_F16)) + "}"
 
 
 def _dequant_inline(b_ref, s_ref):
@@ -184,9 +172,8 @@ def _dequant_jnp(b_ref, s_ref):
     sc = s_ref[...].reshape(BLOCK_K, 8).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
     sc = jnp.repeat(sc, 8, axis=1)                                            # [64, 64]
     u = lambda v: jnp.uint16(v)  # noqa: E731
-    f16 = lambda bits: lax.bitcast_convert_type(bits, jnp.float16)  # noqa: E731
-    lo = f16(((w & u(7)) << u(9)) | ((w & u(8)) << u(12))) * sc
-    hi = f16(((w & u(0x70)) << u(5)) | ((w & u(0x80)) << u(8))) * sc
+    lo, hi = (lax.bitcast_convert_type(((w & u(mm)) << u(ms)) | ((w & u(sm)) << u(ss)), jnp.float16) * sc
+              for mm, ms, sm, ss in _NIBBLE_TO_F16)
     return lo, hi
 
 
@@ -344,9 +331,9 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
         a = jnp.clip(i0, start, jnp.maximum(end, start))
         c = jnp.clip(i1, a, jnp.maximum(end, a))
         e = jnp.maximum(end, c)
-        carry = lax.fori_loop(start, a, functools.partial(_call, step, True), carry)
-        carry = lax.fori_loop(a, c, functools.partial(_call, step, False), carry)
-        acc_lo, acc_hi, m_i, l_i = lax.fori_loop(c, e, functools.partial(_call, step, True), carry)
+        carry = lax.fori_loop(start, a, lambda i, cr: step(i, cr, True), carry)
+        carry = lax.fori_loop(a, c, lambda i, cr: step(i, cr, False), carry)
+        acc_lo, acc_hi, m_i, l_i = lax.fori_loop(c, e, lambda i, cr: step(i, cr, True), carry)
 
         # epilogue: partials through shared memory
         for part, acc in enumerate((acc_lo, acc_hi)):
@@ -364,14 +351,10 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
     return kernel
 
 
-def _call(step, edge, i, carry):
-    return step(i, carry, edge)
-
-
 # ----------------------------------------------------------------------------- wrapper
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Splits so that the grid has ~4 CTAs per SM (2-3 are resident at a time: ~75 KB of shared memory each).
-    Measured at 16 x 32k on the H200: 8 splits 0.688 ms, 4 splits 0.749, 2 splits 0.757 (stages 2)."""
+    """Splits so that the grid has ~4 CTAs per SM (2-3 are resident at a time: ~75 KB of shared memory each;
+    the best of the splits measured on the H200, bench/RESULTS.md)."""
     programs = max(1, batch * num_kv_heads)
     want = max(1, -(-4 * NUM_SMS // programs))
     return int(max(1, min(1 << (want - 1).bit_length(), max_blocks, 64)))
@@ -382,15 +365,12 @@ def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
     """Whether the Mosaic GPU kernel covers this configuration (static facts only)."""
     if not (_HAVE_MGPU and low):
         return False
-    # page 16 only: on the H200 (jax 0.11.2) pages of 32 / 64 / 128 tokens fault with
-    # CUDA_ERROR_ILLEGAL_INSTRUCTION (cause not found; the interpreter runs them correctly), see the docstring
+    # page 16 only: larger pages fault on the H200 (module docstring)
     if head_dim != HEAD_DIM or page not in SUPPORTED_PAGES or tq * group > M_ROWS:
         return False
     if sliding_window is not None or soft_cap is not None:
         return False
-    if high_dtype is not None and jnp.dtype(high_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return False
-    return True
+    return high_dtype is None or jnp.dtype(high_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 #: environment variable choosing the decode kernel behind `jmixedkv.decode_attention` for NVFP4 groups:
@@ -405,7 +385,7 @@ def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
     Default no: on the H200 it measured slower than the Pallas Triton kernel at every benchmarked shape
     (bench/RESULTS.md, 2026-11-30), so the Triton kernel stays the default; ``JMIXEDKV_DECODE_KERNEL=mgpu``
     selects this kernel for the configurations it supports (in interpret mode too, where it is slow). The variable
-    is read when `jmixedkv.attention` traces its kernel call: set it before the first call (jit caches the choice)."""
+    is read when `jmixedkv.decode` traces its kernel call: set it before the first call (jit caches the choice)."""
     choice = os.environ.get(KERNEL_ENV, "triton").strip().lower()
     if choice not in ("triton", "mgpu"):
         raise ValueError(f"{KERNEL_ENV}={choice!r}: expected 'triton' or 'mgpu'")
@@ -416,23 +396,13 @@ def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
                      sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-def _as_tuple(pool, fields):
-    if pool is None or isinstance(pool, (tuple, list)):
-        return None if pool is None else tuple(pool)
-    return tuple(getattr(pool, f) for f in fields)
-
-
 def _decode_low_rows(data, scales, gs_l, layer, pid, kvi, row):
     """Exact float32 decode of NVFP4 rows: ``data u8[L,P,2,H,page,D/2]``; ``pid, row`` int ``[B, W]``
     -> ``[B, W, H, D]`` f32 (``(e2m1 * f32(s)) * gs``)."""
     b = data[layer, pid, kvi, :, row]                                         # [B, W, H, D/2] (rows only)
-    s = scales[layer, pid, kvi, :, row]                                       # [B, W, H, D/16]
-    codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[:-1] + (b.shape[-1] * 2,))
-    mag = codes & 7
-    table = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
-    val = jnp.where(codes >= 8, -1.0, 1.0) * table[mag]
-    sf = jnp.repeat(s.astype(jnp.float32), 16, axis=-1)
-    return (val * sf) * gs_l[kvi]
+    s = scales[layer, pid, kvi, :, row].astype(jnp.float32)                   # [B, W, H, D/16]
+    out = dequant_tile(b.reshape(-1, b.shape[-1]), s.reshape(-1, s.shape[-1]), gs_l[kvi], jnp.float32)
+    return out.reshape(b.shape[:-1] + (b.shape[-1] * 2,))
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -553,15 +523,14 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     m = m2 * (1.0 / _LOG2E)
 
     # ---- edge keys in XLA (retained rows from the twin, causal region), float32
-    w_first, w_tail = fn, tail
     parts_pos = []
-    if w_first:
-        parts_pos.append(jnp.broadcast_to(jnp.arange(w_first, dtype=jnp.int32), (b, w_first)))
-    if w_tail:
-        parts_pos.append(k1[:, None] + jnp.arange(w_tail, dtype=jnp.int32)[None])
+    if fn:
+        parts_pos.append(jnp.broadcast_to(jnp.arange(fn, dtype=jnp.int32), (b, fn)))
+    if tail:
+        parts_pos.append(k1[:, None] + jnp.arange(tail, dtype=jnp.int32)[None])
     if parts_pos:
         pos = jnp.concatenate(parts_pos, axis=1)                               # [B, W]
-        first_part = jnp.arange(pos.shape[1]) < w_first
+        first_part = jnp.arange(pos.shape[1]) < fn
         valid = jnp.where(first_part[None], pos < k0[:, None], pos < lens[:, None])
         posc = jnp.clip(pos, 0, max_tokens - 1)
         pg = posc // page

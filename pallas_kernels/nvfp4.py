@@ -1,6 +1,6 @@
 """NVFP4 quantize / dequantize as Pallas **Triton-backend** kernels, bit-exact against `jmixedkv.nvfp4`.
 
-Public API (2-D inputs; `jmixedkv.codec` dispatches any leading shape here)::
+Public API (2-D inputs; `jmixedkv.nvfp4.quantize` / `dequantize` dispatch any leading shape here)::
 
     quantize(x f[rows, D], global_scale) -> (packed u8[rows, D/2], scales float8_e4m3fn[rows, D/16])
     dequantize(packed u8[rows, D/2], scales e4m3[rows, D/16], global_scale, dtype) -> dtype[rows, D]
@@ -161,7 +161,7 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
              sub_rows: int = QUANT_DEFAULTS["sub_rows"], num_warps: int = QUANT_DEFAULTS["num_warps"],
              num_stages: int = QUANT_DEFAULTS["num_stages"], width=None, interpret=None,
              block_scale: str = "max6"):
-    """NVFP4-quantize ``x`` with the Pallas kernel (bit-exact against `jmixedkv.nvfp4.quantize`).
+    """NVFP4-quantize ``x`` with the Pallas kernel (bit-exact against `jmixedkv.nvfp4.quantize_reference`).
 
     Args:
       x: ``bfloat16 | float16 | float32 [rows, D]``, ``D % 16 == 0``.
@@ -172,7 +172,7 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
       width: kernel row width ``W`` (power of two in [16, 512] dividing D; default `kernel_width(D)`). ``16`` makes
         every kernel row one quantization block; a per-row gs is then repeated D/16 times.
       interpret: run in Pallas interpret mode; default: when no GPU is present.
-      block_scale: ``"max6"`` or ``"4over6"`` (`jmixedkv.nvfp4.quantize`); same byte format either way.
+      block_scale: ``"max6"`` or ``"4over6"`` (`jmixedkv.nvfp4.quantize_reference`); same byte format either way.
 
     Returns:
       ``(packed uint8[rows, D/2], scales float8_e4m3fn[rows, D/16])``.
@@ -180,7 +180,7 @@ def quantize(x, global_scale=1.0, *, block_rows: int = QUANT_DEFAULTS["block_row
     x = jnp.asarray(x)
     if x.ndim != 2:
         raise ValueError(f"pallas_kernels.nvfp4.quantize takes x[rows, D], got shape {x.shape} "
-                         f"(use jmixedkv.codec.quantize for other ranks)")
+                         f"(use jmixedkv.nvfp4.quantize for other ranks)")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"NVFP4 quantize: x dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, "
                          f"got {x.dtype}")
@@ -244,7 +244,7 @@ def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16, *,
                block_rows: int = DEQUANT_DEFAULTS["block_rows"], sub_rows: int = DEQUANT_DEFAULTS["sub_rows"],
                num_warps: int = DEQUANT_DEFAULTS["num_warps"], num_stages: int = DEQUANT_DEFAULTS["num_stages"],
                width=None, interpret=None):
-    """Dequantize NVFP4 with the Pallas kernel (bit-exact against `jmixedkv.nvfp4.dequantize`).
+    """Dequantize NVFP4 with the Pallas kernel (bit-exact against `jmixedkv.nvfp4.dequantize_reference`).
 
     Args:
       packed: ``uint8[rows, D/2]``.

@@ -186,7 +186,7 @@ def _sq_error(lo, hi, ml, mh, byte, gs, exact_asm: bool):
 
 def quantize_halves(lo, hi, signs, gs, exact_asm: bool, block_scale: str = "max6"):
     """NVFP4 of a block tile given by its element views (`f32_halves` / `bf16_pair_halves`); ``block_scale``
-    ``"max6"`` (the pinned order) or ``"4over6"`` (`jmixedkv.nvfp4.quantize`: per block the lower-error of the
+    ``"max6"`` (the pinned order) or ``"4over6"`` (`jmixedkv.nvfp4.quantize_reference`: per block the lower-error of the
     max-to-6 and max-to-4 candidates, ties to max6).
 
     Returns ``(packed int32[S, B, 8]`` (byte ``i`` of a block: element ``2i`` low nibble, ``2i + 1`` high nibble; 0
@@ -213,7 +213,7 @@ def quantize_halves(lo, hi, signs, gs, exact_asm: bool, block_scale: str = "max6
 
 
 def dequant_tile(packed, scale_values, gs, out_dtype):
-    """NVFP4 tile -> ``out_dtype[T, w]``, bit-exactly `jmixedkv.nvfp4.dequantize`: ``(e2m1 * f32(s)) * gs``.
+    """NVFP4 tile -> ``out_dtype[T, w]``, bit-exactly `jmixedkv.nvfp4.dequantize_reference`: ``(e2m1 * f32(s)) * gs``.
 
     Args:
       packed: ``u8[T, w/2]`` packed codes (element 2i in the low nibble).

@@ -13,7 +13,7 @@ the NVFP4 arithmetic `pallas_kernels.nvfp4_ops.dequant_tile`, the twin's row rea
 * head dims that are not a power of two (MLA latent 576 = 512 + 64) are processed as power-of-two column chunks.
 
 The staged page of ``(b, j)`` goes to ``out_table[b, j]`` (compact ids chosen by the caller); ``-1`` skips.
-Inputs are validated by `jmixedkv.read` before this runs; inside the kernel -1 page ids are skipped.
+Inputs are validated by `jmixedkv.staging.stage` before this runs; inside the kernel -1 page ids are skipped.
 """
 from __future__ import annotations
 

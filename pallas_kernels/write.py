@@ -2,10 +2,10 @@
 
 One Pallas Triton ``pallas_call`` does the whole row store of `jmixedkv.state.append` for one layer or all layers
 of a group, in place (every pool is aliased input -> output; jit the caller with ``donate_argnums`` or XLA
-copies each pool once per call). It is bit-identical to the reference path of ``state._write``::
+copies each pool once per call). It is bit-identical to the reference path of `jmixedkv.write.write_rows`::
 
     k = apply_rope(k, pos, rope).astype(k.dtype)          # if rope
-    pools.write_rows_reference(pools, stack(k, v), layer, low_slot, high_slot, page_size)
+    write_rows_reference(pools, stack(k, v), layer, low_slot, high_slot, page_size)
 
 Grid ``(token blocks, layers, head groups)``; a program owns ``BT`` tokens x ``HB`` heads of one layer and
 handles K and V (or the MLA latent). It loads the slot ids of its tokens, the rows (``[BT, DP]``, ``DP`` =
@@ -13,7 +13,7 @@ head_dim padded to a power of two, padded columns clamped on load and masked on 
 to K's dtype, then
 
 * NVFP4-quantizes the row (the arithmetic of the `pallas_kernels.nvfp4` quantize kernel, bit-identical to
-  `jmixedkv.nvfp4.quantize`) into ``low.data`` / ``low.scales`` at
+  `jmixedkv.nvfp4.quantize_reference`) into ``low.data`` / ``low.scales`` at
   ``low_slot`` (mixed and low groups),
 * stores the row into ``high.rows`` at ``high_slot`` (mixed groups) or ``plain.rows`` at ``low_slot`` (plain
   groups): a cast for bf16 / fp16, ``e4m3(clip(x / scale, ±448))`` for fp8 (`jmixedkv.numerics.encode_rows`).
@@ -132,7 +132,8 @@ def _quantize_tile(x, gs, exact_asm: bool, block_scale: str = "max6"):
     """NVFP4 of ``x f32[BT, DP]`` with the arithmetic of the `pallas_kernels.nvfp4` quantize kernel
     (`pallas_kernels.nvfp4_ops.quantize_halves`, exact ``div.rn`` reciprocals when ``exact_asm``).
 
-    Returns ``(packed u8[BT, DP/2], scales float8_e4m3fn[BT, DP/16])``, bit-identical to `jmixedkv.nvfp4.quantize`."""
+    Returns ``(packed u8[BT, DP/2], scales float8_e4m3fn[BT, DP/16])``, bit-identical to
+    `jmixedkv.nvfp4.quantize_reference`."""
     bt, dp = x.shape
     lo, hi, signs = f32_halves(as_bits(x).reshape(bt, dp // BLOCK, BLOCK))        # [BT, B, 8] each
     packed, byte = quantize_halves(lo, hi, signs, jnp.reshape(gs, (1, 1)), exact_asm, block_scale)
@@ -172,7 +173,7 @@ class _Plan:
     heads_per_program: int
     interpret: bool
     num_warps: int = 4
-    block_scale: str = "max6"   # NVFP4 block scaling ("max6" | "4over6", `jmixedkv.nvfp4.quantize`)
+    block_scale: str = "max6"   # NVFP4 block scaling ("max6" | "4over6", `jmixedkv.nvfp4.quantize_reference`)
 
     @property
     def grid(self):

@@ -29,7 +29,7 @@ from jmixedkv import GroupSpec, KVCacheConfig, admit, append, attention_referenc
 from jmixedkv import stage_reference
 
 __all__ = ["bits", "assert_bits_equal", "assert_trees_bit_equal", "rel_l2", "assert_trees_close", "division_probe",
-           "normal_rows", "poisoned_state", "jit_static", "check_kernel",
+           "normal_rows", "poisoned_state", "prefix_state", "jit_static", "check_kernel",
            "outlier_rows", "decode_state", "decode_queries", "decode_reference",
            "PAGE", "MAX_PAGES", "SLOTS", "MAX_TOKENS", "CFG", "GROUPS", "BASES", "kv_rows", "padded", "shadow_append",
            "cache_append", "read_all", "page_bytes", "pages_bytes", "host_bytes", "new_cache", "new_shadow"]
@@ -133,12 +133,12 @@ def normal_rows(rng, shape, dtype):
 
 
 def poisoned_state(cfg: KVCacheConfig, groups, lengths, *, seed=0, decode_steps=0, num_seqs=None, width=None,
-                   num_pages=None, num_high_pages=None, gs=None, high_scale=0.05, rows=normal_rows):
+                   num_pages=None, num_high_pages=None, gs=None, high_scale=0.05, rows=normal_rows, idle=()):
     """A cache built to catch readers that read what they must not.
 
     `init_state(poison=True)` (every unwritten row decodes to NaN), low and twin page ids handed out in a seeded
-    random order, every slot admitted; sequence ``s`` then holds ``lengths[s]`` tokens (slots past
-    ``len(lengths)`` stay empty): one ragged prefill of ``lengths[s] - decode_steps`` tokens padded to a fixed
+    random order, every slot admitted but those in ``idle``; sequence ``s`` then holds ``lengths[s]`` tokens (slots
+    past ``len(lengths)`` stay empty): one ragged prefill of ``lengths[s] - decode_steps`` tokens padded to a fixed
     ``num_seqs * width * page`` (one compile per geometry), then ``decode_steps`` one-token steps (the ring wraps
     for long sequences), appended with the reference backend to group 0.
 
@@ -164,7 +164,7 @@ def poisoned_state(cfg: KVCacheConfig, groups, lengths, *, seed=0, decode_steps=
     state = init_state(cfg, groups, num_pages=num_pages, max_seqs=num_seqs, max_pages_per_seq=width,
                        num_high_pages=num_high_pages, poison=True, page_order=rng.permutation(num_pages),
                        high_page_order=rng.permutation(max(num_high_pages, 1)), gs=gs, high_scale=high_scale)
-    for s in range(num_seqs):
+    for s in sorted(set(range(num_seqs)) - set(idle)):
         state = _admit(state, s)
 
     def put(state, seq, pos):
@@ -344,11 +344,16 @@ def host_bytes(page):
             for g, grp in enumerate(page.groups) for name, a in grp.items()}
 
 
+def prefix_state(num_pages=8, num_high_pages=8, num_seqs=2, idle=(), seed=0):
+    """An empty `poisoned_state` of the prefix-cache geometry (CFG, GROUPS, MAX_PAGES; scales 1, as `new_shadow`)
+    with the slots not in ``idle`` admitted."""
+    return poisoned_state(CFG, GROUPS, [], num_seqs=num_seqs, width=MAX_PAGES, num_pages=num_pages,
+                          num_high_pages=num_high_pages, gs=1.0, high_scale=1.0, seed=seed, idle=idle)
+
+
 def new_cache(num_pages=11, num_high_pages=13, host_capacity=None, seed=0):
     from jmixedkv.prefix import PrefixCache
-    rng = np.random.default_rng(seed)
-    state = init_state(CFG, GROUPS, num_pages, SLOTS, MAX_PAGES, num_high_pages, poison=True,
-                       page_order=rng.permutation(num_pages), high_page_order=rng.permutation(num_high_pages))
+    state = prefix_state(num_pages, num_high_pages, SLOTS, range(SLOTS), seed)
     return PrefixCache(state, host_capacity_pages=host_capacity)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jmixedkv as jm
-from helpers import assert_trees_bit_equal, bits
+from helpers import assert_trees_bit_equal, bits, poisoned_state
 from jmixedkv import checks, offload, speculative as sp
 from jmixedkv.checks import (ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_POSITION, ERR_BAD_SLOT,
                              ERR_SHARED_PAGE)
@@ -31,19 +31,16 @@ def _rows(rng, n, layers=L):
     return jnp.asarray(rng.normal(size=(layers, n, H, D)), jnp.bfloat16)
 
 
+def _k_2k(rng, shape, dtype):
+    k = jnp.asarray(rng.normal(size=shape), dtype)
+    return k, k * 2
+
+
 @functools.lru_cache(maxsize=None)
 def _filled_cached():
-    rng = np.random.default_rng(0)
-    state = jm.init_state(CFG, jm.GroupSpec(L, H, D), 24, S, 8, poison=True,
-                          page_order=np.random.default_rng(1).permutation(24),
-                          high_page_order=np.random.default_rng(2).permutation(S * CFG.num_high_pages_per_seq))
-    for s, n in enumerate(LENS):
-        state = jm.admit(state, s)
-        k = _rows(rng, n)
-        state = jm.append(state, None, k, k * 2, jnp.full((n,), s, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                        backend="reference")
-    assert int(state.error) == 0
-    return jax.device_get(state)
+    """`poisoned_state` of LENS in slots 0..2 (V = 2 K), slot 3 free; 24 low pages, tables 8 wide."""
+    return jax.device_get(poisoned_state(CFG, jm.GroupSpec(L, H, D), LENS, num_seqs=S, width=8, num_pages=24,
+                                         idle=(3,), rows=_k_2k))
 
 
 def filled():

@@ -1,4 +1,4 @@
-""""4 over 6" NVFP4 block scaling (``block_scale="4over6"``, `jmixedkv.nvfp4.quantize`), checked three ways.
+""""4 over 6" NVFP4 block scaling (``block_scale="4over6"``, `jmixedkv.nvfp4.quantize_reference`), checked three ways.
 
 1. An independent NumPy + ml_dtypes re-implementation of the rule (both candidates in the pinned float32 op order,
    the squared error per element and the adjacent-pair tree sum): the reference matches it bit for bit.
@@ -30,8 +30,8 @@ E4M3 = ml_dtypes.float8_e4m3fn
 F4 = ml_dtypes.float4_e2m1fn
 SIXTH = np.float32(1.0) / np.float32(6.0)
 
-_ref = jax.jit(nvfp4.quantize, static_argnames="block_scale")
-_dq = jax.jit(functools.partial(nvfp4.dequantize, dtype=jnp.float32))
+_ref = jax.jit(nvfp4.quantize_reference, static_argnames="block_scale")
+_dq = jax.jit(functools.partial(nvfp4.dequantize_reference, dtype=jnp.float32))
 
 
 def _kernel(x, gs, **kw):
@@ -134,8 +134,7 @@ def test_kernel_width16_and_codec_dispatch():
     got = _kernel(x, 0.01, width=16)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    from jmixedkv import codec
-    got = codec.quantize(x.reshape(2, 20, 128), 0.01, backend="pallas", block_scale="4over6")
+    got = nvfp4.quantize(x.reshape(2, 20, 128), 0.01, backend="pallas", block_scale="4over6")
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a).reshape(b.shape).view(np.uint8), np.asarray(b).view(np.uint8))
 
@@ -216,8 +215,8 @@ def test_4over6_error_never_above_max6_per_block(seed, scale, per_row):
 def test_default_is_max6_bit_identical():
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((33, 64)) * 4, jnp.bfloat16)
-    base = nvfp4.quantize(x, 0.02)
-    for got in (nvfp4.quantize(x, 0.02, "max6"), K.quantize(x, 0.02, interpret=True),
+    base = nvfp4.quantize_reference(x, 0.02)
+    for got in (nvfp4.quantize_reference(x, 0.02, "max6"), K.quantize(x, 0.02, interpret=True),
                 K.quantize(x, 0.02, interpret=True, block_scale="max6")):
         for a, b in zip(got, base):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
@@ -225,7 +224,7 @@ def test_default_is_max6_bit_identical():
     with pytest.raises(ValueError, match="block_scale"):
         jk.KVCacheConfig(block_scale="max4")
     with pytest.raises(ValueError, match="block_scale"):
-        nvfp4.quantize(x, 1.0, "4/6")
+        nvfp4.quantize_reference(x, 1.0, "4/6")
     with pytest.raises(ValueError, match="block_scale"):
         K.quantize(x, 1.0, interpret=True, block_scale="4/6")
 

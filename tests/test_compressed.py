@@ -14,9 +14,9 @@ from jmixedkv.config import KVCacheConfig
 
 CFG = KVCacheConfig("mixed_nvfp4_bf16", first_n=64, last_n=100, page_size=8, max_draft_len=4)
 D = 64
-# NB: jitted and eager `nvfp4.quantize` differ on CPU (XLA reassociates ``(1/gs) * (amax/6)``); the reference
+# NB: jitted and eager `nvfp4.quantize_reference` differ on CPU (XLA reassociates ``(1/gs) * (amax/6)``); the reference
 # write runs jitted, so the expected rows use the jitted codec too.
-_quantize = jax.jit(nvfp4.quantize)
+_quantize = jax.jit(nvfp4.quantize_reference)
 
 
 def test_geometry():
@@ -100,7 +100,7 @@ def test_write_read_with_released_page(release_before_write):
     for layer in (0, 1):
         got = cz.read_compressed_reference(cache, 4, layer, jnp.asarray(seqs), jnp.asarray(cpos))
         data, sc = _quantize(x[layer], gs[layer][None, :, None])   # jitted, like the write
-        deq = nvfp4.dequantize(data, sc, gs[layer][None, :, None], jnp.bfloat16)
+        deq = nvfp4.dequantize_reference(data, sc, gs[layer][None, :, None], jnp.bfloat16)
         want = np.where((retained & held)[:, None, None, None], np.asarray(x[layer]), np.asarray(deq))
         assert_bits_equal(got, want)
         assert (retained & ~held)[(seqs == 0) & (cpos >= 8) & (cpos < 16)].all()   # retained, read from NVFP4
@@ -187,12 +187,7 @@ _lengths = jax.jit(cz.set_lengths)
 def _written(seed=3):
     """make_cache() with every complete ratio-4 row written: sequence 0 has 60 rows, sequence 1 has 9 (immutable,
     built once)."""
-    rng = np.random.default_rng(seed)
-    seqs = np.repeat([0, 1], [60, 9]).astype(np.int32)
-    cpos = np.concatenate([np.arange(60), np.arange(9)]).astype(np.int32)
-    x = jnp.asarray(rng.normal(size=(2, len(seqs), 1, 1, D)) * 4, jnp.bfloat16)
-    cache = cz.set_lengths(make_cache(), np.array([240, 36], np.int32))
-    cache = jax.jit(lambda c: cz.write_compressed_reference(c, 4, x, None, seqs, cpos))(cache)
+    cache = _write_all(make_cache(), 4, [240, 36], np.random.default_rng(seed))[0]
     assert int(cache.error) == 0
     return cache
 

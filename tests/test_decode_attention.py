@@ -1,4 +1,4 @@
-"""Fused paged decode attention (`pallas_kernels.decode_attention`, `jmixedkv.attention`) against float32
+"""Fused paged decode attention (`pallas_kernels.decode_attention`, `jmixedkv.decode`) against float32
 `attention_reference` over `stage_reference` (the cache a reader must see).
 
 States are `helpers.decode_state` (`helpers.poisoned_state`: permuted page ids, one ragged reference `append`), so
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jmixedkv as jm
-from jmixedkv.attention import decode_attention, merge_attention
+from jmixedkv.decode import decode_attention, merge_attention
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.layout import TwinGeometry
 from pallas_kernels.decode_attention import default_num_splits, merge_partials, paged_decode_attention

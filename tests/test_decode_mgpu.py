@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmixedkv.attention import decode_attention
+from jmixedkv.decode import decode_attention
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.layout import TwinGeometry
 from pallas_kernels import decode_mgpu
@@ -56,17 +56,17 @@ def test_interpret_mixed_page16_splits_poisoned_float32():
 def test_interpret_through_public_entry_nvfp4_verify(monkeypatch):
     """``JMIXEDKV_DECODE_KERNEL=mgpu`` routes `decode_attention` to this kernel: plain NVFP4 pages (no twin),
     Tq = 2 (causal among the new tokens, handled on the edge path), GQA 8, lengths 1 < Tq..., page +- 1."""
-    import jmixedkv.attention as attention_mod
+    import jmixedkv.decode as decode_mod
     monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "mgpu")
     calls = []
     real = decode_mgpu.paged_decode_attention_mgpu
     monkeypatch.setattr(decode_mgpu, "paged_decode_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    attention_mod._pallas.clear_cache()      # the kernel choice is made at trace time
+    decode_mod._pallas.clear_cache()      # the kernel choice is made at trace time
     st = make_state("nvfp4", first_n=0, last_n=0, lens=(1, 15, 17, 100), page=16, d=128, heads=1, max_draft_len=1)
     q = queries(st, 2, 8)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     out, lse = decode_attention(st, 0, q, seq, backend="pallas", num_splits=2)
-    attention_mod._pallas.clear_cache()
+    decode_mod._pallas.clear_cache()
     assert calls, "decode_attention did not run the Mosaic GPU kernel"
     ref_o, ref_lse = reference(st, 0, q, seq)
     assert out.dtype == st.config.attention_dtype and out.shape == q.shape

@@ -141,7 +141,7 @@ def test_nvfp4_crosses_as_bytes():
     reference dequantization, bit for bit."""
     x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 2, 64)).astype(np.float32)).astype(jnp.bfloat16)
     gs = jnp.float32(0.75)
-    data, scales = nvfp4.quantize(x, gs)
+    data, scales = nvfp4.quantize_reference(x, gs)
     td, ts, tgs, meta = nvfp4_to_torch(data, scales, gs)
     assert meta is None                                          # no config given: the transform is not stated
     assert td.dtype == torch.uint8 and ts.dtype == torch.float8_e4m3fn and tgs.dtype == torch.float32
@@ -150,7 +150,7 @@ def test_nvfp4_crosses_as_bytes():
     codes = torch.stack([td & 0xF, td >> 4], dim=-1).reshape(*td.shape[:-1], -1).long()
     blocks = table[codes].reshape(*codes.shape[:-1], -1, 16)
     got = ((blocks * ts.float()[..., None]) * tgs).reshape(codes.shape).to(torch.bfloat16)
-    want = nvfp4.dequantize(data, scales, gs, jnp.bfloat16)
+    want = nvfp4.dequantize_reference(data, scales, gs, jnp.bfloat16)
     np.testing.assert_array_equal(_bytes(got), np.asarray(want).view(np.uint8))
     _, tsu, _, _ = nvfp4_to_torch(data, scales, scales_as_uint8=True)
     np.testing.assert_array_equal(tsu.numpy(), np.asarray(scales).view(np.uint8))

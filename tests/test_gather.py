@@ -1,4 +1,4 @@
-"""`jmixedkv.read.gather_rows` / `overlay_retained_rows` and their Pallas kernels vs `rows_reference`:
+"""`jmixedkv.gather.gather_rows` / `overlay_retained_rows` and their Pallas kernels vs `rows_reference`:
 bf16 scratch bit-exact, FP8 scratch exact vs the jnp encoding with the same power-of-two scale (itself checked
 against a numpy computation), MLA latent 576, host validation, CUDA cross-lowering, and (``-m gpu``) the GPU."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import assert_bits_equal, check_kernel, poisoned_state
 
-from jmixedkv import read
+from jmixedkv import gather
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.config import KVCacheConfig
-from jmixedkv.reference import rows_reference
+from jmixedkv.gather import rows_reference
 from jmixedkv.state import GroupSpec
 from pallas_kernels import gather as gk
 
@@ -63,11 +63,11 @@ def scale_numpy(state, layer, seqs, idx):
 
 
 def _gather(state, layer, seqs, idx, *, backend, fp8, overlay=True):
-    return read.gather_rows(state, layer, seqs, idx, backend=backend, scratch_dtype=fp8, overlay=overlay)
+    return gather.gather_rows(state, layer, seqs, idx, backend=backend, scratch_dtype=fp8, overlay=overlay)
 
 
 def _overlay(state, layer, scratch, seqs, idx, scale, *, backend):
-    return read.overlay_retained_rows(state, layer, scratch, seqs, idx, scale=scale, backend=backend)
+    return gather.overlay_retained_rows(state, layer, scratch, seqs, idx, scale=scale, backend=backend)
 
 
 def check_gather(state, seqs, idx, layer):
@@ -77,7 +77,7 @@ def check_gather(state, seqs, idx, layer):
     args = (state, layer, jnp.asarray(seqs), jnp.asarray(idx))
     rows = _rows_ref(*args)
     scale = scale_numpy(state, layer, seqs, idx)
-    want = {None: (rows, np.ones(len(seqs), np.float32)), "fp8": (read.encode_fp8_scratch(rows, scale), scale)}
+    want = {None: (rows, np.ones(len(seqs), np.float32)), "fp8": (gather.encode_fp8_scratch(rows, scale), scale)}
     for fp8 in (None, "fp8"):
         (bare, sc), _ = check_kernel(_gather, _gather, args, kernel_kw=dict(backend="pallas", fp8=fp8, overlay=False),
                                      reference_kw=dict(backend="reference", fp8=fp8, overlay=False),
@@ -126,22 +126,22 @@ def test_gather_validation():
     seqs = np.array([0, 2], np.int32)
     idx = np.array([[0, 8, -1], [16, 3, 17]], np.int32)
     with pytest.raises(ValueError, match=r"indices\[1, 2\]=17 out of range \[-1, 17\) for sequence slot 2"):
-        read.gather_rows(state, 0, seqs, idx)
+        gather.gather_rows(state, 0, seqs, idx)
     with pytest.raises(ValueError, match=r"indices\[0, 0\]=-2"):
-        read.gather_rows(state, 0, seqs, np.array([[-2, 0, 0], [0, 0, 0]], np.int32))
+        gather.gather_rows(state, 0, seqs, np.array([[-2, 0, 0], [0, 0, 0]], np.int32))
     with pytest.raises(ValueError, match=r"indices must be integer \[B=2, K\]"):
-        read.gather_rows(state, 0, seqs, np.zeros((3, 2), np.int32))
+        gather.gather_rows(state, 0, seqs, np.zeros((3, 2), np.int32))
     bad = dataclasses.replace(state, page_table=state.page_table.at[0, 1].set(-1))
     with pytest.raises(ValueError, match=r"page_table\[0, 1\]=-1 not allocated"):
-        read.gather_rows(bad, 0, seqs, idx[:, :2])
+        gather.gather_rows(bad, 0, seqs, idx[:, :2])
     with pytest.raises(ValueError, match="scratch_dtype"):
-        read.gather_rows(state, 0, seqs, idx[:, :2], scratch_dtype="int8")
+        gather.gather_rows(state, 0, seqs, idx[:, :2], scratch_dtype="int8")
     with pytest.raises(ValueError, match="needs scale="):
-        read.overlay_retained_rows(state, 0, jnp.zeros((2, 2, 2, 2, 32), jnp.float8_e4m3fn), seqs, idx[:, :2])
+        gather.overlay_retained_rows(state, 0, jnp.zeros((2, 2, 2, 2, 32), jnp.float8_e4m3fn), seqs, idx[:, :2])
     # inside jit: no host checks; an index outside [-1, kv_len) is flagged: a NaN row (jmixedkv.checks), both
     # backends alike, the other rows exactly the reference's
     for backend in ("pallas", "reference"):
-        traced = jax.jit(lambda st_, q, i: read.gather_rows(st_, 0, q, i, backend=backend)[0])
+        traced = jax.jit(lambda st_, q, i: gather.gather_rows(st_, 0, q, i, backend=backend)[0])
         got = traced(state, jnp.asarray(seqs), jnp.asarray(idx))
         want = _rows_ref(state, 0, jnp.asarray(seqs), jnp.asarray(idx))
         want = want.at[1, 2].set(jnp.nan)                                     # idx[1, 2] = 17 = kv_len of slot 2

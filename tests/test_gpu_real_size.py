@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jmixedkv as jm
-from jmixedkv import codec, layout
+from jmixedkv import layout, nvfp4
 from jmixedkv.compat import on_gpu
 
 from helpers import bits
@@ -114,12 +114,12 @@ def test_gpu_codec_operands_in_the_hole():
     assert on_gpu(), "gpu tests need a GPU"
     rows, d = (2 ** 31 + 64 * 1024) // 64, 128
     x = jax.random.normal(jax.random.PRNGKey(3), (rows, d), jnp.bfloat16)
-    packed, scales = codec.quantize(x, 0.5, backend="pallas")
+    packed, scales = nvfp4.quantize(x, 0.5, backend="pallas")
     tail = slice(rows - 4096, rows)
-    want_p, want_s = codec.quantize(x[tail], 0.5, backend="reference")
+    want_p, want_s = nvfp4.quantize(x[tail], 0.5, backend="reference")
     np.testing.assert_array_equal(np.asarray(packed[tail]), np.asarray(want_p))
     np.testing.assert_array_equal(bits(scales[tail]), bits(want_s))
     del x
-    back = codec.dequantize(packed, scales, 0.5, jnp.bfloat16, backend="pallas")
+    back = nvfp4.dequantize(packed, scales, 0.5, jnp.bfloat16, backend="pallas")
     np.testing.assert_array_equal(bits(back[tail]),
-                                  bits(codec.dequantize(want_p, want_s, 0.5, jnp.bfloat16, backend="reference")))
+                                  bits(nvfp4.dequantize(want_p, want_s, 0.5, jnp.bfloat16, backend="reference")))

@@ -1,6 +1,7 @@
 """Hybrid recurrent + attention caches (`jmixedkv.hybrid`): layer-id mapping, recurrent mask, buffers, page tables,
 and speculative rollback of the recurrent state against a run that never speculated."""
 import dataclasses
+import functools
 import os
 
 import jax
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers import assert_bits_equal, assert_trees_bit_equal, bits
+from helpers import assert_bits_equal, assert_trees_bit_equal, bits, jit_static
 from jmixedkv import KVCacheConfig, rows_reference, stage_reference
 from jmixedkv import hybrid as hy
 from jmixedkv import speculative as spec
@@ -24,10 +25,10 @@ MODEL = hy.HybridModelConfig(TYPES, num_kv_heads=1, head_dim=16, conv_dim=8, con
 KV = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=4, max_draft_len=3, speculative_mode="mtp")
 
 
-@jax.jit
-def _make():
-    """The one hybrid state shape every test uses (one compile)."""
-    return hy.init_hybrid_state(MODEL, KV, 40, 2, 16, poison=True)
+def _make(model=MODEL, kv=KV, num_pages=40, max_seqs=2, width=16):
+    """A poisoned hybrid state (one compile per geometry); the first model's by default, `_make2` the second's."""
+    return jit_static(hy.init_hybrid_state, model=model, kv=kv, num_pages=num_pages, max_seqs=max_seqs,
+                      max_pages_per_seq=width, poison=True)()
 
 
 _admit = jax.jit(hy.hybrid_admit)
@@ -181,9 +182,7 @@ S2, TB, C2 = 3, 5, 8                     # slots, block width (> D + 1: long pre
 PARAMS2 = hy.init_recurrent_params(MODEL2, jax.random.key(7))
 
 
-@jax.jit
-def _make2():
-    return hy.init_hybrid_state(MODEL2, KV2, 72, S2, 24, poison=True)
+_make2 = functools.partial(_make, MODEL2, KV2, 72, S2, 24)
 
 
 @jax.jit
@@ -268,14 +267,7 @@ def _populated(seed=0, chunk=(3, 2)):
 def test_prefill_chunk_listed_with_zero_drafts_keeps_full_state(n):
     """Issue 22 (1): a prefill chunk of a mixed batch listed with num_drafts = 0 keeps the state after its last
     token -- also for chunks longer than max_draft_len + 1 -- while a verify block in the same accept rolls back."""
-    rng = np.random.default_rng(n)
-    st = _admit2(_admit2(_make2(), 0), 1)
-    x = jnp.asarray(rng.normal(size=(S2, TB, C2)), jnp.float32)
-    katt = jnp.asarray(rng.normal(size=(S2 * TB, 1, 16)), jnp.float32)
-    valid = np.zeros((S2, TB), bool)
-    valid[0, :n] = True                       # slot 0: prefill chunk of n tokens
-    valid[1, :3] = True                       # slot 1: verify block, k = 2 drafts, accept 1
-    st, _ = _forward2(st, jnp.array([0, 1, -1], jnp.int32), x, katt, jnp.asarray(valid))
+    st, x = _populated(seed=n, chunk=(n, 3))  # slot 0: prefill chunk of n tokens; 1: verify block, k = 2, accept 1
     out = hy.accept_hybrid(st, np.array([0, 1]), np.array([0, 1]), np.array([0, 2]))
     assert int(out.attn.error) == 0
     assert np.asarray(out.attn.kv_lens).tolist() == [n, 2, 0]
@@ -475,27 +467,26 @@ class HybridMachine(RuleBasedStateMachine):
             assert_slots_unchanged(new, old, [s for s in range(S2) if s not in touched])
         return _no_error(new)
 
+    def _slot_step(self, name, step, slot, ok):
+        """``step`` (admit / release) of ``slot`` on both caches; a slot that may not take it is refused (-1: a
+        no-op). Returns ``ok``."""
+        bits = 0 if slot == -1 or ok else hy.ERR_BAD_SLOT
+        event(f"{name}: {'ok' if ok else 'no-op' if slot == -1 else 'refused'}")
+        old = self.sp
+        self.sp = self._expect(step(old, jnp.int32(slot)), old, bits, {slot})
+        if ok:
+            self.ref = _no_error(step(self.ref, jnp.int32(slot)))
+        return ok
+
     @rule(slot=st.integers(-2, S2 + 1))
     def admit(self, slot):
-        ok = 0 <= slot < S2 and slot not in self.active
-        bits = 0 if slot == -1 or ok else hy.ERR_BAD_SLOT
-        event(f"admit: {'ok' if ok else 'no-op' if slot == -1 else 'refused'}")
-        old = self.sp
-        self.sp = self._expect(_admit2(old, jnp.int32(slot)), old, bits, {slot})
-        if ok:
-            self.ref = _no_error(_admit2(self.ref, jnp.int32(slot)))
+        if self._slot_step("admit", _admit2, slot, 0 <= slot < S2 and slot not in self.active):
             self.active.add(slot)
             assert not np.asarray(self.sp.ssm[slot]).any() and not np.asarray(self.sp.conv[slot]).any()
 
     @rule(slot=st.integers(-2, S2 + 1))
     def release(self, slot):
-        ok = slot in self.active
-        bits = 0 if slot == -1 or ok else hy.ERR_BAD_SLOT
-        event(f"release: {'ok' if ok else 'no-op' if slot == -1 else 'refused'}")
-        old = self.sp
-        self.sp = self._expect(_release2(old, jnp.int32(slot)), old, bits, {slot})
-        if ok:
-            self.ref = _no_error(_release2(self.ref, jnp.int32(slot)))
+        if self._slot_step("release", _release2, slot, slot in self.active):
             self.active.discard(slot)
 
     @precondition(lambda self: self.active)

@@ -113,8 +113,10 @@ def test_graph_sees_the_packages():
     mods, edges, _ = _graph()
     assert {"jmixedkv", "jmixedkv.state", "jmixedkv.numerics", "pallas_kernels.write", "interop.dlpack"} <= set(mods)
     assert "jmixedkv.numerics" in edges["jmixedkv.nvfp4"]
-    # lazy (in-function) imports are edges too: the codec dispatches to the kernel inside its functions
-    assert "pallas_kernels.nvfp4" in edges["jmixedkv.codec"]
+    # lazy (in-function) imports are edges too: each op module dispatches to its kernel inside its functions
+    for op, kernel in (("nvfp4", "nvfp4"), ("write", "write"), ("staging", "stage"), ("gather", "gather"),
+                       ("decode", "decode_attention")):
+        assert f"pallas_kernels.{kernel}" in edges[f"jmixedkv.{op}"]
 
 
 def test_no_import_cycles():
@@ -168,9 +170,9 @@ def _private_uses(name: str, path: str, mods):
 def test_private_use_detector(tmp_path):
     mods, _, _ = _graph()
     f = tmp_path / "probe.py"
-    f.write_text("from jmixedkv.state import _write, append\nfrom jmixedkv import state as st\nst._write\n")
+    f.write_text("from jmixedkv.state import _append, append\nfrom jmixedkv import state as st\nst._append\n")
     assert sorted(w for _, w in _private_uses("bench.probe", str(f), mods)) == [
-        "_write from jmixedkv.state", "_write of jmixedkv.state"]
+        "_append from jmixedkv.state", "_append of jmixedkv.state"]
 
 
 def test_no_private_names_cross_a_package_boundary():
@@ -194,3 +196,17 @@ def test_importing_a_kernel_loads_only_leaf_modules():
     assert r.returncode == 0, r.stderr[-2000:]
     loaded = set(r.stdout.split())
     assert loaded <= LEAF_MODULES | {"jmixedkv"}, sorted(loaded - LEAF_MODULES - {"jmixedkv"})
+
+
+def test_public_names_resolve_to_their_op_modules():
+    """Every lazy re-export of `jmixedkv` is the object its module defines, also after every module is imported:
+    no module is named like a public function (importing ``jmixedkv.x`` sets the package attribute ``x``)."""
+    import importlib
+
+    import jmixedkv as jm
+    mods = {m.split(".")[1] for m in _modules() if m.startswith("jmixedkv.")}
+    assert not mods & set(jm._EXPORTS), sorted(mods & set(jm._EXPORTS))
+    for m in sorted(mods - {"__main__"}):
+        importlib.import_module(f"jmixedkv.{m}")
+    for name, m in jm._EXPORTS.items():
+        assert getattr(jm, name) is getattr(importlib.import_module(f"jmixedkv.{m}"), name), name

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import poisoned_state
 from interop import layouts
 from interop.dlpack import to_torch
-from jmixedkv import GroupSpec, KVCacheConfig, append, init_state, read, stage_reference
+from jmixedkv import GroupSpec, KVCacheConfig, append, init_state, stage, stage_reference
 from jmixedkv.state import admit
 
 PAGE = 16
@@ -107,19 +108,20 @@ def test_page_views_are_zero_copy_and_index_correctly():
                                   nhd.float().numpy())
 
 
+def _kv_rows(rng, shape, dtype):
+    """K standard normal, V standard normal * 3."""
+    return jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(rng.standard_normal(shape) * 3, dtype)
+
+
+def _state(cfg, seed, rows=_kv_rows):
+    """Slots 0 and 1 holding 45 and 17 tokens in 8 permuted, poisoned pages (`poisoned_state`), 2 layers of 2 heads
+    of 32, global scales K/V 0.5/2.0 (layer 0) and 1.25/0.75 (layer 1)."""
+    return poisoned_state(cfg, GroupSpec(num_layers=2, num_kv_heads=2, head_dim=32), (45, 17), seed=seed,
+                          num_pages=8, gs=np.float32([[0.5, 2.0], [1.25, 0.75]]), rows=rows)
+
+
 def _nvfp4_state():
-    cfg = KVCacheConfig("nvfp4", page_size=PAGE)
-    spec = GroupSpec(num_layers=2, num_kv_heads=2, head_dim=32)
-    state = init_state(cfg, spec, num_pages=8, max_seqs=2, poison=True, page_order=np.random.default_rng(0).permutation(8),
-                       gs=jnp.array([[0.5, 2.0], [1.25, 0.75]], jnp.float32))
-    state = jax.jit(lambda s: admit(admit(s, 0), 1))(state)
-    rng = np.random.default_rng(1)
-    lens = (45, 17)
-    seq = np.concatenate([np.full(n, s) for s, n in enumerate(lens)]).astype(np.int32)
-    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
-    k = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32)).astype(jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32) * 3).astype(jnp.bfloat16)
-    return append(state, None, k, v, seq, pos, backend="reference")
+    return _state(KVCacheConfig("nvfp4", page_size=PAGE), seed=1)
 
 
 _STATE = []
@@ -177,22 +179,9 @@ def test_nvfp4_pages_scale_bytes():
 
 def _kv_states():
     """The same K/V written to a mixed cache (first 2 / last 4 rows in a bf16 twin) and to a plain NVFP4 cache."""
-    spec = GroupSpec(num_layers=2, num_kv_heads=2, head_dim=32)
-    rng = np.random.default_rng(2)
-    lens = (45, 17)
-    seq = np.concatenate([np.full(n, s) for s, n in enumerate(lens)]).astype(np.int32)
-    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
-    k = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32)).astype(jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((2, seq.size, 2, 32)).astype(np.float32) * 3).astype(jnp.bfloat16)
-    gs = jnp.array([[0.5, 2.0], [1.25, 0.75]], jnp.float32)
-    out = []
-    for cfg in (KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=PAGE),
-                KVCacheConfig("nvfp4", page_size=PAGE)):
-        state = init_state(cfg, spec, num_pages=8, max_seqs=2, poison=True, gs=gs,
-                           page_order=np.random.default_rng(0).permutation(8))
-        state = jax.jit(lambda s: admit(admit(s, 0), 1))(state)
-        out.append(append(state, None, k, v, seq, pos, backend="reference"))
-    return out
+    same = lambda _, shape, dtype: _kv_rows(np.random.default_rng(2), shape, dtype)  # noqa: E731
+    return [_state(cfg, seed=0, rows=same) for cfg in (
+        KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=PAGE), KVCacheConfig("nvfp4", page_size=PAGE))]
 
 
 def test_nvfp4_pool_csr_means_history_only_staged_csr_means_mixed():
@@ -204,7 +193,7 @@ def test_nvfp4_pool_csr_means_history_only_staged_csr_means_mixed():
     csr = layouts.csr_to_torch(layouts.flashinfer_csr(np.asarray(mixed.page_table), np.asarray(mixed.kv_lens),
                                                       seq, PAGE), "cpu")
     assert all(t.dtype == torch.int32 for t in csr)
-    staged = jax.jit(lambda s: read.stage(s, 0, seq, backend="reference", validate=False))(mixed)
+    staged = jax.jit(lambda s: stage(s, 0, seq, backend="reference", validate=False))(mixed)
     st = TorchStaged(to_torch(staged.pages), to_torch(staged.page_table), to_torch(staged.kv_lens))
     scsr = st.flashinfer_csr()
     pages = layouts.nvfp4_pages(mixed.pools[0].low, 0)

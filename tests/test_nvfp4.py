@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import division_probe
-from jmixedkv import codec, nvfp4
+from jmixedkv import nvfp4
 
 E4M3 = ml_dtypes.float8_e4m3fn
 F4 = ml_dtypes.float4_e2m1fn
@@ -25,8 +25,8 @@ SIXTH = np.float32(1.0) / np.float32(6.0)
 MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 
 
-_quantize = jax.jit(nvfp4.quantize)                 # one compile per shape (eager op-by-op is slow on CI)
-_dequantize = jax.jit(nvfp4.dequantize, static_argnames="dtype")
+_quantize = jax.jit(nvfp4.quantize_reference)                 # one compile per shape (eager op-by-op is slow on CI)
+_dequantize = jax.jit(nvfp4.dequantize_reference, static_argnames="dtype")
 _codes = jax.jit(nvfp4.e2m1_codes)
 
 
@@ -252,12 +252,12 @@ def test_matches_numpy_reimplementation(lead, nblk, seed, dtype, per_row):
 
 def test_codec_reference_backend_is_the_reference():
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 64)), jnp.bfloat16)
-    p, s = codec.quantize(x, 0.5, backend="reference")
-    pr, sr = nvfp4.quantize(x, 0.5)
+    p, s = nvfp4.quantize(x, 0.5, backend="reference")
+    pr, sr = nvfp4.quantize_reference(x, 0.5)
     np.testing.assert_array_equal(np.asarray(p), np.asarray(pr))
     assert p.shape == (2, 3, 32) and s.shape == (2, 3, 4) and s.dtype == jnp.float8_e4m3fn
     with pytest.raises(ValueError, match="backend"):
-        codec.quantize(x, 1.0, backend="triton")
+        nvfp4.quantize(x, 1.0, backend="triton")
 
 
 def test_global_scale_from_amax():
@@ -268,9 +268,9 @@ def test_global_scale_from_amax():
 
 def test_bad_last_dim_raises():
     with pytest.raises(ValueError, match="multiple of 16"):
-        nvfp4.quantize(jnp.zeros((2, 24)))
+        nvfp4.quantize_reference(jnp.zeros((2, 24)))
     with pytest.raises(ValueError, match="scales last dim"):
-        nvfp4.dequantize(jnp.zeros((2, 8), jnp.uint8), jnp.zeros((2, 2), jnp.float8_e4m3fn))
+        nvfp4.dequantize_reference(jnp.zeros((2, 8), jnp.uint8), jnp.zeros((2, 2), jnp.float8_e4m3fn))
 
 
 # ------------------------------------------------------------------------------------------ torchao 0.18.0

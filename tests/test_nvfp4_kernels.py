@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_bits_equal, division_probe
-from jmixedkv import codec, nvfp4
+from jmixedkv import nvfp4
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from pallas_kernels import nvfp4 as K
 from pallas_kernels import nvfp4_ops as ops
@@ -59,8 +59,8 @@ def assert_same_bits(got, want, msg=""):
     assert_bits_equal(got, want, msg, any_nan=True)
 
 
-_ref_q = jax.jit(nvfp4.quantize)
-_ref_dq = jax.jit(nvfp4.dequantize, static_argnames="dtype")
+_ref_q = jax.jit(nvfp4.quantize_reference)
+_ref_dq = jax.jit(nvfp4.dequantize_reference, static_argnames="dtype")
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,15 +172,15 @@ def test_interpret_default_tiling_small_rows():
 def test_codec_dispatch_pallas_backend_any_leading_shape():
     x = make_input(24, 64, seed=4).reshape(2, 3, 4, 64)
     gs = jnp.asarray(np.random.default_rng(4).uniform(0.5, 2.0, (2, 3, 4)), jnp.float32)
-    got = jax.jit(functools.partial(codec.quantize, backend="pallas", **TILE))(x, gs)
-    want = codec.quantize(x, gs, backend="reference")
+    got = jax.jit(functools.partial(nvfp4.quantize, backend="pallas", **TILE))(x, gs)
+    want = nvfp4.quantize(x, gs, backend="reference")
     assert got[0].shape == (2, 3, 4, 32) and got[1].shape == (2, 3, 4, 4)
     assert_same_quant(got, want, "codec pallas")
-    out = jax.jit(functools.partial(codec.dequantize, dtype=jnp.bfloat16, backend="pallas", **TILE))(*got, gs)
+    out = jax.jit(functools.partial(nvfp4.dequantize, dtype=jnp.bfloat16, backend="pallas", **TILE))(*got, gs)
     assert out.shape == x.shape
-    assert_same_bits(out, codec.dequantize(*want, gs, jnp.bfloat16, backend="reference"), "codec dequantize")
+    assert_same_bits(out, nvfp4.dequantize(*want, gs, jnp.bfloat16, backend="reference"), "codec dequantize")
     if not on_gpu():   # auto = reference on CPU
-        assert_same_quant(codec.quantize(x, gs), want, "codec auto")
+        assert_same_quant(nvfp4.quantize(x, gs), want, "codec auto")
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -208,7 +208,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="dtype must be one of"):
         K.dequantize(jnp.zeros((4, 64), jnp.uint8), jnp.zeros((4, 8), jnp.float8_e4m3fn), dtype=jnp.int8)
     with pytest.raises(ValueError, match="backend"):
-        codec.quantize(x, backend="cuda")
+        nvfp4.quantize(x, backend="cuda")
     assert K.quantize(jnp.zeros((0, 64), jnp.bfloat16))[0].shape == (0, 32)
 
 
@@ -249,7 +249,7 @@ def _on_cpu(fn, *args, **kw):
 
 
 def _cpu_reference_quant(x, gs):
-    return _on_cpu(nvfp4.quantize, x, gs)
+    return _on_cpu(nvfp4.quantize_reference, x, gs)
 
 
 def _diff(check, got, want, msg):
@@ -315,7 +315,7 @@ def test_gpu_kernels_bit_exact(d, per_row):
     x = make_input(rows, d, seed=d)
     gs = (jnp.asarray(np.random.default_rng(d).uniform(1e-3, 10.0, rows), jnp.float32) if per_row
           else nvfp4.global_scale_from_amax(1e3))
-    want_gpu = jax.jit(nvfp4.quantize)(x, gs)
+    want_gpu = jax.jit(nvfp4.quantize_reference)(x, gs)
     want_cpu = _cpu_reference_quant(x, gs)
     full = d == 128 and not per_row                                  # every tiling once, the short list elsewhere
     diffs = [_quant_diff(want_gpu, want_cpu, "XLA GPU reference vs CPU reference")]
@@ -328,8 +328,8 @@ def test_gpu_kernels_bit_exact(d, per_row):
         diffs.append(_quant_diff(got, want_gpu, f"kernel vs GPU reference D={d} per_row={per_row} {kw}"))
     q = jax.device_put(want_cpu, jax.devices()[0])                   # the pinned codes, on the GPU
     for dtype in ((jnp.bfloat16, jnp.float32, jnp.float16) if full else (jnp.bfloat16,)):
-        ref_gpu = jax.jit(nvfp4.dequantize, static_argnames="dtype")(*q, gs, dtype=dtype)
-        ref_cpu = _on_cpu(nvfp4.dequantize, *want_cpu, gs, dtype=dtype)
+        ref_gpu = jax.jit(nvfp4.dequantize_reference, static_argnames="dtype")(*q, gs, dtype=dtype)
+        ref_cpu = _on_cpu(nvfp4.dequantize_reference, *want_cpu, gs, dtype=dtype)
         diffs.append(_bits_diff(ref_gpu, ref_cpu, f"dequantize XLA GPU vs CPU reference D={d} {dtype}"))
         for kw in (dict(), dict(block_rows=1024, sub_rows=64, num_warps=8)):
             out = jax.jit(functools.partial(K.dequantize, dtype=dtype, interpret=False, **kw))(*q, gs)
@@ -359,20 +359,21 @@ def test_gpu_large_and_random_bit_patterns():
     impls = [dict(), dict(block_rows=256, sub_rows=64, num_warps=8)]
     x = jax.random.normal(jax.random.key(0), (1 << 20, 128), jnp.bfloat16)
     gs = nvfp4.global_scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32))
-    want_gpu, want_cpu = jax.jit(nvfp4.quantize)(x, gs), _cpu_reference_quant(x, gs)
+    want_gpu, want_cpu = jax.jit(nvfp4.quantize_reference)(x, gs), _cpu_reference_quant(x, gs)
     diffs = [_quant_diff(want_gpu, want_cpu, "1M x 128: XLA GPU reference vs CPU reference")]
     diffs += _impl_diffs(impls, x, gs, want_cpu, want_gpu, "1M x 128")
     xf = x[: 1 << 16].astype(jnp.float32)
-    diffs += _impl_diffs(impls[:1], xf, gs, _cpu_reference_quant(xf, gs), jax.jit(nvfp4.quantize)(xf, gs), "f32")
+    diffs += _impl_diffs(impls[:1], xf, gs, _cpu_reference_quant(xf, gs), _ref_q(xf, gs), "f32")
     bits = jax.random.bits(jax.random.key(1), (1 << 16, 128), jnp.uint16)
     xr = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
     for gs in (jnp.float32(1.0), jnp.float32(2.0 ** -90), jnp.float32(2.0 ** 90)):
-        want_gpu, want_cpu = jax.jit(nvfp4.quantize)(xr, gs), _cpu_reference_quant(xr, gs)
+        want_gpu, want_cpu = jax.jit(nvfp4.quantize_reference)(xr, gs), _cpu_reference_quant(xr, gs)
         diffs += _impl_diffs(impls, xr, gs, want_cpu, want_gpu, f"random bits gs={float(gs)}")
         q = jax.device_put(want_cpu, jax.devices()[0])
         out = K.dequantize(*q, gs)
-        diffs += [_bits_diff(out, _on_cpu(nvfp4.dequantize, *want_cpu, gs), "dequantize random bits vs CPU ref"),
-                  _bits_diff(out, jax.jit(nvfp4.dequantize)(*q, gs), "dequantize random bits vs GPU ref")]
+        diffs += [_bits_diff(out, _on_cpu(nvfp4.dequantize_reference, *want_cpu, gs),
+                             "dequantize random bits vs CPU ref"),
+                  _bits_diff(out, _ref_dq(*q, gs), "dequantize random bits vs GPU ref")]
     _check_all(diffs)
 
 
@@ -380,9 +381,9 @@ def test_gpu_large_and_random_bit_patterns():
 @gpu
 def test_gpu_codec_auto_uses_kernels():
     x = make_input(300, 576, seed=9).reshape(3, 100, 576)
-    got = codec.quantize(x, 0.25)
+    got = nvfp4.quantize(x, 0.25)
     _check_all([_quant_diff(got, _cpu_reference_quant(x, jnp.float32(0.25)), "codec auto vs CPU reference"),
-                _quant_diff(got, jax.jit(nvfp4.quantize)(x, jnp.float32(0.25)), "codec auto vs GPU reference")])
+                _quant_diff(got, _ref_q(x, jnp.float32(0.25)), "codec auto vs GPU reference")])
 
 
 # ----------------------------------------------------------------------------------------- bench variants

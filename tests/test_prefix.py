@@ -10,12 +10,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jmixedkv import init_state
 from jmixedkv.checks import CacheCapacityError
 from jmixedkv.prefix import admit_with_prefix, page_keys
 from jmixedkv.state import ERR_BAD_SLOT, ERR_HIGH_OOM, admit
 from helpers import (BASES, CFG, GROUPS, MAX_PAGES, MAX_TOKENS, PAGE, SLOTS, cache_append, host_bytes, new_cache,
-                     new_shadow, page_bytes, pages_bytes, read_all, shadow_append)
+                     new_shadow, page_bytes, pages_bytes, prefix_state, read_all, shadow_append)
 
 
 # ------------------------------------------------------------------------------------------------ unit tests
@@ -34,8 +33,7 @@ def test_page_keys_chain_and_salt():
 
 
 def test_admit_with_prefix_shares_and_allocates():
-    state = init_state(CFG, GROUPS, 8, 2, MAX_PAGES, 8)
-    state = admit(state, 0)
+    state = prefix_state(idle=(1,))
     state = shadow_append(state, 0, BASES[0][:9], 0)
     low = np.full(MAX_PAGES, -1, np.int32)
     low[:2] = np.asarray(state.page_table[0, :2])
@@ -51,8 +49,7 @@ def test_admit_with_prefix_shares_and_allocates():
     again = admit_with_prefix(new, 1, low, fixed, 8)                  # slot already active
     assert int(again.error) & ERR_BAD_SLOT
     np.testing.assert_array_equal(np.asarray(again.alloc.refcount), np.asarray(new.alloc.refcount))
-    tight = init_state(CFG, GROUPS, 8, 2, MAX_PAGES, 5)
-    tight = admit(tight, 0)                                          # 4 of 5 high pages used
+    tight = prefix_state(num_high_pages=5, idle=(1,))                # 4 of 5 high pages used
     oom = admit_with_prefix(tight, 1, np.full(MAX_PAGES, -1, np.int32), np.full(2, -1, np.int32), 0)
     assert int(oom.error) & ERR_HIGH_OOM and not bool(oom.active[1])
     assert int(oom.high_alloc.num_free) == 1

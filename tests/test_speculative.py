@@ -276,7 +276,7 @@ def test_draft_swap_identity_and_isolation():
     seen = _rows(view, 0, jnp.zeros(7, jnp.int32), pos)
     lp = state.page_table[0, pos // 4]
     low = state.pools[0].low
-    want = nvfp4.dequantize(low.data[0, lp, :, :, pos % 4], low.scales[0, lp, :, :, pos % 4],
+    want = nvfp4.dequantize_reference(low.data[0, lp, :, :, pos % 4], low.scales[0, lp, :, :, pos % 4],
                             low.gs[0][:, None], cfg.attention_dtype)
     assert_bits_equal(seen, want)
     # a draft forward through the view writes the draft layers only; restore gives the twin back unchanged
@@ -419,8 +419,9 @@ def test_readers_follow_corrected_lengths(backend="pallas"):
     """stage, gather_rows and the fused decode (Pallas kernels; interpret mode on CPU) on a rewound state equal the
     same readers on the state that appended only the accepted tokens. (The reference readers are
     `stage_reference` / `rows_reference`, covered by the property above.)"""
-    from jmixedkv.attention import decode_attention
-    from jmixedkv.read import gather_rows, stage
+    from jmixedkv.decode import decode_attention
+    from jmixedkv.gather import gather_rows
+    from jmixedkv.staging import stage
     sp, ref = run_plan(CONFIGS[0], EDGE_PLANS[0][:3], 5, overlap=True)          # last step rewinds both slots
     seq = jnp.arange(2, dtype=jnp.int32)
     a, b = stage(sp, 0, seq, backend=backend), stage(ref, 0, seq, backend=backend)

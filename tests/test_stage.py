@@ -1,4 +1,4 @@
-"""`jmixedkv.read.stage` and the Pallas staging kernel vs `jmixedkv.reference.stage_reference` (bit-exact),
+"""`jmixedkv.staging.stage` and the Pallas staging kernel vs `jmixedkv.staging.stage_reference` (bit-exact),
 the staged layout / FlashInfer export, host validation, the paged attention reference, CUDA cross-lowering,
 and (``-m gpu``) the kernel on the GPU."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import assert_bits_equal, check_kernel, poisoned_state
 
-from jmixedkv import read
+from jmixedkv import decode, staging
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.config import KVCacheConfig
-from jmixedkv.reference import stage_reference
+from jmixedkv.staging import stage_reference
 from jmixedkv.state import GroupSpec, init_state
 from pallas_kernels.stage import column_chunks, stage_pages
 
@@ -29,8 +29,8 @@ build = functools.partial(poisoned_state, decode_steps=3, num_seqs=S, width=W, n
 
 
 def _stage_dense(state, seqs, *, layer, backend):
-    """``(rows [L', B, kv, H, S, D], page_table)`` staged by `read.stage` (``L' = 1`` for one layer)."""
-    staged = read.stage(state, layer, seqs, backend=backend)
+    """``(rows [L', B, kv, H, S, D], page_table)`` staged by `staging.stage` (``L' = 1`` for one layer)."""
+    staged = staging.stage(state, layer, seqs, backend=backend)
     if layer is not None:
         return staged.to_dense()[None], staged.page_table
     return jnp.stack([staged.to_dense(i) for i in range(state.groups[0].num_layers)]), staged.page_table
@@ -47,7 +47,7 @@ def _stage_expected(state, seqs, *, layer):
 
 
 def check_stage(state, seqs, layer, backend="pallas"):
-    """`read.stage` (jitted, run twice) vs `stage_reference`, bit for bit. Returns (rows, page_table)."""
+    """`staging.stage` (jitted, run twice) vs `stage_reference`, bit for bit. Returns (rows, page_table)."""
     got, _ = check_kernel(_stage_dense, _stage_expected, (state, jnp.asarray(seqs, jnp.int32)),
                           kernel_kw=dict(layer=layer, backend=backend), reference_kw=dict(layer=layer),
                           msg=f"stage layer={layer} backend={backend}")
@@ -77,7 +77,7 @@ def test_stage_all_layers_and_reference_backend():
     seqs = np.array([3, 1, 0, 2], np.int32)
     check_stage(state, seqs, layer=None)
     check_stage(state, seqs, layer=None, backend="reference")
-    staged, ref = (read.stage(state, None, seqs, backend=b) for b in ("pallas", "reference"))
+    staged, ref = (staging.stage(state, None, seqs, backend=b) for b in ("pallas", "reference"))
     assert staged.pages.shape == (2, 4 * W, 2, 2, 8, 32)
     table = np.asarray(ref.page_table)
     for l in range(2):
@@ -94,7 +94,7 @@ def test_stage_mla_latent_576():
 
 def test_flashinfer_export_and_nhd():
     state = build(CFG, SPEC, [9, 0, 17, 8], seed=11)
-    staged = read.stage(state, 0, np.array([0, 1, 2, 3], np.int32), backend="reference")
+    staged = staging.stage(state, 0, np.array([0, 1, 2, 3], np.int32), backend="reference")
     csr = staged.flashinfer_csr()
     dev = next(iter(staged.pages.devices()))
     assert all(isinstance(x, jax.Array) and x.dtype == jnp.int32 and x.devices() == {dev} for x in csr)
@@ -114,11 +114,11 @@ def test_flashinfer_export_and_nhd():
 def test_paged_attention_reference_vs_jax():
     state = build(CFG, SPEC, [9, 40, 1, 23], seed=13)
     seqs = np.array([1, 3, 0, 2], np.int32)
-    staged = read.stage(state, 1, seqs, backend="reference")
+    staged = staging.stage(state, 1, seqs, backend="reference")
     rng = np.random.default_rng(0)
     hq = 4
     q = jnp.asarray(rng.normal(size=(4, 1, hq, 32)), jnp.float32)
-    out, _ = read.paged_attention_reference(q, staged)
+    out, _ = decode.paged_attention_reference(q, staged)
     dense = staged.to_dense().astype(jnp.float32)                    # [B, kv, H, S, D]
     k = jnp.transpose(dense[:, 0], (0, 2, 1, 3))
     v = jnp.transpose(dense[:, 1], (0, 2, 1, 3))
@@ -129,34 +129,34 @@ def test_paged_attention_reference_vs_jax():
 def test_validation_errors():
     state = build(CFG, SPEC, [9, 0, 17, 8], seed=17)
     with pytest.raises(ValueError, match=r"seq_slots\[1\]=4 out of range"):
-        read.stage(state, 0, np.array([0, 4], np.int32))
+        staging.stage(state, 0, np.array([0, 4], np.int32))
     with pytest.raises(ValueError, match="layer=2 out of range"):
-        read.stage(state, 2, np.array([0], np.int32))
+        staging.stage(state, 2, np.array([0], np.int32))
     bad = state.page_table.at[2, 1].set(-1)
     import dataclasses
     with pytest.raises(ValueError, match=r"sequence slot 2.*page_table\[2, 1\]=-1 not allocated"):
-        read.stage(dataclasses.replace(state, page_table=bad), 0, np.array([0, 2], np.int32))
+        staging.stage(dataclasses.replace(state, page_table=bad), 0, np.array([0, 2], np.int32))
     bad = state.page_table.at[0, 0].set(P + 3)
     with pytest.raises(ValueError, match=rf"page_table\[0, 0\]={P + 3} out of range"):
-        read.stage(dataclasses.replace(state, page_table=bad), 0, np.array([0], np.int32))
+        staging.stage(dataclasses.replace(state, page_table=bad), 0, np.array([0], np.int32))
     bad = state.high_table.at[3, 2].set(999)
     with pytest.raises(ValueError, match=r"high_table\[3, 2\]=999 out of range"):
-        read.stage(dataclasses.replace(state, high_table=bad), 0, np.array([3], np.int32))
+        staging.stage(dataclasses.replace(state, high_table=bad), 0, np.array([3], np.int32))
     with pytest.raises(ValueError, match="kv_len=49 out of range"):
-        read.stage(state, 0, np.array([0], np.int32), kv_lens=jnp.array([49, 0, 0, 0], jnp.int32))
+        staging.stage(state, 0, np.array([0], np.int32), kv_lens=jnp.array([49, 0, 0, 0], jnp.int32))
 
     @jax.jit
     def traced(state, seqs):     # inside jit nothing is checked; -1 page entries are skipped
-        return read.stage(state, 0, seqs, backend="pallas").page_table
+        return staging.stage(state, 0, seqs, backend="pallas").page_table
     traced(dataclasses.replace(state, page_table=state.page_table.at[2, 1].set(-1)), jnp.array([2, 0], jnp.int32))
     with pytest.raises(ValueError, match="validate=True needs concrete"):
-        jax.jit(lambda s, q: read.stage(s, 0, q, validate=True).pages)(state, jnp.array([0], jnp.int32))
+        jax.jit(lambda s, q: staging.stage(s, 0, q, validate=True).pages)(state, jnp.array([0], jnp.int32))
 
 
 def _kernel_args(state, seqs, layers):
     pools = state.pools[0]
     lens = state.kv_lens
-    table = read.staged_page_table(lens[jnp.asarray(seqs)], state.max_pages_per_seq, state.page_size)
+    table = staging.staged_page_table(lens[jnp.asarray(seqs)], state.max_pages_per_seq, state.page_size)
     return (jnp.asarray(layers, jnp.int32), jnp.asarray(seqs, jnp.int32), lens, state.page_table, state.high_table,
             table, pools.low.data, pools.low.scales, pools.low.gs, pools.high.rows, pools.high.scale)
 
@@ -197,7 +197,7 @@ def test_stage_does_not_retrace_when_lengths_or_tables_change():
     @jax.jit
     def staged(state, seqs):
         traces.append(1)
-        return read.stage(state, 0, seqs, backend="pallas").pages
+        return staging.stage(state, 0, seqs, backend="pallas").pages
 
     a = build(CFG, SPEC, [9, 0, 17, 8], seed=21, decode_steps=0)
     b = build(CFG, SPEC, [40, 3, 1, 16], seed=22, decode_steps=0)

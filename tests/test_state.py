@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import jmixedkv as jm
-from helpers import assert_trees_bit_equal, bits
+from helpers import assert_trees_bit_equal, bits, poisoned_state
 from jmixedkv import nvfp4
 from jmixedkv.state import (ERR_BAD_LAYER, ERR_BAD_POSITION, ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM,
                             ERR_TOO_LONG)
@@ -33,7 +33,7 @@ def expected_rows(cfg, rows, n, gs=1.0):
     """What a reader must see for one sequence: rows f32[n, L, kv, H, D] -> [L, kv, H, n, D] bits."""
     att = cfg.attention_dtype
     stored = jnp.asarray(rows, jnp.float32).astype(jnp.bfloat16)   # appends are bf16
-    low = nvfp4.dequantize(*nvfp4.quantize(stored, gs), gs, att)
+    low = nvfp4.dequantize_reference(*nvfp4.quantize_reference(stored, gs), gs, att)
     if cfg.dtype in ("bf16", "fp16"):
         out = stored.astype(att)
     elif cfg.dtype == "nvfp4":
@@ -221,20 +221,17 @@ CacheMachine.TestCase.settings = settings(max_examples=14, stateful_step_count=1
 test_cache_state_machine = CacheMachine.TestCase
 
 
+def _kv_rows(seed, _rng, shape, dtype):
+    """``(k, v)`` of ``shape [L, T, H, D]`` drawn from ``seed`` alone, token-major: the same rows for every config
+    and every padded length ``T`` (the leading tokens do not depend on ``T``)."""
+    x = np.random.default_rng(seed).normal(size=(shape[1], 2, shape[0], *shape[2:])).swapaxes(0, 2)  # [L, 2, T..]
+    return jnp.asarray(x[:, 0], dtype), jnp.asarray(x[:, 1], dtype)
+
+
 def _fill(cfg, lens, seed=0, group=None):
-    """A state with one sequence per entry of lens, appended in one prefill call per sequence."""
-    rng = np.random.default_rng(seed)
-    state = jm.init_state(cfg, group or jm.GroupSpec(L, H, D), 64, len(lens), 16, poison=True)
-    rows = {}
-    for slot, n in enumerate(lens):
-        state = _admit(state, slot)
-        x = rng.normal(size=(2, L, n, H, D)).astype(np.float32)
-        k, v = jnp.asarray(x[0], jnp.bfloat16), jnp.asarray(x[1], jnp.bfloat16)
-        state = jm.append(state, None, k, v, jnp.full((n,), slot, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                        backend="reference")
-        rows[slot] = x
-    assert int(state.error) == 0
-    return state
+    """`poisoned_state` with one sequence per entry of lens, the K/V rows of `_kv_rows` (``seed``), FP8 scale 1."""
+    return poisoned_state(cfg, group or jm.GroupSpec(L, H, D), lens, seed=seed, high_scale=1.0,
+                          rows=functools.partial(_kv_rows, seed))
 
 
 @pytest.mark.parametrize("lens", [[1, 7, 16, 17, 33]])
@@ -263,8 +260,7 @@ def test_fp8_twin_rows():
     st_ = _fill(cfg, [12], seed=3)
     st_ = dataclasses.replace(st_)  # still a valid pytree
     got = np.asarray(jm.stage_reference(st_, 0, jnp.array([0])))[0][..., :12, :]
-    x = np.random.default_rng(3).normal(size=(2, L, 12, H, D)).astype(np.float32)
-    stored = jnp.asarray(x[:, 0], jnp.bfloat16)  # [kv, n, H, D]
+    stored = jnp.stack([a[0] for a in _kv_rows(3, None, (L, 12, H, D), jnp.bfloat16)])  # [kv, n, H, D]
     twin = jnp.clip(stored.astype(jnp.float32), -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     want_high = np.transpose(np.asarray(twin.astype(jnp.bfloat16)), (0, 2, 1, 3))
     for p in list(range(4)) + list(range(8, 12)):
@@ -280,7 +276,7 @@ def test_mla_latent_group():
     got = jm.stage_reference(state, 0, jnp.array([0]))[0, 0, 0, :6]
     np.testing.assert_array_equal(bits(got[:2]), bits(x[0, :2, 0]))
     np.testing.assert_array_equal(bits(got[4:6]), bits(x[0, 4:6, 0]))
-    low = nvfp4.dequantize(*nvfp4.quantize(x[0, 2:4, 0]), 1.0, jnp.bfloat16)
+    low = nvfp4.dequantize_reference(*nvfp4.quantize_reference(x[0, 2:4, 0]), 1.0, jnp.bfloat16)
     np.testing.assert_array_equal(bits(got[2:4]), bits(low))
     with pytest.raises(ValueError, match="MLA latent"):
         jm.append(state, None, x, x, jnp.zeros(6, jnp.int32), jnp.arange(6))
@@ -392,7 +388,7 @@ def test_retained_set_is_exact(n, first_n, last_n, page, draft):
     p = np.arange(n)
     retained = (p < first_n) | (p >= n - last_n)
     assert (exact[retained]).all()
-    low = np.asarray(nvfp4.dequantize(*nvfp4.quantize(x[:, 0]), 1.0, jnp.float32))[:, 0]
+    low = np.asarray(nvfp4.dequantize_reference(*nvfp4.quantize_reference(x[:, 0]), 1.0, jnp.float32))[:, 0]
     np.testing.assert_array_equal(got[~retained], low[~retained])
 
 

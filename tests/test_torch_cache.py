@@ -13,8 +13,8 @@ from interop import torch_cache as tc
 from interop.dlpack import to_torch
 from interop.torch_cache import CacheCapacityError, TorchKVCache
 from jmixedkv import CacheManager, GroupSpec, KVCacheConfig, append, init_state, rows_reference, stage_reference
-from jmixedkv import read, speculative
-from jmixedkv.attention import decode_attention
+from jmixedkv import gather, speculative, staging
+from jmixedkv.decode import decode_attention
 from jmixedkv.state import admit
 
 L, H, HQ, D, PAGE = 2, 2, 4, 32, 16
@@ -34,12 +34,12 @@ def _new_cache(**kw):
     return TorchKVCache(CFG, L, H, D, **GEOM, **kw)
 
 
-_read_stage = jax.jit(read.stage, static_argnames=("group", "backend", "validate"))
-_read_gather = jax.jit(read.gather_rows, static_argnames=("group", "backend", "validate", "scratch_dtype"))
+_read_stage = jax.jit(staging.stage, static_argnames=("group", "backend", "validate"))
+_read_gather = jax.jit(gather.gather_rows, static_argnames=("group", "backend", "validate", "scratch_dtype"))
 
 
 def jax_stage(state, layer, seq):
-    """The JAX API `jmixedkv.read.stage` on the mirrored state."""
+    """The JAX API `jmixedkv.staging.stage` on the mirrored state."""
     return _read_stage(state, None if layer is None else jnp.int32(layer), jnp.asarray(seq), group=0,
                        backend="reference", validate=False)
 

@@ -76,8 +76,9 @@ def _append(st, k, v, q, p, layer, *, rope, backend):
 
 
 def reference_append(st, k, v, seq, pos, layer, rope, device=None):
-    """The reference path of `state._write`, with its RoPE step run eagerly (every op rounded separately) and
-    the rest jitted: ``append(k=apply_rope(k).astype(k.dtype), rope=None)`` is exactly what ``_write`` does.
+    """The reference path of `jmixedkv.write.write_rows`, with its RoPE step run eagerly (every op rounded
+    separately) and the rest jitted: ``append(k=apply_rope(k).astype(k.dtype), rope=None)`` is exactly what
+    ``write_rows`` does.
 
     RoPE runs on the default device: ``cos``/``sin`` are not correctly rounded and XLA CPU and CUDA's libdevice
     differ in the last bit, so the in-kernel RoPE matches the one of the backend it runs on. The row store and
@@ -428,3 +429,32 @@ def test_gpu_fma_sensitive_rows_match_numpy():
     rows = np.asarray(out.pools[0].high.rows[0][hslot // PAGE, 0, :, hslot % PAGE, :])  # [T, H, D]
     want = numpy_rope(k, cos[:, None, :], sin[:, None, :], rope).astype(ml_dtypes.bfloat16)
     assert_bits_equal(rows, want)
+
+
+def test_keep_fences_fma_whatever_its_operand():
+    """`numerics.keep` holds with a second operand whose sign bit the compiler can prove clear (``jnp.abs(c)``:
+    LLVM's known bits folded the former sign-bit fence away, leaving ``fma(x, c, -y*s)``), in jnp and in a Pallas
+    kernel body (interpret mode; the Triton lowering accepts it), and returns every value unchanged bit for bit
+    (the former fence set the low bit of negative values)."""
+    from jmixedkv.compat import pl, triton_params
+    x, y, t = np.random.default_rng(1).standard_normal((3, 1024)).astype(np.float32) * np.float32([[3], [3], [20]])
+    c, s = np.cos(t), np.sin(t)
+    sep, fma = _sep_and_fma(x, c, y * s)
+    assert (sep != fma).sum() > 20                                  # data where an FMA changes the result
+
+    def fenced(x_, y_, c_, s_):
+        return numerics.keep(x_ * c_, jnp.abs(c_)) - numerics.keep(y_ * s_, jnp.abs(c_))
+
+    def kernel(*refs):
+        refs[-1][...] = fenced(*(r[...] for r in refs[:-1]))
+
+    call = lambda interpret: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32),  # noqa: E731
+                                            interpret=interpret, compiler_params=triton_params())
+    args = [jax.device_put(a, jax.devices("cpu")[0]) for a in (x, y, c, s)]
+    unfenced = np.asarray(jax.jit(lambda *a: a[0] * a[2] - a[1] * a[3])(*args))
+    assert_bits_equal(unfenced[sep != fma], fma[sep != fma], "unfenced form on XLA CPU: contracted into an FMA")
+    assert_bits_equal(np.asarray(jax.jit(fenced)(*args)), sep, "keep on |c|, jnp: every product rounded")
+    assert_bits_equal(np.asarray(jax.jit(call(True))(*args)), sep, "keep on |c|, Pallas interpret")
+    cross_lower_cuda(call(False), *args)                            # raises if the Triton lowering rejects it
+    v = np.concatenate([x * c, np.float32([-0.0, np.inf, -np.inf, np.nan, -np.nan, -1e-45])]).astype(np.float32)
+    assert_bits_equal(np.asarray(jax.jit(lambda a: numerics.keep(a, a))(v)), v, "keep is the identity")

@@ -1,13 +1,15 @@
-"""Public decode attention over a `CacheState`: host validation, backend dispatch, and merging partial attentions.
+"""Decode attention: `decode_attention` over a `CacheState`, its float32 references, and merging partial attentions.
 
 * `decode_attention(state, layer, q, seq_slots, ...)`: decode / speculative-verify attention of one layer of one
   group over the cache a reader must see (retained rows from the high twin, NVFP4 elsewhere; plain groups read
   their row pool). ``backend="pallas"`` runs the fused kernel (`pallas_kernels.decode_attention`; interpret mode
-  without a GPU), ``"reference"`` runs float32 `attention_reference` over `stage_reference`, ``"auto"`` picks the
-  kernel on a GPU.
+  without a GPU), ``"reference"`` runs float32 `attention_reference` over `jmixedkv.staging.stage_reference`,
+  ``"auto"`` picks the kernel on a GPU.
+* `attention_reference` (dense K/V: GQA, multi-token causal verify, sliding window, soft-cap) and
+  `paged_attention_reference` (over a `StagedCache`: the end-to-end check of `stage`): float32, with the LSE.
 * `merge_attention(o1, lse1, o2, lse2)`: combine two attentions over disjoint key sets (e.g. cache + a chunk).
 
-Both return the output in the attention dtype and the natural-log LSE in float32.
+`decode_attention` and `merge_attention` return the output in the attention dtype and the natural-log LSE in float32.
 """
 from __future__ import annotations
 
@@ -19,17 +21,19 @@ import jax.numpy as jnp
 
 from . import checks
 from .backend import dispatch
-from .reference import attention_reference, stage_reference
+from .staging import stage_reference
 
-__all__ = ["decode_attention", "merge_attention"]
+__all__ = ["decode_attention", "attention_reference", "paged_attention_reference", "merge_attention"]
 
 
 def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits):
     if not 0 <= group < len(state.groups):
         raise ValueError(f"decode_attention: group={group} out of range (state has {len(state.groups)} groups)")
     spec, cfg = state.groups[group], state.config
-    if isinstance(layer, int) and not 0 <= layer < spec.num_layers:
-        raise ValueError(f"decode_attention: layer={layer} out of range [0, {spec.num_layers})")
+    if layer is None or not checks.is_jax(layer):
+        checks.host_int(layer, "layer", "decode_attention", 0, spec.num_layers)
+    else:
+        checks.index_array(layer, "layer", "decode_attention", ndim=0)             # an integer scalar
     if getattr(q, "ndim", None) != 4:
         raise ValueError(f"decode_attention: q must be [B, Tq, Hq, D], got shape {getattr(q, 'shape', None)}")
     b, tq, hq, d = q.shape
@@ -43,10 +47,6 @@ def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_
     if jnp.dtype(q.dtype) != jnp.dtype(cfg.attention_dtype):
         raise ValueError(f"decode_attention: q dtype {jnp.dtype(q.dtype)} != attention dtype "
                          f"{jnp.dtype(cfg.attention_dtype)}")
-    if not checks.is_jax(layer):
-        checks.host_int(layer, "layer", "decode_attention", 0, spec.num_layers)
-    elif not jnp.issubdtype(layer.dtype, jnp.integer) or layer.ndim != 0:
-        raise ValueError(f"decode_attention: layer must be an integer scalar, got {layer.dtype}{tuple(layer.shape)}")
     seq = checks.index_array(seq_slots, "seq_slots", "decode_attention", -1, state.max_seqs)
     if seq.shape != (b,):
         raise ValueError(f"decode_attention: seq_slots must be an int vector of length B={b}, got "
@@ -149,6 +149,51 @@ def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
         high_table=state.high_table[s] if mixed else None, geom=twin,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
         interpret=interpret, out_dtype=cfg.attention_dtype)
+
+
+def attention_reference(q, k, v, kv_lens, *, sm_scale=None, sliding_window=None, soft_cap=None):
+    """float32 decode / verify attention over a dense cache.
+
+    Args:
+      q: ``[B, Tq, Hq, D]`` queries; token ``t`` of sequence ``b`` sits at position ``kv_lens[b] - Tq + t``
+        and sees keys ``p <= `` its position (causal among the ``Tq`` new tokens).
+      k, v: ``[B, H, S, D]`` dense keys / values (``Hq % H == 0``; GQA groups of ``Hq // H``).
+      kv_lens: i32[B].
+      sliding_window: if set, a query at position ``i`` sees keys ``i - window < p <= i``.
+      soft_cap: if set, logits ``c * tanh(logits / c)``.
+
+    Returns:
+      ``(out f32[B, Tq, Hq, D], lse f32[B, Tq, Hq])`` (natural-log LSE of the scaled logits).
+    """
+    b, tq, hq, d = q.shape
+    h, s = k.shape[1], k.shape[2]
+    g = hq // h
+    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    qf = q.astype(jnp.float32).reshape(b, tq, h, g, d)
+    logits = jnp.einsum("btkgd,bksd->btkgs", qf, k.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    qpos = kv_lens[:, None] - tq + jnp.arange(tq)[None, :]            # [B, Tq]
+    kpos = jnp.arange(s)[None, None, :]
+    mask = kpos <= qpos[..., None]
+    if sliding_window is not None:
+        mask &= kpos > qpos[..., None] - sliding_window
+    mask = mask[:, :, None, None, :]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    p = jnp.exp(logits - lse[..., None])
+    out = jnp.einsum("btkgs,bksd->btkgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(b, tq, hq, d), lse.reshape(b, tq, hq)
+
+
+def paged_attention_reference(q, staged, *, layer: Optional[int] = None, sm_scale=None, sliding_window=None,
+                              soft_cap=None):
+    """`attention_reference` over a `jmixedkv.staging.StagedCache` of a K/V group (kv = 2; for an MLA latent, kv = 1,
+    keys and values are both the latent); ``layer`` picks a layer of an all-layer staged cache."""
+    dense = staged.to_dense(layer)                                   # [B, kv, H, S, D]
+    return attention_reference(q, dense[:, 0], dense[:, -1], staged.kv_lens, sm_scale=sm_scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def merge_attention(o1, lse1, o2, lse2):
