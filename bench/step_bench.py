@@ -109,15 +109,16 @@ def time_steps(step, carry, args_fn, steps):
 
 
 def copy_bw():
-    x = jnp.ones((1 << 29,), jnp.float32)
-    f = jax.jit(lambda x: x * 1.0001)
-    jax.block_until_ready(f(x))
-    t0 = time.perf_counter()
-    for _ in range(20):
-        y = f(x)
-    jax.block_until_ready(y)
-    ms = (time.perf_counter() - t0) / 20 * 1e3
-    return 2 * x.nbytes / (ms * 1e-3) / 1e12
+    """Device copy bandwidth (read + write), TB/s: torch ``copy_`` of 2 GiB as in decode_bench (a jitted jnp
+    ``x * c`` measured 1.18 TB/s here on the H200, against 4.24 with torch)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_bench import copy_bandwidth_tbs
+    try:
+        import torch
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        torch = None
+    return copy_bandwidth_tbs(torch)[0]
 
 
 def main(argv=None):

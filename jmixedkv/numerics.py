@@ -7,10 +7,11 @@ A leaf module: it imports nothing from `jmixedkv` or `pallas_kernels`, so kernel
 * The FMA / reassociation fence. XLA's algebraic simplifier hoists scalar factors out of products
   (``e * (a * c)`` -> ``a * (e * c)``) and its CPU LLVM backend contracts ``a * b - c`` into an FMA;
   ``lax.optimization_barrier`` stops neither (XLA CPU expands barriers before fusion). A value routed through an
-  integer OR with a zero the compiler cannot prove zero is opaque to both: `launder` with `opaque_zero`
-  (``u * (u + 1)`` is even for every int32 ``u``, wrapping included), or `keep` (both in one call); the value is
-  unchanged bit for bit. The zero holds for any data: one that rests on a fact about the data (a sign bit known
-  clear) is folded away wherever the compiler can prove that fact too (LLVM's known bits see through ``abs``).
+  integer OR with a zero the compiler cannot prove zero is opaque to both; the value is unchanged bit for bit.
+  `keep` takes its zero from ``u * (u + 1)`` (even for every int32 ``u``), which holds for any data: a zero that
+  rests on a fact the compiler can also prove is folded away (the old sign bit of a known non-negative value: LLVM's
+  known bits see through ``abs``). `opaque_zero` + `launder` is the cheap form for ``|c| <= 1`` (bit 30 of RoPE's
+  cos, which no compiler can prove clear): the in-kernel RoPE of the write kernel uses it per element.
 * The FP8 row codec of row pools (an FP8 twin, plain FP8 pages, the FP8 gather scratch): `e4m3_saturate`
   (``e4m3(clip(y, ±448))``, NaN kept), `encode_rows` (``e4m3_saturate(f32(x) / scale)``, or a cast for 16-bit
   pools) and `decode_rows` (``f32(e4m3) * scale``, or a cast).
@@ -40,10 +41,10 @@ SIXTH = np.float32(1.0) / np.float32(6.0)
 
 # ------------------------------------------------------------------------------------------------ the fence
 def opaque_zero(c):
-    """int32 zeros the compiler cannot prove zero, one per element of float32 ``c`` (any value): ``(u * (u + 1)) & 1``
-    of its bits ``u``. Pair with `launder`."""
-    u = jax.lax.bitcast_convert_type(c, jnp.int32)
-    return (u * (u + 1)) & 1
+    """int32 zeros the compiler cannot prove zero, from float32 ``c`` with ``|c| <= 1`` (bit 30, the exponent MSB,
+    is clear; RoPE's cos / sin): two integer ops per element, the cheap zero of the in-kernel RoPE. Pair with
+    `launder`. For values of any magnitude use `keep`."""
+    return (jax.lax.bitcast_convert_type(c, jnp.int32) >> 30) & 1
 
 
 def launder(a, z):
@@ -53,9 +54,11 @@ def launder(a, z):
 
 
 def keep(a, like):
-    """``launder(a, opaque_zero(like))``: ``a`` (float32) unchanged but fenced; ``like`` is any float32 array
-    broadcastable to ``a`` (``a`` itself, or a smaller array to save integer ops)."""
-    return launder(a, opaque_zero(like))
+    """``a`` (float32) unchanged but fenced, for ``like`` of any value: a float32 array broadcastable to ``a``
+    (``a`` itself, or a smaller array to save integer ops) whose bits ``u`` give the zero ``(u * (u + 1)) & 1``
+    (even for every int32 ``u``, wrapping included). Four integer ops per element of ``like``."""
+    u = jax.lax.bitcast_convert_type(like, jnp.int32)
+    return launder(a, (u * (u + 1)) & 1)
 
 
 # ------------------------------------------------------------------------------------------------ FP8 rows
