@@ -23,9 +23,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile
 
-# On the GPU machine (its own image, nothing to install): PYTHONPATH=. python3 -m pytest -m gpu
+# On the GPU machine (its own image, nothing to install; it has no gguf, and test_gguf.py has no GPU test)
 test-gpu:
-	PYTHONPATH=. $(PY) -m pytest -q -m gpu -p no:cacheprovider
+	PYTHONPATH=. $(PY) -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_gguf.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -58,8 +58,8 @@ _dot = getattr(pltriton, "dot", None) or pl.dot
 DEFAULT_BLOCK_K = {"nvfp4": 64, "plain": 128}
 DEFAULT_NUM_WARPS = {"nvfp4": 2, "plain": 4}
 # NVFP4 pages with many (row, head) programs (batch x kv heads >= NUM_SMS / 2), pages <= 32 and 16 query rows:
-# 32-token steps, one warp per program, ~16 programs per SM (bench/decode_sweep.py, H200 2026-11-30, with v_late:
-# 64 x 32k 1.94 -> 1.69 ms, 16 x 32k 0.533 -> 0.513 ms; at batch 1 it is slower, so small grids keep 64 / 2).
+# 32-token steps, one warp per program, ~16 programs per SM, V read late (faster at 16 x 32k and 64 x 32k in the
+# bench/decode_sweep.py runs, slower at batch 1, so small grids keep 64 / 2; timings in bench/RESULTS.md).
 # Every configuration compiles to 255 registers per thread (8 warps per SM), so more, smaller programs only help
 # where the grid has work for them.
 WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=16)
