@@ -257,7 +257,7 @@ class TorchKVCache:
         ``seq_slots`` / ``positions``: int32 (or int64, converted on the host) ``[T]``; slot -1 = padding.
         ``v=None`` for an MLA-latent group. Raises `CacheCapacityError` if pages run out (nothing written)."""
         sync = self._sync(sync, "append")
-        spec = self._group(group, "append")
+        spec = checks.check_group(self.state, group, "append")
         seq, pos = self._index_pair(seq_slots, positions, "append")
         if layer is not None:
             self._layer(layer, spec, "append")
@@ -377,15 +377,10 @@ class TorchKVCache:
     def _read_args(self, what, layer, group, seq_slots, sync, all_layers: bool = False):
         """``(sync, group spec, host slots)`` of a read, each checked (``layer=None`` only with ``all_layers``)."""
         sync = self._sync(sync, what)
-        spec = self._group(group, what)
+        spec = checks.check_group(self.state, group, what)
         if layer is not None or not all_layers:
             self._layer(layer, spec, what)
         return sync, spec, self._slots(seq_slots, what)
-
-    def _group(self, group, what):
-        if not (isinstance(group, int) and 0 <= group < len(self.groups)):
-            raise ValueError(f"{what}: group {group!r} out of range [0, {len(self.groups)})")
-        return self.groups[group]
 
     def _layer(self, layer, spec, what):
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < spec.num_layers:

@@ -157,6 +157,13 @@ def check_slot_arg(x, num_seqs: int, name: str, op: str, allow_none: bool = True
     return np.int32(host_int(x, name, op, -1 if allow_none else 0, num_seqs))
 
 
+def check_group(state, group, op: str):
+    """The `GroupSpec` of a host ``group`` index; `ValueError` naming it when it is not an int in range."""
+    if not isinstance(group, int) or not 0 <= group < len(state.groups):
+        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
+    return state.groups[group]
+
+
 def check_layer_arg(layer, num_layers: int, op: str, group_name: str = ""):
     """Layer argument: None, a host int in ``[0, num_layers)`` (kept a Python int), or a JAX integer scalar."""
     if layer is None:
@@ -243,9 +250,7 @@ def nan_like(x):
 
 def validate_read(state, layer, seq_slots, indices=None, *, group: int = 0, kv_lens=None, op: str = "read"):
     """Host-side checks of a read (pulls the arrays); raises `ValueError` naming the offending entry."""
-    if not isinstance(group, int) or not 0 <= group < len(state.groups):
-        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
-    spec = state.groups[group]
+    spec = check_group(state, group, op)
     if layer is not None:
         host_int(np.asarray(layer).item() if np.ndim(layer) == 0 and not isinstance(layer, int) else layer,
                  "layer", op, 0, spec.num_layers)
@@ -297,9 +302,7 @@ def validate_read(state, layer, seq_slots, indices=None, *, group: int = 0, kv_l
 def maybe_validate_read(validate, state, layer, seq, indices, group, kv_lens, op):
     """A reader's checks: the group and a host layer always; `validate_read` when ``validate`` is True, or None
     with concrete inputs (True with traced inputs raises)."""
-    if not isinstance(group, int) or not 0 <= group < len(state.groups):
-        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
-    spec = state.groups[group]
+    spec = check_group(state, group, op)
     check_layer_arg(layer, spec.num_layers, op, spec.name)
     traced = is_traced(state, layer, seq, indices, kv_lens)
     if validate and traced:

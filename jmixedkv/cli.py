@@ -101,7 +101,7 @@ def parse_cache_spec(spec: str, total_len: int, page_size: int):
     except ValueError as e:
         raise CliError(f"cache spec {spec!r}: {e}") from None
     raise CliError(f"cache spec {spec!r}: expected NAME, NAME:all or NAME:FIRST_N:LAST_N "
-                   f"(e.g. bf16, nvfp4, mixed:16:16, mixed:all), optionally +rot / +smooth")
+                   f"(e.g. bf16, nvfp4, mixed:16:16, mixed:all), optionally +rot / +smooth / +4o6")
 
 
 DEMO_CACHES = "bf16,fp8,nvfp4,mixed:16:16,mixed:32:64,mixed:all"
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smollm2 (default; needs the 'model' extra) or random (small random-weight model)")
     d.add_argument("--caches", default=None, help=f"comma-separated cache specs (smollm2 default "
                    f"{SMOLLM_CACHES!r}; random: {DEMO_CACHES!r}, --quick {QUICK_CACHES!r}); NAME, NAME:all or "
-                   f"NAME:FIRST_N:LAST_N, optionally +rot / +smooth (accuracy levers)")
+                   f"NAME:FIRST_N:LAST_N, optionally +rot / +smooth / +4o6 (accuracy levers)")
     d.add_argument("--text", choices=("prose", "code"), default="prose",
                    help="smollm2: shipped text for the teacher-forced accuracy run (default prose)")
     d.add_argument("--eval-tokens", type=_positive_int, default=None,

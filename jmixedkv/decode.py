@@ -27,9 +27,7 @@ __all__ = ["decode_attention", "attention_reference", "paged_attention_reference
 
 
 def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits):
-    if not 0 <= group < len(state.groups):
-        raise ValueError(f"decode_attention: group={group} out of range (state has {len(state.groups)} groups)")
-    spec, cfg = state.groups[group], state.config
+    spec, cfg = checks.check_group(state, group, "decode_attention"), state.config
     if layer is None or not checks.is_jax(layer):
         checks.host_int(layer, "layer", "decode_attention", 0, spec.num_layers)
     else:

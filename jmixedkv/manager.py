@@ -189,9 +189,7 @@ class CacheManager:
 
     def append(self, layer, k, v, seq_slots, positions, group: int = 0, rope: Optional[RopeSpec] = None):
         """`jmixedkv.append` (donated) with capacity and positions checked first; see it for shapes."""
-        if not isinstance(group, int) or not 0 <= group < len(self.state.groups):
-            raise ValueError(f"append: group={group!r} out of range [0, {len(self.state.groups)})")
-        spec = self.state.groups[group]
+        spec = checks.check_group(self.state, group, "append")
         if layer is not None:
             layer = checks.host_int(np.asarray(layer).item() if checks.is_jax(layer) else layer, "layer", "append",
                                     0, spec.num_layers)

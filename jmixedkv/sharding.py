@@ -74,9 +74,7 @@ def sharded(fn: Callable, mesh: Mesh, state: CacheState, args=(), arg_specs=(), 
 def _host_checks(state, group, op, layer, seq_slots, positions=None):
     """Validate host values before they become traced shard_map arguments (`jmixedkv.checks`)."""
     from . import checks
-    if not isinstance(group, int) or not 0 <= group < len(state.groups):
-        raise ValueError(f"{op}: group={group!r} out of range [0, {len(state.groups)})")
-    spec = state.groups[group]
+    spec = checks.check_group(state, group, op)
     layer = checks.check_layer_arg(layer, spec.num_layers, op, spec.name)
     seq = checks.index_array(seq_slots, "seq_slots", op, -1, state.max_seqs, ndim=1)
     pos = None if positions is None else checks.index_array(positions, "positions", op)

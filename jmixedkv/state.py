@@ -398,9 +398,7 @@ def append(state: CacheState, layer, k, v, seq_slots, positions, group: int = 0,
     leaf but ``error`` is unchanged. Host (non-JAX) slots / positions / layer are range-checked first
     (`ValueError`).
     """
-    if not isinstance(group, int) or not 0 <= group < len(state.groups):
-        raise ValueError(f"append: group={group!r} out of range [0, {len(state.groups)})")
-    spec = state.groups[group]
+    spec = checks.check_group(state, group, "append")
     seq = checks.index_array(seq_slots, "seq_slots", "append", -1, state.max_seqs, host=not checks.is_jax(seq_slots))
     pos = checks.index_array(positions, "positions", "append", host=not checks.is_jax(positions))
     if seq.shape != pos.shape or seq.ndim != 1:

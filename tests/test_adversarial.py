@@ -6,6 +6,7 @@ staged bytes compared), on the reference and the Pallas (interpret mode on CPU) 
 Rule and bits: `jmixedkv.checks`."""
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -588,3 +589,36 @@ def test_manager_refuses_writes_into_shared_pages_after_fork():
     mgr.append(None, k[:, :9], k[:, :9], [1] * 9, range(1, 10))
     mgr.check()
     assert int(mgr.state.kv_lens[1]) == 10
+
+
+@pytest.mark.parametrize("group", [1, -1, "0", 0.0, None])
+def test_bad_group_raises_naming_it_in_every_entry_point(group):
+    """One rule (`checks.check_group`) for a host group index that is not an int in ``[0, num_groups)``: every
+    reader, `CacheManager.append` and the sharded entry points raise `ValueError` naming the value and the range
+    before any device work, and the manager's state is bitwise unchanged."""
+    from jmixedkv import sharding
+    st = filled()
+    slots = jnp.arange(S, dtype=jnp.int32)
+    idx = jnp.zeros((S, 2), jnp.int32)
+    k = _rows(np.random.default_rng(0), 1, layers=1)[0]
+    mesh = sharding.make_mesh(1)
+    calls = {
+        "append": lambda: jm.append(st, 0, k, k, np.array([3], np.int32), np.array([0], np.int32), group=group),
+        "stage": lambda: jm.stage(st, 0, slots, group=group, backend="reference"),
+        "gather_rows": lambda: jm.gather_rows(st, 0, slots, idx, group=group, backend="reference"),
+        "decode_attention": lambda: jm.decode_attention(st, 0, _q(S), slots, group=group, backend="reference"),
+        "sharded_stage": lambda: sharding.sharded_stage(mesh, st, 0, slots, group=group, backend="reference"),
+        "sharded_append": lambda: sharding.sharded_append(mesh, st, 0, k, k, np.array([3], np.int32),
+                                                          np.array([0], np.int32), group=group),
+    }
+    want = re.escape(f"group={group!r} out of range [0, 1)")
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=want):
+            call()
+    mgr = jm.CacheManager(CFG, jm.GroupSpec(L, H, D), num_pages=24, max_seqs=S, max_pages_per_seq=8,
+                          backend="reference")
+    mgr.admit(0)
+    before = jax.device_get(mgr.state)
+    with pytest.raises(ValueError, match=r"append: " + want):
+        mgr.append(0, k, k, np.array([0], np.int32), np.array([0], np.int32), group=group)
+    assert_trees_bit_equal(jax.device_get(mgr.state), before, "a refused append leaves the state unchanged")

@@ -2,6 +2,7 @@
 speculative accept / correction, fork, all-layer staging, per-call sync / validate, the torch exporters (int32
 tensors on the cache's device, 0-padded vLLM tables, the reserved null page), capacity queries and bad inputs."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -434,6 +435,12 @@ def test_bad_inputs_raise_clear_errors():
         cache.append(0, k.to("meta"), v, seq, pos)
     with pytest.raises(ValueError, match="layer -1"):
         cache.stage(-1, [0])
+    for group in (1, -1, "0", None):                       # one rule: jmixedkv.checks.check_group
+        want = re.escape(f"group={group!r} out of range [0, 1)")
+        with pytest.raises(ValueError, match="append: " + want):
+            cache.append(0, k, v, seq, pos, group=group)
+        with pytest.raises(ValueError, match="stage: " + want):
+            cache.stage(0, [0], group=group)
     with pytest.raises(ValueError, match="indices"):
         cache.gather_rows(0, [1], [[0, 1]])               # slot 1 has length 1
     q = torch.zeros(2, 1, HQ, D)
