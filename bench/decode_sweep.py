@@ -41,6 +41,8 @@ from jmixedkv import nvfp4  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from pallas_kernels import decode_attention as da  # noqa: E402
 from pallas_kernels import decode_mgpu  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_bench import copy_bandwidth_tbs, time_jax  # noqa: E402  (one timing rule for the decode benches)
 
 H, D, FIRST_N, LAST_N = 8, 128, 64, 64
 NUM_SMS = 132
@@ -98,47 +100,17 @@ SHAPES = [("16x32k g4 p16 t1", 16, 32768, 32, 16, 1),
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def time_jax(fn, *args, reps=10, trials=15, warmup=2):
-    """Median ms per call over ``trials`` batches of ``reps`` async calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / reps * 1e3)
-    return float(np.median(ts))
-
-
 def copy_bw_tbs():
+    """``(copy bandwidth TB/s, torch version)``: decode_bench's measurement (torch ``copy_`` of 2 GiB)."""
     if INTERPRET:
         return 4.26, "n/a (smoke)"
     try:
         import torch
-        n = 1 << 31
-        src = torch.empty(n, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        for _ in range(3):
-            dst.copy_(src)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(5):
-                dst.copy_(src)
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / 5)
-        del src, dst
-        torch.cuda.empty_cache()
-        return 2 * n / (float(np.median(ts)) * 1e-3) / 1e12, torch.__version__
-    except Exception as e:  # no torch: jnp copy
-        x = jnp.zeros((1 << 29,), jnp.float32)
-        ms = time_jax(jax.jit(lambda x: x + 1.0), x)
-        return 2 * x.nbytes / (ms * 1e-3) / 1e12, f"n/a ({type(e).__name__})"
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        torch = None
+    bw, how = copy_bandwidth_tbs(torch)
+    return bw, torch.__version__ if torch is not None else f"n/a ({how})"
 
 
 def geometry(page):
