@@ -49,7 +49,7 @@ import jmixedkv as jm  # noqa: E402
 from jmixedkv import layout, nvfp4  # noqa: E402
 from jmixedkv.decode import decode_attention  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
-from jmixedkv.pools import LowPool, RowPool  # noqa: E402
+from jmixedkv.pools import LowPool, RowPool, kernel_arrays  # noqa: E402
 from pallas_kernels.decode_attention import default_num_splits, paged_decode_attention  # noqa: E402
 from pallas_kernels import decode_mgpu  # noqa: E402
 
@@ -245,8 +245,8 @@ def ours_fn(mode, cfg, b, npg):
         kw = dict(num_stages=3, interpret=INTERPRET)
         if mode == "mixed":
             return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
-                q, pt, lens, LAYERS - 1, low, high, None, ht, geom=CFG.twin, **kw)[0]), splits
-        return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, plain,
+                q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), None, ht, geom=CFG.twin, **kw)[0]), splits
+        return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, kernel_arrays(plain),
                                                                           **kw)[0]), splits
     blocks = max(1, npg // max(1, cfg["block_k"] // PAGE))
     splits = max(1, min(blocks, int(default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
@@ -258,9 +258,9 @@ def ours_fn(mode, cfg, b, npg):
         kw["keys_major"] = cfg["keys_major"]
     if mode == "mixed":
         return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
-            q, pt, lens, LAYERS - 1, low, high, None, ht, geom=CFG.twin,
+            q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), None, ht, geom=CFG.twin,
             **kw)[0]), splits
-    return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, plain,
+    return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, kernel_arrays(plain),
                                                                       **kw)[0]), splits
 
 
@@ -268,7 +268,7 @@ def mgpu_fn(cfg, b, npg):
     blocks = max(1, npg * PAGE // decode_mgpu.BLOCK_K)
     splits = max(1, min(blocks, int(decode_mgpu.default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
     return jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
-        q, pt, lens, LAYERS - 1, low, high, ht, geom=CFG.twin,
+        q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), ht, geom=CFG.twin,
         num_splits=splits, stages=cfg["stages"], interpret=INTERPRET)[0])
 
 
@@ -342,17 +342,17 @@ def check_correctness(torch):
     out["mixed_kernel"] = rel32(o)
     out["mixed_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref32_lse)))
     out["mixed_kernel_vs_bf16_staging"] = rel(o)
-    o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high,
-                                  None, st.high_table, geom=CFG.twin,
+    low, high = kernel_arrays(st.pools[0].low), kernel_arrays(st.pools[0].high)
+    o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, low, high, None, st.high_table, geom=CFG.twin,
                                   dequant="jnp", interpret=INTERPRET)
     out["mixed_kernel_jnp_dequant"] = rel32(o)
-    o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high, None, st.high_table,
+    o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, low, high, None, st.high_table,
                                   geom=CFG.twin, precise=True,
                                   out_dtype=jnp.float32, interpret=INTERPRET)
     out["mixed_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
     if USE_MGPU:    # (f) against the same float32 oracle
         o, lse = decode_mgpu.paged_decode_attention_mgpu(
-            q, st.page_table, st.kv_lens, 0, st.pools[0].low, st.pools[0].high, st.high_table, geom=CFG.twin,
+            q, st.page_table, st.kv_lens, 0, low, high, st.high_table, geom=CFG.twin,
             out_dtype=jnp.float32, interpret=INTERPRET)
         out["mgpu_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
         out["mgpu_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref32_lse)))
@@ -363,7 +363,7 @@ def check_correctness(torch):
     sr = staged.reshape(len(lens), 2, H, npg, PAGE, D).transpose(0, 3, 1, 2, 4, 5)   # [B, np, kv, H, page, D]
     plain_rows = plain_rows.at[0, pt.reshape(-1)].set(sr.reshape(-1, 2, H, PAGE, D))
     plain = RowPool(plain_rows, jnp.ones((1, 2), jnp.float32))
-    o, _ = paged_decode_attention(q, pt, st.kv_lens, 0, None, None, plain, interpret=INTERPRET)
+    o, _ = paged_decode_attention(q, pt, st.kv_lens, 0, None, None, kernel_arrays(plain), interpret=INTERPRET)
     out["plain_kernel"] = rel(o)
     ks, vs = stage_xla(pools.low, pools.high, pt, st.high_table, st.kv_lens, first_n=FIRST_N, last_n=LAST_N,
                        nf=NF, nr=NR)
@@ -643,7 +643,7 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
     pt, ht = tables(jax.random.fold_in(key, 1), b, ctx)
     low, high = mixed_pools(jax.random.fold_in(key, 2), b, ctx)
     fn = jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
-        q, pt, lens, LAYERS - 1, low, high, None, ht, geom=CFG.twin, interpret=INTERPRET)[0])
+        q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), None, ht, geom=CFG.twin, interpret=INTERPRET)[0])
     out = np.asarray(fn(q, pt, lens, ht, low, high), np.float32)
     if not np.isfinite(out).all():
         raise FloatingPointError("mixed: non-finite output")
@@ -651,7 +651,7 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
 
     def mgpu():
         mg = jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
-            q, pt, lens, LAYERS - 1, low, high, ht, geom=CFG.twin, interpret=INTERPRET)[0])
+            q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), ht, geom=CFG.twin, interpret=INTERPRET)[0])
         got = np.asarray(mg(q, pt, lens, ht, low, high), np.float32)
         rel = float(np.linalg.norm(got - out) / max(np.linalg.norm(out), 1e-30))
         if not rel < 1e-2:

@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import nvfp4  # noqa: E402
+from jmixedkv.pools import kernel_arrays  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from pallas_kernels import decode_attention as da  # noqa: E402
 from pallas_kernels import decode_mgpu  # noqa: E402
@@ -83,6 +84,22 @@ VARIANTS = {
     "k64w2s3x0.5-vl": dict(block_k=64, num_warps=2, num_stages=3, x=0.5, v_late=True),
     "k64w2s3x0.25-vl": dict(block_k=64, num_warps=2, num_stages=3, x=0.25, v_late=True),
 }
+# column groups (issue 18): the kernel's default puts the MMA's padding query rows to work on V's column groups;
+# "-cg1" = the kernel before it (one output accumulator of all D columns)
+for _n, _kw in [("k32w1s3x4-vl", dict(block_k=32, num_warps=1, num_stages=3, x=4)),
+                ("k64w2s3x1-vl", dict(block_k=64, num_warps=2, num_stages=3)),
+                ("k64w1s3x2-vl", dict(block_k=64, num_warps=1, num_stages=3, x=2))]:
+    VARIANTS[_n + "-cg1"] = dict(_kw, v_late=True, col_groups=1)
+VARIANTS.update({
+    "k32w1s2x4-vl": dict(block_k=32, num_warps=1, num_stages=2, x=4, v_late=True),
+    "k32w1s1x4-vl": dict(block_k=32, num_warps=1, num_stages=1, x=4, v_late=True),
+    "k64w1s3x2-vl": dict(block_k=64, num_warps=1, num_stages=3, x=2, v_late=True),
+    "k64w1s2x2-vl": dict(block_k=64, num_warps=1, num_stages=2, x=2, v_late=True),
+    "k64w1s3x4-vl": dict(block_k=64, num_warps=1, num_stages=3, x=4, v_late=True),
+    "k128w2s2x2-vl": dict(block_k=128, num_warps=2, num_stages=2, x=2, v_late=True),
+    "k16w1s3x8-vl": dict(block_k=16, num_warps=1, num_stages=3, x=8, v_late=True),
+    "k64w2s3x2-vl": dict(block_k=64, num_warps=2, num_stages=3, x=2, v_late=True),
+})
 # later shapes: this subset (the default first) unless --all
 SUBSET = ["k64w2s3x1", "k64w2s3x4-vl", "k64w2s3x2", "k64w2s3x4", "k64w2s4x2", "k64w1s3x4", "k32w1s3x4",
           "k32w1s4x8", "k128w2s2x2"]
@@ -177,7 +194,7 @@ def splits_for(v, b, npg, page, m_rows=16):
 
 
 def kernel_fn(v, b, npg, page, nf, nr, out_dtype=None, m_rows=16):
-    kw = {k: v[k] for k in ("block_k", "num_warps", "num_stages", "keys_major", "v_late") if k in v}
+    kw = {k: v[k] for k in ("block_k", "num_warps", "num_stages", "keys_major", "v_late", "col_groups") if k in v}
     splits = splits_for(v, b, npg, page, m_rows)
     kw.update(geom_kw(da.paged_decode_attention, page, nf, nr))
     if v:
@@ -269,7 +286,7 @@ def correctness(names, log):
         ref_b = np.asarray(ref.astype(jnp.bfloat16).astype(jnp.float32))
         pool = st.pools[0]
         npg = st.page_table.shape[1]
-        args = (q, st.page_table, st.kv_lens, st.high_table, pool.low, pool.high)
+        args = (q, st.page_table, st.kv_lens, st.high_table, kernel_arrays(pool.low), kernel_arrays(pool.high))
         todo = [(n, VARIANTS[n]) for n in (names if page == 16 and tq == 1 and hq == 32 else names[:4])]
         todo += [("mgpu", None)] if CHECK_MGPU else []
         for n, v in todo:
@@ -312,7 +329,7 @@ def run_shape(shape, names, bw, log, with_mgpu=True, with_probe=False):
     pool = st.pools[0]
     npg = st.page_table.shape[1]
     q = jax.random.normal(jax.random.PRNGKey(b), (b, tq, hq, D), jnp.float32).astype(jnp.bfloat16)
-    args = (q, st.page_table, st.kv_lens, st.high_table, pool.low, pool.high)
+    args = (q, st.page_table, st.kv_lens, st.high_table, kernel_arrays(pool.low), kernel_arrays(pool.high))
     nbytes = shape_bytes(b, ctx, page)
     floor = nbytes / (bw * 1e12) * 1e3
     row = dict(shape=label, batch=b, context=ctx, q_heads=hq, page=page, tq=tq, bytes=nbytes, floor_ms=floor,
@@ -418,7 +435,7 @@ def main(argv=None):
         npg = st.page_table.shape[1]
         fns = [mgpu_fn(page, nf, nr) if n == "mgpu" else kernel_fn(VARIANTS[n], b, npg, page, nf, nr)[0]
                for n in args.profile.split(",")]
-        args_ = (q, st.page_table, st.kv_lens, st.high_table, pool.low, pool.high)
+        args_ = (q, st.page_table, st.kv_lens, st.high_table, kernel_arrays(pool.low), kernel_arrays(pool.high))
         compiled = [f.lower(*args_).compile() for f in fns]
         for c in compiled:
             jax.block_until_ready(c(*args_))

@@ -116,15 +116,30 @@ def traffic_bytes(k, low_slot, high_slot):
 
 
 # --------------------------------------------------------------------------------------------- functions
+def kernel_args(pools, rope):
+    """The kernel's keyword arguments for a mixed group's `GroupPools` and a `RopeSpec` (or None): raw array
+    tuples and RoPE statics, as `jmixedkv.write` passes them."""
+    low, high = pools.low, pools.high
+    rope_kw = {} if rope is None else dict(rope_style=rope.style, rope_theta=rope.theta, rotary_dim=rope.rotary_dim)
+    return dict(low=(low.data, low.scales, low.gs), high=(high.rows, high.scale), **rope_kw)
+
+
+def kernel_write(pools, k, v, layer, ls, hs, page, pos, rope, **kw):
+    """`W.write_rows` on a mixed group's `GroupPools`, returning the updated `GroupPools`."""
+    data, scales, rows, _ = W.write_rows(k, v, layer, ls, hs, page, pos, **kernel_args(pools, rope), **kw)
+    return dataclasses.replace(pools, low=dataclasses.replace(pools.low, data=data, scales=scales),
+                               high=dataclasses.replace(pools.high, rows=rows))
+
+
 def fns(page, rope, block_t=None, heads_per_program=None, num_warps=4):
     kw = dict(block_t=block_t, heads_per_program=heads_per_program, num_warps=num_warps)
 
     def all_layers(pools, k, v, ls, hs, pos):
-        return W.write_rows(pools, k, v, None, ls, hs, page, positions=pos, rope=rope, **kw)
+        return kernel_write(pools, k, v, None, ls, hs, page, pos, rope, **kw)
 
     def per_layer(pools, k, v, ls, hs, pos):
         for l in range(k.shape[0]):
-            pools = W.write_rows(pools, k[l], v[l], l, ls, hs, page, positions=pos, rope=rope, **kw)
+            pools = kernel_write(pools, k[l], v[l], l, ls, hs, page, pos, rope, **kw)
         return pools
 
     return jax.jit(all_layers, donate_argnums=0), jax.jit(per_layer, donate_argnums=0)
@@ -241,7 +256,8 @@ def bench_case(name, case, rope, iters, sweep, with_append, full=True):
     rows = []
     all_fn, per_fn = fns(page, rope)
     bad = check_bit_exact(pools, k, v, ls, hs, pos, page, rope, all_fn) if full else {}
-    plan = W.plan_for(pools, k, v, None, rope)
+    plan = W.plan_for(k, v, None, low=(pools.low.data, pools.low.scales, pools.low.gs),
+                      high=(pools.high.rows, pools.high.scale), rope_style=rope.style, rotary_dim=rope.rotary_dim)
     verdict = ", ".join(f"reference on {d}: " + ("OK" if n == 0 else f"{n} BYTES DIFFER") for d, n in bad.items())
     print(f"[{name}] bit-exact? {verdict} "
           f"(default block_t={plan.block_t}, heads_per_program={plan.heads_per_program}, grid={plan.grid})")

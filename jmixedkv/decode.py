@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from . import checks
 from .backend import dispatch
+from .pools import kernel_arrays
 from .staging import stage_reference
 
 __all__ = ["decode_attention", "attention_reference", "paged_attention_reference", "merge_attention"]
@@ -129,22 +130,19 @@ def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
     page_table = state.page_table[s]
     lens = _lens(state, seq)
     mixed = kind == "mixed" and pools.high is not None
-    twin = cfg.twin if mixed else None
+    twin, ht = (cfg.twin, state.high_table[s]) if mixed else (None, None)
+    low, plain = kernel_arrays(pools.low), kernel_arrays(pools.plain)          # the kernels take raw arrays
+    high = kernel_arrays(pools.high) if mixed else None
     from pallas_kernels import decode_mgpu   # Mosaic GPU kernel: opt-in (JMIXEDKV_DECODE_KERNEL=mgpu), H5
-    if kind != "plain" and decode_mgpu.preferred(
-            head_dim=q.shape[-1], page=pools.low.data.shape[4], tq=q.shape[1],
-            group=q.shape[2] // pools.low.data.shape[3], high_dtype=pools.high.rows.dtype if mixed else None,
-            sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret):
+    if low is not None and decode_mgpu.preferred(
+            head_dim=q.shape[-1], page=low[0].shape[4], tq=q.shape[1], group=q.shape[2] // low[0].shape[3],
+            high_dtype=high[0].dtype if mixed else None, sliding_window=sliding_window, soft_cap=soft_cap,
+            interpret=interpret):
         return decode_mgpu.paged_decode_attention_mgpu(
-            q, page_table, lens, layer, pools.low, pools.high if mixed else None,
-            state.high_table[s] if mixed else None, geom=twin, sm_scale=sm_scale, num_splits=num_splits,
+            q, page_table, lens, layer, low, high, ht, geom=twin, sm_scale=sm_scale, num_splits=num_splits,
             interpret=interpret, out_dtype=cfg.attention_dtype)
     return paged_decode_attention(
-        q, page_table, lens, layer,
-        low=pools.low if kind != "plain" else None,
-        high=pools.high if mixed else None,
-        plain=pools.plain if kind == "plain" else None,
-        high_table=state.high_table[s] if mixed else None, geom=twin,
+        q, page_table, lens, layer, low=low, high=high, plain=plain, high_table=ht, geom=twin,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
         interpret=interpret, out_dtype=cfg.attention_dtype)
 

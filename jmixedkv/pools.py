@@ -17,8 +17,8 @@ import jax
 
 from . import numerics, nvfp4
 
-__all__ = ["pytree", "LowPool", "RowPool", "GroupPools", "encode_rows", "decode_rows", "read_low_rows",
-           "read_row_pool"]
+__all__ = ["pytree", "LowPool", "RowPool", "GroupPools", "kernel_arrays", "encode_rows", "decode_rows",
+           "read_low_rows", "read_row_pool"]
 
 
 def pytree(*meta: str):
@@ -53,6 +53,12 @@ class GroupPools:
     low: Optional[LowPool] = None
     high: Optional[RowPool] = None
     plain: Optional[RowPool] = None
+
+
+def kernel_arrays(pool):
+    """A pool as the kernels take it: ``(data, scales, gs)`` for a `LowPool`, ``(rows, scale)`` for a `RowPool`,
+    None for None (the kernels in ``pallas_kernels`` take raw arrays, never these pytrees)."""
+    return None if pool is None else tuple(getattr(pool, f.name) for f in dataclasses.fields(pool))
 
 
 def encode_rows(x, dtype, scale):

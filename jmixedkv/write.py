@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from . import nvfp4
 from .backend import dispatch
-from .pools import GroupPools, encode_rows
+from .pools import GroupPools, encode_rows, kernel_arrays
 from .rope import apply_rope
 
 __all__ = ["write_rows", "write_rows_reference"]
@@ -41,8 +41,14 @@ def _reference(pools, kv_factor, k, v, pos, rope, layer, low_slot, high_slot, pa
 def _pallas(pools, kv_factor, k, v, pos, rope, layer, low_slot, high_slot, page_size, block_scale, *, interpret):
     del kv_factor, interpret     # the kernel reads v=None as a latent; it picks interpret itself (`lowering_for_cuda`)
     from pallas_kernels.write import write_rows as kernel
-    return kernel(pools, k, v, layer, low_slot, high_slot, page_size, positions=pos, rope=rope,
-                  block_scale=block_scale)
+    low, high, plain = pools.low, pools.high, pools.plain      # the kernel takes raw arrays (`kernel_arrays`)
+    rope_kw = {} if rope is None else dict(rope_style=rope.style, rope_theta=rope.theta, rotary_dim=rope.rotary_dim)
+    data, scales, high_rows, plain_rows = kernel(
+        k, v, layer, low_slot, high_slot, page_size, pos, block_scale=block_scale, **rope_kw,
+        low=kernel_arrays(low), high=kernel_arrays(high), plain=kernel_arrays(plain))
+    return GroupPools(low and dataclasses.replace(low, data=data, scales=scales),
+                      high and dataclasses.replace(high, rows=high_rows),
+                      plain and dataclasses.replace(plain, rows=plain_rows))
 
 
 def _scatter(pool_l, slots, values, page_size):

@@ -22,6 +22,11 @@ masks, rows ``>= n`` zeroed in V, so NaN-poisoned rows are never multiplied, wha
 *interior* blocks run a step with no branch, no mask and no twin load, so the loop body is straight-line code that
 Triton can software-pipeline (``num_stages``).
 
+Column groups (``col_groups``; NVFP4 K / V pages with ``Tq * G <= 8`` real rows of the 16): the padding rows of the
+MMA hold replicas of the real query rows, and replica ``j`` accumulates only V's column group ``j`` (its P rows
+masked to zero for the other groups), so the f32 output accumulator shrinks by ``col_groups`` at the same MMA work;
+the wrapper reassembles the columns and takes ``m`` / ``l`` from replica 0 (all replicas compute identical logits).
+
 NVFP4 pages never interleave nibbles: the low nibbles of a row are its even columns, the high nibbles its odd
 columns, and q / o are permuted to ``[even | odd]`` outside the kernel (``QK^T = q_e K_e^T + q_o K_o^T``;
 ``PV`` gives the even and odd output columns separately). Dequantization: the widened byte gives the f16 bit
@@ -119,10 +124,11 @@ mul.rn.f16x2 $1, m, $4;
 LOW_DOMAIN = 128.0     # low rows dequantize to x / (gs * 2^7) in f16 (e2m1 * 2^-14 times e4m3 * 2^7: exact)
 
 
-def _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm: bool):
-    """NVFP4 rows of pages ``ids`` -> ``(even, odd)`` columns, each f16 ``[k_tok, d/2]``, in the *low domain*
+def _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm: bool, group: int = 0, groups: int = 1):
+    """NVFP4 rows of pages ``ids`` -> ``(even, odd)`` columns, each f16 ``[k_tok, d/2/groups]``, in the *low domain*
     ``x / (gs * 2^7)`` (``gs`` is applied by the caller: folded into the logit scale for K and the output scale
-    for V).
+    for V). With ``groups > 1`` only the bytes ``[group * w, (group + 1) * w)`` of each row (``w = d/2/groups``,
+    whole scale blocks) are read: column group ``group`` of the even and the odd half.
 
     No nibble interleave: byte ``c`` of a row holds elements ``2c`` (low nibble) and ``2c + 1`` (high nibble), so
     the low nibbles are the even columns and the high nibbles the odd ones; the caller permutes q / o to match.
@@ -130,38 +136,47 @@ def _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm: bool)
     significant bits, magnitude in [2^-17, 21]; f16 keeps subnormals), so this path adds no rounding at all
     before the f16 x f16 -> f32 dot. ``use_asm``: the packed inline-PTX form (GPU); otherwise the same arithmetic in
     jnp (interpret mode)."""
-    half, nblk = d // 2, d // 16
-    b = data_ref[layer, ids, kvi].reshape(k_tok, nblk, 8)                              # u8
-    sc = scales_ref[layer, ids, kvi].reshape(k_tok, nblk).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
+    w = d // 2 // groups
+    nblk = w // 8
+    cols = slice(None) if groups == 1 else pl.ds(group * w, w)
+    scols = slice(None) if groups == 1 else pl.ds(group * nblk, nblk)
+    b = data_ref[layer, ids, kvi, :, cols].reshape(k_tok, nblk, 8)                    # u8
+    sc = scales_ref[layer, ids, kvi, :, scols].reshape(k_tok, nblk).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
     sc = jnp.broadcast_to(sc[:, :, None], (k_tok, nblk, 8))
     if use_asm:
         out = [jax.ShapeDtypeStruct(b.shape, jnp.float16)]
         lo, hi = (pltriton.elementwise_inline_asm(_DEQUANT_ASM[half_], args=[b, sc], constraints="=r,=r,r,r,r",
                                                   pack=4, result_shape_dtypes=out)[0] for half_ in ("lo", "hi"))
     else:
-        w = b.astype(jnp.uint16)
+        wd = b.astype(jnp.uint16)
         u = lambda v: jnp.uint16(v)  # noqa: E731
         f16 = lambda bits: lax.bitcast_convert_type(bits, jnp.float16)  # noqa: E731
-        lo = f16(((w & u(7)) << u(9)) | ((w & u(8)) << u(12))) * sc
-        hi = f16(((w & u(0x70)) << u(5)) | ((w & u(0x80)) << u(8))) * sc
-    return lo.reshape(k_tok, half), hi.reshape(k_tok, half)
+        lo = f16(((wd & u(7)) << u(9)) | ((wd & u(8)) << u(12))) * sc
+        hi = f16(((wd & u(0x70)) << u(5)) | ((wd & u(0x80)) << u(8))) * sc
+    return lo.reshape(k_tok, w), hi.reshape(k_tok, w)
 
 
-def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, parts: int):
-    """Row-pool rows of pages ``ids`` -> ``parts`` column groups (1: ``[k_tok, d]``; 2: even / odd columns
-    ``[k_tok, d/2]``, strided loads) in ``dtype`` (fp8: ``f32(e4m3) * scale``)."""
+def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, parts: int, groups: int = 1):
+    """Row-pool rows of pages ``ids`` -> ``parts`` x ``groups`` column tiles (parts 1: columns in order; parts 2:
+    even / odd columns, strided loads; ``groups`` consecutive column groups of each) ``[k_tok, d/parts/groups]`` in
+    ``dtype`` (fp8: ``f32(e4m3) * scale``)."""
+    w = d // parts // groups
     out = []
     for p in range(parts):
-        cols = slice(None) if parts == 1 else pl.ds(p, d // parts, stride=parts)
-        x = rows_ref[layer, ids, kvi, :, cols].reshape(k_tok, d // parts)
-        out.append((x.astype(jnp.float32) * scale).astype(dtype) if fp8 else x.astype(dtype))
+        tiles = []
+        for j in range(groups):
+            cols = (slice(None) if parts == groups == 1 else
+                    pl.ds(j * w, w) if parts == 1 else pl.ds(2 * j * w + p, w, stride=2))
+            x = rows_ref[layer, ids, kvi, :, cols].reshape(k_tok, w)
+            tiles.append((x.astype(jnp.float32) * scale).astype(dtype) if fp8 else x.astype(dtype))
+        out.append(tuple(tiles))
     return tuple(out)
 
 
 def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, lowmul_ref, hs_ref, data_ref,
             scales_ref, high_ref, plain_ref, o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, geom,
             ht_width, sm_scale, window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts,
-            use_asm, keys_major, v_late=False):
+            use_asm, keys_major, v_late=False, groups=1, rep=1):
     s = pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[0]
@@ -177,7 +192,8 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     d = dp * parts
 
     rows = lax.broadcasted_iota(jnp.int32, (m_rows,), 0)
-    qpos = n - tq + jnp.minimum(rows // group, tq - 1)                       # [M]
+    qpos = n - tq + jnp.minimum((rows % rep) // group, tq - 1)               # [M]
+    replica = rows // rep                     # column groups: replica j of the query rows owns V's column group j
     n_blocks = (n + k_tok - 1) // k_tok
     lo_blk = 0 if window is None else jnp.maximum(n - tq - window + 1, 0) // k_tok
     per = (n_blocks - lo_blk + num_splits - 1) // num_splits
@@ -202,14 +218,16 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         vmul = lowmul_ref[kv_factor - 1]                                      # gs_v * 2^7 (output scale)
         inv_v = 1.0 / vmul
 
-    def load(kvi, ids):
+    def load(kvi, ids, g=1):
+        """K / V tiles of pages ``ids``: ``parts`` x ``g`` column tiles (``g`` column groups, V only)."""
         if has_low:
-            return _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm)
+            tiles = [_dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm, j, g) for j in range(g)]
+            return tuple(tuple(t[p] for t in tiles) for p in range(parts))
         return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8, parts)
 
     def retained(blk, kpos, kvis=None):
-        """(keep bool[k_tok], twin rows per K/V: parts x [k_tok, D/parts] in ``twin_dtype``, zero where not
-        kept or at / past ``n``)."""
+        """(keep bool[k_tok], twin rows per K/V: parts x groups x [k_tok, D/parts/groups] in ``twin_dtype`` (V in
+        its column groups, K whole), zero where not kept or at / past ``n``)."""
         qpg = blk * nb + lax.broadcasted_iota(jnp.int32, (nb,), 0)
         col = geom.page_column(qpg)
         hid = ht_ref[jnp.clip(col, 0, ht_width - 1)]
@@ -219,8 +237,9 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         keep = held_row & geom.is_retained(kpos, n)
         zero = jnp.zeros((), twin_dtype)
         # FP8 twin rows enter the dot as their exact e4m3 values in f16 (the scale goes to the f32 side)
-        rows_ = tuple(tuple(jnp.where(keep[:, None], h_, zero) for h_ in
-                            _load_rows(high_ref, None, layer, hid, kvi, k_tok, d, twin_dtype, False, parts))
+        rows_ = tuple(tuple(tuple(jnp.where(keep[:, None], h_, zero) for h_ in tiles) for tiles in
+                            _load_rows(high_ref, None, layer, hid, kvi, k_tok, d, twin_dtype, False, parts,
+                                       groups if kvi == 1 else 1))
                       for kvi in (range(kv_factor) if kvis is None else kvis))
         return keep, rows_
 
@@ -236,21 +255,28 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         return _dot(v_.T, pr) if keys_major else _dot(pr, v_)
 
     def pv(pr, vs, mma_dtype, split):
+        """``P @ V`` per part; with column groups, group ``j``'s tile meets only the rows of replica ``j``."""
         p_hi = pr.astype(mma_dtype)
-        out = [pv1(p_hi, v_) for v_ in vs]
-        if split:
-            p_lo = (pr - p_hi.astype(jnp.float32)).astype(mma_dtype)
-            out = [o_ + pv1(p_lo, v_) for o_, v_ in zip(out, vs)]
+        ps = (p_hi, (pr - p_hi.astype(jnp.float32)).astype(mma_dtype)) if split else (p_hi,)
+        zero = jnp.zeros((), mma_dtype)
+        out = []
+        for tiles in vs:
+            acc = None
+            for j, v_ in enumerate(tiles):
+                for p_ in ps:
+                    t = pv1(p_ if len(tiles) == 1 else jnp.where(qv(replica == j), p_, zero), v_)
+                    acc = t if acc is None else acc + t
+            out.append(acc)
         return out
 
     def step(blk, carry, edge):
         o, m, l = carry
         ids = jnp.maximum(pt_ref[pl.ds(blk * nb, nb)], 0)
         kpos = blk * k_tok + lax.broadcasted_iota(jnp.int32, (k_tok,), 0)
-        ks = load(0, ids)
+        ks = [t[0] for t in load(0, ids)]
         # v_late: V is read and dequantized after the softmax (K's dequantized tile is dead by then: fewer live
         # registers per program); otherwise both at the top of the step
-        vs = load(kv_factor - 1, ids) if (kv_factor == 1 or not v_late) else None
+        vs = load(kv_factor - 1, ids, groups) if (kv_factor == 1 or not v_late) else None
         if has_low:
             logits = qk(qlow, ks) * qv(rowmul)                               # [M, K] (or [K, M]) f32
         else:
@@ -259,10 +285,11 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         if edge and has_high:
             # retained rows: a second dot in the attention dtype on the exact twin rows (no domain change)
             keep, twin = retained(blk, kpos, (0,) if (v_late and kv_factor == 2) else None)
+            twin_k = [t[0] for t in twin[0]]
             if high_fp8:
-                twin_logits = qk(qlow, twin[0]) * qv(rowmul * (hs[0] / lowmul_ref[0]))
+                twin_logits = qk(qlow, twin_k) * qv(rowmul * (hs[0] / lowmul_ref[0]))
             else:
-                twin_logits = qk(qs, twin[0]) * sm_scale
+                twin_logits = qk(qs, twin_k) * sm_scale
             logits = jnp.where(kvec(keep), twin_logits, logits)
         if cap is not None:
             logits = cap * jnp.tanh(logits / cap)
@@ -276,11 +303,11 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         pr = jnp.exp(logits - qv(m_new))
         l_new = alpha * l + pr.sum(axis=kax)
         if vs is None:
-            vs = load(kv_factor - 1, ids)
+            vs = load(kv_factor - 1, ids, groups)
         if edge:
             # rows at or past n may hold anything (NaN poison): zero them so that p == 0 never meets NaN
-            zero = jnp.zeros((), vs[0].dtype)
-            vs = tuple(jnp.where((kpos < n)[:, None], v_, zero) for v_ in vs)
+            zero = jnp.zeros((), vs[0][0].dtype)
+            vs = tuple(tuple(jnp.where((kpos < n)[:, None], v_, zero) for v_ in tiles) for tiles in vs)
         if has_low:
             p_low = pr if keep is None else jnp.where(kvec(keep), 0.0, pr)
             acc = pv(p_low, vs, jnp.float16, precise)                         # low domain (x / (gs_v 2^7))
@@ -296,7 +323,7 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
 
     edge_body = lambda i, carry: step(i, carry, True)    # noqa: E731
     clean_body = lambda i, carry: step(i, carry, False)  # noqa: E731
-    init = (tuple(jnp.zeros((dp, m_rows) if keys_major else (m_rows, dp), jnp.float32) for _ in range(parts)),
+    init = (tuple(jnp.zeros((dp, m_rows) if keys_major else (m_rows, dp // groups), jnp.float32) for _ in range(parts)),
             jnp.full((m_rows,), _M_INIT, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
     carry = lax.fori_loop(start, a, edge_body, init)          # head: first_n / window edge
     carry = lax.fori_loop(a, c, clean_body, carry)            # interior: no masks, no twin, pipelined loads
@@ -329,7 +356,8 @@ def _pad_cols(x, multiple, fill):
 
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "sliding_window", "soft_cap", "num_splits",
-    "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype", "dequant", "keys_major", "v_late"))
+    "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype", "dequant", "keys_major", "v_late",
+    "col_groups"))
 def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
                            geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                            sliding_window: Optional[int] = None,
@@ -337,7 +365,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                            block_k: Optional[int] = None,
                            num_warps: Optional[int] = None, num_stages: int = 3, precise: Optional[bool] = None,
                            interpret: bool = False, out_dtype=None, dequant: Optional[str] = None,
-                           keys_major: bool = False, v_late: Optional[bool] = None):
+                           keys_major: bool = False, v_late: Optional[bool] = None,
+                           col_groups: Optional[int] = None):
     """Paged decode / verify attention over raw pool arrays (one layer).
 
     Args:
@@ -345,10 +374,10 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       page_table: i32[B, max_pages] low (or plain) page id of each batch row's page ``j`` (-1 = none).
       kv_lens: i32[B] lengths ``n`` (0 for padding rows).
       layer: layer index into the pools' leading axis (int or traced i32).
-      low: ``(data u8[L,P,kv,H,page,D/2], scales e4m3[L,P,kv,H,page,D/16], gs f32[L,kv])`` or an object with
-        ``.data/.scales/.gs`` (`jmixedkv.pools.LowPool`); None for plain pages.
-      high: ``(rows dtype[L,Ph,kv,H,page,D], scale f32[L,kv])`` or a `RowPool`: the retained twin (optional).
-      plain: ``(rows, scale)`` or a `RowPool`: plain pages (exclusive with ``low``).
+      low: ``(data u8[L,P,kv,H,page,D/2], scales e4m3[L,P,kv,H,page,D/16], gs f32[L,kv])``; None for plain
+        pages (`jmixedkv.pools.kernel_arrays` of a `LowPool`).
+      high: ``(rows dtype[L,Ph,kv,H,page,D], scale f32[L,kv])``: the retained twin (optional).
+      plain: ``(rows, scale)``: plain pages (exclusive with ``low``).
       high_table: i32[B, F + R] high page ids (needed with ``high``).
       geom: the twin's static `jmixedkv.layout.TwinGeometry` (`KVCacheConfig.twin`; needed with ``high``).
       num_splits: split-K programs per (row, head); None = `default_num_splits` (~4 programs per SM, ~16 with
@@ -370,14 +399,19 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         are the MMA's A operand (the query rows its N side) instead of its B operand.
       v_late: read and dequantize V after the softmax of each step instead of beside K (fewer live registers,
         fewer spills); None = True for NVFP4 pages (measured 2-4% faster on the H200), False for plain pages.
+      col_groups: put the padding rows of the MMA to work: with ``Tq * G`` (rounded up to a power of two, ``r``)
+        <= 8 of the 16 query rows real, the rows hold ``col_groups`` replicas of the ``r`` query rows and replica
+        ``j`` accumulates only V's column group ``j`` (``D / 2 / col_groups`` even and odd columns), so the output
+        accumulator is ``col_groups`` times smaller at the same MMA work. None = the largest power of two with
+        ``col_groups * r <= 16`` and ``>= 16`` columns per group for NVFP4 K / V pages with 32-token steps, one
+        warp (`WIDE_GRID_TUNING`) and >= 1024 tokens per split (there it is faster on the H200; with 64-token steps
+        or short splits it is slower), else 1.
 
     Returns:
       ``(out [B, Tq, Hq, D] out_dtype, lse f32[B, Tq, Hq])``: natural-log LSE of the scaled (capped) logits;
       rows with no visible key give zeros and ``-inf``.
     """
-    low = _as_tuple(low, ("data", "scales", "gs"))
-    high = _as_tuple(high, ("rows", "scale"))
-    plain = _as_tuple(plain, ("rows", "scale"))
+    low, high, plain = (None if x is None else tuple(x) for x in (low, high, plain))
     if (low is None) == (plain is None):
         raise ValueError("paged_decode_attention: pass exactly one of low= (NVFP4 pages) or plain= (row pages)")
     b, tq, hq, d = q.shape
@@ -404,6 +438,16 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     parts = 2 if low is not None else 1          # NVFP4: even / odd columns (low / high nibbles) kept apart
     dp = d // parts
+    rep = _next_pow2(tq * group)                 # query rows of one replica (column groups)
+    fit = 1 if (low is None or keys_major or kv_factor != 2) else max(1, min(m_rows // rep, dp // 16))
+    if col_groups is None:       # measured faster only with one-warp programs of 32-token steps and >= 1024 tokens
+        long_splits = max_blocks * k_tok >= 1024 * splits                  # per split (bench/RESULTS.md)
+        col_groups = fit if (k_tok == 32 and num_warps == 1 and long_splits) else 1
+    col_groups = int(col_groups)
+    if col_groups < 1 or col_groups & (col_groups - 1) or col_groups > fit:
+        raise ValueError(f"paged_decode_attention: col_groups={col_groups} must be a power of two <= {fit} here "
+                         f"(Tq * G = {tq * group} of {m_rows} rows, head_dim {d}, keys_major={keys_major})")
+    rep = rep if col_groups > 1 else m_rows
 
     if precise is None:       # f16 P (NVFP4 pages) is fine for 16-bit outputs; bf16 P (plain bf16 pages) is not
         precise = out_dtype == jnp.dtype(jnp.float32) or (low is None and dtype == jnp.dtype(jnp.bfloat16))
@@ -412,7 +456,9 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         raise ValueError(f"paged_decode_attention: dequant={dequant!r} must be 'asm' (compiled) or 'jnp'")
 
     qg = q.reshape(b, tq, h, group, d).transpose(0, 2, 1, 3, 4).reshape(b, h, tq * group, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - tq * group), (0, 0)))    # [B, H, M, D]
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rep - tq * group), (0, 0)))       # [B, H, rep, D]
+    qg = jnp.tile(qg, (1, 1, col_groups, 1))                                 # column-group replicas
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - qg.shape[2]), (0, 0)))   # [B, H, M, D]
     qperm = (0, 1, 4, 3, 2) if keys_major else (0, 1, 4, 2, 3)     # -> [B, H, parts, M, D/p] or [B, H, parts, D/p, M]
     split = lambda x: x.reshape(b, h, m_rows, dp, parts).transpose(qperm)  # noqa: E731
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -453,6 +499,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
 
     vec = lambda x: pl.BlockSpec(x.shape, lambda bi, hi, si: (0,))  # noqa: E731
     qtile = (dp, m_rows) if keys_major else (m_rows, dp)
+    otile = (m_rows, dp // col_groups) if col_groups > 1 else qtile
     qspec = pl.BlockSpec((None, None, parts) + qtile, lambda bi, hi, si: (bi, hi, 0, 0, 0))
     in_specs = [
         vec(layer_arr),
@@ -476,33 +523,29 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         _kernel, page=page, nb=nb, tq=tq, group=group, kv_factor=kv_factor, geom=geom,
         ht_width=ht_width, sm_scale=sm_scale, window=sliding_window, cap=soft_cap,
         num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts,
-        use_asm=dequant == "asm", keys_major=keys_major, v_late=v_late)
+        use_asm=dequant == "asm", keys_major=keys_major, v_late=v_late, groups=col_groups, rep=rep)
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
     check_offsets("decode_attention", **{f"pool operand {i}": a for i, a in enumerate(args[9:])})
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, h, splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, parts) + qtile, lambda bi, hi, si: (si, bi, hi, 0, 0, 0)),
+        out_specs=[pl.BlockSpec((None, None, None, parts) + otile, lambda bi, hi, si: (si, bi, hi, 0, 0, 0)),
                    pl.BlockSpec((None, None, None, m_rows), lambda bi, hi, si: (si, bi, hi, 0)),
                    pl.BlockSpec((None, None, None, m_rows), lambda bi, hi, si: (si, bi, hi, 0))],
-        out_shape=[jax.ShapeDtypeStruct((splits, b, h, parts) + qtile, jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((splits, b, h, parts) + otile, jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, h, m_rows), jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, h, m_rows), jnp.float32)],
         interpret=interpret,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
-        name=f"decode_attention_{fmt}_k{k_tok}_m{m_rows}",
+        name=f"decode_attention_{fmt}_k{k_tok}_m{m_rows}_g{col_groups}",
     )(*args)
     if keys_major:
         o = jnp.swapaxes(o, -1, -2)                                           # [S, B, H, parts, M, D/parts]
-    o = jnp.moveaxis(o, 3, -1).reshape(splits, b, h, m_rows, d)               # re-interleave the columns
-    out, lse = merge_partials(o, m, l)                                        # [B, H, M, D], [B, H, M]
+    # rows (replica j, query row i) of column group j -> [S, B, H, rep, groups, D/parts/groups, parts]
+    o = o[:, :, :, :, :col_groups * rep].reshape(splits, b, h, parts, col_groups, rep, dp // col_groups)
+    o = o.transpose(0, 1, 2, 5, 4, 6, 3).reshape(splits, b, h, rep, d)        # re-interleave the columns
+    out, lse = merge_partials(o, m[..., :rep], l[..., :rep])                 # [B, H, rep, D], [B, H, rep]
     out = out[:, :, :tq * group].reshape(b, h, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
     lse = lse[:, :, :tq * group].reshape(b, h, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hq)
     return out.astype(out_dtype), lse
-
-
-def _as_tuple(pool, fields):
-    if pool is None or isinstance(pool, (tuple, list)):
-        return None if pool is None else tuple(pool)
-    return tuple(getattr(pool, f) for f in fields)

@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 
 from jmixedkv.layout import TwinGeometry
-from pallas_kernels.decode_attention import LOW_DOMAIN, _as_tuple, merge_partials
+from pallas_kernels.decode_attention import LOW_DOMAIN, merge_partials
 from pallas_kernels.nvfp4_ops import dequant_tile
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
@@ -421,8 +421,6 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
     in flight). Returns ``(out [B, Tq, Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     """
-    low = _as_tuple(low, ("data", "scales", "gs"))
-    high = _as_tuple(high, ("rows", "scale"))
     if low is None:
         raise ValueError("paged_decode_attention_mgpu: needs low= NVFP4 pages")
     data, scales, gs = low

@@ -318,27 +318,22 @@ def _write_kernel(plan: _Plan, *refs):
 
 
 # --------------------------------------------------------------------------------------------- host wrapper
-def _geometry(pools):
-    """(L, kv, H, page, D) of the group's pools, checking they agree."""
-    arrays = []
-    if pools.low is not None:
-        arrays.append(("low.data", pools.low.data.shape[:-1] + (pools.low.data.shape[-1] * 2,)))
-        arrays.append(("low.scales", pools.low.scales.shape[:-1] + (pools.low.scales.shape[-1] * BLOCK,)))
-    for name in ("high", "plain"):
-        pool = getattr(pools, name)
-        if pool is not None:
-            arrays.append((f"{name}.rows", pool.rows.shape))
-    if pools.low is None and pools.plain is None:
-        raise ValueError("write_rows: the group has neither a low (NVFP4) nor a plain pool")
+def _geometry(low, high, plain):
+    """(L, kv, H, page, D) of the pool arrays, checking they agree."""
+    if (low is None) == (plain is None) or (high is not None and low is None):
+        raise ValueError("write_rows: pass low= (NVFP4 pages, optionally with a high= twin) or plain= (row pages)")
+    arrays = [(f"{name}.rows", pool[0].shape) for name, pool in (("high", high), ("plain", plain)) if pool is not None]
+    if low is not None:
+        arrays += [("low.data", low[0].shape[:-1] + (low[0].shape[-1] * 2,)),
+                   ("low.scales", low[1].shape[:-1] + (low[1].shape[-1] * BLOCK,))]
     geo = {(s[0],) + tuple(s[2:]) for _, s in arrays}
     if len(geo) != 1 or any(len(s) != 6 for _, s in arrays):
         raise ValueError(f"write_rows: pools disagree on [L, _, kv, H, page, D]: {dict(arrays)}")
-    num_layers, kv, heads, page, d = next(iter(geo))
-    return num_layers, kv, heads, page, d
+    return next(iter(geo))
 
 
-def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions, rope):
-    num_layers, kv, heads, page, d = _geometry(pools)
+def _check_inputs(geo, k, v, layer, low_slot, high_slot, page_size, positions, rope_style, rotary_dim, mixed):
+    num_layers, kv, heads, page, d = geo
     if page != page_size:
         raise ValueError(f"write_rows: page_size={page_size} but the pools hold pages of {page} rows")
     want = 3 if layer is not None else 4
@@ -362,24 +357,24 @@ def _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions,
             continue
         if s.shape != (num_tokens,) or not jnp.issubdtype(s.dtype, jnp.integer):
             raise ValueError(f"write_rows: {name} must be int[{num_tokens}], got {s.dtype}{list(s.shape)}")
-    if rope is not None:
-        if not all(hasattr(rope, f) for f in ("style", "theta", "rotary_dim")):
-            raise ValueError(f"write_rows: rope must be a jmixedkv.RopeSpec or None, got {rope!r}")
+    if mixed and high_slot is None:
+        raise ValueError("write_rows: a mixed group needs high_slot")
+    if rope_style is not None:
+        if rope_style not in ("neox", "interleaved"):
+            raise ValueError(f"write_rows: rope_style must be 'neox', 'interleaved' or None, got {rope_style!r}")
         if positions is None:
             raise ValueError("write_rows: rope needs positions")
-        if (rope.rotary_dim or d) > d:
-            raise ValueError(f"write_rows: RopeSpec.rotary_dim={rope.rotary_dim} exceeds head_dim={d}")
-    return num_layers, kv, heads, page, d
+        if (rotary_dim or d) > d or (rotary_dim or d) % 2:
+            raise ValueError(f"write_rows: rotary_dim={rotary_dim} must be even and at most head_dim={d}")
 
 
-def plan_for(pools, k, v, layer, rope=None, *, block_t: Optional[int] = None,
-             heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
-             num_warps: int = 4, block_scale: str = "max6") -> _Plan:
+def plan_for(k, v, layer, *, low=None, high=None, plain=None, rope_style: Optional[str] = None,
+             rotary_dim: Optional[int] = None, block_t: Optional[int] = None, heads_per_program: Optional[int] = None,
+             interpret: Optional[bool] = None, num_warps: int = 4, block_scale: str = "max6") -> _Plan:
     """The static plan `write_rows` would use (shapes only; for benches and tests)."""
-    num_layers, kv, heads, page, d = _geometry(pools)
+    num_layers, kv, heads, page, d = _geometry(low, high, plain)
     num_tokens = k.shape[-3]
     dp = _pow2_ceil(d)
-    all_layers = layer is None
     bt0, hb0 = _default_blocks(num_tokens, dp)
     block_t = bt0 if block_t is None else block_t
     hb = hb0 if heads_per_program is None else heads_per_program
@@ -389,19 +384,17 @@ def plan_for(pools, k, v, layer, rope=None, *, block_t: Optional[int] = None,
         raise ValueError(f"write_rows: heads_per_program={hb} must divide num_kv_heads={heads}")
     if num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"write_rows: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
-    row_pool = "high" if pools.high is not None else ("plain" if pools.plain is not None else None)
-    row = getattr(pools, row_pool) if row_pool else None
+    row = high if high is not None else plain
     if interpret is None:
         interpret = (not on_gpu()) and not _FORCE_COMPILED[0]
     return _Plan(
-        num_tokens=num_tokens, num_layers=num_layers, all_layers=all_layers, kv=kv, heads=heads, head_dim=d,
-        dp=dp, page=page, low_pages=(min(pools.low.data.shape[1], pools.low.scales.shape[1]) if pools.low is not None
-                                     else pools.plain.rows.shape[1]),
-        high_pages=pools.high.rows.shape[1] if pools.high is not None else 0, has_low=pools.low is not None,
-        row_pool=row_pool, row_dtype=jnp.dtype(row.rows.dtype).name if row is not None else None,
+        num_tokens=num_tokens, num_layers=num_layers, all_layers=layer is None, kv=kv, heads=heads, head_dim=d,
+        dp=dp, page=page, low_pages=min(low[0].shape[1], low[1].shape[1]) if low is not None else plain[0].shape[1],
+        high_pages=high[0].shape[1] if high is not None else 0, has_low=low is not None,
+        row_pool=None if row is None else ("high" if high is not None else "plain"),
+        row_dtype=jnp.dtype(row[0].dtype).name if row is not None else None,
         k_dtype=jnp.dtype(k.dtype).name, v_dtype=jnp.dtype(v.dtype).name if v is not None else None,
-        rope_style=rope.style if rope is not None else None,
-        rotary_dim=(rope.rotary_dim or d) if rope is not None else 0,
+        rope_style=rope_style, rotary_dim=(rotary_dim or d) if rope_style is not None else 0,
         block_t=block_t, heads_per_program=hb, interpret=bool(interpret), num_warps=num_warps,
         block_scale=block_scale)
 
@@ -424,72 +417,64 @@ def _call(plan: _Plan, inputs, pools_flat, debug: bool = False):
     )(*inputs, *pools_flat)
 
 
-def write_rows(pools, k, v, layer, low_slot, high_slot, page_size: int, positions=None, rope=None, *,
+def write_rows(k, v, layer, low_slot, high_slot, page_size: int, positions=None, *, low=None, high=None, plain=None,
+               rope_style: Optional[str] = None, rope_theta: float = 10000.0, rotary_dim: Optional[int] = None,
                block_t: Optional[int] = None, heads_per_program: Optional[int] = None, interpret: Optional[bool] = None,
                num_warps: int = 4, debug: bool = False, block_scale: str = "max6"):
-    """Store new rows of one layer or all layers into a group's pools, in place (one fused kernel).
+    """Store new rows of one layer or all layers into a group's pool arrays, in place (one fused kernel).
 
     Args:
-      pools: the group's `jmixedkv.pools.GroupPools` (mixed: low + high; low: low; plain: plain); read through its
-        fields only (``low.data/scales/gs``, ``high.rows/scale``, ``plain.rows/scale``), so this module does not
-        import the library's pytrees.
       k: ``[T, H, D]`` (``layer`` given: int or traced int32 scalar) or ``[L, T, H, D]`` (``layer=None``).
-        Any float dtype; RoPE'd here when ``rope`` is given, then rounded to ``k.dtype``.
+        Any float dtype; RoPE'd here when ``rope_style`` is given, then rounded to ``k.dtype``.
       v: same shape as ``k`` (any float dtype), or None for an MLA latent group (kv_factor 1).
       low_slot: i32[T] slots ``page * page_size + row`` into the low pool (mixed / low) or the plain pool; -1 skip.
-      high_slot: i32[T] slots into the high twin (mixed groups); -1 skip.
+      high_slot: i32[T] slots into the high twin (needed with ``high``); -1 skip.
       page_size: rows per page (must match the pools).
-      positions: i32[T] token positions (needed with ``rope``).
-      rope: optional `jmixedkv.RopeSpec` (``style``, ``theta``, ``rotary_dim``), applied to K only.
+      positions: i32[T] token positions (needed with ``rope_style``).
+      low: ``(data u8[L,P,kv,H,page,D/2], scales float8_e4m3fn[L,P,kv,H,page,D/16], gs f32[L,kv])``: NVFP4 pages.
+      high: ``(rows dtype[L,Ph,kv,H,page,D], scale f32[L,kv])``: the retained twin (with ``low`` only).
+      plain: ``(rows dtype[L,P,kv,H,page,D], scale f32[L,kv])``: row pages (exclusive with ``low``). Row pools of
+        bf16 / fp16 store a cast, float8_e4m3fn ``e4m3(clip(x / scale, ±448))``.
+      rope_style: ``"neox"`` | ``"interleaved"`` | None (no RoPE); applied to K only, ``rope_theta`` its base,
+        ``rotary_dim`` the rotated leading dims (even; None = D).
       block_t / heads_per_program: tokens and heads per program (powers of two / divisor of H; default heuristic).
       num_warps: Triton warps per program (GPU only).
       interpret: force interpret mode (default: interpret when no GPU, unless inside `lowering_for_cuda`).
       debug: print the kernel jaxpr and Triton IR while lowering (pallas ``debug=True``).
-      block_scale: NVFP4 block scaling of the low rows, ``"max6"`` or ``"4over6"`` (`KVCacheConfig.block_scale`).
+      block_scale: NVFP4 block scaling of the low rows, ``"max6"`` or ``"4over6"``.
 
     Returns:
-      the updated pools, ``dataclasses.replace`` of ``pools`` (the same buffers when the caller donates them).
+      ``(low_data, low_scales, high_rows, plain_rows)``: the updated arrays, None for an absent pool (the same
+      buffers when the caller donates them; the inputs themselves when ``T == 0``).
     """
     k = jnp.asarray(k)
     v = None if v is None else jnp.asarray(v)
     low_slot = jnp.asarray(low_slot)
     high_slot = jnp.asarray(high_slot) if high_slot is not None else None
     positions = None if positions is None else jnp.asarray(positions)
-    _, kv, _, _, d = _check_inputs(pools, k, v, layer, low_slot, high_slot, page_size, positions, rope)
-    plan = plan_for(pools, k, v, layer, rope, block_t=block_t, heads_per_program=heads_per_program,
-                    interpret=interpret, num_warps=num_warps, block_scale=block_scale)
-    if plan.num_tokens == 0:
-        return pools
-    if plan.row_pool == "high" and high_slot is None:
-        raise ValueError("write_rows: a mixed group needs high_slot")
+    geo = _geometry(low, high, plain)
+    _check_inputs(geo, k, v, layer, low_slot, high_slot, page_size, positions, rope_style, rotary_dim,
+                  mixed=high is not None)
+    plan = plan_for(k, v, layer, low=low, high=high, plain=plain, rope_style=rope_style, rotary_dim=rotary_dim,
+                    block_t=block_t, heads_per_program=heads_per_program, interpret=interpret, num_warps=num_warps,
+                    block_scale=block_scale)
+    row = high if high is not None else plain
+    pools_flat = ([low[0], low[1]] if low is not None else []) + ([row[0]] if row is not None else [])
     layer_arr = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
     lslot = low_slot.astype(jnp.int32)
     hslot = high_slot.astype(jnp.int32) if high_slot is not None else lslot
-    inputs = [layer_arr, lslot, hslot, k] + ([v] if kv == 2 else [])
-    if rope is not None:
-        cos, sin = rope_cos_sin(positions.astype(jnp.int32), plan.rotary_dim, rope.theta)
-        inputs += [cos, sin]
-    pools_flat = []
-    if pools.low is not None:
-        gs = pools.low.gs.astype(jnp.float32)
-        inputs.append(gs)
-        pools_flat += [pools.low.data, pools.low.scales]
-    row = pools.high if plan.row_pool == "high" else pools.plain
-    if row is not None:
-        inputs.append(row.scale.astype(jnp.float32))
-        pools_flat.append(row.rows)
-    out = list(_call(plan, inputs, pools_flat, debug=debug))
-    low = high = plain = None
-    if pools.low is not None:
-        low = dataclasses.replace(pools.low, data=out.pop(0), scales=out.pop(0))
-    if row is not None:
-        new_row = dataclasses.replace(row, rows=out.pop(0))
-        high, plain = (new_row, pools.plain) if plan.row_pool == "high" else (pools.high, new_row)
-    return dataclasses.replace(pools, low=low, high=high, plain=plain)
+    inputs = [layer_arr, lslot, hslot, k] + ([v] if geo[1] == 2 else [])
+    if rope_style is not None:
+        inputs += rope_cos_sin(positions.astype(jnp.int32), plan.rotary_dim, rope_theta)
+    inputs += [pool[i].astype(jnp.float32) for pool, i in ((low, 2), (row, 1)) if pool is not None]  # gs, scale
+    out = iter(_call(plan, inputs, pools_flat, debug=debug) if plan.num_tokens else pools_flat)
+    data, scales = (next(out), next(out)) if low is not None else (None, None)
+    rows = next(out, None)
+    return data, scales, rows if high is not None else None, rows if plain is not None else None
 
 
-def dump_kernel_ir(pools, k, v, layer, low_slot, high_slot, page_size: int, positions=None, rope=None,
-                   **kw) -> str:
+def dump_kernel_ir(k, v, layer, low_slot, high_slot, page_size: int, positions=None, *, low=None, high=None,
+                   plain=None, **kw) -> str:
     """Lower the compiled (GPU) kernel for CUDA and return the Pallas debug print (jaxpr + Triton IR) as text.
 
     Works on a CPU machine; grep the result for ``elementwise_inline_asm`` / ``mul.rn.f32`` (the PTX itself is
@@ -498,23 +483,25 @@ def dump_kernel_ir(pools, k, v, layer, low_slot, high_slot, page_size: int, posi
     import contextlib as _cl
     buf = io.StringIO()
     with lowering_for_cuda(), _cl.redirect_stdout(buf):
-        fn = lambda p, *a: write_rows(p, *a, page_size, positions=positions, rope=rope, debug=True, **kw)  # noqa
-        jax.jit(fn).trace(pools, k, v, layer, low_slot, high_slot).lower(lowering_platforms=("cuda",))
+        fn = lambda lo, hi, pn, *a: write_rows(*a, page_size, positions, low=lo, high=hi, plain=pn, debug=True,  # noqa
+                                               **kw)
+        jax.jit(fn).trace(low, high, plain, k, v, layer, low_slot, high_slot).lower(lowering_platforms=("cuda",))
     return buf.getvalue()
 
 
-def rope_rows_f32(x, positions, rope, *, interpret: Optional[bool] = None):
+def rope_rows_f32(x, positions, rope_style: str, rope_theta: float = 10000.0, rotary_dim: Optional[int] = None, *,
+                  interpret: Optional[bool] = None):
     """The kernel's in-kernel RoPE alone: rotate ``x f32[T, D]`` (T, D powers of two) and return float32,
     without any rounding to a storage dtype. Test hook for the no-FMA guarantee (compare with numpy)."""
     x = jnp.asarray(x, jnp.float32)
     t, d = x.shape
-    rd = rope.rotary_dim or d
+    rd = rotary_dim or d
     interp = ((not on_gpu()) and not _FORCE_COMPILED[0]) if interpret is None else interpret
     plan = _Plan(num_tokens=t, num_layers=1, all_layers=False, kv=1, heads=1, head_dim=d, dp=d, page=1,
                  low_pages=0, high_pages=0, has_low=False, row_pool=None, row_dtype=None, k_dtype="float32",
-                 v_dtype=None, rope_style=rope.style, rotary_dim=rd, block_t=t, heads_per_program=1,
+                 v_dtype=None, rope_style=rope_style, rotary_dim=rd, block_t=t, heads_per_program=1,
                  interpret=bool(interp))
-    cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), rd, rope.theta)
+    cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), rd, rope_theta)
 
     def kernel(x_ref, cos_ref, sin_ref, o_ref):
         ops = _JnpOps if plan.interpret else _PtxOps

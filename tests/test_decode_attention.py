@@ -16,6 +16,7 @@ import jmixedkv as jm
 from jmixedkv.decode import decode_attention, merge_attention
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.layout import TwinGeometry
+from jmixedkv.pools import kernel_arrays
 from pallas_kernels.decode_attention import default_num_splits, merge_partials, paged_decode_attention
 from helpers import check_kernel, rel_l2
 from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state
@@ -105,8 +106,8 @@ def test_tq_longer_than_sequence_small_blocks_poisoned_splits():
         ref_o, ref_lse = reference(st, 1, q, seq, **kw)
         assert np.isfinite(np.asarray(ref_o)).all()
         out, lse = paged_decode_attention(
-            q, st.page_table, st.kv_lens, 1, pools.low, pools.high, None, st.high_table, geom=cfg.twin, num_splits=3,
-            block_k=16, interpret=True, out_dtype=jnp.float32, **kw)
+            q, st.page_table, st.kv_lens, 1, kernel_arrays(pools.low), kernel_arrays(pools.high), None, st.high_table,
+            geom=cfg.twin, num_splits=3, block_k=16, interpret=True, out_dtype=jnp.float32, **kw)
         assert np.isfinite(np.asarray(out)).all()
         assert rel_l2(out, ref_o) < 1e-4, kw
         np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
@@ -121,10 +122,37 @@ def test_float32_output_three_splits():
     ref_o, ref_lse = reference(st, 0, q, seq)
     cfg, pools = st.config, st.pools[0]
     out, lse = paged_decode_attention(
-        q, st.page_table, st.kv_lens, 0, pools.low, pools.high, None, st.high_table, geom=cfg.twin, num_splits=3,
-        interpret=True, out_dtype=jnp.float32)
+        q, st.page_table, st.kv_lens, 0, kernel_arrays(pools.low), kernel_arrays(pools.high), None, st.high_table,
+        geom=cfg.twin, num_splits=3, interpret=True, out_dtype=jnp.float32)
     assert rel_l2(out, ref_o) < 1e-4
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tq,hq,d,groups", [("mixed_nvfp4_bf16", 1, 8, 128, 4), ("mixed_nvfp4_fp8", 2, 4, 64, 2),
+                                                   ("nvfp4", 1, 4, 64, 2)])
+def test_column_groups_equal_ungrouped_kernel_and_reference(dtype, tq, hq, d, groups):
+    """``col_groups`` (the MMA's padding query rows accumulate V's column groups): bitwise the ungrouped kernel in
+    interpret mode, and the float32 reference, over poisoned pages, edge blocks (first_n / last_n, causal verify,
+    rows past n) and uneven splits; a count that does not fit is refused with the values."""
+    mixed = dtype.startswith("mixed")
+    st = make_state(dtype, first_n=5 if mixed else 0, last_n=9 if mixed else 0, lens=(1, 15, 16, 17, 70, 150), d=d)
+    q = queries(st, tq, hq)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    pools = st.pools[0]
+    run = lambda cg: paged_decode_attention(  # noqa: E731
+        q, st.page_table, st.kv_lens, 1, kernel_arrays(pools.low), kernel_arrays(pools.high) if mixed else None,
+        None, st.high_table if mixed else None, geom=st.config.twin if mixed else None, num_splits=3, block_k=32,
+        num_warps=1, col_groups=cg, interpret=True, out_dtype=jnp.float32)
+    (o1, l1), (og, lg) = run(1), run(groups)
+    np.testing.assert_array_equal(np.asarray(og), np.asarray(o1))
+    np.testing.assert_array_equal(np.asarray(lg), np.asarray(l1))
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    assert rel_l2(og, ref_o) < 1e-4
+    np.testing.assert_allclose(lg, ref_lse, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match=f"col_groups={2 * groups} must be a power of two <= {groups}"):
+        run(2 * groups)
+    with pytest.raises(ValueError, match="col_groups=3"):
+        run(3)
 
 
 def test_padding_rows_and_reference_backend():
@@ -188,7 +216,7 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="exactly one"):
         paged_decode_attention(q, st.page_table, st.kv_lens)
     with pytest.raises(ValueError, match="block_k=0"):
-        paged_decode_attention(q, st.page_table, st.kv_lens, 0, st.pools[0].low, block_k=0)
+        paged_decode_attention(q, st.page_table, st.kv_lens, 0, kernel_arrays(st.pools[0].low), block_k=0)
     assert default_num_splits(16, 8, 4096) == 8 and default_num_splits(64, 8, 4096) == 2
     assert default_num_splits(1, 8, 3) == 3
 
@@ -224,6 +252,22 @@ def test_cross_lowers_for_cuda(variant, tuning):
         fn = lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, 0, None, None, plain, **tuning)  # noqa
         text = cross_lower_cuda(fn, q, pt, lens, high)
     assert "triton" in text.lower()
+
+
+def test_column_groups_cross_lower_for_cuda():
+    """The grouped kernel (column-sliced byte / scale / strided twin loads, masked P tiles) lowers for CUDA with
+    the inline-PTX dequantization."""
+    L, P, kv, H, page, D, B = 2, 16, 2, 2, 16, 128, 2
+    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
+           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
+    high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
+    q = jnp.zeros((B, 1, 8, D), jnp.bfloat16)
+    pt, lens, ht = jnp.zeros((B, 8), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
+    fn = lambda q, pt, lens, ht, low, high: paged_decode_attention(  # noqa: E731
+        q, pt, lens, 1, low, high, None, ht, geom=TwinGeometry(page, 5, 7, 1, 3), num_splits=2, block_k=32,
+        num_warps=1, col_groups=4)
+    text = cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+    assert "triton" in text.lower() and "_g4" in text
 
 
 # ------------------------------------------------------------------------------------------ GPU (H200)

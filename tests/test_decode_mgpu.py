@@ -15,6 +15,7 @@ import pytest
 from jmixedkv.decode import decode_attention
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.layout import TwinGeometry
+from jmixedkv.pools import kernel_arrays
 from pallas_kernels import decode_mgpu
 from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu, preferred, supported
 from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state
@@ -34,7 +35,7 @@ def _run(st, q, layer, **kw):
     cfg, pools = st.config, st.pools[0]
     mixed = st.kinds[0] == "mixed"
     return paged_decode_attention_mgpu(
-        q, st.page_table, st.kv_lens, layer, pools.low, pools.high if mixed else None,
+        q, st.page_table, st.kv_lens, layer, kernel_arrays(pools.low), kernel_arrays(pools.high) if mixed else None,
         st.high_table if mixed else None, geom=cfg.twin if mixed else None, **kw)
 
 

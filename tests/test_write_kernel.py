@@ -255,7 +255,7 @@ def _rope_rows_check(style, interpret):
     pos[:2] = 0                           # sin = +0: y' = -0 * 1 + x * 0 is +0 or -0 by the sign of x
     x[:2, yi] = -0.0
     x[1, xi] = -np.abs(x[1, xi])
-    got = np.asarray(W.rope_rows_f32(x, pos, rope, interpret=interpret))
+    got = np.asarray(W.rope_rows_f32(x, pos, rope.style, rope.theta, rope.rotary_dim, interpret=interpret))
     cos, sin = map(np.asarray, rope_cos_sin(jnp.asarray(pos), rd, rope.theta))
     want = numpy_rope(x, cos, sin, rope)
     assert_bits_equal(got, want)
@@ -303,13 +303,20 @@ def test_barrier_does_not_stop_fma():
 
 
 # ------------------------------------------------------------------------------------------------ validation
+def raw_pools(pools):
+    """The kernel's pool arguments (``low=``, ``high=``, ``plain=`` raw array tuples) of a `GroupPools`."""
+    return dict(low=pools.low and (pools.low.data, pools.low.scales, pools.low.gs),
+                high=pools.high and (pools.high.rows, pools.high.scale),
+                plain=pools.plain and (pools.plain.rows, pools.plain.scale))
+
+
 def test_host_validation_errors():
     st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=2, num_kv_heads=2, head_dim=64))
-    pools = st.pools[0]
+    pools = raw_pools(st.pools[0])
     k = jnp.zeros((4, 2, 64), jnp.bfloat16)
     slots = jnp.zeros((4,), jnp.int32)
-    call = lambda **kw: W.write_rows(**{**dict(pools=pools, k=k, v=k, layer=0, low_slot=slots,  # noqa: E731
-                                                high_slot=slots, page_size=PAGE), **kw})
+    call = lambda **kw: W.write_rows(**{**dict(k=k, v=k, layer=0, low_slot=slots,  # noqa: E731
+                                                high_slot=slots, page_size=PAGE, **pools), **kw})
     with pytest.raises(ValueError, match="H=2, D=64"):
         call(k=jnp.zeros((4, 2, 32)), v=jnp.zeros((4, 2, 32)))
     with pytest.raises(ValueError, match="v must have"):
@@ -323,14 +330,24 @@ def test_host_validation_errors():
     with pytest.raises(ValueError, match="float array"):
         call(k=jnp.zeros((4, 2, 64), jnp.int32), v=jnp.zeros((4, 2, 64), jnp.int32))
     with pytest.raises(ValueError, match="rope needs positions"):
-        call(rope=jk.RopeSpec())
+        call(rope_style="neox")
     with pytest.raises(ValueError, match="rotary_dim=128"):
-        call(rope=jk.RopeSpec(rotary_dim=128), positions=slots)
+        call(rope_style="neox", rotary_dim=128, positions=slots)
+    with pytest.raises(ValueError, match="rotary_dim=7 must be even"):
+        call(rope_style="neox", rotary_dim=7, positions=slots)
+    with pytest.raises(ValueError, match="rope_style must be"):
+        call(rope_style="gptj", positions=slots)
+    with pytest.raises(ValueError, match="a mixed group needs high_slot"):
+        call(high_slot=None)
+    for absent in (dict(low=None), dict(plain=pools["high"]), dict(low=None, plain=pools["high"])):
+        with pytest.raises(ValueError, match="pass low= "):
+            call(**absent)
     with pytest.raises(ValueError, match="all-layer k has 3"):
         call(k=jnp.zeros((3, 4, 2, 64)), v=jnp.zeros((3, 4, 2, 64)), layer=None)
     with pytest.raises(ValueError, match="heads_per_program=3"):
         call(heads_per_program=3)
-    assert call(k=k[:0], v=k[:0], low_slot=slots[:0], high_slot=slots[:0]) is pools  # T == 0: no-op
+    out = call(k=k[:0], v=k[:0], low_slot=slots[:0], high_slot=slots[:0])                # T == 0: no-op
+    assert len(out) == 4 and all(a is b for a, b in zip(out, (*pools["low"][:2], pools["high"][0], None)))
 
 
 # ------------------------------------------------------------------------------------------------ CUDA lowering
@@ -375,14 +392,14 @@ def test_kernel_ir_uses_rounded_ptx_ops():
     st = _state("mixed_nvfp4_bf16", GroupSpec(num_layers=1, num_kv_heads=1, head_dim=64))
     slots = jnp.arange(16, dtype=jnp.int32)
     k = jnp.zeros((16, 1, 64), jnp.bfloat16)
-    text = W.dump_kernel_ir(st.pools[0], k, k, 0, slots, slots, PAGE, positions=slots, rope=jk.RopeSpec())
+    text = W.dump_kernel_ir(k, k, 0, slots, slots, PAGE, slots, rope_style="neox", **raw_pools(st.pools[0]))
     assert "mul.rn.f32 $0" in text and "sub.rn.f32 $0" in text and "div.rn.f32 $0" in text
     assert not re.search(r"\barith\.divf\b.*f32", text)  # Triton would emit div.full.f32 (approximate)
 
 
 def test_cross_lower_rope_rows():
     with W.lowering_for_cuda():
-        cross_lower_cuda(lambda x, p: W.rope_rows_f32(x, p, jk.RopeSpec("interleaved")),
+        cross_lower_cuda(lambda x, p: W.rope_rows_f32(x, p, "interleaved"),
                          jnp.zeros((32, 128), jnp.float32), jnp.zeros((32,), jnp.int32))
 
 
