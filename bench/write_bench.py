@@ -60,6 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 import jmixedkv as jk  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.write import write_rows_reference  # noqa: E402
+from jmixedkv.pools import kernel_arrays  # noqa: E402
 from jmixedkv.allocator import allocate_mask  # noqa: E402
 from jmixedkv.state import GroupSpec, write_slots  # noqa: E402
 from pallas_kernels import write as W  # noqa: E402
@@ -119,9 +120,8 @@ def traffic_bytes(k, low_slot, high_slot):
 def kernel_args(pools, rope):
     """The kernel's keyword arguments for a mixed group's `GroupPools` and a `RopeSpec` (or None): raw array
     tuples and RoPE statics, as `jmixedkv.write` passes them."""
-    low, high = pools.low, pools.high
     rope_kw = {} if rope is None else dict(rope_style=rope.style, rope_theta=rope.theta, rotary_dim=rope.rotary_dim)
-    return dict(low=(low.data, low.scales, low.gs), high=(high.rows, high.scale), **rope_kw)
+    return dict(low=kernel_arrays(pools.low), high=kernel_arrays(pools.high), **rope_kw)
 
 
 def kernel_write(pools, k, v, layer, ls, hs, page, pos, rope, **kw):

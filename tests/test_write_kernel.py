@@ -25,6 +25,7 @@ from helpers import assert_bits_equal, assert_trees_bit_equal, check_kernel, jit
 import jmixedkv as jk
 from jmixedkv import numerics
 from jmixedkv.compat import cross_lower_cuda, on_gpu
+from jmixedkv.pools import kernel_arrays
 from jmixedkv.rope import rope_cos_sin
 from jmixedkv.state import GroupSpec
 from pallas_kernels import write as W
@@ -305,9 +306,7 @@ def test_barrier_does_not_stop_fma():
 # ------------------------------------------------------------------------------------------------ validation
 def raw_pools(pools):
     """The kernel's pool arguments (``low=``, ``high=``, ``plain=`` raw array tuples) of a `GroupPools`."""
-    return dict(low=pools.low and (pools.low.data, pools.low.scales, pools.low.gs),
-                high=pools.high and (pools.high.rows, pools.high.scale),
-                plain=pools.plain and (pools.plain.rows, pools.plain.scale))
+    return dict(low=kernel_arrays(pools.low), high=kernel_arrays(pools.high), plain=kernel_arrays(pools.plain))
 
 
 def test_host_validation_errors():
