@@ -8,8 +8,9 @@ Llama-style neox RoPE applied in the kernel):
 * prefill chunk: 8 sequences x 1024 tokens (8192 tokens), all layers in one call.
 
 Each case is first checked bit-for-bit against the reference (`write_rows_reference` after an eager
-`apply_rope`), then timed (warmup, median of many runs, ``block_until_ready``, pools donated). Effective
-bandwidth counts K/V read + NVFP4 bytes written + twin rows written, against a device copy measured in-run.
+`apply_rope`), then timed (warmup, then the median over batches of 10 asynchronous calls, each batch blocked
+once; pools donated). Effective bandwidth counts K/V read + NVFP4 bytes written + twin rows written, against a
+device copy measured in-run.
 
     PYTHONPATH=. python3 bench/write_bench.py --out DIR       # GPU: table, DIR/write_bench.json, RESULTS.md
     PYTHONPATH=. python3 bench/write_bench.py --dump-ptx DIR  # GPU: XLA dump; counts fma in this kernel's PTX
@@ -192,19 +193,30 @@ def _bytes_differ(got, want):
     return bad
 
 
-def time_fn(fn, pools, args, iters):
-    """Median seconds per call; pools are donated and threaded through."""
-    pools = copy_pools(pools)
+def time_fn(fn, state, args, iters, reps=10, inner=1):
+    """Median seconds per call over ``iters`` batches of ``reps`` asynchronous calls, blocked once per batch (the
+    timing rule of `decode_bench.time_jax`). ``state`` (pools or a whole `CacheState`) is copied, donated and
+    threaded through the calls.
+
+    ``inner > 1`` runs ``inner`` calls inside one jitted ``fori_loop`` per dispatch and divides by it: device time
+    per call. The decode write (19 MB) takes less device time than the host needs to dispatch one jitted call with
+    the pools pytree (~50-90 us), so without it the decode rows time the host (run-to-run spread 55-95 us on the H200,
+    bench/data/write_ab-2026-11-30.txt)."""
+    if inner > 1:
+        step = fn
+        fn = jax.jit(lambda s, *a: jax.lax.fori_loop(0, inner, lambda i, s_: step(s_, *a), s), donate_argnums=0)
+    state = jax.tree.map(lambda a: a.copy(), state)
     for _ in range(3):
-        pools = fn(pools, *args)
-    jax.block_until_ready(pools)
+        state = fn(state, *args)
+    jax.block_until_ready(state)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        pools = fn(pools, *args)
-        jax.block_until_ready(pools)
-        times.append(time.perf_counter() - t0)
-    del pools
+        for _ in range(reps):
+            state = fn(state, *args)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t0) / (reps * inner))
+    del state
     return statistics.median(times)
 
 
@@ -246,9 +258,10 @@ def run_dump(dump_dir):
 
 
 # --------------------------------------------------------------------------------------------- main
-def bench_case(name, case, rope, iters, sweep, with_append, full=True):
+def bench_case(name, case, rope, iters, sweep, with_append, full=True, inner=20):
     """``full=False`` (real-size pools): the default kernel and the pallas ``append`` only; bit-exactness at
-    that size is checked by tests/test_gpu_real_size.py."""
+    that size is checked by tests/test_gpu_real_size.py. Kernel rows are device time per call (``inner`` calls per
+    dispatch, `time_fn`); the XLA reference rows and the reference ``append`` are timed per dispatch."""
     st, k, v, seq, pos, ls, hs = case
     page = st.page_size
     pools = st.pools[0]
@@ -262,15 +275,17 @@ def bench_case(name, case, rope, iters, sweep, with_append, full=True):
     print(f"[{name}] bit-exact? {verdict} "
           f"(default block_t={plan.block_t}, heads_per_program={plan.heads_per_program}, grid={plan.grid})")
     args = (k, v, ls, hs, pos)
-    rows.append(dict(case=name, path="pallas all-layers (default)", s=time_fn(all_fn, pools, args, iters)))
+    rows.append(dict(case=name, path="pallas all-layers (default)",
+                     s=time_fn(all_fn, pools, args, iters, inner=inner)))
     for bt, hb, nw in (sweep if full else []):
         f, _ = fns(page, rope, bt, hb, nw)
         rows.append(dict(case=name, path=f"pallas all-layers bt={bt} hb={hb} warps={nw}",
-                         s=time_fn(f, pools, args, iters)))
+                         s=time_fn(f, pools, args, iters, inner=inner)))
     if full:
-        rows.append(dict(case=name, path=f"pallas {k.shape[0]}x per-layer", s=time_fn(per_fn, pools, args, iters)))
+        rows.append(dict(case=name, path=f"pallas {k.shape[0]}x per-layer",
+                         s=time_fn(per_fn, pools, args, iters, inner=inner)))
         rows.append(dict(case=name, path="pallas all-layers, no RoPE (timing only)",
-                         s=time_fn(fns(page, None)[0], pools, args, iters)))
+                         s=time_fn(fns(page, None)[0], pools, args, iters, inner=inner)))
         ref_all, ref_per = reference_fns(page, rope)
         rows.append(dict(case=name, path="XLA reference all-layers", s=time_fn(ref_all, pools, args, iters)))
         rows.append(dict(case=name, path="XLA reference per-layer", s=time_fn(ref_per, pools, args, iters)))
@@ -278,18 +293,8 @@ def bench_case(name, case, rope, iters, sweep, with_append, full=True):
         for backend in (("pallas", "reference") if full else ("pallas",)):
             f = jax.jit(lambda s, k, v, q, p, b=backend: jk.append(s, None, k, v, q, p, rope=rope, backend=b),
                         donate_argnums=0)
-            s0 = jax.tree.map(lambda a: a.copy(), st)
-            for _ in range(3):
-                s0 = f(s0, k, v, seq, pos)
-            jax.block_until_ready(s0)
-            ts = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                s0 = f(s0, k, v, seq, pos)
-                jax.block_until_ready(s0)
-                ts.append(time.perf_counter() - t0)
-            rows.append(dict(case=name, path=f"append() transition, {backend}", s=statistics.median(ts)))
-            del s0
+            rows.append(dict(case=name, path=f"append() transition, {backend}",
+                             s=time_fn(f, st, (k, v, seq, pos), iters, inner=inner if backend == "pallas" else 1)))
     for r in rows:
         r.update(bytes=nbytes, tbps=nbytes / r["s"] / 1e12, bit_exact=not any(bad.values()),
                  bytes_differ=bad)
@@ -328,7 +333,8 @@ def main():
     copy_bw = copy_tbs * 1e12
     all_rows, parts = [], {}
     for name, case, with_append, full in cases:
-        rows, parts[name] = bench_case(name, case, rope, iters, sweep, with_append, full)
+        rows, parts[name] = bench_case(name, case, rope, iters, sweep, with_append, full,
+                                       inner=2 if args.smoke else 20)
         all_rows += rows
         del case
     dev = jax.devices()[0]
