@@ -99,6 +99,9 @@ VARIANTS.update({
     "k128w2s2x2-vl": dict(block_k=128, num_warps=2, num_stages=2, x=2, v_late=True),
     "k16w1s3x8-vl": dict(block_k=16, num_warps=1, num_stages=3, x=8, v_late=True),
     "k64w2s3x2-vl": dict(block_k=64, num_warps=2, num_stages=3, x=2, v_late=True),
+    # column groups forced off / on (the default rule decides from the tokens per split)
+    "k32w1s3x2-vl-g1": dict(block_k=32, num_warps=1, num_stages=3, x=2, v_late=True, col_groups=1),
+    "k32w1s3x4-vl-g4": dict(block_k=32, num_warps=1, num_stages=3, x=4, v_late=True, col_groups=4),
 })
 # later shapes: this subset (the default first) unless --all
 SUBSET = ["k64w2s3x1", "k64w2s3x4-vl", "k64w2s3x2", "k64w2s3x4", "k64w2s4x2", "k64w1s3x4", "k32w1s3x4",
@@ -113,7 +116,8 @@ SHAPES = [("16x32k g4 p16 t1", 16, 32768, 32, 16, 1),
           ("64x4k g4 p16 t1", 64, 4096, 32, 16, 1),
           ("16x4k g4 p16 t1", 16, 4096, 32, 16, 1),
           ("1x32k g8 p16 t1", 1, 32768, 64, 16, 1),
-          ("1x32k g4 p16 t1", 1, 32768, 32, 16, 1)]
+          ("1x32k g4 p16 t1", 1, 32768, 32, 16, 1),
+          ("64x8k g4 p16 t1", 64, 8192, 32, 16, 1)]          # the shape of bench/step_bench.py
 
 
 # --------------------------------------------------------------------------------------------- helpers

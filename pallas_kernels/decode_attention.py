@@ -63,11 +63,12 @@ _dot = getattr(pltriton, "dot", None) or pl.dot
 DEFAULT_BLOCK_K = {"nvfp4": 64, "plain": 128}
 DEFAULT_NUM_WARPS = {"nvfp4": 2, "plain": 4}
 # NVFP4 pages with many (row, head) programs (batch x kv heads >= NUM_SMS / 2), pages <= 32 and 16 query rows:
-# 32-token steps, one warp per program, ~16 programs per SM, V read late (faster at 16 x 32k and 64 x 32k in the
-# bench/decode_sweep.py runs, slower at batch 1, so small grids keep 64 / 2; timings in bench/RESULTS.md).
-# Every configuration compiles to 255 registers per thread (8 warps per SM), so more, smaller programs only help
-# where the grid has work for them.
-WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=16)
+# 32-token steps, one warp per program, V read late, ~4 programs per SM rounded up to a power of two of splits (about
+# one resident wave: every configuration compiles to 255 registers per thread, 8 warps per SM), so splits are long
+# and column groups apply from 1024 tokens per split. In the bench/decode_sweep.py runs of 2026-11-30 (fifth session)
+# this beat 16 programs per SM by 6-20% at 16 x 4k, 16 x 32k (GQA 4 and 8), 64 x 4k and 64 x 8k and tied at 64 x 32k;
+# batch 1 keeps 64 / 2 (timings in bench/RESULTS.md).
+WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=4)
 
 
 def default_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int):
@@ -380,8 +381,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       plain: ``(rows, scale)``: plain pages (exclusive with ``low``).
       high_table: i32[B, F + R] high page ids (needed with ``high``).
       geom: the twin's static `jmixedkv.layout.TwinGeometry` (`KVCacheConfig.twin`; needed with ``high``).
-      num_splits: split-K programs per (row, head); None = `default_num_splits` (~4 programs per SM, ~16 with
-        `WIDE_GRID_TUNING`).
+      num_splits: split-K programs per (row, head); None = `default_num_splits` (~4 programs per SM, rounded up
+        to a power of two of splits).
       block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens); None =
         `DEFAULT_BLOCK_K` of the format (64 for NVFP4 pages, 128 for plain row pages), or `WIDE_GRID_TUNING`'s 32
         for NVFP4 pages <= 32 tokens, 16 query rows and batch x kv heads >= 66.
@@ -423,8 +424,6 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     fmt_key = "nvfp4" if low is not None else "plain"
     m_rows = _next_pow2(max(16, tq * group))
     tuned_k, tuned_w, per_sm = default_tuning(fmt_key, b, h, page, m_rows)
-    if block_k is not None or num_warps is not None:
-        per_sm = 4                       # a caller-chosen step size keeps the plain ~4 programs per SM
     block_k = tuned_k if block_k is None else block_k
     num_warps = tuned_w if num_warps is None else num_warps
     v_late = low is not None if v_late is None else bool(v_late)

@@ -66,7 +66,7 @@ def test_fp8_twin_gqa1_all_high():
 
 def test_wide_grid_tuning_batch9_heads8():
     """batch x KV heads >= NUM_SMS / 2 with page 16 and one query row per head: the kernel's wide-grid default
-    (32-token steps, 1 warp, ~16 programs per SM, V read after the softmax) -- checked to be the one chosen."""
+    (32-token steps, 1 warp, ~4 programs per SM, V read after the softmax) -- checked to be the one chosen."""
     from pallas_kernels.decode_attention import DEFAULT_BLOCK_K, NUM_SMS, WIDE_GRID_TUNING, default_tuning
     lens = (1, 15, 16, 17, 33, 2, 31, 48, 9)
     assert len(lens) * 8 >= NUM_SMS // 2
