@@ -50,6 +50,7 @@ from jax import lax
 
 from jmixedkv.compat import pl, pltriton, triton_params
 from jmixedkv.layout import TwinGeometry, check_offsets
+from pallas_kernels.nvfp4_ops import e2m1_f16_halves
 
 __all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "default_tuning", "NUM_SMS",
            "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS", "WIDE_GRID_TUNING"]
@@ -149,11 +150,7 @@ def _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm: bool,
         lo, hi = (pltriton.elementwise_inline_asm(_DEQUANT_ASM[half_], args=[b, sc], constraints="=r,=r,r,r,r",
                                                   pack=4, result_shape_dtypes=out)[0] for half_ in ("lo", "hi"))
     else:
-        wd = b.astype(jnp.uint16)
-        u = lambda v: jnp.uint16(v)  # noqa: E731
-        f16 = lambda bits: lax.bitcast_convert_type(bits, jnp.float16)  # noqa: E731
-        lo = f16(((wd & u(7)) << u(9)) | ((wd & u(8)) << u(12))) * sc
-        hi = f16(((wd & u(0x70)) << u(5)) | ((wd & u(0x80)) << u(8))) * sc
+        lo, hi = (x * sc for x in e2m1_f16_halves(b))
     return lo.reshape(k_tok, w), hi.reshape(k_tok, w)
 
 
@@ -336,6 +333,32 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
 
 
 # --------------------------------------------------------------------------------------------------- wrapper
+def group_queries(q, num_kv_heads: int):
+    """``q [B, Tq, Hq, D]`` -> ``[B, H, Tq * G, D]`` (``G = Hq / H``): each KV head's query rows, row ``t * G + g``."""
+    b, tq, hq, d = q.shape
+    g = hq // num_kv_heads
+    return q.reshape(b, tq, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, tq * g, d)
+
+
+def ungroup_rows(out, lse, tq: int, group: int):
+    """Inverse of `group_queries` for merged rows ``out [B, H, >= Tq * G, D]``, ``lse [B, H, >= Tq * G]`` (padding
+    rows dropped) -> ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``."""
+    b, h, _, d = out.shape
+    n = tq * group
+    out = out[:, :, :n].reshape(b, h, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h * group, d)
+    lse = lse[:, :, :n].reshape(b, h, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, h * group)
+    return out, lse
+
+
+def f16_queries(qf):
+    """float32 query rows ``[..., D]`` -> ``(rows * 2^shift in f16, shift i32[...])``: each row scaled by a power of
+    two into ``[2^7, 2^8)`` (exact) for the f16 dot with low-domain NVFP4 rows; the caller applies ``2^-shift`` to
+    the float32 logits."""
+    _, ex = jnp.frexp(jnp.max(jnp.abs(qf), axis=-1))
+    shift = 8 - ex
+    return jnp.ldexp(qf, shift[..., None]).astype(jnp.float16), shift
+
+
 def merge_partials(o, m, l):
     """Merge split partials ``o f32[S,...,D]`` (unnormalized), ``m, l f32[S,...]`` -> ``(out f32[...,D], lse)``.
 
@@ -454,8 +477,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     if dequant not in ("asm", "jnp") or (dequant == "asm" and interpret):
         raise ValueError(f"paged_decode_attention: dequant={dequant!r} must be 'asm' (compiled) or 'jnp'")
 
-    qg = q.reshape(b, tq, h, group, d).transpose(0, 2, 1, 3, 4).reshape(b, h, tq * group, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rep - tq * group), (0, 0)))       # [B, H, rep, D]
+    qg = jnp.pad(group_queries(q, h), ((0, 0), (0, 0), (0, rep - tq * group), (0, 0)))   # [B, H, rep, D]
     qg = jnp.tile(qg, (1, 1, col_groups, 1))                                 # column-group replicas
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - qg.shape[2]), (0, 0)))   # [B, H, M, D]
     qperm = (0, 1, 4, 3, 2) if keys_major else (0, 1, 4, 2, 3)     # -> [B, H, parts, M, D/p] or [B, H, parts, D/p, M]
@@ -467,10 +489,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         # and 2^e, sm_scale and the low domain's gs_k * 2^7 are applied to its f32 logits
         gs_l = jnp.asarray(low[2], jnp.float32)[layer_arr[0]]                 # [kv]
         lowmul = gs_l * LOW_DOMAIN
-        qf = qg.astype(jnp.float32)
-        _, ex = jnp.frexp(jnp.max(jnp.abs(qf), axis=-1))                       # [B, H, M]
-        shift = 8 - ex
-        qlow = split(jnp.ldexp(qf, shift[..., None]).astype(jnp.float16))
+        q16, shift = f16_queries(qg.astype(jnp.float32))                       # shift [B, H, M]
+        qlow = split(q16)
         rowmul = jnp.ldexp(jnp.float32(sm_scale) * lowmul[0], -shift)         # [B, H, M]
     use_high = high is not None and high_table is not None and high_table.shape[1] > 0
     if use_high and (geom is None or geom.page != page):
@@ -544,7 +564,5 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     # rows (replica j, query row i) of column group j -> [S, B, H, rep, groups, D/parts/groups, parts]
     o = o[:, :, :, :, :col_groups * rep].reshape(splits, b, h, parts, col_groups, rep, dp // col_groups)
     o = o.transpose(0, 1, 2, 5, 4, 6, 3).reshape(splits, b, h, rep, d)        # re-interleave the columns
-    out, lse = merge_partials(o, m[..., :rep], l[..., :rep])                 # [B, H, rep, D], [B, H, rep]
-    out = out[:, :, :tq * group].reshape(b, h, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
-    lse = lse[:, :, :tq * group].reshape(b, h, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hq)
+    out, lse = ungroup_rows(*merge_partials(o, m[..., :rep], l[..., :rep]), tq, group)
     return out.astype(out_dtype), lse

@@ -55,8 +55,8 @@ import numpy as np
 from jax import lax
 
 from jmixedkv.layout import TwinGeometry
-from pallas_kernels.decode_attention import LOW_DOMAIN, merge_partials
-from pallas_kernels.nvfp4_ops import dequant_tile
+from pallas_kernels.decode_attention import LOW_DOMAIN, f16_queries, group_queries, merge_partials, ungroup_rows
+from pallas_kernels.nvfp4_ops import NIBBLE_TO_F16, dequant_tile, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
            "KERNEL_ENV"]
@@ -80,10 +80,6 @@ def available() -> bool:
 
 
 # ----------------------------------------------------------------------------- dequantization
-# E2M1 nibble of a 16-bit word -> f16 bits of e2m1 * 2^-14, for the low nibble (even columns) and the high nibble
-# (odd columns): (magnitude mask, its left shift, sign mask, its left shift)
-_NIBBLE_TO_F16 = ((0x7, 9, 0x8, 12), (0x70, 5, 0x80, 8))
-
 # 2 packed bytes (one i32, bytes in bits 0-15) + their E4M3 block scale (i32, bits 0-7) -> two f16x2 registers:
 # $0 = low nibbles (even columns), $1 = high nibbles (odd columns), both in the low domain e2m1 * s * 2^-7 (exact).
 _DEQUANT_PTX = """{
@@ -97,7 +93,7 @@ mov.b32 k, 0x58005800;
 mul.rn.f16x2 sc, sc, k;
 """ + "".join(f"and.b32 m, x, {mm | mm << 16:#010x};\nshl.b32 m, m, {ms};\nand.b32 t, x, {sm | sm << 16:#010x};\n"
               f"shl.b32 t, t, {ss};\nor.b32 m, m, t;\nmul.rn.f16x2 ${i}, m, sc;\n"
-              for i, (mm, ms, sm, ss) in enumerate(_NIBBLE_TO_F16)) + "}"
+              for i, (mm, ms, sm, ss) in enumerate(NIBBLE_TO_F16)) + "}"
 
 
 def _dequant_inline(b_ref, s_ref):
@@ -168,12 +164,9 @@ def _dequant_inline(b_ref, s_ref):
 
 def _dequant_jnp(b_ref, s_ref):
     """Interpret path: the same exact arithmetic in jnp."""
-    w = b_ref[...].astype(jnp.uint16)                                         # [64, 64]
     sc = s_ref[...].reshape(BLOCK_K, 8).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
     sc = jnp.repeat(sc, 8, axis=1)                                            # [64, 64]
-    u = lambda v: jnp.uint16(v)  # noqa: E731
-    lo, hi = (lax.bitcast_convert_type(((w & u(mm)) << u(ms)) | ((w & u(sm)) << u(ss)), jnp.float16) * sc
-              for mm, ms, sm, ss in _NIBBLE_TO_F16)
+    lo, hi = (x * sc for x in e2m1_f16_halves(b_ref[...]))                    # [64, 64] each
     return lo, hi
 
 
@@ -447,11 +440,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     k0 = jnp.minimum(fn, lens)
     k1 = jnp.maximum(k0, lens - tail)
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([k0, k1], 1).reshape(-1)]).astype(jnp.int32)
-    qg = q.reshape(b, tq, h, group, d).transpose(0, 2, 1, 3, 4).reshape(b, h, tq * group, d)
-    qg = jnp.pad(qg.astype(jnp.float32), ((0, 0), (0, 0), (0, M_ROWS - tq * group), (0, 0)))
-    _, ex = jnp.frexp(jnp.max(jnp.abs(qg), axis=-1))                          # [B, H, M]
-    shift = 8 - ex
-    qlow = jnp.ldexp(qg, shift[..., None]).astype(jnp.float16)
+    qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, M_ROWS - tq * group), (0, 0)))
+    qlow, shift = f16_queries(qg)                                             # shift [B, H, M]
     qlow = qlow.reshape(b, h, M_ROWS, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
     rowmul = jnp.ldexp(jnp.float32(sm_scale * _LOG2E) * gs_l[0] * LOW_DOMAIN, -shift).astype(jnp.float32)
 
@@ -565,7 +555,5 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         m = jnp.concatenate([m, me_s[None]], axis=0)
         l = jnp.concatenate([l, le[None]], axis=0)
 
-    out, lse = merge_partials(o, m, l)                                        # [B, H, M, D], [B, H, M]
-    out = out[:, :, :tq * group].reshape(b, h, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
-    lse = lse[:, :, :tq * group].reshape(b, h, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hq)
+    out, lse = ungroup_rows(*merge_partials(o, m, l), tq, group)
     return out.astype(out_dtype), lse

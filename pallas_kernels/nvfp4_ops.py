@@ -10,7 +10,9 @@ casts (the E4M3 scale is rounded with integer ops, E2M1 codes come from a magic-
 * E2M1: `e2m1_code_magnitude` (float32 -> |code| 0..7, RNE, saturating: the *encoder*) and `e2m1_value`
   (4-bit code -> float32 value, sign of zero kept: the *decoder*);
 * blocks: `block_quant` (per-block scale byte, reciprocal and NaN flag in the pinned order), the element views
-  `f32_halves` / `bf16_pair_halves` and `quantize_halves` (packed codes of a block tile), `dequant_tile`.
+  `f32_halves` / `bf16_pair_halves` and `quantize_halves` (packed codes of a block tile), `dequant_tile`;
+* the decode kernels' f16 form of E2M1: `NIBBLE_TO_F16` and `e2m1_f16_halves` (packed bytes -> f16 ``e2m1 * 2^-14``,
+  exact; their inline PTX builds the same bits).
 
 Float ``min``/``max`` lower to NaN-ignoring ``minnum``/``maxnum`` on the GPU and NaN-propagating ones on the CPU,
 so block maxima are **int32 maxima over the float bits** (NaN bits sort above Inf) and every NaN-dependent result
@@ -27,7 +29,7 @@ from jmixedkv.numerics import BLOCK, E4M3_MAX, SIXTH as _SIXTH_F32, keep
 
 __all__ = ["as_bits", "from_bits", "ptx_f32", "div_rn", "recip", "e4m3_encode", "e4m3_decode",
            "e2m1_code_magnitude", "e2m1_value", "block_quant", "f32_halves", "bf16_pair_halves", "quantize_halves",
-           "dequant_tile", "SIXTH"]
+           "dequant_tile", "SIXTH", "NIBBLE_TO_F16", "e2m1_f16_halves"]
 
 #: float32 1/6 of the pinned order as a Python float (exactly the float32 value; a weak-typed kernel constant)
 SIXTH = float(_SIXTH_F32)
@@ -226,3 +228,19 @@ def dequant_tile(packed, scale_values, gs, out_dtype):
     vals = e2m1_value(jnp.stack([p & 15, p >> 4], axis=-1).reshape(t, w))
     out = (vals.reshape(t, w // BLOCK, BLOCK) * scale_values[:, :, None]) * gs
     return out.reshape(t, w).astype(out_dtype)
+
+
+# ------------------------------------------------------------------------------------ f16 form (decode kernels)
+#: E2M1 nibble of a byte held in a 16-bit word -> the f16 bits ``sign << 15 | magnitude << 9`` (= the E2M1 value
+#: times 2^-14, exact; f16 keeps the subnormal 0.5 * 2^-14), for the low nibble (element 2i) and the high nibble
+#: (element 2i + 1): ``(magnitude mask, its left shift, sign mask, its left shift)``
+NIBBLE_TO_F16 = ((0x7, 9, 0x8, 12), (0x70, 5, 0x80, 8))
+
+
+def e2m1_f16_halves(packed):
+    """Packed NVFP4 bytes (``u8``, any shape) -> ``(even, odd)`` f16 of ``e2m1 * 2^-14`` (low / high nibble), exact,
+    integer ops only. The decode kernels multiply by ``f16(s) * 2^7`` (their *low domain*)."""
+    w = packed.astype(jnp.uint16)
+    u = jnp.uint16
+    return tuple(lax.bitcast_convert_type(((w & u(mm)) << u(ms)) | ((w & u(sm)) << u(ss)), jnp.float16)
+                 for mm, ms, sm, ss in NIBBLE_TO_F16)

@@ -103,6 +103,18 @@ def test_e2m1_value_decodes_every_code():
     assert np.signbit(got[8]) and not np.signbit(got[0])
 
 
+def test_e2m1_f16_halves_decodes_every_byte():
+    """The decode kernels' f16 E2M1 form (`nvfp4_ops.e2m1_f16_halves`: ``e2m1 * 2^-14``, exact) for all 256 bytes,
+    both nibbles, against ml_dtypes ``float4_e2m1fn``, sign of zero included (bits compared in float32)."""
+    b = np.arange(256, dtype=np.uint8)
+    lo, hi = jax.jit(ops.e2m1_f16_halves)(jnp.asarray(b))
+    for got, nib in ((lo, b & 15), (hi, b >> 4)):
+        assert got.dtype == jnp.float16
+        want = nib.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * np.float32(2.0 ** -14)
+        assert_bits_equal(np.asarray(got).astype(np.float32), want, "e2m1_f16_halves")
+    assert np.signbit(np.asarray(lo)[8]) and not np.signbit(np.asarray(hi)[8])
+
+
 def test_e4m3_encode_decode_helpers():
     rng = np.random.default_rng(1)
     vals = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
