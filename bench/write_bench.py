@@ -200,7 +200,7 @@ def time_fn(fn, state, args, iters, reps=10, inner=1):
 
     ``inner > 1`` runs ``inner`` calls inside one jitted ``fori_loop`` per dispatch and divides by it: device time
     per call. The decode write (19 MB) takes less device time than the host needs to dispatch one jitted call with
-    the pools pytree (~50-90 us), so without it the decode rows time the host (run-to-run spread 55-95 us on the H200,
+    the pools pytree (~50-90 us), so without it the decode rows time the host (run-to-run spread 55-137 us on the H200,
     bench/data/write_ab-2026-11-30.txt)."""
     if inner > 1:
         step = fn

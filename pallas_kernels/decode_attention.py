@@ -52,8 +52,9 @@ from jmixedkv.compat import pl, pltriton, triton_params
 from jmixedkv.layout import TwinGeometry, check_offsets
 from pallas_kernels.nvfp4_ops import e2m1_f16_halves
 
-__all__ = ["paged_decode_attention", "merge_partials", "default_num_splits", "default_tuning", "NUM_SMS",
-           "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS", "WIDE_GRID_TUNING"]
+__all__ = ["paged_decode_attention", "merge_partials", "group_queries", "ungroup_rows", "f16_queries",
+           "default_num_splits", "default_tuning", "NUM_SMS", "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS",
+           "WIDE_GRID_TUNING"]
 
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
