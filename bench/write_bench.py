@@ -160,6 +160,7 @@ def reference_fns(page, rope):
 
 
 def copy_pools(pools):
+    """Fresh device copies of every array of a pytree (pools or a whole `CacheState`)."""
     return jax.tree.map(lambda a: a.copy(), pools)
 
 
@@ -205,7 +206,7 @@ def time_fn(fn, state, args, iters, reps=10, inner=1):
     if inner > 1:
         step = fn
         fn = jax.jit(lambda s, *a: jax.lax.fori_loop(0, inner, lambda i, s_: step(s_, *a), s), donate_argnums=0)
-    state = jax.tree.map(lambda a: a.copy(), state)
+    state = copy_pools(state)
     for _ in range(3):
         state = fn(state, *args)
     jax.block_until_ready(state)
