@@ -102,6 +102,10 @@ VARIANTS.update({
     # column groups forced off / on (the default rule decides from the tokens per split)
     "k32w1s3x2-vl-g1": dict(block_k=32, num_warps=1, num_stages=3, x=2, v_late=True, col_groups=1),
     "k32w1s3x4-vl-g4": dict(block_k=32, num_warps=1, num_stages=3, x=4, v_late=True, col_groups=4),
+    # Tq 4 (verify steps: 16 / 32 real query rows per program)
+    "k32w2s3x1-vl": dict(block_k=32, num_warps=2, num_stages=3, x=1, v_late=True),
+    "k64w4s3x1-vl": dict(block_k=64, num_warps=4, num_stages=3, x=1, v_late=True),
+    "k32w4s3x1-vl": dict(block_k=32, num_warps=4, num_stages=3, x=1, v_late=True),
 })
 # later shapes: this subset (the default first) unless --all
 SUBSET = ["k64w2s3x1", "k64w2s3x4-vl", "k64w2s3x2", "k64w2s3x4", "k64w2s4x2", "k64w1s3x4", "k32w1s3x4",
@@ -117,7 +121,8 @@ SHAPES = [("16x32k g4 p16 t1", 16, 32768, 32, 16, 1),
           ("16x4k g4 p16 t1", 16, 4096, 32, 16, 1),
           ("1x32k g8 p16 t1", 1, 32768, 64, 16, 1),
           ("1x32k g4 p16 t1", 1, 32768, 32, 16, 1),
-          ("64x8k g4 p16 t1", 64, 8192, 32, 16, 1)]          # the shape of bench/step_bench.py
+          ("64x8k g4 p16 t1", 64, 8192, 32, 16, 1),          # the shape of bench/step_bench.py
+          ("16x32k g8 p16 t4", 16, 32768, 64, 16, 4)]
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -186,10 +191,11 @@ def random_state(page, lens, seed=0, extra_pages=0):
                                kv_lens=jnp.asarray(np.asarray(lens, np.int32)), active=jnp.ones((b,), bool)), nf, nr
 
 
-def splits_for(v, b, npg, page, m_rows=16):
-    """Split count of variant ``v``; the kernel's own default tuning (`default_tuning`) for ``{}``."""
+def splits_for(v, b, npg, page, m_rows=16, rows=None):
+    """Split count of variant ``v``; the kernel's own default tuning (`default_tuning`) for ``{}`` (``rows``: the
+    real query rows ``Tq * G``, default ``m_rows``)."""
     if "block_k" not in v:
-        bk, _, per_sm = da.default_tuning("nvfp4", b, H, page, m_rows)
+        bk, _, per_sm = da.default_tuning("nvfp4", b, H, page, m_rows, rows)
         nb = max(1, bk // page, -(-16 // page))
         return da.default_num_splits(b, H, max(1, -(-npg // nb)), per_sm)
     nb = max(1, v["block_k"] // page, -(-16 // page))
@@ -197,9 +203,9 @@ def splits_for(v, b, npg, page, m_rows=16):
     return max(1, min(blocks, int(round(da.default_num_splits(b, H, blocks) * v.get("x", 1)))))
 
 
-def kernel_fn(v, b, npg, page, nf, nr, out_dtype=None, m_rows=16):
+def kernel_fn(v, b, npg, page, nf, nr, out_dtype=None, m_rows=16, rows=None):
     kw = {k: v[k] for k in ("block_k", "num_warps", "num_stages", "keys_major", "v_late", "col_groups") if k in v}
-    splits = splits_for(v, b, npg, page, m_rows)
+    splits = splits_for(v, b, npg, page, m_rows, rows)
     kw.update(geom_kw(da.paged_decode_attention, page, nf, nr))
     if v:
         kw["num_splits"] = splits
@@ -303,7 +309,7 @@ def correctness(names, log):
                     fn = mgpu_fn(page, nf, nr)
                 else:
                     fn = kernel_fn(v, len(lens), npg, page, nf, nr,
-                                   m_rows=max(16, 1 << (tq * hq // H - 1).bit_length()))[0]
+                                   m_rows=max(16, 1 << (tq * hq // H - 1).bit_length()), rows=tq * hq // H)[0]
                 o, lse = fn(*args)
                 e = rel(o.astype(jnp.float32), ref_b)
                 fin = np.isfinite(np.asarray(lse))
@@ -343,7 +349,8 @@ def run_shape(shape, names, bw, log, with_mgpu=True, with_probe=False):
         v = VARIANTS[n]
         t0 = time.time()
         try:
-            fn, splits = kernel_fn(v, b, npg, page, nf, nr, m_rows=max(16, 1 << (tq * hq // H - 1).bit_length()))
+            fn, splits = kernel_fn(v, b, npg, page, nf, nr, m_rows=max(16, 1 << (tq * hq // H - 1).bit_length()),
+                                   rows=tq * hq // H)
             out = np.asarray(fn(*args)[0], np.float32)
             if not np.isfinite(out).all():
                 raise FloatingPointError("non-finite output")
@@ -437,7 +444,8 @@ def main(argv=None):
         pool = st.pools[0]
         q = jax.random.normal(jax.random.PRNGKey(b), (b, tq, hq, D), jnp.float32).astype(jnp.bfloat16)
         npg = st.page_table.shape[1]
-        fns = [mgpu_fn(page, nf, nr) if n == "mgpu" else kernel_fn(VARIANTS[n], b, npg, page, nf, nr)[0]
+        fns = [mgpu_fn(page, nf, nr) if n == "mgpu" else kernel_fn(VARIANTS[n], b, npg, page, nf, nr,
+                                                                      rows=tq * hq // H)[0]
                for n in args.profile.split(",")]
         args_ = (q, st.page_table, st.kv_lens, st.high_table, kernel_arrays(pool.low), kernel_arrays(pool.high))
         compiled = [f.lower(*args_).compile() for f in fns]

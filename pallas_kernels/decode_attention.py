@@ -54,7 +54,7 @@ from pallas_kernels.nvfp4_ops import e2m1_f16_halves
 
 __all__ = ["paged_decode_attention", "merge_partials", "group_queries", "ungroup_rows", "f16_queries",
            "default_num_splits", "default_tuning", "NUM_SMS", "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS",
-           "WIDE_GRID_TUNING"]
+           "WIDE_GRID_TUNING", "VERIFY_GRID_TUNING"]
 
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
@@ -64,20 +64,29 @@ _dot = getattr(pltriton, "dot", None) or pl.dot
 # bench/RESULTS.md)
 DEFAULT_BLOCK_K = {"nvfp4": 64, "plain": 128}
 DEFAULT_NUM_WARPS = {"nvfp4": 2, "plain": 4}
-# NVFP4 pages with many (row, head) programs (batch x kv heads >= NUM_SMS / 2), pages <= 32 and 16 query rows:
-# 32-token steps, one warp per program, V read late, ~4 programs per SM rounded up to a power of two of splits (about
-# one resident wave: every configuration compiles to 255 registers per thread, 8 warps per SM), so splits are long
-# and column groups apply from 1024 tokens per split. In the bench/decode_sweep.py runs of 2026-11-30 (fifth session)
-# this beat 16 programs per SM by 6-20% at 16 x 4k, 16 x 32k (GQA 4 and 8), 64 x 4k and 64 x 8k and tied at 64 x 32k;
-# batch 1 keeps 64 / 2 (timings in bench/RESULTS.md).
+# NVFP4 pages with many (row, head) programs (batch x kv heads >= NUM_SMS / 2), pages <= 32 and at most 8 real query
+# rows in the MMA's 16 (Tq * G <= 8, so column groups put the padding rows to work): 32-token steps, one warp per
+# program, V read late, ~4 programs per SM rounded up to a power of two of splits (about one resident wave: every
+# configuration compiles to 255 registers per thread, 8 warps per SM), so splits are long and column groups apply
+# from 1024 tokens per split. In the bench/decode_sweep.py runs of 2026-11-30 (fifth session) this beat 16 programs
+# per SM by 6-20% at 16 x 4k, 16 x 32k (GQA 4 and 8), 64 x 4k and 64 x 8k and tied at 64 x 32k; batch 1 keeps 64 / 2.
+# With 16 real rows (Tq 4 x GQA 4: no padding rows) it lost to 64 / 2 (0.615 vs 0.508 ms at 16 x 32k, 2026-12-01).
 WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=4)
+# Same grid, 32 query rows per program (Tq * G in 17..32, e.g. Tq 4 x GQA 8 verify steps): 32-token steps, two
+# warps: 0.709 ms against 0.799 for 64 / 2 at 16 x 32k (bench/decode_sweep.py, 2026-12-01; timings in
+# bench/RESULTS.md).
+VERIFY_GRID_TUNING = dict(block_k=32, num_warps=2, per_sm=4)
 
 
-def default_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int):
+def default_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int, rows: Optional[int] = None):
     """``(block_k, num_warps, programs per SM)`` the kernel uses when the caller leaves them out: `fmt_key`
-    ``"nvfp4"`` | ``"plain"``, ``m_rows`` = query rows per program (``Tq * G`` padded to a power of two >= 16)."""
-    if fmt_key == "nvfp4" and batch * num_kv_heads >= NUM_SMS // 2 and page <= 32 and m_rows == 16:
-        t = WIDE_GRID_TUNING
+    ``"nvfp4"`` | ``"plain"``, ``m_rows`` = query rows per program (``Tq * G`` padded to a power of two >= 16),
+    ``rows`` = the real ones, ``Tq * G`` (default ``m_rows``)."""
+    rows = m_rows if rows is None else rows
+    wide = fmt_key == "nvfp4" and batch * num_kv_heads >= NUM_SMS // 2 and page <= 32
+    t = (WIDE_GRID_TUNING if (wide and m_rows == 16 and rows <= 8) else
+         VERIFY_GRID_TUNING if (wide and m_rows == 32) else None)
+    if t is not None:
         return t["block_k"], t["num_warps"], t["per_sm"]
     return DEFAULT_BLOCK_K[fmt_key], DEFAULT_NUM_WARPS[fmt_key], 4
 
@@ -257,13 +266,16 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         """``P @ V`` per part; with column groups, group ``j``'s tile meets only the rows of replica ``j``."""
         p_hi = pr.astype(mma_dtype)
         ps = (p_hi, (pr - p_hi.astype(jnp.float32)).astype(mma_dtype)) if split else (p_hi,)
+        n_groups = len(vs[0])
         zero = jnp.zeros((), mma_dtype)
+        # P of each column group (its replica's rows only), built once and shared by the parts
+        pg = [ps] if n_groups == 1 else [[jnp.where(qv(replica == j), p_, zero) for p_ in ps] for j in range(n_groups)]
         out = []
         for tiles in vs:
             acc = None
-            for j, v_ in enumerate(tiles):
-                for p_ in ps:
-                    t = pv1(p_ if len(tiles) == 1 else jnp.where(qv(replica == j), p_, zero), v_)
+            for v_, pj in zip(tiles, pg):
+                for p_ in pj:
+                    t = pv1(p_, v_)
                     acc = t if acc is None else acc + t
             out.append(acc)
         return out
@@ -408,10 +420,11 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       num_splits: split-K programs per (row, head); None = `default_num_splits` (~4 programs per SM, rounded up
         to a power of two of splits).
       block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens); None =
-        `DEFAULT_BLOCK_K` of the format (64 for NVFP4 pages, 128 for plain row pages), or `WIDE_GRID_TUNING`'s 32
-        for NVFP4 pages <= 32 tokens, 16 query rows and batch x kv heads >= 66.
+        `DEFAULT_BLOCK_K` of the format (64 for NVFP4 pages, 128 for plain row pages), or 32 for NVFP4 pages
+        <= 32 tokens and batch x kv heads >= 66 with ``Tq * G <= 8`` (`WIDE_GRID_TUNING`) or ``Tq * G`` in
+        17..32 (`VERIFY_GRID_TUNING`): `default_tuning`.
       num_warps: Triton warps per program; None = `DEFAULT_NUM_WARPS` of the format (2 NVFP4, 4 plain; 1 with
-        `WIDE_GRID_TUNING`).
+        `WIDE_GRID_TUNING`, 2 with `VERIFY_GRID_TUNING`).
       num_stages: software-pipelining depth of the interior loop.
       precise: P @ V with P split into two halves of the MMA dtype (f16 for NVFP4 pages, the attention dtype for
         plain pages), so the output error is that of float32 accumulation. None (default): True for a float32
@@ -447,7 +460,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     fmt_key = "nvfp4" if low is not None else "plain"
     m_rows = _next_pow2(max(16, tq * group))
-    tuned_k, tuned_w, per_sm = default_tuning(fmt_key, b, h, page, m_rows)
+    tuned_k, tuned_w, per_sm = default_tuning(fmt_key, b, h, page, m_rows, tq * group)
     block_k = tuned_k if block_k is None else block_k
     num_warps = tuned_w if num_warps is None else num_warps
     v_late = low is not None if v_late is None else bool(v_late)

@@ -64,17 +64,40 @@ def test_fp8_twin_gqa1_all_high():
     check(st, tq=1, hq=2)
 
 
+def _tuple(t):
+    return tuple(t[k] for k in ("block_k", "num_warps", "per_sm"))
+
+
+def test_default_tuning_rules():
+    """Which default the kernel takes: the wide-grid tunings only for NVFP4 pages <= 32 tokens with batch x KV heads
+    >= NUM_SMS / 2, `WIDE_GRID_TUNING` only with <= 8 real query rows (column groups), `VERIFY_GRID_TUNING` with
+    17..32; everything else the format's default."""
+    from pallas_kernels.decode_attention import (DEFAULT_BLOCK_K, DEFAULT_NUM_WARPS, NUM_SMS, VERIFY_GRID_TUNING,
+                                                 WIDE_GRID_TUNING, default_tuning)
+    wide_b = -(-(NUM_SMS // 2) // 8)                       # batch with batch x 8 heads >= NUM_SMS / 2
+    base = (DEFAULT_BLOCK_K["nvfp4"], DEFAULT_NUM_WARPS["nvfp4"], 4)
+    assert default_tuning("nvfp4", wide_b, 8, 16, 16, 4) == _tuple(WIDE_GRID_TUNING)
+    assert default_tuning("nvfp4", wide_b, 8, 32, 16, 8) == _tuple(WIDE_GRID_TUNING)
+    assert default_tuning("nvfp4", wide_b, 8, 16, 16, 16) == base          # Tq 4 x GQA 4: no padding rows
+    assert default_tuning("nvfp4", wide_b, 8, 16, 16) == base              # rows default to m_rows
+    assert default_tuning("nvfp4", wide_b, 8, 16, 32, 32) == _tuple(VERIFY_GRID_TUNING)
+    assert default_tuning("nvfp4", wide_b, 8, 16, 32, 24) == _tuple(VERIFY_GRID_TUNING)
+    assert default_tuning("nvfp4", wide_b, 8, 16, 64, 64) == base
+    assert default_tuning("nvfp4", wide_b - 1, 8, 16, 16, 4) == base       # narrow grid
+    assert default_tuning("nvfp4", wide_b, 8, 64, 16, 4) == base           # pages of 64
+    assert default_tuning("plain", wide_b, 8, 16, 16, 4) == (DEFAULT_BLOCK_K["plain"], DEFAULT_NUM_WARPS["plain"], 4)
+    assert WIDE_GRID_TUNING["block_k"] != DEFAULT_BLOCK_K["nvfp4"] != VERIFY_GRID_TUNING["block_k"]
+
+
 def test_wide_grid_tuning_batch9_heads8():
-    """batch x KV heads >= NUM_SMS / 2 with page 16 and one query row per head: the kernel's wide-grid default
-    (32-token steps, 1 warp, ~4 programs per SM, V read after the softmax) -- checked to be the one chosen."""
-    from pallas_kernels.decode_attention import DEFAULT_BLOCK_K, NUM_SMS, WIDE_GRID_TUNING, default_tuning
+    """batch x KV heads >= NUM_SMS / 2 with page 16: the kernel's wide-grid defaults (32-token steps, ~4 programs
+    per SM, V read after the softmax; 1 warp with one query row per head, 2 warps with Tq 4 x GQA 8 = 32 rows)."""
+    from pallas_kernels.decode_attention import NUM_SMS
     lens = (1, 15, 16, 17, 33, 2, 31, 48, 9)
     assert len(lens) * 8 >= NUM_SMS // 2
-    assert default_tuning("nvfp4", len(lens), 8, 16, 16) == tuple(WIDE_GRID_TUNING[k] for k in
-                                                                  ("block_k", "num_warps", "per_sm"))
-    assert WIDE_GRID_TUNING["block_k"] != DEFAULT_BLOCK_K["nvfp4"]
-    st = make_state(lens=lens, heads=8, d=32, layers=1, first_n=3, last_n=9)
+    st = make_state(lens=lens, heads=8, d=32, layers=1, first_n=3, last_n=9, max_draft_len=3)
     check(st, tq=1, hq=8, layer=0)
+    check(st, tq=4, hq=64, layer=0)
 
 
 def test_all_low_nvfp4():
@@ -293,3 +316,17 @@ def test_gpu_matches_reference(dtype, tq, hq, d, page):
     check(st, tq=tq, hq=hq, num_splits=8)
     if tq > 1:
         check(st, tq=tq, hq=hq, sliding_window=500, soft_cap=30.0)
+
+
+@gpu
+@pytest.mark.parametrize("tq,hq", [(1, 32), (4, 32), (4, 64)])
+def test_gpu_wide_grid_defaults(tq, hq):
+    """Batch 9 x 8 KV heads (>= NUM_SMS / 2 programs per split) at page 16: the wide-grid default tunings compiled
+    for the GPU (`WIDE_GRID_TUNING` at Tq 1 x GQA 4, the format's default at Tq 4 x GQA 4, `VERIFY_GRID_TUNING` at
+    Tq 4 x GQA 8), against the float32 reference; lengths page +- 1 to 4096, split-K by default and by 8."""
+    assert on_gpu(), "gpu tests need a GPU"
+    lens = (1, 15, 16, 17, 200, 1000, 3000, 4096, 2049)
+    st = make_state("mixed_nvfp4_bf16", first_n=64, last_n=64, page=16, lens=lens, heads=8, d=128, layers=2,
+                    max_draft_len=3, gs=0.01)
+    check(st, tq=tq, hq=hq)
+    check(st, tq=tq, hq=hq, num_splits=8)
