@@ -10,6 +10,9 @@ head_dim 128, one query token, everything in one jit with the cache donated (upd
           new rows, then 32 x ``jax.nn.dot_product_attention(implementation="cudnn")`` with
           ``key_value_seq_lengths`` (no padding mask, every cache row, if cuDNN refuses the mask)
 
+Timing: each step blocked on (the host waits for every token), then the same number of steps enqueued back to
+back (sampling on the device: the host dispatches the next step while one runs); ``--profile`` adds a jax profiler
+trace of 3 steps per path: GPU time per kernel, idle time inside a step and between steps.
 Floors: K + V bytes read per step (all layers) / copy bandwidth measured in-run. Prints a table, writes
 ``DIR/step_bench.json``. Usage: ``PYTHONPATH=. python3 bench/step_bench.py --out DIR`` (GPU; on CPU it prints a
 message and exits 0; ``--smoke`` runs tiny shapes in interpret mode, XLA attention instead of cuDNN).
@@ -26,6 +29,7 @@ import datetime  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -98,14 +102,74 @@ def _take_pages(alloc, n):
 
 
 def time_steps(step, carry, args_fn, steps):
-    """Run ``steps`` donated steps, blocking after each group; returns (median ms per step, final carry)."""
+    """Run ``steps`` donated steps blocking after each (a loop that waits for every token on the host), then
+    ``steps`` more enqueued back to back and blocked once (a loop that samples on the device: the host dispatches
+    step i + 1 while step i runs). Returns ``(median ms per blocking step, ms per pipelined step, carry, out)``."""
     ts = []
     for i in range(steps):
         t0 = time.perf_counter()
         carry, out = step(carry, *args_fn(i))
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(ts)), carry, out
+    t0 = time.perf_counter()
+    for i in range(steps):
+        carry, out = step(carry, *args_fn(i))
+    jax.block_until_ready(out)
+    return float(np.median(ts)), (time.perf_counter() - t0) * 1e3 / steps, carry, out
+
+
+def gpu_kernel_profile(run, n, log_dir, top=25, between_us=300.0):
+    """Device-side breakdown of ``run(i)`` (one blocking step) for ``i < n``: a jax profiler trace, then GPU kernel
+    time summed by kernel name from its Chrome-trace export. Returns ``{busy_us_per_step, idle_inside_us_per_step,
+    idle_between_us_per_step, kernel_launches_per_step, kernels: [{name, us per step, calls per step}],
+    gpu_processes}`` (empty kernels if the trace holds no GPU rows). Idle gaps between kernels of at least
+    ``between_us`` count as between steps (host sync + the next dispatch), shorter ones as inside a step."""
+    import glob
+    import gzip
+    jax.profiler.start_trace(log_dir)
+    for i in range(n):
+        jax.block_until_ready(run(i))
+    jax.profiler.stop_trace()
+    path = max(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, nm in names.items() if "GPU" in nm or "gpu" in nm}
+    per, calls, busy = {}, {}, 0.0
+    spans = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+            per[e["name"]] = per.get(e["name"], 0.0) + e["dur"]
+            calls[e["name"]] = calls.get(e["name"], 0) + 1
+            busy += e["dur"]
+            spans.append((float(e["ts"]), float(e["ts"]) + e["dur"]))
+    # idle time between kernels: gaps >= `between_us` separate steps (host: sync + dispatch of the next step), the
+    # shorter ones are inside a step (launch gaps)
+    spans.sort()
+    inside = between = 0.0
+    end = spans[0][1] if spans else 0.0
+    for t0, t1 in spans[1:]:
+        gap = t0 - end
+        if gap > 0:
+            if gap >= between_us:
+                between += gap
+            else:
+                inside += gap
+        end = max(end, t1)
+    kernels = sorted(per, key=per.get, reverse=True)[:top]
+    return dict(busy_us_per_step=busy / n, idle_inside_us_per_step=inside / n,
+                idle_between_us_per_step=between / max(n - 1, 1), kernel_launches_per_step=len(spans) / n,
+                gpu_processes=sorted(names[p] for p in gpu) or sorted(names.values()),
+                kernels=[dict(name=k[:160], us=per[k] / n, calls=calls[k] / n) for k in kernels])
+
+
+def _print_profile(label, prof):
+    print(f"{label}: GPU busy {prof['busy_us_per_step'] / 1e3:.3f} ms per step, idle inside a step "
+          f"{prof['idle_inside_us_per_step'] / 1e3:.3f} ms, between steps {prof['idle_between_us_per_step'] / 1e3:.3f} "
+          f"ms, {prof['kernel_launches_per_step']:.0f} kernels per step ({prof['gpu_processes']})")
+    for k in prof["kernels"]:
+        print(f"   {k['us']:10.1f} us  x{k['calls']:5.1f}  {k['name'][:110]}")
 
 
 def copy_bw():
@@ -126,6 +190,8 @@ def main(argv=None):
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace 3 steps of each path with the jax profiler and print GPU time per kernel")
     ap.add_argument("--attn-only-after-s", type=float, default=60.0,
                     help="time the 32 attention calls alone only if the mixed step was ready within this many s")
     args = ap.parse_args(argv)
@@ -165,7 +231,7 @@ def main(argv=None):
     inputs = [qkv(i) for i in range(min(steps, 4))]
 
     # ---- mixed NVFP4
-    st = mixed_state(layers, batch, ctx, PAGE, spare_pages=2)
+    st = mixed_state(layers, batch, ctx, PAGE, spare_pages=4)
     backend = "reference" if interp else "auto"
 
     def mixed_step(state, q, kn, vn):
@@ -181,11 +247,22 @@ def main(argv=None):
     st, out = step(st, *inputs[0])
     jax.block_until_ready(out)
     res["mixed_compile_s"] = time.time() - t0
-    ms, st, out = time_steps(step, st, lambda i: inputs[i % len(inputs)], steps)
+    ms, ms_pipe, st, out = time_steps(step, st, lambda i: inputs[i % len(inputs)], steps)
+    res["rows"]["mixed_step_pipelined"] = dict(ms=ms_pipe, floor_ms=res["floor_mixed_ms"],
+                                               x_floor=ms_pipe / res["floor_mixed_ms"])
     res["rows"]["mixed_step"] = dict(ms=ms, floor_ms=res["floor_mixed_ms"], x_floor=ms / res["floor_mixed_ms"],
                                      finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()),
                                      error=int(st.error) if getattr(st.error, "ndim", 1) == 0 else None)
-    print(f"mixed: step {ms:.3f} ms ({time.time() - t0:.0f}s)", flush=True)
+    print(f"mixed: step {ms:.3f} ms blocking, {ms_pipe:.3f} ms pipelined ({time.time() - t0:.0f}s)", flush=True)
+    if args.profile:
+        box = [st]
+
+        def run_mixed(i):
+            box[0], o = step(box[0], *inputs[i % len(inputs)])
+            return o
+        res["profile_mixed"] = gpu_kernel_profile(run_mixed, 3, tempfile.mkdtemp(prefix="trace_mixed"))
+        _print_profile("mixed step", res["profile_mixed"])
+        st = box[0]
     if time.time() - t0 < args.attn_only_after_s:     # attention alone (second compile of the 32 layers)
         fa = jax.jit(attn_only)
         jax.block_until_ready(fa(st, inputs[0][0]))
@@ -215,7 +292,7 @@ def main(argv=None):
 
     # ---- bf16 contiguous cache + cuDNN
     if not args.skip_bf16:
-        s_max = ctx + steps + 16
+        s_max = ctx + 2 * steps + 16
         # one [B, S_max, H, D] array per layer and K / V (a stacked [L, ...] cache makes XLA copy each layer's
         # slice for the cuDNN call: 32 x 1 GiB of temporaries, out of memory at 64 x 8k)
         shape = (batch, s_max, H, D)
@@ -242,10 +319,21 @@ def main(argv=None):
                 step = jax.jit(functools.partial(bf16_step, padded=padded), donate_argnums=0)
                 carry, out = step(fresh(), *inputs[0])
                 jax.block_until_ready(out)
-                ms, carry, out = time_steps(step, carry, lambda i: inputs[i % len(inputs)], steps)
+                ms, ms_pipe, carry, out = time_steps(step, carry, lambda i: inputs[i % len(inputs)], steps)
+                res["rows"][name + "_pipelined"] = dict(ms=ms_pipe, floor_ms=res["floor_bf16_ms"],
+                                                        x_floor=ms_pipe / res["floor_bf16_ms"])
+                if args.profile:
+                    box = [carry]
+
+                    def run_bf16(i, step=step, box=box):
+                        box[0], o = step(box[0], *inputs[i % len(inputs)])
+                        return o
+                    res["profile_bf16"] = gpu_kernel_profile(run_bf16, 3, tempfile.mkdtemp(prefix="trace_bf16"))
+                    _print_profile("bf16 step", res["profile_bf16"])
+                    carry = box[0]
                 res["rows"][name] = dict(ms=ms, floor_ms=res["floor_bf16_ms"], x_floor=ms / res["floor_bf16_ms"],
                                          compile_s=time.time() - t1, impl=impl, padding_mask=padded)
-                print(f"{name} ({impl}): step {ms:.3f} ms", flush=True)
+                print(f"{name} ({impl}): step {ms:.3f} ms blocking, {ms_pipe:.3f} ms pipelined", flush=True)
                 del carry
                 break
             except Exception as e:  # no padding mask: every cache row (S_max = ctx + STEPS + 16) is read
@@ -255,6 +343,7 @@ def main(argv=None):
     for k in ("bf16_cudnn_step", "bf16_cudnn_step_nomask"):
         if "ms" in r.get(k, {}):
             res["speedup_mixed_vs_bf16"] = r[k]["ms"] / r["mixed_step"]["ms"]
+            res["speedup_mixed_vs_bf16_pipelined"] = r[k + "_pipelined"]["ms"] / r["mixed_step_pipelined"]["ms"]
     lines = [f"decode step, {layers} layers, batch {batch} x {ctx}, {H} KV / {HQ} q heads, D {D}, page {PAGE} "
              f"({res['device']}, jax {res['jax']}, triton {res['triton']}, copy {bw:.2f} TB/s)",
              f"{'path':>28} {'ms':>8} {'floor ms':>9} {'x floor':>8}"]
@@ -264,7 +353,8 @@ def main(argv=None):
             lines.append(f"{k:>28} {v['ms']:8.3f} {fl if fl else float('nan'):9.3f} "
                          f"{v['ms'] / fl if fl else float('nan'):8.2f}")
     if "speedup_mixed_vs_bf16" in res:
-        lines.append(f"bf16 + cuDNN step / mixed step = {res['speedup_mixed_vs_bf16']:.2f}")
+        lines.append(f"bf16 + cuDNN step / mixed step = {res['speedup_mixed_vs_bf16']:.2f} blocking, "
+                     f"{res['speedup_mixed_vs_bf16_pipelined']:.2f} pipelined")
     text = "\n".join(lines)
     print(text)
     res["table"] = text
