@@ -7,11 +7,18 @@ bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, n
 
 Status: correct against the float32 reference at page 16, but slower than the Triton kernel on the H200, so it is
 opt-in (``JMIXEDKV_DECODE_KERNEL=mgpu``, see `preferred`); timings and what bounds the speed (one warpgroup per CTA
-does everything in sequence, query rows padded to wgmma's M = 64, ~4 instructions per dequantized element in the
-WGMMA register layout) are in bench/RESULTS.md. Pages of 32 / 64 / 128 tokens fault on the H200 with
-``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run correctly in the Mosaic GPU interpreter; cause not found), so
-`supported` refuses them. The faster design (keys on M: ``S^T = K Q^T`` with the GQA group as N = 8 / 16, a
-producer warp for the page TMA and consumer warpgroups) is not built here.
+does everything in sequence, ~4 instructions per dequantized element in the WGMMA register layout) are in
+bench/RESULTS.md. Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run
+correctly in the Mosaic GPU interpreter; cause not found), so `supported` refuses them.
+
+Two forms, one kernel body (`_make_kernel`): *queries on M* (default; query rows padded to wgmma's M = 64) and
+*keys on M* (``keys_on_m=True``; `KEYS_ON_M` is the module default): ``S^T = K Q^T`` with the dequantized K tile as
+wgmma's register A operand (no shared-memory round trip for K) and the query rows padded only to N = 16 / 32 / 64,
+the softmax down the columns, ``O^T += V^T P^T`` with V^T a transposed shared-memory view (V's f16 tile and P^T
+share the swizzle of one P^T row, ``2 N`` bytes). Keys on M is correct on the H200 (rel. L2 1.1e-4 to 2.8e-4 at
+Tq 1 / 2 / 4, GQA 2 / 4 / 8, lengths 1 .. 4096) but not faster: 0.691 ms at 16 x 32k against 0.684 for queries on M
+and 0.463 for the Triton kernel (bench/RESULTS.md, 2026-12-01), so the M = 64 padding and the K store were not the
+bound. Not built: a producer warp for the page TMA and consumer warpgroups (warp specialization).
 
 Work split
 * **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* keys
@@ -59,12 +66,16 @@ from pallas_kernels.decode_attention import LOW_DOMAIN, f16_queries, group_queri
 from pallas_kernels.nvfp4_ops import NIBBLE_TO_F16, dequant_tile, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
-           "KERNEL_ENV"]
+           "KERNEL_ENV", "KEYS_ON_M"]
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
 CHUNK = 16               # tokens per bulk copy (the smallest page)
 SUPPORTED_PAGES = (16,)  # run on the H200; 32 / 64 / 128 run in the interpreter but fault on the GPU
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
+#: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: False = queries on M (rows padded to 64),
+#: True = keys on M (``S^T = K Q^T``: the dequantized K tile is wgmma's register A operand, the query rows, padded to
+#: 16 / 32 / 64, its N side; ``O^T = V^T P^T``). False: keys on M measured no faster (bench/RESULTS.md, 2026-12-01)
+KEYS_ON_M = False
 HEAD_DIM = 128
 NUM_SMS = 132
 _LOG2E = math.log2(math.e)
@@ -171,11 +182,14 @@ def _dequant_jnp(b_ref, s_ref):
 
 
 # ----------------------------------------------------------------------------- kernel
-def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, interpret):
-    """Body for ``plgpu.kernel``; grid ``(splits, H, B)``."""
+def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, interpret, keys_on_m=False,
+                 n_rows=M_ROWS):
+    """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form (`KEYS_ON_M`) with
+    ``n_rows`` query rows (16 / 32 / 64) on the wgmma N side."""
     bk, half = BLOCK_K, HEAD_DIM // 2
     wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    # per-query vectors: along the rows of the accumulators, or (keys on M) along their columns
+    row_layout = plgpu.Layout.WGMMA.reduce(0 if keys_on_m else 1)
     chunks = bk // CHUNK            # one bulk copy per 16 tokens and tensor (all page sizes: pages are 16k tokens)
     cpp = page // CHUNK             # chunks per page
     pt_chunks = pt_len // 256 if pt_len >= 256 else 1
@@ -243,7 +257,45 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                 issue(start + i, i)
 
         plgpu.barrier_wait(bar_q.at[0])
-        rowmul = rm_smem[...] if interpret else _load(rm_smem, row_layout)  # [64] f32, includes log2(e)
+        # [M] f32, includes log2(e); keys on M: [64 keys, N] (the same row on every key: a per-query vector of
+        # 16 floats is 64 bytes, which a warpgroup cannot load in one go)
+        rowmul = rm_smem[...] if interpret else _load(rm_smem, wgmma_layout if keys_on_m else row_layout)
+
+        def _km_step(i, klo, khi, acc_lo, acc_hi, m_i, l_i, edge):
+            """Keys on M: ``S^T = K Q^T`` ([64 keys, N], K the register A operand), softmax down the columns,
+            ``O^T += V^T P^T`` ([64 dims, N] per half, V^T a transposed shared-memory view, P^T in shared memory)."""
+            def qk(acc_ref):
+                if interpret:
+                    plgpu.wgmma(acc_ref, k16.at[0], q_smem.at[0])
+                    plgpu.wgmma(acc_ref, k16.at[1], q_smem.at[1])
+                else:
+                    plgpu.wgmma(acc_ref, klo, _transposed(q_smem.at[0]))
+                    plgpu.wgmma(acc_ref, khi, _transposed(q_smem.at[1]))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32))          # [keys, N]
+            s = s * rowmul
+            if edge:
+                kpos = iota((bk, n_rows), 0) + i * bk
+                s = jnp.where((kpos >= k0) & (kpos < k1), s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=0))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+            l_new = l_i * alpha + p.sum(axis=0)
+            acc_lo = acc_lo * lax.broadcast_in_dim(alpha, acc_lo.shape, [1])
+            acc_hi = acc_hi * lax.broadcast_in_dim(alpha, acc_hi.shape, [1])
+            p_smem[...] = p.astype(jnp.float16)
+            plgpu.commit_smem()
+            vt = (lambda r: r) if interpret else _transposed  # noqa: E731
+
+            def pv(a_lo, a_hi):
+                plgpu.wgmma(a_lo, vt(v16.at[0]), p_smem)
+                plgpu.wgmma(a_hi, vt(v16.at[1]), p_smem)
+                return a_lo[...], a_hi[...]
+
+            d_lo, d_hi = pl.run_scoped(pv, plgpu.ACC((half, n_rows), jnp.float32),
+                                       plgpu.ACC((half, n_rows), jnp.float32))
+            return acc_lo + d_lo, acc_hi + d_hi, m_new, l_new
 
         def step(i, carry, edge):
             acc_lo, acc_hi, m_i, l_i = carry
@@ -257,7 +309,11 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
 
             plgpu.barrier_wait(bar_kv.at[slot])
             klo, khi = dequant(kb.at[slot], ks.at[slot])
-            if interpret:   # the interpreter's wgmma takes no transposed operand: K^T stored as such
+            if keys_on_m:
+                if interpret:   # the interpreter's wgmma takes operands from shared memory only
+                    k16.at[0][...] = klo
+                    k16.at[1][...] = khi
+            elif interpret:   # the interpreter's wgmma takes no transposed operand: K^T stored as such
                 k16.at[0][...] = klo.T
                 k16.at[1][...] = khi.T
             else:
@@ -270,9 +326,13 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                 vok = (vrow >= k0) & (vrow < k1)
                 vlo = jnp.where(vok, vlo, 0.0)
                 vhi = jnp.where(vok, vhi, 0.0)
+            if keys_on_m and interpret:     # V^T stored as such (no transposed operands in the interpreter)
+                vlo, vhi = vlo.T, vhi.T
             v16.at[0][...] = vlo
             v16.at[1][...] = vhi
             plgpu.commit_smem()
+            if keys_on_m:
+                return _km_step(i, klo, khi, acc_lo, acc_hi, m_i, l_i, edge)
 
             def qk(acc_ref):
                 kt = (lambda r: r) if interpret else _transposed  # noqa: E731
@@ -315,10 +375,10 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                 acc_lo, acc_hi = pl.run_state(pv)((plgpu.ACC.init(acc_lo), plgpu.ACC.init(acc_hi)))
             return acc_lo, acc_hi, m_new, l_new
 
-        zero_acc = cast(jnp.zeros((M_ROWS, half), jnp.float32), wgmma_layout)
+        zero_acc = cast(jnp.zeros((half, n_rows) if keys_on_m else (M_ROWS, half), jnp.float32), wgmma_layout)
         carry = (zero_acc, zero_acc,
-                 cast(jnp.full((M_ROWS,), _M_INIT, jnp.float32), row_layout),
-                 cast(jnp.zeros((M_ROWS,), jnp.float32), row_layout))
+                 cast(jnp.full((n_rows,), _M_INIT, jnp.float32), row_layout),
+                 cast(jnp.zeros((n_rows,), jnp.float32), row_layout))
         i0 = lax.div(k0 + (bk - 1), i32(bk))          # first block with every key >= k0
         i1 = lax.div(k1, i32(bk))                     # blocks below i1 end at or before k1
         a = jnp.clip(i0, start, jnp.maximum(end, start))
@@ -334,6 +394,13 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[((si * batch + bi) * num_heads + hi) * 2 + part])
             plgpu.wait_smem_to_gmem(0)
+        if keys_on_m:     # m, l as [64, N] tiles (every row the same) through o_smem: see rowmul
+            for vec, ref in ((m_i, m_ref), (l_i, l_ref)):
+                o_smem[...] = lax.broadcast_in_dim(vec, (half, n_rows), [1])
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, ref.at[si * batch * num_heads + bh])
+                plgpu.wait_smem_to_gmem(0)
+            return
         ml_smem[0] = m_i
         ml_smem[1] = l_i
         plgpu.commit_smem()
@@ -400,19 +467,20 @@ def _decode_low_rows(data, scales, gs_l, layer, pid, kvi, row):
 
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
-    "partials_only"))
+    "partials_only", "keys_on_m"))
 def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
                                 geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                                 num_splits: Optional[int] = None,
                                 stages: int = 2, interpret: bool = False, out_dtype=None,
-                                partials_only: bool = False):
+                                partials_only: bool = False, keys_on_m: Optional[bool] = None):
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
 
     Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
     `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
-    in flight). Returns ``(out [B, Tq, Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
+    in flight). ``keys_on_m``: the keys-on-M form (`KEYS_ON_M`; None = the module default). Returns ``(out [B, Tq,
+    Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     """
     if low is None:
         raise ValueError("paged_decode_attention_mgpu: needs low= NVFP4 pages")
@@ -440,9 +508,13 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     k0 = jnp.minimum(fn, lens)
     k1 = jnp.maximum(k0, lens - tail)
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([k0, k1], 1).reshape(-1)]).astype(jnp.int32)
-    qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, M_ROWS - tq * group), (0, 0)))
+    km = KEYS_ON_M if keys_on_m is None else bool(keys_on_m)
+    n_rows = max(16, 1 << (tq * group - 1).bit_length()) if km else M_ROWS   # query rows: wgmma N (keys on M) or M
+    qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
     qlow, shift = f16_queries(qg)                                             # shift [B, H, M]
-    qlow = qlow.reshape(b, h, M_ROWS, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
+    qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
+    if km and interpret:                  # the interpreter's wgmma takes no transposed operand: Q^T as such
+        qlow = jnp.swapaxes(qlow, -1, -2)
     rowmul = jnp.ldexp(jnp.float32(sm_scale * _LOG2E) * gs_l[0] * LOW_DOMAIN, -shift).astype(jnp.float32)
 
     max_pages = page_table.shape[1]
@@ -469,44 +541,69 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     k16_spec = plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr)
     o_spec = plgpu.SMEM((M_ROWS, half), jnp.float32,
                         transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
-    scratch = [
-        plgpu.SMEM((2, M_ROWS, half), jnp.float16, transforms=tr),          # q_smem
-        plgpu.SMEM((M_ROWS,), jnp.float32),                                   # rm_smem
-        plgpu.SMEM((pt_len,), jnp.int32),                                     # pt_smem
-        plgpu.SMEM((st, BLOCK_K, half), u8),                                  # kb
-        plgpu.SMEM((st, BLOCK_K // 16, 128), sdt),                            # ks
-        plgpu.SMEM((st, BLOCK_K, half), u8),                                  # vb
-        plgpu.SMEM((st, BLOCK_K // 16, 128), sdt),                            # vs
-        k16_spec if interpret else plgpu.RefUnion(k16_spec, o_spec),           # k16 (| o_smem)
-        plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr),         # v16
-        plgpu.SMEM((M_ROWS, BLOCK_K), jnp.float16, transforms=tr) if interpret else None,  # p_smem
-        o_spec if interpret else None,                                        # o_smem
-        plgpu.SMEM((2, M_ROWS), jnp.float32),                                 # ml_smem
+    smem = dict(                       # the kernel's shared-memory scratch, in its argument order
+        q_smem=plgpu.SMEM((2, M_ROWS, half), jnp.float16, transforms=tr),
+        rm_smem=plgpu.SMEM((M_ROWS,), jnp.float32),
+        pt_smem=plgpu.SMEM((pt_len,), jnp.int32),
+        kb=plgpu.SMEM((st, BLOCK_K, half), u8),
+        ks=plgpu.SMEM((st, BLOCK_K // 16, 128), sdt),
+        vb=plgpu.SMEM((st, BLOCK_K, half), u8),
+        vs=plgpu.SMEM((st, BLOCK_K // 16, 128), sdt),
+        k16=k16_spec if interpret else plgpu.RefUnion(k16_spec, o_spec),    # (| o_smem)
+        v16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr),
+        p_smem=plgpu.SMEM((M_ROWS, BLOCK_K), jnp.float16, transforms=tr) if interpret else None,
+        o_smem=o_spec if interpret else None,
+        ml_smem=plgpu.SMEM((2, M_ROWS), jnp.float32))
+    if km:
+        # V's f16 tile and P^T share wgmma's swizzle (the bytes of one P^T row: 2 * n_rows); f32 [64, N] tiles (row
+        # multipliers, O^T, m, l) are swizzled too (unswizzled ones fail the bank-conflict check at N = 32)
+        tr_n = (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
+        f32_cols = min(n_rows, 32)
+        tr_f32 = () if interpret else (plgpu.TilingTransform((8, f32_cols)), plgpu.SwizzleTransform(4 * f32_cols))
+        smem.update(
+            q_smem=plgpu.SMEM((2, half, n_rows), jnp.float16) if interpret else
+            plgpu.SMEM((2, n_rows, half), jnp.float16, transforms=tr),
+            rm_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float32, transforms=tr_f32),
+            k16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16) if interpret else None,
+            v16=plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else
+            plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n),
+            p_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=() if interpret else tr_n),
+            o_smem=plgpu.SMEM((half, n_rows), jnp.float32, transforms=tr_f32),
+            ml_smem=None)
+    scratch = list(smem.values()) + [
         plgpu.Barrier(num_arrivals=2, num_barriers=1),                        # bar_q
         plgpu.Barrier(num_arrivals=max(1, pt_len // 256), num_barriers=1),    # bar_pt
         plgpu.Barrier(num_arrivals=4 * (BLOCK_K // CHUNK), num_barriers=st),  # bar_kv
     ]
-    kernel = _make_kernel(page=page, pt_len=pt_len, stages=st,
-                          splits=splits, num_pools=P, num_heads=h, batch=b, interpret=interpret)
+    kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, num_pools=P, num_heads=h, batch=b,
+                          interpret=interpret, keys_on_m=km, n_rows=n_rows)
     pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len)))                      # TMA boxes never leave the array
-    out_type = (jax.ShapeDtypeStruct((splits * b * h * 2, M_ROWS, half), jnp.float32),
-                jax.ShapeDtypeStruct((splits * b * h, M_ROWS), jnp.float32),
-                jax.ShapeDtypeStruct((splits * b * h, M_ROWS), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct((splits * b * h * 2,) + ((half, n_rows) if km else (M_ROWS, half)),
+                                     jnp.float32),
+                jax.ShapeDtypeStruct((splits * b * h,) + ((half, n_rows) if km else (n_rows,)), jnp.float32),
+                jax.ShapeDtypeStruct((splits * b * h,) + ((half, n_rows) if km else (n_rows,)), jnp.float32))
     kw = dict(out_type=out_type, grid=(splits, h, b), grid_names=("s", "h", "b"), scratch_types=scratch,
               compiler_params=plgpu.CompilerParams(approx_math=True,
                                                    lowering_semantics=plgpu.LoweringSemantics.Lane))
     if interpret:
         kw["interpret"] = _interpret_params()
-    o, m2, l = plgpu.kernel(kernel, **kw)(meta, qlow.reshape(b * h, 2, M_ROWS, half),
-                                          rowmul.reshape(b * h, M_ROWS), pt_padded, data3, scales4)
+    rm = rowmul.reshape(b * h, n_rows)
+    if km:
+        rm = jnp.broadcast_to(rm[:, None, :], (b * h, BLOCK_K, n_rows))
+    o, m2, l = plgpu.kernel(kernel, **kw)(meta, qlow.reshape((b * h,) + qlow.shape[2:]), rm, pt_padded, data3,
+                                          scales4)
+    if km:
+        m2, l = m2[:, 0], l[:, 0]
     if partials_only:
         return o, m2, l
-    o = o.reshape(splits, b, h, 2, M_ROWS, half)
-    m2 = m2.reshape(splits, b, h, M_ROWS)
-    l = l.reshape(splits, b, h, M_ROWS)
+    o = o.reshape((splits, b, h, 2) + o.shape[1:])
+    if km:
+        o = jnp.swapaxes(o, -1, -2)                                           # O^T -> [.., M, 64]
+    m2 = m2.reshape(splits, b, h, n_rows)
+    l = l.reshape(splits, b, h, n_rows)
 
     # ---- kernel partials -> natural-log domain, [S, B, H, M, D] interleaved columns, true scale
-    o = jnp.stack([o[:, :, :, 0], o[:, :, :, 1]], axis=-1).reshape(splits, b, h, M_ROWS, d)
+    o = jnp.stack([o[:, :, :, 0], o[:, :, :, 1]], axis=-1).reshape(splits, b, h, n_rows, d)
     o = o * (gs_l[1] * LOW_DOMAIN)
     m = m2 * (1.0 / _LOG2E)
 
@@ -547,7 +644,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         pe = jnp.where(vis, jnp.exp(lg - me_s[..., None]), 0.0)
         le = pe.sum(-1)
         oe = jnp.einsum("bhtgw,bwhd->bhtgd", pe, ve, precision=lax.Precision.HIGHEST)
-        pad = ((0, 0), (0, 0), (0, M_ROWS - tq * group))
+        pad = ((0, 0), (0, 0), (0, n_rows - tq * group))
         oe = jnp.pad(oe.reshape(b, h, tq * group, d), pad + ((0, 0),))
         me_s = jnp.pad(me_s.reshape(b, h, tq * group), pad, constant_values=_M_INIT)
         le = jnp.pad(le.reshape(b, h, tq * group), pad)

@@ -54,6 +54,21 @@ def test_interpret_mixed_page16_splits_poisoned_float32():
     assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all()   # length 0: no key
 
 
+@pytest.mark.parametrize("tq,hq", [(1, 4), (2, 8), (3, 8)])
+def test_interpret_keys_on_m_matches_reference(tq, hq):
+    """The keys-on-M form (``S^T = K Q^T``, query rows on wgmma's N side: 16 rows for Tq x GQA <= 16, 32 for Tq 3 x
+    GQA 8) on the poisoned page-16 cache with overlapping retained windows, 2 splits, float32 output."""
+    st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
+    q = queries(st, tq, hq)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32, keys_on_m=True)
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel_l2(out, ref_o) < 1e-4
+    _lse_close(lse, ref_lse)
+    assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all()   # length 0: no key
+
+
 def test_interpret_through_public_entry_nvfp4_verify(monkeypatch):
     """``JMIXEDKV_DECODE_KERNEL=mgpu`` routes `decode_attention` to this kernel: plain NVFP4 pages (no twin),
     Tq = 2 (causal among the new tokens, handled on the edge path), GQA 8, lengths 1 < Tq..., page +- 1."""
@@ -123,6 +138,23 @@ def test_cross_lowers_for_cuda(page, tq, hq, twin):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("tq,hq", [(1, 32), (3, 16), (4, 32)])
+def test_keys_on_m_cross_lowers_for_cuda(tq, hq):
+    """The compiled keys-on-M form (register-A wgmma on the dequantized K, transposed V^T view, P^T and V tiles at
+    the swizzle of 2 N bytes, swizzled f32 tiles) lowers for CUDA with N = 16, 32 and 64 query rows."""
+    page, L, P, kv, H, D, B = 16, 2, 16, 2, 2, 128, 2
+    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
+           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
+    high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
+    q = jnp.zeros((B, tq, hq, D), jnp.bfloat16)
+    pt, lens, ht = jnp.zeros((B, 12), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
+
+    def fn(q, pt, lens, ht, low, high):
+        return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht, geom=TwinGeometry(page, 5, 7, 1, 3),
+                                           num_splits=2, keys_on_m=True)
+    assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+
+
 # ------------------------------------------------------------------------------------------ GPU (H200)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tq,hq,page", [
@@ -148,3 +180,22 @@ def test_gpu_matches_reference(dtype, tq, hq, page):
         assert rel_l2(np.asarray(out.astype(q.dtype), np.float32), np.asarray(ref_o.astype(q.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse)
     jax.block_until_ready(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tq,hq", [("mixed_nvfp4_bf16", 1, 32), ("mixed_nvfp4_bf16", 4, 64), ("nvfp4", 2, 16)])
+def test_gpu_keys_on_m_matches_reference(dtype, tq, hq):
+    """The keys-on-M form on the H200: output in the attention dtype against the reference rounded to it (< 1e-3),
+    LSE within 1e-3; default and 8 splits (the checks of bench/data/decode_mgpu_keys_on_m-2026-12-01.json)."""
+    assert on_gpu(), "gpu tests need a GPU"
+    mixed = dtype.startswith("mixed")
+    st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=16,
+                    lens=(1, 15, 16, 17, 200, 1000, 3000, 4096), heads=8, d=128, layers=2, max_draft_len=3, gs=0.01)
+    q = queries(st, tq, hq)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    for splits in (None, 8):
+        out, lse = _run(st, q, 1, num_splits=splits, keys_on_m=True)
+        assert out.dtype == q.dtype and np.isfinite(np.asarray(out, np.float32)).all()
+        assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(q.dtype), np.float32)) < 1e-3
+        _lse_close(lse, ref_lse, atol=1e-3)
