@@ -261,6 +261,19 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
         # 16 floats is 64 bytes, which a warpgroup cannot load in one go)
         rowmul = rm_smem[...] if interpret else _load(rm_smem, wgmma_layout if keys_on_m else row_layout)
 
+        def softmax_step(s, i, m_i, l_i, accs, kax, edge):
+            """Online softmax (base 2) of block ``i``'s scores ``s``, keys along axis ``kax``: keys outside
+            ``[k0, k1)`` masked in edge blocks, the accumulators ``accs`` rescaled. -> ``(p, m_new, l_new, accs)``."""
+            qax = 1 - kax
+            if edge:
+                kpos = iota(s.shape, kax) + i * bk
+                s = jnp.where((kpos >= k0) & (kpos < k1), s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=kax))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [qax]))
+            l_new = l_i * alpha + p.sum(axis=kax)
+            return p, m_new, l_new, tuple(a * lax.broadcast_in_dim(alpha, a.shape, [qax]) for a in accs)
+
         def _km_step(i, klo, khi, acc_lo, acc_hi, m_i, l_i, edge):
             """Keys on M: ``S^T = K Q^T`` ([64 keys, N], K the register A operand), softmax down the columns,
             ``O^T += V^T P^T`` ([64 dims, N] per half, V^T a transposed shared-memory view, P^T in shared memory)."""
@@ -274,16 +287,7 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32))          # [keys, N]
-            s = s * rowmul
-            if edge:
-                kpos = iota((bk, n_rows), 0) + i * bk
-                s = jnp.where((kpos >= k0) & (kpos < k1), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=0))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-            l_new = l_i * alpha + p.sum(axis=0)
-            acc_lo = acc_lo * lax.broadcast_in_dim(alpha, acc_lo.shape, [1])
-            acc_hi = acc_hi * lax.broadcast_in_dim(alpha, acc_hi.shape, [1])
+            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s * rowmul, i, m_i, l_i, (acc_lo, acc_hi), 0, edge)
             p_smem[...] = p.astype(jnp.float16)
             plgpu.commit_smem()
             vt = (lambda r: r) if interpret else _transposed  # noqa: E731
@@ -342,15 +346,7 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
 
             s = pl.run_scoped(qk, plgpu.ACC((M_ROWS, bk), jnp.float32))
             s = s * lax.broadcast_in_dim(rowmul, s.shape, [0])
-            if edge:
-                kpos = iota((M_ROWS, bk), 1) + i * bk
-                s = jnp.where((kpos >= k0) & (kpos < k1), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_new = l_i * alpha + p.sum(axis=1)
-            acc_lo = acc_lo * lax.broadcast_in_dim(alpha, acc_lo.shape, [0])
-            acc_hi = acc_hi * lax.broadcast_in_dim(alpha, acc_hi.shape, [0])
+            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, i, m_i, l_i, (acc_lo, acc_hi), 1, edge)
             p16 = p.astype(jnp.float16)
             if interpret:
                 p_smem[...] = p16
