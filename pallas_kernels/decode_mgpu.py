@@ -11,8 +11,8 @@ does everything in sequence, ~4 instructions per dequantized element in the WGMM
 bench/RESULTS.md. Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run
 correctly in the Mosaic GPU interpreter; cause not found), so `supported` refuses them.
 
-Two forms, one kernel body (`_make_kernel`): *queries on M* (default; query rows padded to wgmma's M = 64) and
-*keys on M* (``keys_on_m=True``; `KEYS_ON_M` is the module default): ``S^T = K Q^T`` with the dequantized K tile as
+Two forms, one kernel body (`_make_kernel`): *queries on M* (the default: `KEYS_ON_M` is False; query rows padded
+to wgmma's M = 64) and *keys on M* (``keys_on_m=True``): ``S^T = K Q^T`` with the dequantized K tile as
 wgmma's register A operand (no shared-memory round trip for K) and the query rows padded only to N = 16 / 32 / 64,
 the softmax down the columns, ``O^T += V^T P^T`` with V^T a transposed shared-memory view (V's f16 tile and P^T
 share the swizzle of one P^T row, ``2 N`` bytes). Keys on M is correct on the H200 (rel. L2 1.1e-4 to 2.8e-4 at
