@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl  # noqa: F401  (re-exported for kernel
 from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["pl", "pltriton", "plgpu", "HAVE_MGPU", "mgpu_transposed", "mgpu_load", "mgpu_interpret_params",
-           "triton_params", "on_gpu", "shard_map", "cross_lower_cuda", "silence_triton_deprecation", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
+           "triton_params", "on_gpu", "on_hopper", "shard_map", "cross_lower_cuda", "silence_triton_deprecation", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
            "cuda_plugin_installed"]
 
 #: LLVM option (NVPTX backend) for IEEE float32 division, passed through ``--xla_backend_extra_options``
@@ -39,6 +39,13 @@ def triton_params(num_warps: int = 4, num_stages: int = 2):
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def on_hopper() -> bool:
+    """True when the default device is an NVIDIA GPU of compute capability 9.x (H100 / H200: wgmma, TMA)."""
+    if not on_gpu():
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
 
 
 def cuda_plugin_installed() -> bool:

@@ -133,7 +133,7 @@ def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
     twin, ht = (cfg.twin, state.high_table[s]) if mixed else (None, None)
     low, plain = kernel_arrays(pools.low), kernel_arrays(pools.plain)          # the kernels take raw arrays
     high = kernel_arrays(pools.high) if mixed else None
-    from pallas_kernels import decode_mgpu   # Mosaic GPU kernel: opt-in (JMIXEDKV_DECODE_KERNEL=mgpu), H5
+    from pallas_kernels import decode_mgpu   # Mosaic GPU kernel: by `preferred` (JMIXEDKV_DECODE_KERNEL)
     if low is not None and decode_mgpu.preferred(
             head_dim=q.shape[-1], page=low[0].shape[4], tq=q.shape[1], group=q.shape[2] // low[0].shape[3],
             high_dtype=high[0].dtype if mixed else None, sliding_window=sliding_window, soft_cap=soft_cap,

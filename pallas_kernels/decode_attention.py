@@ -50,11 +50,11 @@ from jax import lax
 
 from jmixedkv.compat import pl, pltriton, triton_params
 from jmixedkv.layout import TwinGeometry, check_offsets
-from pallas_kernels.nvfp4_ops import e2m1_f16_halves
+from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention", "merge_partials", "group_queries", "ungroup_rows", "f16_queries",
            "default_num_splits", "default_tuning", "NUM_SMS", "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS",
-           "WIDE_GRID_TUNING", "VERIFY_GRID_TUNING"]
+           "WIDE_GRID_TUNING", "VERIFY_GRID_TUNING", "interior_blocks"]
 
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
@@ -103,36 +103,19 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_sm: i
     return int(max(1, min(_next_pow2(want), max_blocks, 64)))
 
 
+def interior_blocks(n, k_tok: int, tq: int, geom: Optional[TwinGeometry] = None, window: Optional[int] = None):
+    """The *clean* blocks ``[i0, i1)`` (``k_tok`` tokens each) of a sequence of length ``n`` (int32 scalar or array):
+    every key visible to every one of the ``Tq`` queries, no retained row (first_n / last_n of ``geom``, the twin's
+    geometry when one is read), no row at or past ``n``. Empty when ``i1 <= i0``. The kernel runs the other blocks
+    (the *edge* blocks) with masks and the twin overlay; `pallas_kernels.decode_mgpu` attends ``[i0, i1)`` itself."""
+    c_lo = geom.first_n if geom is not None else 0
+    if window is not None:
+        c_lo = jnp.maximum(c_lo, n - window)
+    c_hi = jnp.minimum(n - (geom.last_n if geom is not None else 0), n - tq + 1)
+    return (jnp.maximum(c_lo, 0) + k_tok - 1) // k_tok, jnp.maximum(c_hi, 0) // k_tok
+
+
 # --------------------------------------------------------------------------------------------- in-kernel helpers
-# e2m1 -> f16 for 4 packed bytes, times the per-element f16 block factor: inline PTX with pack=4, one call for the
-# low nibbles (even columns) and one for the high nibbles (odd columns); $0,$1 = the f16 pairs of bytes 0-1 / 2-3,
-# $2 = the 4 bytes, $3,$4 = the f16 factors of bytes 0-1 / 2-3. The high byte of each f16 is
-# ``sign << 7 | magnitude << 1`` (f16 bits ``sign << 15 | magnitude << 9`` = e2m1 value * 2^-14, exact), built for
-# 4 bytes at once (shift + and + lop3), moved into place by prmt (low byte 0), then one packed ``mul.rn.f16x2`` per
-# 2 elements: ~2 integer ops and half an f16x2 multiply per element, and no conversion instruction (those run at
-# 16 per clock per SM on Hopper: they bound an f16 -> f32 -> multiply -> bf16 dequantization).
-_DEQUANT_ASM = {
-    "lo": """{
-.reg .b32 l, t, m;
-shl.b32 l, $2, 1;
-shl.b32 t, $2, 4;
-and.b32 t, t, 0x80808080;
-lop3.b32 l, l, 0x0E0E0E0E, t, 0xEA;
-prmt.b32 m, l, 0, 0x1404;
-mul.rn.f16x2 $0, m, $3;
-prmt.b32 m, l, 0, 0x3424;
-mul.rn.f16x2 $1, m, $4;
-}""",
-    "hi": """{
-.reg .b32 h, t, m;
-shr.b32 h, $2, 3;
-and.b32 t, $2, 0x80808080;
-lop3.b32 h, h, 0x0E0E0E0E, t, 0xEA;
-prmt.b32 m, h, 0, 0x1404;
-mul.rn.f16x2 $0, m, $3;
-prmt.b32 m, h, 0, 0x3424;
-mul.rn.f16x2 $1, m, $4;
-}"""}
 LOW_DOMAIN = 128.0     # low rows dequantize to x / (gs * 2^7) in f16 (e2m1 * 2^-14 times e4m3 * 2^7: exact)
 
 
@@ -157,7 +140,7 @@ def _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm: bool,
     sc = jnp.broadcast_to(sc[:, :, None], (k_tok, nblk, 8))
     if use_asm:
         out = [jax.ShapeDtypeStruct(b.shape, jnp.float16)]
-        lo, hi = (pltriton.elementwise_inline_asm(_DEQUANT_ASM[half_], args=[b, sc], constraints="=r,=r,r,r,r",
+        lo, hi = (pltriton.elementwise_inline_asm(E2M1_F16_PTX[half_], args=[b, sc], constraints="=r,=r,r,r,r",
                                                   pack=4, result_shape_dtypes=out)[0] for half_ in ("lo", "hi"))
     else:
         lo, hi = (x * sc for x in e2m1_f16_halves(b))
@@ -184,7 +167,7 @@ def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, par
 def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, lowmul_ref, hs_ref, data_ref,
             scales_ref, high_ref, plain_ref, o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, geom,
             ht_width, sm_scale, window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts,
-            use_asm, keys_major, v_late=False, groups=1, rep=1):
+            use_asm, keys_major, v_late=False, groups=1, rep=1, skip_interior=False):
     s = pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[0]
@@ -207,13 +190,7 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     per = (n_blocks - lo_blk + num_splits - 1) // num_splits
     start = lo_blk + s * per
     end = jnp.minimum(start + per, n_blocks)
-    # "clean" blocks [i0, i1): every key visible to every query, no retained row, no row at or past n
-    c_lo = geom.first_n if has_high else 0
-    if window is not None:
-        c_lo = jnp.maximum(c_lo, n - window)
-    c_hi = jnp.minimum(n - (geom.last_n if has_high else 0), n - tq + 1)
-    i0 = (jnp.maximum(c_lo, 0) + k_tok - 1) // k_tok
-    i1 = jnp.maximum(c_hi, 0) // k_tok
+    i0, i1 = interior_blocks(n, k_tok, tq, geom if has_high else None, window)
     a = jnp.clip(i0, start, jnp.maximum(end, start))
     c = jnp.clip(i1, a, jnp.maximum(end, a))
     e = jnp.maximum(end, c)
@@ -337,7 +314,8 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     init = (tuple(jnp.zeros((dp, m_rows) if keys_major else (m_rows, dp // groups), jnp.float32) for _ in range(parts)),
             jnp.full((m_rows,), _M_INIT, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
     carry = lax.fori_loop(start, a, edge_body, init)          # head: first_n / window edge
-    carry = lax.fori_loop(a, c, clean_body, carry)            # interior: no masks, no twin, pipelined loads
+    if not skip_interior:     # (skipped: another kernel attends the interior, `paged_decode_attention_mgpu`)
+        carry = lax.fori_loop(a, c, clean_body, carry)        # interior: no masks, no twin, pipelined loads
     o, m, l = lax.fori_loop(c, e, edge_body, carry)           # tail: last_n window, causal, rows past n
     for p in range(parts):
         o_ref[p] = o[p] * vmul if has_low else o[p]
@@ -394,7 +372,7 @@ def _pad_cols(x, multiple, fill):
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "sliding_window", "soft_cap", "num_splits",
     "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype", "dequant", "keys_major", "v_late",
-    "col_groups"))
+    "col_groups", "skip_interior", "partials_only"))
 def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
                            geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                            sliding_window: Optional[int] = None,
@@ -403,7 +381,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                            num_warps: Optional[int] = None, num_stages: int = 3, precise: Optional[bool] = None,
                            interpret: bool = False, out_dtype=None, dequant: Optional[str] = None,
                            keys_major: bool = False, v_late: Optional[bool] = None,
-                           col_groups: Optional[int] = None):
+                           col_groups: Optional[int] = None, skip_interior: bool = False,
+                           partials_only: bool = False):
     """Paged decode / verify attention over raw pool arrays (one layer).
 
     Args:
@@ -444,6 +423,11 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         ``col_groups * r <= 16`` and ``>= 16`` columns per group for NVFP4 K / V pages with 32-token steps, one
         warp (`WIDE_GRID_TUNING`) and >= 1024 tokens per split (there it is faster on the H200; with 64-token steps
         or short splits it is slower), else 1.
+      skip_interior: attend only the *edge* blocks of each sequence (those before and after `interior_blocks`'
+        range; with ``num_splits=1`` that range is exactly the blocks skipped), for a caller that attends the
+        interior with another kernel and merges (`pallas_kernels.decode_mgpu`).
+      partials_only: return the unnormalized split partials ``(o f32[S, B, H, R, D], m, l f32[S, B, H, R])``
+        (natural-log ``m``; rows ``t * G + g`` of each KV head, ``R >= Tq * G``) instead of the merged result.
 
     Returns:
       ``(out [B, Tq, Hq, D] out_dtype, lse f32[B, Tq, Hq])``: natural-log LSE of the scaled (capped) logits;
@@ -556,7 +540,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         _kernel, page=page, nb=nb, tq=tq, group=group, kv_factor=kv_factor, geom=geom,
         ht_width=ht_width, sm_scale=sm_scale, window=sliding_window, cap=soft_cap,
         num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts,
-        use_asm=dequant == "asm", keys_major=keys_major, v_late=v_late, groups=col_groups, rep=rep)
+        use_asm=dequant == "asm", keys_major=keys_major, v_late=v_late, groups=col_groups, rep=rep,
+        skip_interior=skip_interior)
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
     check_offsets("decode_attention", **{f"pool operand {i}": a for i, a in enumerate(args[9:])})
     o, m, l = pl.pallas_call(
@@ -578,5 +563,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     # rows (replica j, query row i) of column group j -> [S, B, H, rep, groups, D/parts/groups, parts]
     o = o[:, :, :, :, :col_groups * rep].reshape(splits, b, h, parts, col_groups, rep, dp // col_groups)
     o = o.transpose(0, 1, 2, 5, 4, 6, 3).reshape(splits, b, h, rep, d)        # re-interleave the columns
+    if partials_only:
+        return o, m[..., :rep], l[..., :rep]
     out, lse = ungroup_rows(*merge_partials(o, m[..., :rep], l[..., :rep]), tq, group)
     return out.astype(out_dtype), lse

@@ -5,46 +5,47 @@ Scope (`supported` says when it applies; everything else runs the Pallas Triton 
 pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of **16 tokens**, optional
 bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap.
 
-Status: correct against the float32 reference at page 16, but slower than the Triton kernel on the H200, so it is
-opt-in (``JMIXEDKV_DECODE_KERNEL=mgpu``, see `preferred`); timings and what bounds the speed (one warpgroup per CTA
-does everything in sequence, ~4 instructions per dequantized element in the WGMMA register layout) are in
-bench/RESULTS.md. Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run
-correctly in the Mosaic GPU interpreter; cause not found), so `supported` refuses them.
+Status (H200, bench/RESULTS.md, 2026-12-01, second): correct against the float32 reference; level with the Triton
+kernel at Tq 1 x GQA 4 (0.449 vs 0.452 ms at 16 x 32k) and 1.02-3.1x faster than it from 16 query rows per KV head
+(verify steps: Tq 2 x GQA 8, Tq 4 x GQA 4 / 8 / 16), so `preferred` picks it on Hopper above
+`AUTO_TRITON_MAX_ROWS` rows (``JMIXEDKV_DECODE_KERNEL`` overrides). Pages of 32 / 64 / 128 tokens fault on the
+H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run correctly in the Mosaic GPU interpreter; cause not found),
+so `supported` refuses them. Not built: warp specialization (a producer warp for the page TMA and consumer
+warpgroups); every CTA is one warpgroup doing TMA wait, dequantization, MMA and softmax in sequence (ncu at
+16 x 32k: 136 registers, 3 CTAs = 12 warps per SM, 0.60 instructions issued per scheduler cycle).
 
-Two forms, one kernel body (`_make_kernel`): *queries on M* (the default: `KEYS_ON_M` is False; query rows padded
-to wgmma's M = 64) and *keys on M* (``keys_on_m=True``): ``S^T = K Q^T`` with the dequantized K tile as
-wgmma's register A operand (no shared-memory round trip for K) and the query rows padded only to N = 16 / 32 / 64,
-the softmax down the columns, ``O^T += V^T P^T`` with V^T a transposed shared-memory view (V's f16 tile and P^T
-share the swizzle of one P^T row, ``2 N`` bytes). Keys on M is correct on the H200 (rel. L2 1.1e-4 to 2.8e-4 at
-Tq 1 / 2 / 4, GQA 2 / 4 / 8, lengths 1 .. 4096) but not faster: 0.691 ms at 16 x 32k against 0.684 for queries on M
-and 0.463 for the Triton kernel (bench/RESULTS.md, 2026-12-01), so the M = 64 padding and the K store were not the
-bound. Not built: a producer warp for the page TMA and consumer warpgroups (warp specialization).
+Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
+``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
+the query rows padded only to N = 16 / 32 / 64, the softmax down the columns (``l`` kept as per-thread partial sums,
+summed by the wrapper), ``O^T += V^T P^T`` with V^T a transposed shared-memory view (V's f16 tile and P^T share
+the swizzle of one P^T row, ``2 N`` bytes); *queries on M* above (query rows padded to wgmma's M = 64, P from
+registers).
 
 Work split
-* **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* keys
-  ``[k0, k1) = [min(first_n, n), max(k0, n - max(last_n, Tq - 1)))`` of each sequence, which are exactly the keys
-  read from NVFP4 pages and visible to every query token. A TMA ring of ``stages`` slots holds 64-token blocks
-  of packed bytes + E4M3 scales (one bulk copy per 16 tokens and tensor, page ids of the split copied from the
-  page table to shared memory once); the warpgroup dequantizes a block in registers (inline PTX: nibble -> f16 bits,
-  ``cvt.rn.f16x2.e4m3x2`` for the scale, ``mul.rn.f16x2``; exact, see below) into a swizzled f16 tile, and runs
-  ``S = Q K^T`` (wgmma, query rows padded to M = 64) and ``O += P V`` (wgmma, P from registers) with an online
-  softmax in base 2. Output: unnormalized partials
+* **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* blocks of each sequence
+  (`pallas_kernels.decode_attention.interior_blocks` with 64-token blocks: every key visible to every query, no
+  retained row, no row at or past n). A TMA ring of ``stages`` slots holds 64-token blocks of packed bytes + E4M3
+  scales (one bulk copy per 16 tokens and tensor, page ids of the split copied from the page table to shared memory
+  once); the warpgroup dequantizes a block in registers (per thread and row one 16-byte load in the
+  `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the scales; exact, see below) and runs the
+  two wgmma products with an online softmax in base 2. Pallas' automatic barriers around shared-memory stores are
+  off (`AUTO_BARRIERS`): one warpgroup barrier per step and the epilogue's own. Output: unnormalized partials
   ``(o, m, l)`` per split; the f32 output tile aliases the K tile (``plgpu.RefUnion``).
-* **Edge keys** (``[0, k0)`` and ``[k1, n)``: the retained first-N / last-N rows, read from the twin where held,
-  and the causal region among the ``Tq`` new tokens) are at most ``first_n + max(last_n, Tq - 1)`` per sequence;
-  they are attended in XLA (float32) and merged with the kernel's partials by LSE (`merge_partials`).
+* **Edge blocks** (the retained first-N / last-N rows, read from the twin where held, the causal region among the
+  ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (one split, its twin
+  overlay and masks), merged with the kernel's partials by LSE (`merge_partials`).
 
 Numerics are the Triton kernel's (see its docstring): a NVFP4 element dequantizes to
 ``(e2m1 * 2^-14) * (f16(s) * 2^7) = e2m1 * s * 2^-7`` in f16 **exactly** (the *low domain*, ``x / (gs * 2^7)``);
 ``gs`` and ``sm_scale`` are applied to the f32 logits (per query row, with the power-of-two row scaling of q into
-f16) and to the f32 output. Columns are kept as ``[even | odd]`` halves (low / high nibbles), q is permuted to
-match and the output re-interleaved outside.
+f16) and to the f32 output. Columns are kept as ``[even | odd]`` halves (low / high nibbles), each half in
+`WIDE_COLUMNS` order; q is permuted to match and the output permuted back outside.
 
 CPU CI: ``interpret=True`` runs the same kernel body in the Mosaic GPU interpreter
 (``plgpu.kernel(interpret=InterpretGPUParams())``) with the dequantization in plain jnp (the interpreter has no
 ``inline_mgpu``) and P staged through shared memory (its wgmma takes operands from shared memory only); the
-compiled form (inline PTX, register-A wgmma) is checked by cross-lowering for CUDA. Neither checks ptxas, the
-swizzle / TMA descriptors or timing: that needs the GPU (tests marked ``gpu``).
+compiled form (inline PTX, register-A wgmma, barriers) is checked by cross-lowering for CUDA. Neither checks ptxas,
+the swizzle / TMA descriptors, races, or timing: that needs the GPU (tests marked ``gpu``).
 
 Entry: `paged_decode_attention_mgpu` (raw arrays), `supported` (static shape / option check), `preferred` (the
 dispatch choice of `jmixedkv.decode`).
@@ -62,27 +63,35 @@ import numpy as np
 from jax import lax
 
 from jmixedkv.layout import TwinGeometry
-from pallas_kernels.decode_attention import LOW_DOMAIN, f16_queries, group_queries, merge_partials, ungroup_rows
-from pallas_kernels.nvfp4_ops import NIBBLE_TO_F16, dequant_tile, e2m1_f16_halves
+from pallas_kernels.decode_attention import (LOW_DOMAIN, f16_queries, group_queries, interior_blocks, merge_partials,
+                                             paged_decode_attention, ungroup_rows)
+from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
-           "KERNEL_ENV", "KEYS_ON_M"]
+           "KERNEL_ENV", "KEYS_ON_M_ROWS", "WIDE_COLUMNS",
+           "AUTO_TRITON_MAX_ROWS", "AUTO_BARRIERS"]
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
 CHUNK = 16               # tokens per bulk copy (the smallest page)
 SUPPORTED_PAGES = (16,)  # run on the H200; 32 / 64 / 128 run in the interpreter but fault on the GPU
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
-#: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: False = queries on M (rows padded to 64),
-#: True = keys on M (``S^T = K Q^T``: the dequantized K tile is wgmma's register A operand, the query rows, padded to
-#: 16 / 32 / 64, its N side; ``O^T = V^T P^T``). False: keys on M measured no faster (bench/RESULTS.md, 2026-12-01)
-KEYS_ON_M = False
+#: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: keys on M (``S^T = K Q^T``: the dequantized
+#: K tile is wgmma's register A operand, the query rows, padded to 16 / 32 / 64, its N side; ``O^T = V^T P^T``) for
+#: ``Tq * G <=`` this many query rows, queries on M (rows padded to 64) above. On the H200 (bench/RESULTS.md,
+#: 2026-12-01, second): keys on M 0.529 vs 0.566 ms at 16 x 32k GQA 4, 0.581 vs 0.635 at 64 x 8k; queries on M 0.600
+#: vs 0.749 at 16 x 32k Tq 4 x GQA 8 (32 rows)
+KEYS_ON_M_ROWS = 16
+#: Pallas' automatic warpgroup barriers before and after every shared-memory store (True), or only the kernel's
+#: own: one per step and around the epilogue's copies out (False: ~10 fewer barriers per 64-token step; correct on
+#: the H200 and 2-4% faster on verify shapes, level at Tq 1; bench/RESULTS.md, 2026-12-01, second)
+AUTO_BARRIERS = False
 HEAD_DIM = 128
 NUM_SMS = 132
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
 from jmixedkv.compat import (HAVE_MGPU as _HAVE_MGPU, mgpu_interpret_params as _interpret_params,  # noqa: E402
-                             mgpu_load as _load, mgpu_transposed as _transposed, pl, plgpu)
+                             mgpu_load as _load, mgpu_transposed as _transposed, on_hopper, pl, plgpu)
 
 
 def available() -> bool:
@@ -91,30 +100,52 @@ def available() -> bool:
 
 
 # ----------------------------------------------------------------------------- dequantization
-# 2 packed bytes (one i32, bytes in bits 0-15) + their E4M3 block scale (i32, bits 0-7) -> two f16x2 registers:
-# $0 = low nibbles (even columns), $1 = high nibbles (odd columns), both in the low domain e2m1 * s * 2^-7 (exact).
-_DEQUANT_PTX = """{
-.reg .b32 x, m, t, sc, k;
-.reg .b16 sp;
-prmt.b32 x, $2, 0, 0x4140;
-prmt.b32 sc, $3, 0, 0x0000;
-cvt.u16.u32 sp, sc;
-cvt.rn.f16x2.e4m3x2 sc, sp;
+#: Column order of the dequantized tiles: column ``t`` of a ``[64, 64]`` half tile (even or odd columns) holds byte
+#: ``WIDE_COLUMNS[t] = 16 (t % 8 // 2) + 2 (t // 8) + t % 2`` of the packed row. In the WGMMA register layout a thread
+#: holds columns ``2 (lane % 4) + 8 j + {0, 1}`` (j = 0..7) of two rows; in this order those are the 16 contiguous
+#: bytes ``16 (lane % 4) .. + 15`` of each row (one 128-bit shared-memory load, conflict-free) under two contiguous
+#: scale bytes. q's columns are permuted the same way and the output's back (`paged_decode_attention_mgpu`); QK^T
+#: sums over the columns, so the order is free. Against 2-byte loads in natural order (one scale byte and one
+#: inline-PTX call per 4 elements) this was 1.15-1.26x faster on the H200 (bench/RESULTS.md, 2026-12-01, second).
+WIDE_COLUMNS = np.array([16 * (t % 8 // 2) + 2 * (t // 8) + t % 2 for t in range(HEAD_DIM // 2)])
+
+
+def to_wide(x):
+    """Last axis (64 columns, byte order) -> `WIDE_COLUMNS` order: ``x[..., WIDE_COLUMNS]`` as a reshape."""
+    return jnp.swapaxes(x.reshape(x.shape[:-1] + (4, 8, 2)), -3, -2).reshape(x.shape)
+
+
+def from_wide(x):
+    """Inverse of `to_wide`."""
+    return jnp.swapaxes(x.reshape(x.shape[:-1] + (8, 4, 2)), -3, -2).reshape(x.shape)
+
+
+# E4M3 scale bytes 0 and 1 of $2 -> $0, $1 = f16x2 (s, s) * 2^7 each (the low domain's scale factor, exact)
+_SCALE_PAIR_PTX = """{
+.reg .b32 a, k;
+.reg .b16 p;
 mov.b32 k, 0x58005800;
-mul.rn.f16x2 sc, sc, k;
-""" + "".join(f"and.b32 m, x, {mm | mm << 16:#010x};\nshl.b32 m, m, {ms};\nand.b32 t, x, {sm | sm << 16:#010x};\n"
-              f"shl.b32 t, t, {ss};\nor.b32 m, m, t;\nmul.rn.f16x2 ${i}, m, sc;\n"
-              for i, (mm, ms, sm, ss) in enumerate(NIBBLE_TO_F16)) + "}"
+prmt.b32 a, $2, 0, 0x0000;
+cvt.u16.u32 p, a;
+cvt.rn.f16x2.e4m3x2 a, p;
+mul.rn.f16x2 $0, a, k;
+prmt.b32 a, $2, 0, 0x1111;
+cvt.u16.u32 p, a;
+cvt.rn.f16x2.e4m3x2 a, p;
+mul.rn.f16x2 $1, a, k;
+}"""
 
 
 def _dequant_inline(b_ref, s_ref):
     """Compiled path: packed bytes ``u8[64, 64]`` + scales ``e4m3[4, 128]`` (token ``t``'s 8 scales at flat
-    ``t * 8``) in shared memory -> ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout."""
+    ``t * 8``) in shared memory -> ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout, columns in
+    `WIDE_COLUMNS` order, low domain ``e2m1 * s * 2^-7`` (exact). Per thread and row: one 16-byte load of packed
+    bytes, one 2-byte load of scales, then `E2M1_F16_PTX` per 4 bytes (~2 instructions per element)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
 
     out_t = plgpu.ShapeDtypeStruct((BLOCK_K, HEAD_DIM // 2), jnp.float16, layout=plgpu.Layout.WGMMA)
 
@@ -130,43 +161,42 @@ def _dequant_inline(b_ref, s_ref):
         lo = np.empty(reg_shape, dtype=object)
         hi = np.empty(reg_shape, dtype=object)
         ci = lambda v: arith.constant(i32, v)  # noqa: E731
-        # this thread's base element (row0, col0) of the WGMMA layout, computed once; every register sits at a
-        # static offset from it (rows + 8k, columns + 8j: no carry since col0 = 2 * (lane % 4) < 8)
         contig = (shape[1], 1)
         tile_strides = layout.tiling.tile_strides(contig)
         dyn_strides = [ci(st_) for st_ in tile_strides[-layout.tiled_tiling_rank:]]
         base = arith.addi(mgu.dyn_dot(layout.warp_indices(), dyn_strides),
                           mgu.dyn_dot(layout.lane_indices(), dyn_strides))
         row0 = arith.divui(base, ci(shape[1]))
-        col0 = arith.remui(base, ci(shape[1]))
-        # scales: token t's 8 block scales at flat t * 8 of the [4, 128] tile; row0 = 16 w + lane // 4, so
-        # (row0 + 8 k) * 8 stays inside row w of the tile for k in {0, 1}
-        sflat0 = arith.muli(row0, ci(8))
-        srow0 = arith.divui(sflat0, ci(128))
-        scol0 = arith.remui(sflat0, ci(128))
+        quad = arith.divui(arith.remui(base, ci(shape[1])), ci(2))           # lane % 4
         to_idx = lambda v: arith.index_castui(idx_t, v)  # noqa: E731
-        row0_i, col0_i, srow_i, scol0_i = map(to_idx, (row0, col0, srow0, scol0))
-        s_elt = ir.MemRefType(s.type).element_type
-        b_vec = ir.VectorType.get((2,), ir.MemRefType(b.type).element_type)
+        s_vec = ir.VectorType.get((2,), ir.MemRefType(s.type).element_type)
+        b_vec = ir.VectorType.get((16,), ir.MemRefType(b.type).element_type)
+        words_t = ir.VectorType.get((4,), i32)
+        struct2 = ir.Type.parse("!llvm.struct<(i32, i32)>")
+        regs = {}                                                             # (row offset, j) -> (lo, hi)
+        for r_off in (0, 8):
+            row = arith.addi(row0, ci(r_off))
+            # 16 bytes: this thread's columns of the row; scales of 8-byte blocks 2 quad, 2 quad + 1 (flat row * 8)
+            bv = vector.load(b_vec, b, [to_idx(row), to_idx(arith.muli(quad, ci(16)))], alignment=16)
+            words = vector.bitcast(words_t, mgu.bitcast(bv, ir.VectorType.get((16,), i8)))
+            sflat = arith.addi(arith.muli(row, ci(8)), arith.muli(quad, ci(2)))
+            sv = vector.load(s_vec, s, [to_idx(arith.divui(sflat, ci(128))), to_idx(arith.remui(sflat, ci(128)))],
+                             alignment=2)
+            sv = arith.extui(i32, mgu.bitcast(mgu.bitcast(sv, ir.VectorType.get((2,), i8)), i16))
+            sc = llvm.inline_asm(struct2, [sv], _SCALE_PAIR_PTX, "=r,=r,r", has_side_effects=False)
+            sc = [llvm.extractvalue(i32, sc, [k]) for k in (0, 1)]
+            for k in range(4):                                                # word k: columns j = 2k, 2k + 1
+                w = vector.extract(words, [], [k])
+                f = sc[k // 2]
+                pair = [llvm.inline_asm(struct2, [w, f, f], E2M1_F16_PTX[h], "=r,=r,r,r,r", has_side_effects=False)
+                        for h in ("lo", "hi")]
+                for e in (0, 1):
+                    regs[(r_off, 2 * k + e)] = tuple(
+                        mgu.bitcast(llvm.extractvalue(i32, p_, [e]), f16x2) for p_ in pair)
         for reg_idx in np.ndindex(reg_shape):
             lin = sum(i * st_ for i, st_ in zip(reg_idx, tile_strides))
             r_off, c_off = divmod(lin, shape[1])
-            assert c_off % 8 == 0 and r_off in (0, 8, 16, 24, 32, 40, 48, 56), (r_off, c_off)
-            row = arith.addi(row0_i, arith.constant(idx_t, r_off))
-            col = arith.addi(col0_i, arith.constant(idx_t, c_off))
-            pair = vector.load(b_vec, b, [row, col])
-            x = arith.extui(i32, mgu.bitcast(pair, i16))
-            k = r_off * 8 + c_off // 8
-            assert r_off < 16, "one 64-row WGMMA tile: row offsets 0 / 8"
-            sv = memref.load(s, [srow_i, arith.addi(scol0_i, arith.constant(idx_t, k))])
-            if s_elt != i8:
-                sv = mgu.bitcast(sv, i8)
-            sv = arith.extui(i32, sv)
-            res = llvm.inline_asm(
-                ir.Type.parse("!llvm.struct<(i32, i32)>"), [x, sv], _DEQUANT_PTX, "=r,=r,r,r",
-                has_side_effects=False)
-            lo[reg_idx] = mgu.bitcast(llvm.extractvalue(i32, res, [0]), f16x2)
-            hi[reg_idx] = mgu.bitcast(llvm.extractvalue(i32, res, [1]), f16x2)
+            lo[reg_idx], hi[reg_idx] = regs[(r_off, c_off // 8)]
         return (mgpu.FragmentedArray(_registers=lo, _layout=layout, _is_signed=None),
                 mgpu.FragmentedArray(_registers=hi, _layout=layout, _is_signed=None))
 
@@ -174,18 +204,19 @@ def _dequant_inline(b_ref, s_ref):
 
 
 def _dequant_jnp(b_ref, s_ref):
-    """Interpret path: the same exact arithmetic in jnp."""
+    """Interpret path: the same exact arithmetic in jnp, the same column order."""
     sc = s_ref[...].reshape(BLOCK_K, 8).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
     sc = jnp.repeat(sc, 8, axis=1)                                            # [64, 64]
     lo, hi = (x * sc for x in e2m1_f16_halves(b_ref[...]))                    # [64, 64] each
-    return lo, hi
+    return to_wide(lo), to_wide(hi)
 
 
 # ----------------------------------------------------------------------------- kernel
 def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, interpret, keys_on_m=False,
-                 n_rows=M_ROWS):
-    """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form (`KEYS_ON_M`) with
-    ``n_rows`` query rows (16 / 32 / 64) on the wgmma N side."""
+                 n_rows=M_ROWS, auto_barriers=True):
+    """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form (`KEYS_ON_M_ROWS`) with
+    ``n_rows`` query rows (16 / 32 / 64) on the wgmma N side. ``auto_barriers``: Pallas' automatic barriers around
+    every shared-memory store (`AUTO_BARRIERS`); False: only the kernel's own (`sync`)."""
     bk, half = BLOCK_K, HEAD_DIM // 2
     wgmma_layout = plgpu.Layout.WGMMA
     # per-query vectors: along the rows of the accumulators, or (keys on M) along their columns
@@ -195,6 +226,9 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
     pt_chunks = pt_len // 256 if pt_len >= 256 else 1
     pt_chunk = min(pt_len, 256)
     dequant = _dequant_jnp if interpret else _dequant_inline
+    # without Pallas' automatic barriers (a warpgroup barrier before and after every shared-memory store), the
+    # kernel places its own: `sync` (a warpgroup barrier; commit_smem's proxy fence is harmless)
+    sync = (lambda: None) if (auto_barriers or interpret) else plgpu.commit_smem  # noqa: E731
     # the interpreter has no layouts: plain values there
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
 
@@ -263,7 +297,9 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
 
         def softmax_step(s, i, m_i, l_i, accs, kax, edge):
             """Online softmax (base 2) of block ``i``'s scores ``s``, keys along axis ``kax``: keys outside
-            ``[k0, k1)`` masked in edge blocks, the accumulators ``accs`` rescaled. -> ``(p, m_new, l_new, accs)``."""
+            ``[k0, k1)`` masked in edge blocks, the accumulators ``accs`` rescaled. -> ``(p, m_new, l_new, accs)``.
+            Keys on M (``kax`` 0): ``l`` is a ``[64 keys, N]`` tile of per-thread partial sums, summed over the keys
+            by the wrapper (no cross-warp reduction per block for it; the max needs one)."""
             qax = 1 - kax
             if edge:
                 kpos = iota(s.shape, kax) + i * bk
@@ -271,8 +307,21 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
             m_new = jnp.maximum(m_i, s.max(axis=kax))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [qax]))
-            l_new = l_i * alpha + p.sum(axis=kax)
+            a_b = lax.broadcast_in_dim(alpha, s.shape, [qax])
+            l_new = l_i * a_b + p if kax == 0 else l_i * alpha + p.sum(axis=kax)
             return p, m_new, l_new, tuple(a * lax.broadcast_in_dim(alpha, a.shape, [qax]) for a in accs)
+
+        def accumulate(mma, accs):
+            """``accs`` plus the wgmma products ``mma(acc_refs)`` adds: in place (``pl.run_state``) when compiled;
+            the interpreter has no run_state, so there into fresh accumulators, then added."""
+            if not interpret:
+                return pl.run_state(mma)(tuple(plgpu.ACC.init(a) for a in accs))
+
+            def fresh(*refs):
+                mma(refs)
+                return tuple(r[...] for r in refs)
+            prods = pl.run_scoped(fresh, *[plgpu.ACC(a.shape, jnp.float32) for a in accs])
+            return tuple(a + d for a, d in zip(accs, prods))
 
         def _km_step(i, klo, khi, acc_lo, acc_hi, m_i, l_i, edge):
             """Keys on M: ``S^T = K Q^T`` ([64 keys, N], K the register A operand), softmax down the columns,
@@ -292,20 +341,21 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
             plgpu.commit_smem()
             vt = (lambda r: r) if interpret else _transposed  # noqa: E731
 
-            def pv(a_lo, a_hi):
-                plgpu.wgmma(a_lo, vt(v16.at[0]), p_smem)
-                plgpu.wgmma(a_hi, vt(v16.at[1]), p_smem)
-                return a_lo[...], a_hi[...]
+            def pv(refs):
+                plgpu.wgmma(refs[0], vt(v16.at[0]), p_smem)
+                plgpu.wgmma(refs[1], vt(v16.at[1]), p_smem)
 
-            d_lo, d_hi = pl.run_scoped(pv, plgpu.ACC((half, n_rows), jnp.float32),
-                                       plgpu.ACC((half, n_rows), jnp.float32))
-            return acc_lo + d_lo, acc_hi + d_hi, m_new, l_new
+            acc_lo, acc_hi = accumulate(pv, (acc_lo, acc_hi))
+            return acc_lo, acc_hi, m_new, l_new
 
         def step(i, carry, edge):
             acc_lo, acc_hi, m_i, l_i = carry
             rel = i - start
             slot = lax.rem(rel, i32(stages))
             nxt = rel + stages - 1
+            # every warp is past the previous step: its wgmma reads of the f16 / P tiles and its dequantization
+            # reads of the ring slot that the next copy refills
+            sync()
 
             @pl.when(nxt < nblk)
             def _():
@@ -360,21 +410,14 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                 plgpu.wgmma(a_lo, p_op, v16.at[0])
                 plgpu.wgmma(a_hi, p_op, v16.at[1])
 
-            if interpret:   # the interpreter has no run_state: fresh accumulators, added
-                def pv_fresh(a_lo, a_hi):
-                    pv((a_lo, a_hi))
-                    return a_lo[...], a_hi[...]
-                d_lo, d_hi = pl.run_scoped(pv_fresh, plgpu.ACC((M_ROWS, half), jnp.float32),
-                                           plgpu.ACC((M_ROWS, half), jnp.float32))
-                acc_lo, acc_hi = acc_lo + d_lo, acc_hi + d_hi
-            else:
-                acc_lo, acc_hi = pl.run_state(pv)((plgpu.ACC.init(acc_lo), plgpu.ACC.init(acc_hi)))
+            acc_lo, acc_hi = accumulate(pv, (acc_lo, acc_hi))
             return acc_lo, acc_hi, m_new, l_new
 
         zero_acc = cast(jnp.zeros((half, n_rows) if keys_on_m else (M_ROWS, half), jnp.float32), wgmma_layout)
         carry = (zero_acc, zero_acc,
                  cast(jnp.full((n_rows,), _M_INIT, jnp.float32), row_layout),
-                 cast(jnp.zeros((n_rows,), jnp.float32), row_layout))
+                 cast(jnp.zeros((bk, n_rows) if keys_on_m else (n_rows,), jnp.float32),
+                      wgmma_layout if keys_on_m else row_layout))
         i0 = lax.div(k0 + (bk - 1), i32(bk))          # first block with every key >= k0
         i1 = lax.div(k1, i32(bk))                     # blocks below i1 end at or before k1
         a = jnp.clip(i0, start, jnp.maximum(end, start))
@@ -384,18 +427,22 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
         carry = lax.fori_loop(a, c, lambda i, cr: step(i, cr, False), carry)
         acc_lo, acc_hi, m_i, l_i = lax.fori_loop(c, e, lambda i, cr: step(i, cr, True), carry)
 
-        # epilogue: partials through shared memory
+        # epilogue: partials through shared memory (o_smem may alias k16: every warp past its last wgmma first;
+        # each copy out read before the next tile overwrites o_smem)
+        sync()
         for part, acc in enumerate((acc_lo, acc_hi)):
             o_smem[...] = acc
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[((si * batch + bi) * num_heads + hi) * 2 + part])
             plgpu.wait_smem_to_gmem(0)
-        if keys_on_m:     # m, l as [64, N] tiles (every row the same) through o_smem: see rowmul
-            for vec, ref in ((m_i, m_ref), (l_i, l_ref)):
-                o_smem[...] = lax.broadcast_in_dim(vec, (half, n_rows), [1])
+            sync()
+        if keys_on_m:     # m as a [64, N] tile (every row the same: see rowmul), l's partial-sum tile; via o_smem
+            for tile, ref in ((lax.broadcast_in_dim(m_i, (half, n_rows), [1]), m_ref), (l_i, l_ref)):
+                o_smem[...] = tile
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem, ref.at[si * batch * num_heads + bh])
                 plgpu.wait_smem_to_gmem(0)
+                sync()
             return
         ml_smem[0] = m_i
         ml_smem[1] = l_i
@@ -409,8 +456,8 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
 
 # ----------------------------------------------------------------------------- wrapper
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Splits so that the grid has ~4 CTAs per SM (2-3 are resident at a time: ~75 KB of shared memory each;
-    the best of the splits measured on the H200, bench/RESULTS.md)."""
+    """Splits so that the grid has ~4 CTAs per SM (3 are resident at a time: 53-74 KB of shared memory and 136-166
+    registers per thread each, ncu; 0.5x and 2x these splits measured slower on the H200, bench/RESULTS.md)."""
     programs = max(1, batch * num_kv_heads)
     want = max(1, -(-4 * NUM_SMS // programs))
     return int(max(1, min(1 << (want - 1).bit_length(), max_blocks, 64)))
@@ -429,53 +476,51 @@ def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
     return high_dtype is None or jnp.dtype(high_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-#: environment variable choosing the decode kernel behind `jmixedkv.decode_attention` for NVFP4 groups:
-#: ``triton`` (default) or ``mgpu`` (this kernel where `supported`, the Triton kernel elsewhere)
+#: environment variable choosing the decode kernel behind `jmixedkv.decode_attention` for NVFP4 groups: ``auto``
+#: (default: this kernel where `supported`, on a Hopper GPU, for more than `AUTO_TRITON_MAX_ROWS` query rows per KV
+#: head; the Triton kernel elsewhere), ``triton`` (always the Triton kernel) or ``mgpu`` (this kernel wherever
+#: `supported`, in interpret mode too)
 KERNEL_ENV = "JMIXEDKV_DECODE_KERNEL"
+#: ``auto`` keeps the Triton kernel up to this many query rows per KV head (``Tq * G``): on the H200 the two are level
+#: at Tq 1 x GQA 4 (0.449 vs 0.452 ms at 16 x 32k) and this kernel is 1.02-3.1x faster from 16 rows (Tq 2 x GQA 8,
+#: Tq 4 x GQA 4 / 8 / 16, batch 1-64, 4k-128k; bench/RESULTS.md, 2026-12-01, second)
+AUTO_TRITON_MAX_ROWS = 8
 
 
 def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None,
               interpret=False) -> bool:
-    """Whether the public entry point should run this kernel.
-
-    Default no: on the H200 it measured slower than the Pallas Triton kernel at every benchmarked shape
-    (bench/RESULTS.md, 2026-11-30), so the Triton kernel stays the default; ``JMIXEDKV_DECODE_KERNEL=mgpu``
-    selects this kernel for the configurations it supports (in interpret mode too, where it is slow). The variable
-    is read when `jmixedkv.decode` traces its kernel call: set it before the first call (jit caches the choice)."""
-    choice = os.environ.get(KERNEL_ENV, "triton").strip().lower()
-    if choice not in ("triton", "mgpu"):
-        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected 'triton' or 'mgpu'")
+    """Whether the public entry point (`jmixedkv.decode`) runs this kernel rather than the Triton kernel, by
+    `KERNEL_ENV` (see there). The variable is read when `jmixedkv.decode` traces its kernel call: set it before the
+    first call (jit caches the choice)."""
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower()
+    if choice not in ("auto", "triton", "mgpu"):
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'mgpu'")
     if choice == "triton":
         return False
-    del interpret
-    return supported(head_dim=head_dim, page=page, tq=tq, group=group, high_dtype=high_dtype,
-                     sliding_window=sliding_window, soft_cap=soft_cap)
-
-
-def _decode_low_rows(data, scales, gs_l, layer, pid, kvi, row):
-    """Exact float32 decode of NVFP4 rows: ``data u8[L,P,2,H,page,D/2]``; ``pid, row`` int ``[B, W]``
-    -> ``[B, W, H, D]`` f32 (``(e2m1 * f32(s)) * gs``)."""
-    b = data[layer, pid, kvi, :, row]                                         # [B, W, H, D/2] (rows only)
-    s = scales[layer, pid, kvi, :, row].astype(jnp.float32)                   # [B, W, H, D/16]
-    out = dequant_tile(b.reshape(-1, b.shape[-1]), s.reshape(-1, s.shape[-1]), gs_l[kvi], jnp.float32)
-    return out.reshape(b.shape[:-1] + (b.shape[-1] * 2,))
+    ok = supported(head_dim=head_dim, page=page, tq=tq, group=group, high_dtype=high_dtype,
+                   sliding_window=sliding_window, soft_cap=soft_cap)
+    if choice == "mgpu":
+        return ok
+    return ok and not interpret and tq * group > AUTO_TRITON_MAX_ROWS and on_hopper()
 
 
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
-    "partials_only", "keys_on_m"))
+    "partials_only", "keys_on_m", "auto_barriers"))
 def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
                                 geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                                 num_splits: Optional[int] = None,
                                 stages: int = 2, interpret: bool = False, out_dtype=None,
-                                partials_only: bool = False, keys_on_m: Optional[bool] = None):
+                                partials_only: bool = False, keys_on_m: Optional[bool] = None,
+                                auto_barriers: Optional[bool] = None):
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
 
     Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
     `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
-    in flight). ``keys_on_m``: the keys-on-M form (`KEYS_ON_M`; None = the module default). Returns ``(out [B, Tq,
+    in flight). ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). ``auto_barriers``:
+    see `AUTO_BARRIERS` (None = it). Returns ``(out [B, Tq,
     Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     """
     if low is None:
@@ -494,21 +539,23 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     use_high = high is not None and high_table is not None and high_table.shape[1] > 0
     if use_high and (geom is None or geom.page != page):
         raise ValueError(f"paged_decode_attention_mgpu: high= needs geom= with page={page}, got {geom}")
-    fn, ln = (geom.first_n, geom.last_n) if use_high else (0, 0)
-    tail = max(ln, tq - 1)
     lens = jnp.asarray(kv_lens, jnp.int32)
     layer_i = jnp.asarray(layer, jnp.int32)
     gs_l = jnp.asarray(gs, jnp.float32)[layer_i]                              # [2]
 
-    # ---- kernel operands
-    k0 = jnp.minimum(fn, lens)
-    k1 = jnp.maximum(k0, lens - tail)
+    # ---- kernel operands: the interior blocks [k0, k1) of each sequence (the Triton kernel's clean blocks)
+    i0, i1 = interior_blocks(lens, BLOCK_K, tq, geom if use_high else None)
+    n_blocks = -(-lens // BLOCK_K)
+    a = jnp.clip(i0, 0, n_blocks)
+    k0, k1 = a * BLOCK_K, jnp.clip(i1, a, n_blocks) * BLOCK_K
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([k0, k1], 1).reshape(-1)]).astype(jnp.int32)
-    km = KEYS_ON_M if keys_on_m is None else bool(keys_on_m)
+    km = tq * group <= KEYS_ON_M_ROWS if keys_on_m is None else bool(keys_on_m)
+    ab = AUTO_BARRIERS if auto_barriers is None else bool(auto_barriers)
     n_rows = max(16, 1 << (tq * group - 1).bit_length()) if km else M_ROWS   # query rows: wgmma N (keys on M) or M
     qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
     qlow, shift = f16_queries(qg)                                             # shift [B, H, M]
     qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
+    qlow = to_wide(qlow)                                                      # `WIDE_COLUMNS` order
     if km and interpret:                  # the interpreter's wgmma takes no transposed operand: Q^T as such
         qlow = jnp.swapaxes(qlow, -1, -2)
     rowmul = jnp.ldexp(jnp.float32(sm_scale * _LOG2E) * gs_l[0] * LOW_DOMAIN, -shift).astype(jnp.float32)
@@ -572,14 +619,15 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         plgpu.Barrier(num_arrivals=4 * (BLOCK_K // CHUNK), num_barriers=st),  # bar_kv
     ]
     kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, num_pools=P, num_heads=h, batch=b,
-                          interpret=interpret, keys_on_m=km, n_rows=n_rows)
+                          interpret=interpret, keys_on_m=km, n_rows=n_rows,
+                          auto_barriers=ab)
     pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len)))                      # TMA boxes never leave the array
     out_type = (jax.ShapeDtypeStruct((splits * b * h * 2,) + ((half, n_rows) if km else (M_ROWS, half)),
                                      jnp.float32),
                 jax.ShapeDtypeStruct((splits * b * h,) + ((half, n_rows) if km else (n_rows,)), jnp.float32),
                 jax.ShapeDtypeStruct((splits * b * h,) + ((half, n_rows) if km else (n_rows,)), jnp.float32))
     kw = dict(out_type=out_type, grid=(splits, h, b), grid_names=("s", "h", "b"), scratch_types=scratch,
-              compiler_params=plgpu.CompilerParams(approx_math=True,
+              compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not ab,
                                                    lowering_semantics=plgpu.LoweringSemantics.Lane))
     if interpret:
         kw["interpret"] = _interpret_params()
@@ -589,12 +637,13 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     o, m2, l = plgpu.kernel(kernel, **kw)(meta, qlow.reshape((b * h,) + qlow.shape[2:]), rm, pt_padded, data3,
                                           scales4)
     if km:
-        m2, l = m2[:, 0], l[:, 0]
+        m2, l = m2[:, 0], l.sum(axis=1)                                       # l: the kernel's partial sums
     if partials_only:
         return o, m2, l
     o = o.reshape((splits, b, h, 2) + o.shape[1:])
     if km:
         o = jnp.swapaxes(o, -1, -2)                                           # O^T -> [.., M, 64]
+    o = from_wide(o)                                                          # back to byte order
     m2 = m2.reshape(splits, b, h, n_rows)
     l = l.reshape(splits, b, h, n_rows)
 
@@ -603,50 +652,15 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     o = o * (gs_l[1] * LOW_DOMAIN)
     m = m2 * (1.0 / _LOG2E)
 
-    # ---- edge keys in XLA (retained rows from the twin, causal region), float32
-    parts_pos = []
-    if fn:
-        parts_pos.append(jnp.broadcast_to(jnp.arange(fn, dtype=jnp.int32), (b, fn)))
-    if tail:
-        parts_pos.append(k1[:, None] + jnp.arange(tail, dtype=jnp.int32)[None])
-    if parts_pos:
-        pos = jnp.concatenate(parts_pos, axis=1)                               # [B, W]
-        first_part = jnp.arange(pos.shape[1]) < fn
-        valid = jnp.where(first_part[None], pos < k0[:, None], pos < lens[:, None])
-        posc = jnp.clip(pos, 0, max_tokens - 1)
-        pg = posc // page
-        row = posc % page
-        pid = jnp.maximum(jnp.take_along_axis(pt, pg, axis=1), 0)
-        kv_rows = [_decode_low_rows(data, scales, gs_l, layer_i, pid, kvi, row) for kvi in (0, 1)]
-        if use_high:
-            rows_h = high[0]
-            col = geom.page_column(pg)
-            hid = jnp.take_along_axis(jnp.asarray(high_table, jnp.int32),
-                                      jnp.clip(col, 0, high_table.shape[1] - 1), axis=1)
-            held = (col >= 0) & (hid >= 0)
-            keep = held & geom.is_retained(pos, lens[:, None]) & valid
-            hid = jnp.maximum(hid, 0)
-            for kvi in (0, 1):
-                tw = rows_h[layer_i, hid, kvi, :, row].astype(jnp.float32)      # [B, W, H, D]
-                kv_rows[kvi] = jnp.where(keep[:, :, None, None], tw, kv_rows[kvi])
-        ke, ve = (jnp.where(valid[:, :, None, None], x, 0.0) for x in kv_rows)  # [B, W, H, D]
-        qf = q.astype(jnp.float32).reshape(b, tq, h, group, d)
-        lg = jnp.einsum("bthgd,bwhd->bhtgw", qf, ke, precision=lax.Precision.HIGHEST) * sm_scale
-        qpos = lens[:, None] - tq + jnp.arange(tq)[None]                       # [B, Tq]
-        vis = valid[:, None, None, None, :] & (pos[:, None, None, None, :] <= qpos[:, None, :, None, None])
-        lg = jnp.where(vis, lg, -jnp.inf)
-        me = jnp.max(lg, axis=-1)
-        me_s = jnp.where(jnp.isfinite(me), me, _M_INIT)
-        pe = jnp.where(vis, jnp.exp(lg - me_s[..., None]), 0.0)
-        le = pe.sum(-1)
-        oe = jnp.einsum("bhtgw,bwhd->bhtgd", pe, ve, precision=lax.Precision.HIGHEST)
-        pad = ((0, 0), (0, 0), (0, n_rows - tq * group))
-        oe = jnp.pad(oe.reshape(b, h, tq * group, d), pad + ((0, 0),))
-        me_s = jnp.pad(me_s.reshape(b, h, tq * group), pad, constant_values=_M_INIT)
-        le = jnp.pad(le.reshape(b, h, tq * group), pad)
-        o = jnp.concatenate([o, oe[None]], axis=0)
-        m = jnp.concatenate([m, me_s[None]], axis=0)
-        l = jnp.concatenate([l, le[None]], axis=0)
-
+    # ---- edge blocks (retained first-N / last-N rows from the twin, the causal region among the new tokens, rows
+    # at or past n): the Triton kernel with the interior skipped, one split; merged by LSE
+    rows = tq * group
+    oe, me, le = paged_decode_attention(
+        q, page_table, kv_lens, layer, low, high if use_high else None, None, high_table if use_high else None,
+        geom=geom if use_high else None, sm_scale=sm_scale, num_splits=1, block_k=BLOCK_K, num_warps=2,
+        precise=out_dtype == jnp.dtype(jnp.float32), interpret=interpret, skip_interior=True, partials_only=True)
+    o = jnp.concatenate([o[:, :, :, :rows], oe[:, :, :, :rows]], axis=0)
+    m = jnp.concatenate([m[..., :rows], me[..., :rows]], axis=0)
+    l = jnp.concatenate([l[..., :rows], le[..., :rows]], axis=0)
     out, lse = ungroup_rows(*merge_partials(o, m, l), tq, group)
     return out.astype(out_dtype), lse

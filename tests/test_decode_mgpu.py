@@ -42,12 +42,13 @@ def _run(st, q, layer, **kw):
 # ------------------------------------------------------------------------------------------ interpret mode
 def test_interpret_mixed_page16_splits_poisoned_float32():
     """Lengths 0, 1, page-1, page, page+1, long (retained windows overlap for the short rows); 2 splits, NaN-poisoned
-    rows past n and outside the retained set; float32 output against the float32 reference."""
+    rows past n and outside the retained set; float32 output against the float32 reference. Queries on M (the
+    default form above `KEYS_ON_M_ROWS` rows, forced here)."""
     st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
     q = queries(st, 1, 4)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
-    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32)
+    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32, keys_on_m=False)
     assert np.isfinite(np.asarray(out)).all()
     assert rel_l2(out, ref_o) < 1e-4
     _lse_close(lse, ref_lse)
@@ -101,14 +102,51 @@ def test_supported_and_dispatch_choice(monkeypatch):
     assert not supported(head_dim=128, page=16, tq=1, group=4, high_dtype=jnp.float8_e4m3fn)
     assert not supported(head_dim=128, page=16, tq=1, group=4, sliding_window=128)
     assert not supported(head_dim=128, page=16, tq=1, group=4, soft_cap=30.0)
+    # auto (the default): this kernel on Hopper for more than AUTO_TRITON_MAX_ROWS query rows, where supported
     monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
-    assert not preferred(head_dim=128, page=16, tq=1, group=4)           # Triton stays the default (measured)
-    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "mgpu")
-    assert preferred(head_dim=128, page=16, tq=1, group=4)
+    assert not preferred(head_dim=128, page=16, tq=4, group=8)           # not on a Hopper GPU here
+    monkeypatch.setattr(decode_mgpu, "on_hopper", lambda: True)
+    assert decode_mgpu.AUTO_TRITON_MAX_ROWS == 8
+    assert not preferred(head_dim=128, page=16, tq=1, group=8)           # 8 rows: Triton (level, one kernel)
+    assert preferred(head_dim=128, page=16, tq=1, group=16)
+    assert preferred(head_dim=128, page=16, tq=4, group=8, high_dtype=jnp.bfloat16)
+    assert not preferred(head_dim=128, page=16, tq=4, group=8, interpret=True)
+    assert not preferred(head_dim=128, page=64, tq=4, group=8)           # unsupported: Triton
+    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "triton")
+    assert not preferred(head_dim=128, page=16, tq=4, group=8)
+    monkeypatch.setattr(decode_mgpu, "on_hopper", lambda: False)
+    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "mgpu")                   # wherever supported, interpret too
+    assert preferred(head_dim=128, page=16, tq=1, group=4, interpret=True)
     assert not preferred(head_dim=128, page=16, tq=1, group=4, soft_cap=5.0)
     monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "cuda")
     with pytest.raises(ValueError, match="JMIXEDKV_DECODE_KERNEL='cuda'"):
         preferred(head_dim=128, page=16, tq=1, group=4)
+
+
+@pytest.mark.parametrize("tq,hq,km", [(1, 4, True), (4, 4, True), (2, 8, True), (3, 8, False), (4, 16, False)])
+def test_default_form_by_query_rows(tq, hq, km):
+    """``keys_on_m=None``: keys on M for Tq x GQA <= `KEYS_ON_M_ROWS` query rows, queries on M above (the raw
+    partials' tile is ``[64 dims, N]`` for keys on M, ``[64 rows, 64 dims]`` for queries on M)."""
+    st = make_state(lens=(3, 40), first_n=4, last_n=8, d=128, heads=1, max_draft_len=3)
+    q = queries(st, tq, hq)
+    o, _, _ = jax.eval_shape(lambda q: _run(st, q, 1, num_splits=1, interpret=True, partials_only=True), q)
+    rows = max(16, 1 << (tq * hq - 1).bit_length())
+    assert o.shape[1:] == ((64, rows) if km else (64, 64))
+    assert (tq * hq <= decode_mgpu.KEYS_ON_M_ROWS) == km
+
+
+def test_wide_column_order():
+    """`to_wide` is the `WIDE_COLUMNS` gather (a thread's WGMMA columns ``2 (lane % 4) + 8 j + e`` <- its 16 contiguous
+    bytes ``16 (lane % 4) + 2 j + e``) and `from_wide` its inverse."""
+    cols = decode_mgpu.WIDE_COLUMNS
+    assert sorted(cols) == list(range(64))
+    for lane in range(32):
+        quad = lane % 4
+        held = [2 * quad + 8 * j + e for j in range(8) for e in range(2)]
+        assert sorted(cols[held]) == list(range(16 * quad, 16 * quad + 16))
+    x = jnp.arange(3 * 64).reshape(3, 64)
+    np.testing.assert_array_equal(decode_mgpu.to_wide(x), np.asarray(x)[:, cols])
+    np.testing.assert_array_equal(decode_mgpu.from_wide(decode_mgpu.to_wide(x)), x)
 
 
 def test_refuses_unsupported_configuration():
@@ -165,6 +203,7 @@ def test_keys_on_m_cross_lowers_for_cuda(tq, hq):
     ("mixed_nvfp4_fp16", 2, 16, 16),
 ])
 def test_gpu_matches_reference(dtype, tq, hq, page):
+    """Queries on M (forced; `test_gpu_keys_on_m_matches_reference` runs the other form)."""
     assert on_gpu(), "gpu tests need a GPU"
     mixed = dtype.startswith("mixed")
     lens = (1, page - 1, page, page + 1, 200, 1000, 3000, 4096)
@@ -174,7 +213,7 @@ def test_gpu_matches_reference(dtype, tq, hq, page):
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
     for splits in (None, 8):
-        out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
+        out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32, keys_on_m=False)
         assert np.isfinite(np.asarray(out)).all()
         assert rel_l2(out, ref_o) < 1e-4
         assert rel_l2(np.asarray(out.astype(q.dtype), np.float32), np.asarray(ref_o.astype(q.dtype), np.float32)) < 1e-3
@@ -199,3 +238,28 @@ def test_gpu_keys_on_m_matches_reference(dtype, tq, hq):
         assert out.dtype == q.dtype and np.isfinite(np.asarray(out, np.float32)).all()
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(q.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_public_entry_auto_dispatch(monkeypatch):
+    """With `KERNEL_ENV` unset, `decode_attention` runs this kernel for a verify step (Tq 4 x GQA 8 = 32 query rows,
+    bf16 twin) on the H200 and the Triton kernel for Tq 1 x GQA 4; both match the reference."""
+    import jmixedkv.decode as decode_mod
+    assert on_gpu(), "gpu tests need a GPU"
+    monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
+    calls = []
+    real = decode_mgpu.paged_decode_attention_mgpu
+    monkeypatch.setattr(decode_mgpu, "paged_decode_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    st = make_state("mixed_nvfp4_bf16", first_n=64, last_n=64, page=16, lens=(1, 15, 17, 300, 4096), heads=8,
+                    d=128, layers=2, max_draft_len=3, gs=0.01)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    for tq, hq, want in ((4, 64, 1), (1, 32, 0)):
+        calls.clear()
+        decode_mod._pallas.clear_cache()
+        q = queries(st, tq, hq)
+        out, lse = decode_attention(st, 1, q, seq, backend="pallas")
+        assert len(calls) == want, (tq, hq, calls)
+        ref_o, ref_lse = reference(st, 1, q, seq)
+        assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
+        _lse_close(lse, ref_lse, atol=1e-3)
+    decode_mod._pallas.clear_cache()
