@@ -232,11 +232,6 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
     # the interpreter has no layouts: plain values there
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
 
-    def iota(shape, dim):
-        if interpret:
-            return lax.broadcasted_iota(jnp.int32, shape, dim)
-        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
-
     def kernel(meta_ref, q_ref, rowmul_ref, pt_ref, data_ref, scales_ref,      # inputs (GMEM)
                o_ref, m_ref, l_ref,                                           # outputs (GMEM)
                q_smem, rm_smem, pt_smem, kb, ks, vb, vs, k16, v16, p_smem, o_smem, ml_smem,
@@ -249,10 +244,8 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
         bh = bi * num_heads + hi
         layer = meta_ref[0]
         i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
-        k0 = meta_ref[1 + 2 * bi]
-        k1 = meta_ref[2 + 2 * bi]
-        n_blk = lax.div(k1 + (bk - 1), i32(bk))
-        blk0 = lax.div(k0, i32(bk))
+        blk0 = meta_ref[1 + 2 * bi]               # this sequence's interior blocks [blk0, n_blk) (all keys clean)
+        n_blk = meta_ref[2 + 2 * bi]
         per = lax.div(jnp.maximum(n_blk - blk0, 0) + (splits - 1), i32(splits))
         start = blk0 + si * per
         end = jnp.minimum(start + per, n_blk)
@@ -295,20 +288,19 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
         # 16 floats is 64 bytes, which a warpgroup cannot load in one go)
         rowmul = rm_smem[...] if interpret else _load(rm_smem, wgmma_layout if keys_on_m else row_layout)
 
-        def softmax_step(s, i, m_i, l_i, accs, kax, edge):
-            """Online softmax (base 2) of block ``i``'s scores ``s``, keys along axis ``kax``: keys outside
-            ``[k0, k1)`` masked in edge blocks, the accumulators ``accs`` rescaled. -> ``(p, m_new, l_new, accs)``.
-            Keys on M (``kax`` 0): ``l`` is a ``[64 keys, N]`` tile of per-thread partial sums, summed over the keys
-            by the wrapper (no cross-warp reduction per block for it; the max needs one)."""
+        def softmax_step(s, m_i, l_i, accs, kax):
+            """Online softmax (base 2) of one block's scores ``s`` (no mask: interior blocks only), keys along axis
+            ``kax``, the accumulators ``accs`` rescaled. -> ``(p, m_new, l_new, accs)``. Keys on M (``kax`` 0): ``l``
+            is a ``[64 keys, N]`` tile of per-thread partial sums, summed over the keys by the wrapper (no cross-warp
+            reduction per block for it; the max needs one)."""
             qax = 1 - kax
-            if edge:
-                kpos = iota(s.shape, kax) + i * bk
-                s = jnp.where((kpos >= k0) & (kpos < k1), s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=kax))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [qax]))
-            a_b = lax.broadcast_in_dim(alpha, s.shape, [qax])
-            l_new = l_i * a_b + p if kax == 0 else l_i * alpha + p.sum(axis=kax)
+            if kax == 0:
+                l_new = l_i * lax.broadcast_in_dim(alpha, s.shape, [qax]) + p
+            else:
+                l_new = l_i * alpha + p.sum(axis=kax)
             return p, m_new, l_new, tuple(a * lax.broadcast_in_dim(alpha, a.shape, [qax]) for a in accs)
 
         def accumulate(mma, accs):
@@ -323,7 +315,7 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
             prods = pl.run_scoped(fresh, *[plgpu.ACC(a.shape, jnp.float32) for a in accs])
             return tuple(a + d for a, d in zip(accs, prods))
 
-        def _km_step(i, klo, khi, acc_lo, acc_hi, m_i, l_i, edge):
+        def _km_step(klo, khi, acc_lo, acc_hi, m_i, l_i):
             """Keys on M: ``S^T = K Q^T`` ([64 keys, N], K the register A operand), softmax down the columns,
             ``O^T += V^T P^T`` ([64 dims, N] per half, V^T a transposed shared-memory view, P^T in shared memory)."""
             def qk(acc_ref):
@@ -336,7 +328,7 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32))          # [keys, N]
-            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s * rowmul, i, m_i, l_i, (acc_lo, acc_hi), 0, edge)
+            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s * rowmul, m_i, l_i, (acc_lo, acc_hi), 0)
             p_smem[...] = p.astype(jnp.float16)
             plgpu.commit_smem()
             vt = (lambda r: r) if interpret else _transposed  # noqa: E731
@@ -348,7 +340,7 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
             acc_lo, acc_hi = accumulate(pv, (acc_lo, acc_hi))
             return acc_lo, acc_hi, m_new, l_new
 
-        def step(i, carry, edge):
+        def step(i, carry):
             acc_lo, acc_hi, m_i, l_i = carry
             rel = i - start
             slot = lax.rem(rel, i32(stages))
@@ -375,18 +367,13 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                 k16.at[1][...] = khi
             # V next (dequantizing V while the tensor cores run Q K^T measured 15% slower on the H200)
             vlo, vhi = dequant(vb.at[slot], vs.at[slot])
-            if edge:    # rows outside [k0, k1) may be NaN poison: P == 0 there must not meet NaN
-                vrow = iota((bk, half), 0) + i * bk
-                vok = (vrow >= k0) & (vrow < k1)
-                vlo = jnp.where(vok, vlo, 0.0)
-                vhi = jnp.where(vok, vhi, 0.0)
             if keys_on_m and interpret:     # V^T stored as such (no transposed operands in the interpreter)
                 vlo, vhi = vlo.T, vhi.T
             v16.at[0][...] = vlo
             v16.at[1][...] = vhi
             plgpu.commit_smem()
             if keys_on_m:
-                return _km_step(i, klo, khi, acc_lo, acc_hi, m_i, l_i, edge)
+                return _km_step(klo, khi, acc_lo, acc_hi, m_i, l_i)
 
             def qk(acc_ref):
                 kt = (lambda r: r) if interpret else _transposed  # noqa: E731
@@ -396,7 +383,7 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
 
             s = pl.run_scoped(qk, plgpu.ACC((M_ROWS, bk), jnp.float32))
             s = s * lax.broadcast_in_dim(rowmul, s.shape, [0])
-            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, i, m_i, l_i, (acc_lo, acc_hi), 1, edge)
+            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, m_i, l_i, (acc_lo, acc_hi), 1)
             p16 = p.astype(jnp.float16)
             if interpret:
                 p_smem[...] = p16
@@ -418,14 +405,7 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                  cast(jnp.full((n_rows,), _M_INIT, jnp.float32), row_layout),
                  cast(jnp.zeros((bk, n_rows) if keys_on_m else (n_rows,), jnp.float32),
                       wgmma_layout if keys_on_m else row_layout))
-        i0 = lax.div(k0 + (bk - 1), i32(bk))          # first block with every key >= k0
-        i1 = lax.div(k1, i32(bk))                     # blocks below i1 end at or before k1
-        a = jnp.clip(i0, start, jnp.maximum(end, start))
-        c = jnp.clip(i1, a, jnp.maximum(end, a))
-        e = jnp.maximum(end, c)
-        carry = lax.fori_loop(start, a, lambda i, cr: step(i, cr, True), carry)
-        carry = lax.fori_loop(a, c, lambda i, cr: step(i, cr, False), carry)
-        acc_lo, acc_hi, m_i, l_i = lax.fori_loop(c, e, lambda i, cr: step(i, cr, True), carry)
+        acc_lo, acc_hi, m_i, l_i = lax.fori_loop(start, jnp.maximum(end, start), step, carry)
 
         # epilogue: partials through shared memory (o_smem may alias k16: every warp past its last wgmma first;
         # each copy out read before the next tile overwrites o_smem)
@@ -543,12 +523,13 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     layer_i = jnp.asarray(layer, jnp.int32)
     gs_l = jnp.asarray(gs, jnp.float32)[layer_i]                              # [2]
 
-    # ---- kernel operands: the interior blocks [k0, k1) of each sequence (the Triton kernel's clean blocks)
+    # ---- kernel operands: the interior blocks [a, c) of each sequence (the Triton kernel's clean blocks; the
+    # kernel masks nothing, every key there is a low row visible to every query)
     i0, i1 = interior_blocks(lens, BLOCK_K, tq, geom if use_high else None)
     n_blocks = -(-lens // BLOCK_K)
     a = jnp.clip(i0, 0, n_blocks)
-    k0, k1 = a * BLOCK_K, jnp.clip(i1, a, n_blocks) * BLOCK_K
-    meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([k0, k1], 1).reshape(-1)]).astype(jnp.int32)
+    c = jnp.clip(i1, a, n_blocks)
+    meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if keys_on_m is None else bool(keys_on_m)
     ab = AUTO_BARRIERS if auto_barriers is None else bool(auto_barriers)
     n_rows = max(16, 1 << (tq * group - 1).bit_length()) if km else M_ROWS   # query rows: wgmma N (keys on M) or M
