@@ -29,7 +29,8 @@ Work split
   once); the warpgroup dequantizes a block in registers (per thread and row one 16-byte load in the
   `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the scales; exact, see below) and runs the
   two wgmma products with an online softmax in base 2. Pallas' automatic barriers around shared-memory stores are
-  off (`AUTO_BARRIERS`): one warpgroup barrier per step and the epilogue's own. Output: unnormalized partials
+  off (``unsafe_no_auto_barriers``; ~10 fewer barriers per step, 2-4% faster on verify shapes): one warpgroup
+  barrier per step and the epilogue's own (`_make_kernel`'s ``sync``). Output: unnormalized partials
   ``(o, m, l)`` per split; the f32 output tile aliases the K tile (``plgpu.RefUnion``).
 * **Edge blocks** (the retained first-N / last-N rows, read from the twin where held, the causal region among the
   ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (one split, its twin
@@ -69,7 +70,7 @@ from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
            "KERNEL_ENV", "KEYS_ON_M_ROWS", "WIDE_COLUMNS",
-           "AUTO_TRITON_MAX_ROWS", "AUTO_BARRIERS"]
+           "AUTO_TRITON_MAX_ROWS"]
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
 CHUNK = 16               # tokens per bulk copy (the smallest page)
@@ -81,10 +82,6 @@ M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: 2026-12-01, second): keys on M 0.529 vs 0.566 ms at 16 x 32k GQA 4, 0.581 vs 0.635 at 64 x 8k; queries on M 0.600
 #: vs 0.749 at 16 x 32k Tq 4 x GQA 8 (32 rows)
 KEYS_ON_M_ROWS = 16
-#: Pallas' automatic warpgroup barriers before and after every shared-memory store (True), or only the kernel's
-#: own: one per step and around the epilogue's copies out (False: ~10 fewer barriers per 64-token step; correct on
-#: the H200 and 2-4% faster on verify shapes, level at Tq 1; bench/RESULTS.md, 2026-12-01, second)
-AUTO_BARRIERS = False
 HEAD_DIM = 128
 NUM_SMS = 132
 _LOG2E = math.log2(math.e)
@@ -213,10 +210,9 @@ def _dequant_jnp(b_ref, s_ref):
 
 # ----------------------------------------------------------------------------- kernel
 def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, interpret, keys_on_m=False,
-                 n_rows=M_ROWS, auto_barriers=True):
+                 n_rows=M_ROWS):
     """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form (`KEYS_ON_M_ROWS`) with
-    ``n_rows`` query rows (16 / 32 / 64) on the wgmma N side. ``auto_barriers``: Pallas' automatic barriers around
-    every shared-memory store (`AUTO_BARRIERS`); False: only the kernel's own (`sync`)."""
+    ``n_rows`` query rows (16 / 32 / 64) on the wgmma N side."""
     bk, half = BLOCK_K, HEAD_DIM // 2
     wgmma_layout = plgpu.Layout.WGMMA
     # per-query vectors: along the rows of the accumulators, or (keys on M) along their columns
@@ -226,9 +222,10 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
     pt_chunks = pt_len // 256 if pt_len >= 256 else 1
     pt_chunk = min(pt_len, 256)
     dequant = _dequant_jnp if interpret else _dequant_inline
-    # without Pallas' automatic barriers (a warpgroup barrier before and after every shared-memory store), the
-    # kernel places its own: `sync` (a warpgroup barrier; commit_smem's proxy fence is harmless)
-    sync = (lambda: None) if (auto_barriers or interpret) else plgpu.commit_smem  # noqa: E731
+    # Pallas' automatic barriers (a warpgroup barrier before and after every shared-memory store) are off; the
+    # kernel places its own: `sync` (a warpgroup barrier; commit_smem's proxy fence is harmless). Without them the
+    # kernel measured 2-4% faster on verify shapes on the H200, level at Tq 1 (bench/RESULTS.md, 2026-12-01, second)
+    sync = (lambda: None) if interpret else plgpu.commit_smem  # noqa: E731
     # the interpreter has no layouts: plain values there
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
 
@@ -486,21 +483,19 @@ def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
 
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
-    "partials_only", "keys_on_m", "auto_barriers"))
+    "partials_only", "keys_on_m"))
 def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
                                 geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                                 num_splits: Optional[int] = None,
                                 stages: int = 2, interpret: bool = False, out_dtype=None,
-                                partials_only: bool = False, keys_on_m: Optional[bool] = None,
-                                auto_barriers: Optional[bool] = None):
+                                partials_only: bool = False, keys_on_m: Optional[bool] = None):
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
 
     Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
     `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
-    in flight). ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). ``auto_barriers``:
-    see `AUTO_BARRIERS` (None = it). Returns ``(out [B, Tq,
+    in flight). ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). Returns ``(out [B, Tq,
     Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     """
     if low is None:
@@ -531,7 +526,6 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     c = jnp.clip(i1, a, n_blocks)
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if keys_on_m is None else bool(keys_on_m)
-    ab = AUTO_BARRIERS if auto_barriers is None else bool(auto_barriers)
     n_rows = max(16, 1 << (tq * group - 1).bit_length()) if km else M_ROWS   # query rows: wgmma N (keys on M) or M
     qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
     qlow, shift = f16_queries(qg)                                             # shift [B, H, M]
@@ -600,15 +594,14 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         plgpu.Barrier(num_arrivals=4 * (BLOCK_K // CHUNK), num_barriers=st),  # bar_kv
     ]
     kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, num_pools=P, num_heads=h, batch=b,
-                          interpret=interpret, keys_on_m=km, n_rows=n_rows,
-                          auto_barriers=ab)
+                          interpret=interpret, keys_on_m=km, n_rows=n_rows)
     pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len)))                      # TMA boxes never leave the array
     out_type = (jax.ShapeDtypeStruct((splits * b * h * 2,) + ((half, n_rows) if km else (M_ROWS, half)),
                                      jnp.float32),
                 jax.ShapeDtypeStruct((splits * b * h,) + ((half, n_rows) if km else (n_rows,)), jnp.float32),
                 jax.ShapeDtypeStruct((splits * b * h,) + ((half, n_rows) if km else (n_rows,)), jnp.float32))
     kw = dict(out_type=out_type, grid=(splits, h, b), grid_names=("s", "h", "b"), scratch_types=scratch,
-              compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not ab,
+              compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                                    lowering_semantics=plgpu.LoweringSemantics.Lane))
     if interpret:
         kw["interpret"] = _interpret_params()
