@@ -5,10 +5,10 @@ Scope (`supported` says when it applies; everything else runs the Pallas Triton 
 pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of **16 tokens**, optional
 bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap.
 
-Status (H200, bench/RESULTS.md, 2026-12-01, second): correct against the float32 reference; level with the Triton
-kernel at Tq 1 x GQA 4 (0.449 vs 0.452 ms at 16 x 32k) and 1.02-3.1x faster than it from 16 query rows per KV head
-(verify steps: Tq 2 x GQA 8, Tq 4 x GQA 4 / 8 / 16), so `preferred` picks it on Hopper above
-`AUTO_TRITON_MAX_ROWS` rows (``JMIXEDKV_DECODE_KERNEL`` overrides). Pages of 32 / 64 / 128 tokens fault on the
+Status (H200, bench/RESULTS.md, 2026-12-01, third): correct against the float32 reference; 1.05-1.32x faster than
+the Triton kernel end to end on every shape class measured (16 x 32k Tq 1 x GQA 4: 0.393 vs 0.452 ms, 1.23x faster
+than cuDNN SDPA over bf16; verify steps Tq 2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported`
+(``JMIXEDKV_DECODE_KERNEL`` overrides). Pages of 32 / 64 / 128 tokens fault on the
 H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run correctly in the Mosaic GPU interpreter; cause not found),
 so `supported` refuses them. Not built: warp specialization (a producer warp for the page TMA and consumer
 warpgroups); every CTA is one warpgroup doing TMA wait, dequantization, MMA and softmax in sequence (ncu at
@@ -17,7 +17,7 @@ warpgroups); every CTA is one warpgroup doing TMA wait, dequantization, MMA and 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
 the query rows padded only to N = 16 / 32 / 64, the softmax down the columns (``l`` kept as per-thread partial sums,
-summed by the wrapper), ``O^T += V^T P^T`` with V^T a transposed shared-memory view (V's f16 tile and P^T share
+summed once in the epilogue), ``O^T += V^T P^T`` with V^T a transposed shared-memory view (V's f16 tile and P^T share
 the swizzle of one P^T row, ``2 N`` bytes); *queries on M* above (query rows padded to wgmma's M = 64, P from
 registers).
 
@@ -69,8 +69,7 @@ from pallas_kernels.decode_attention import (LOW_DOMAIN, f16_queries, group_quer
 from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
-           "KERNEL_ENV", "KEYS_ON_M_ROWS", "WIDE_COLUMNS",
-           "AUTO_TRITON_MAX_ROWS"]
+           "KERNEL_ENV", "KEYS_ON_M_ROWS", "WIDE_COLUMNS", "default_edge_splits"]
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
 CHUNK = 16               # tokens per bulk copy (the smallest page)
@@ -209,7 +208,7 @@ def _dequant_jnp(b_ref, s_ref):
 
 
 # ----------------------------------------------------------------------------- kernel
-def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, interpret, keys_on_m=False,
+def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_heads, batch, interpret, keys_on_m=False,
                  n_rows=M_ROWS):
     """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form (`KEYS_ON_M_ROWS`) with
     ``n_rows`` query rows (16 / 32 / 64) on the wgmma N side."""
@@ -267,13 +266,17 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
                 sdst = pl.ds(j, 1)
                 b = bar_kv.at[slot]
                 # pools viewed as [(layer, page, K/V, head, 16-token chunk), 16, ...]: every dynamic index is
-                # the leading one (a dynamic row offset inside a page tile faulted on the H200: page >= 32)
-                kr = (((layer * num_pools + pid) * 2) * num_heads + hi) * cpp + sub
+                # the leading one (a dynamic row offset inside a page tile faulted on the H200: page >= 32). The
+                # data and scale pools may hold different page counts (`jmixedkv.state` pads each past the
+                # offset hole on its own)
+                kr = (((layer * data_pages + pid) * 2) * num_heads + hi) * cpp + sub
                 vr = kr + num_heads * cpp
+                skr = (((layer * scale_pages + pid) * 2) * num_heads + hi) * cpp + sub
+                svr = skr + num_heads * cpp
                 plgpu.copy_gmem_to_smem(data_ref.at[kr], kb.at[slot, dst], b)
-                plgpu.copy_gmem_to_smem(scales_ref.at[kr], ks.at[slot, sdst], b)
+                plgpu.copy_gmem_to_smem(scales_ref.at[skr], ks.at[slot, sdst], b)
                 plgpu.copy_gmem_to_smem(data_ref.at[vr], vb.at[slot, dst], b)
-                plgpu.copy_gmem_to_smem(scales_ref.at[vr], vs.at[slot, sdst], b)
+                plgpu.copy_gmem_to_smem(scales_ref.at[svr], vs.at[slot, sdst], b)
 
         for i in range(stages - 1):
             @pl.when(i < nblk)
@@ -288,8 +291,8 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
         def softmax_step(s, m_i, l_i, accs, kax):
             """Online softmax (base 2) of one block's scores ``s`` (no mask: interior blocks only), keys along axis
             ``kax``, the accumulators ``accs`` rescaled. -> ``(p, m_new, l_new, accs)``. Keys on M (``kax`` 0): ``l``
-            is a ``[64 keys, N]`` tile of per-thread partial sums, summed over the keys by the wrapper (no cross-warp
-            reduction per block for it; the max needs one)."""
+            is a ``[64 keys, N]`` tile of per-thread partial sums, summed over the keys once in the epilogue (no
+            cross-warp reduction per block for it; the max needs one)."""
             qax = 1 - kax
             m_new = jnp.maximum(m_i, s.max(axis=kax))
             alpha = jnp.exp2(m_i - m_new)
@@ -412,15 +415,10 @@ def _make_kernel(*, page, pt_len, stages, splits, num_pools, num_heads, batch, i
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[((si * batch + bi) * num_heads + hi) * 2 + part])
             plgpu.wait_smem_to_gmem(0)
-            sync()
-        if keys_on_m:     # m as a [64, N] tile (every row the same: see rowmul), l's partial-sum tile; via o_smem
-            for tile, ref in ((lax.broadcast_in_dim(m_i, (half, n_rows), [1]), m_ref), (l_i, l_ref)):
-                o_smem[...] = tile
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, ref.at[si * batch * num_heads + bh])
-                plgpu.wait_smem_to_gmem(0)
+            if part == 0:
                 sync()
-            return
+        if keys_on_m:     # l: the per-thread partial sums over the keys, reduced once here (one cross-warp sum)
+            l_i = l_i.sum(axis=0)
         ml_smem[0] = m_i
         ml_smem[1] = l_i
         plgpu.commit_smem()
@@ -440,6 +438,16 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     return int(max(1, min(1 << (want - 1).bit_length(), max_blocks, 64)))
 
 
+def default_edge_splits(batch: int, num_kv_heads: int) -> int:
+    """Split-K programs of the Triton kernel that attends the edge blocks (`paged_decode_attention_mgpu`'s
+    ``edge_splits``): its splits cut a sequence's blocks in equal ranges and skip the interior in each, so with 2 the
+    leading edge (first_n) and the trailing one (last_n, the new tokens) run in different programs. 2 while one
+    program per (row, KV head) leaves SMs idle, else 1. On the H200 (bench/RESULTS.md, 2026-12-01, third), against 1:
+    1 x 128k 0.160 -> 0.151 ms, 16 x 32k level (0.404 / 0.403; Tq 4 x GQA 8 0.554 -> 0.545); at 64 x 8k (512
+    programs) 2 was 3% slower."""
+    return 2 if batch * num_kv_heads <= NUM_SMS else 1
+
+
 def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None, low=True,
               max_pages=None) -> bool:
     """Whether the Mosaic GPU kernel covers this configuration (static facts only)."""
@@ -454,14 +462,11 @@ def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
 
 
 #: environment variable choosing the decode kernel behind `jmixedkv.decode_attention` for NVFP4 groups: ``auto``
-#: (default: this kernel where `supported`, on a Hopper GPU, for more than `AUTO_TRITON_MAX_ROWS` query rows per KV
-#: head; the Triton kernel elsewhere), ``triton`` (always the Triton kernel) or ``mgpu`` (this kernel wherever
-#: `supported`, in interpret mode too)
+#: (default: this kernel where `supported`, on a Hopper GPU; the Triton kernel elsewhere), ``triton`` (always the
+#: Triton kernel) or ``mgpu`` (this kernel wherever `supported`, in interpret mode too). On the H200 this kernel is
+#: 1.05-1.32x faster than the Triton kernel end to end on every shape class measured, Tq 1 included
+#: (bench/RESULTS.md, 2026-12-01, third)
 KERNEL_ENV = "JMIXEDKV_DECODE_KERNEL"
-#: ``auto`` keeps the Triton kernel up to this many query rows per KV head (``Tq * G``): on the H200 the two are level
-#: at Tq 1 x GQA 4 (0.449 vs 0.452 ms at 16 x 32k) and this kernel is 1.02-3.1x faster from 16 rows (Tq 2 x GQA 8,
-#: Tq 4 x GQA 4 / 8 / 16, batch 1-64, 4k-128k; bench/RESULTS.md, 2026-12-01, second)
-AUTO_TRITON_MAX_ROWS = 8
 
 
 def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None,
@@ -478,17 +483,18 @@ def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
                    sliding_window=sliding_window, soft_cap=soft_cap)
     if choice == "mgpu":
         return ok
-    return ok and not interpret and tq * group > AUTO_TRITON_MAX_ROWS and on_hopper()
+    return ok and not interpret and on_hopper()
 
 
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
-    "partials_only", "keys_on_m"))
+    "partials_only", "keys_on_m", "edge_splits"))
 def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
                                 geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                                 num_splits: Optional[int] = None,
                                 stages: int = 2, interpret: bool = False, out_dtype=None,
-                                partials_only: bool = False, keys_on_m: Optional[bool] = None):
+                                partials_only: bool = False, keys_on_m: Optional[bool] = None,
+                                edge_splits: Optional[int] = None):
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
 
     Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
@@ -497,6 +503,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
     in flight). ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). Returns ``(out [B, Tq,
     Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
+    ``edge_splits``: split-K programs of the Triton kernel that attends the edge blocks (None:
+    `default_edge_splits`).
     """
     if low is None:
         raise ValueError("paged_decode_attention_mgpu: needs low= NVFP4 pages")
@@ -545,7 +553,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     pt_len = max(64, 32 * -(-pages_needed // 32)) if pages_needed <= 256 else 256 * -(-pages_needed // 256)
     pt = jnp.asarray(page_table, jnp.int32)
     data3 = data.reshape(L * P * kvf * h * (page // CHUNK), CHUNK, dh)        # [(..., chunk), 16, 64]
-    scales4 = scales.reshape(L * P * kvf * h * (page // CHUNK), 1, 128)       # 16 tokens x 8 scales
+    scales4 = scales.reshape(-1, 1, 128)                                      # 16 tokens x 8 scales
     if not interpret:
         scales4 = lax.bitcast_convert_type(scales4, jnp.uint8)
 
@@ -587,19 +595,20 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
             plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n),
             p_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=() if interpret else tr_n),
             o_smem=plgpu.SMEM((half, n_rows), jnp.float32, transforms=tr_f32),
-            ml_smem=None)
+            ml_smem=plgpu.SMEM((2, n_rows), jnp.float32))
     scratch = list(smem.values()) + [
         plgpu.Barrier(num_arrivals=2, num_barriers=1),                        # bar_q
         plgpu.Barrier(num_arrivals=max(1, pt_len // 256), num_barriers=1),    # bar_pt
         plgpu.Barrier(num_arrivals=4 * (BLOCK_K // CHUNK), num_barriers=st),  # bar_kv
     ]
-    kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, num_pools=P, num_heads=h, batch=b,
+    kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, data_pages=P,
+                          scale_pages=scales.shape[1], num_heads=h, batch=b,
                           interpret=interpret, keys_on_m=km, n_rows=n_rows)
     pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len)))                      # TMA boxes never leave the array
     out_type = (jax.ShapeDtypeStruct((splits * b * h * 2,) + ((half, n_rows) if km else (M_ROWS, half)),
                                      jnp.float32),
-                jax.ShapeDtypeStruct((splits * b * h,) + ((half, n_rows) if km else (n_rows,)), jnp.float32),
-                jax.ShapeDtypeStruct((splits * b * h,) + ((half, n_rows) if km else (n_rows,)), jnp.float32))
+                jax.ShapeDtypeStruct((splits * b * h, n_rows), jnp.float32),
+                jax.ShapeDtypeStruct((splits * b * h, n_rows), jnp.float32))
     kw = dict(out_type=out_type, grid=(splits, h, b), grid_names=("s", "h", "b"), scratch_types=scratch,
               compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                                    lowering_semantics=plgpu.LoweringSemantics.Lane))
@@ -610,8 +619,6 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         rm = jnp.broadcast_to(rm[:, None, :], (b * h, BLOCK_K, n_rows))
     o, m2, l = plgpu.kernel(kernel, **kw)(meta, qlow.reshape((b * h,) + qlow.shape[2:]), rm, pt_padded, data3,
                                           scales4)
-    if km:
-        m2, l = m2[:, 0], l.sum(axis=1)                                       # l: the kernel's partial sums
     if partials_only:
         return o, m2, l
     o = o.reshape((splits, b, h, 2) + o.shape[1:])
@@ -627,11 +634,12 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     m = m2 * (1.0 / _LOG2E)
 
     # ---- edge blocks (retained first-N / last-N rows from the twin, the causal region among the new tokens, rows
-    # at or past n): the Triton kernel with the interior skipped, one split; merged by LSE
+    # at or past n): the Triton kernel with the interior skipped; merged by LSE
     rows = tq * group
+    edge_splits = default_edge_splits(b, h) if edge_splits is None else int(edge_splits)
     oe, me, le = paged_decode_attention(
         q, page_table, kv_lens, layer, low, high if use_high else None, None, high_table if use_high else None,
-        geom=geom if use_high else None, sm_scale=sm_scale, num_splits=1, block_k=BLOCK_K, num_warps=2,
+        geom=geom if use_high else None, sm_scale=sm_scale, num_splits=edge_splits, block_k=BLOCK_K, num_warps=2,
         precise=out_dtype == jnp.dtype(jnp.float32), interpret=interpret, skip_interior=True, partials_only=True)
     o = jnp.concatenate([o[:, :, :, :rows], oe[:, :, :, :rows]], axis=0)
     m = jnp.concatenate([m[..., :rows], me[..., :rows]], axis=0)

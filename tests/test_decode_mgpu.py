@@ -40,19 +40,45 @@ def _run(st, q, layer, **kw):
 
 
 # ------------------------------------------------------------------------------------------ interpret mode
-def test_interpret_mixed_page16_splits_poisoned_float32():
+@pytest.mark.parametrize("edge_splits", [1, 3])
+def test_interpret_mixed_page16_splits_poisoned_float32(edge_splits):
     """Lengths 0, 1, page-1, page, page+1, long (retained windows overlap for the short rows); 2 splits, NaN-poisoned
     rows past n and outside the retained set; float32 output against the float32 reference. Queries on M (the
-    default form above `KEYS_ON_M_ROWS` rows, forced here)."""
+    default form above `KEYS_ON_M_ROWS` rows, forced here). The edge blocks' Triton kernel in 1 or 3 splits (the
+    other tests run `default_edge_splits`: 2 at this batch)."""
     st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
     q = queries(st, 1, 4)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
-    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32, keys_on_m=False)
+    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32, keys_on_m=False,
+                    edge_splits=edge_splits)
     assert np.isfinite(np.asarray(out)).all()
     assert rel_l2(out, ref_o) < 1e-4
     _lse_close(lse, ref_lse)
     assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all()   # length 0: no key
+
+
+@pytest.mark.parametrize("pad", ["scales", "data"])
+def test_interpret_pools_of_different_page_counts(pad):
+    """`jmixedkv.state` pads the data and the scale pool past the offset hole each on its own, so they can hold
+    different page counts (32832 vs 65537 pages at the whole-step benchmark's 32 x 64 x 8k cache). Layer 1 of pools
+    where one of them has 3 extra NaN-poisoned pages: each pool is indexed by its own page count."""
+    import dataclasses
+    st = make_state(lens=(1, 17, 150), first_n=5, last_n=20, d=128, heads=2, max_draft_len=2)
+    pools = st.pools[0]
+    arr = getattr(pools.low, pad)
+    poison = jnp.full(arr.shape[:1] + (3,) + arr.shape[2:], 0x7F, jnp.uint8)
+    if arr.dtype != jnp.uint8:
+        poison = jax.lax.bitcast_convert_type(poison, arr.dtype)                 # e4m3 0x7F: NaN
+    low = dataclasses.replace(pools.low, **{pad: jnp.concatenate([arr, poison], axis=1)})
+    assert low.data.shape[1] != low.scales.shape[1]
+    st = dataclasses.replace(st, pools=(dataclasses.replace(pools, low=low),))
+    q = queries(st, 1, 8)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32)
+    assert rel_l2(out, ref_o) < 1e-4
+    _lse_close(lse, ref_lse)
 
 
 @pytest.mark.parametrize("tq,hq", [(1, 4), (2, 8), (3, 8)])
@@ -102,12 +128,13 @@ def test_supported_and_dispatch_choice(monkeypatch):
     assert not supported(head_dim=128, page=16, tq=1, group=4, high_dtype=jnp.float8_e4m3fn)
     assert not supported(head_dim=128, page=16, tq=1, group=4, sliding_window=128)
     assert not supported(head_dim=128, page=16, tq=1, group=4, soft_cap=30.0)
-    # auto (the default): this kernel on Hopper for more than AUTO_TRITON_MAX_ROWS query rows, where supported
+    # the edge blocks' Triton kernel: 2 splits while one program per (row, KV head) leaves SMs idle
+    assert [decode_mgpu.default_edge_splits(b, 8) for b in (1, 16, 17, 64)] == [2, 2, 1, 1]
+    # auto (the default): this kernel on Hopper wherever supported, compiled
     monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
     assert not preferred(head_dim=128, page=16, tq=4, group=8)           # not on a Hopper GPU here
     monkeypatch.setattr(decode_mgpu, "on_hopper", lambda: True)
-    assert decode_mgpu.AUTO_TRITON_MAX_ROWS == 8
-    assert not preferred(head_dim=128, page=16, tq=1, group=8)           # 8 rows: Triton (level, one kernel)
+    assert preferred(head_dim=128, page=16, tq=1, group=4)
     assert preferred(head_dim=128, page=16, tq=1, group=16)
     assert preferred(head_dim=128, page=16, tq=4, group=8, high_dtype=jnp.bfloat16)
     assert not preferred(head_dim=128, page=16, tq=4, group=8, interpret=True)
@@ -242,23 +269,24 @@ def test_gpu_keys_on_m_matches_reference(dtype, tq, hq):
 
 @pytest.mark.gpu
 def test_gpu_public_entry_auto_dispatch(monkeypatch):
-    """With `KERNEL_ENV` unset, `decode_attention` runs this kernel for a verify step (Tq 4 x GQA 8 = 32 query rows,
-    bf16 twin) on the H200 and the Triton kernel for Tq 1 x GQA 4; both match the reference."""
+    """With `KERNEL_ENV` unset, `decode_attention` runs this kernel on the H200 for a verify step (Tq 4 x GQA 8 = 32
+    query rows) and a decode step (Tq 1 x GQA 4), bf16 twin, and the Triton kernel for a page-64 cache (not
+    `supported`); all match the reference."""
     import jmixedkv.decode as decode_mod
     assert on_gpu(), "gpu tests need a GPU"
     monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
     calls = []
     real = decode_mgpu.paged_decode_attention_mgpu
     monkeypatch.setattr(decode_mgpu, "paged_decode_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    st = make_state("mixed_nvfp4_bf16", first_n=64, last_n=64, page=16, lens=(1, 15, 17, 300, 4096), heads=8,
-                    d=128, layers=2, max_draft_len=3, gs=0.01)
-    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
-    for tq, hq, want in ((4, 64, 1), (1, 32, 0)):
+    for page, tq, hq, want in ((16, 4, 64, 1), (16, 1, 32, 1), (64, 1, 32, 0)):
+        st = make_state("mixed_nvfp4_bf16", first_n=64, last_n=64, page=page, lens=(1, 15, 17, 300, 4096), heads=8,
+                        d=128, layers=2, max_draft_len=3, gs=0.01)
+        seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
         calls.clear()
         decode_mod._pallas.clear_cache()
         q = queries(st, tq, hq)
         out, lse = decode_attention(st, 1, q, seq, backend="pallas")
-        assert len(calls) == want, (tq, hq, calls)
+        assert len(calls) == want, (page, tq, hq, calls)
         ref_o, ref_lse = reference(st, 1, q, seq)
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
