@@ -673,6 +673,14 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
     for other in ("cudnn", "flash", "jax_pa", "mgpu"):
         if row.get(f"{other}_ms"):
             row[f"{other}_over_mixed"] = row[f"{other}_ms"] / row["mixed_ms"]
+    # what `jm.decode_attention` runs here: the Mosaic GPU kernel where `decode_mgpu.preferred` picks it
+    use_mgpu = row.get("mgpu_ms") is not None and decode_mgpu.preferred(
+        head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=jnp.bfloat16, interpret=INTERPRET)
+    row["default"] = "mgpu" if use_mgpu else "mixed"
+    row["default_ms"] = row[f"{row['default']}_ms"]
+    row["default_vs_nvfp4_floor"] = row["default_ms"] / row["floor_nvfp4_ms"]
+    if row.get("cudnn_ms"):
+        row["cudnn_over_default"] = row["cudnn_ms"] / row["default_ms"]
     return row
 
 
@@ -686,15 +694,19 @@ def _method(row, name, thunk):
 
 
 def grid_table(rows):
-    head = (f"{'pg':>3} {'gqa':>3} {'tq':>2} {'B x ctx':>11} {'mixed':>7} {'mgpu':>7} {'cuDNN':>7} {'flash':>7} "
-            f"{'jaxPA':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'mix/fl4':>7} {'cuDNN/mix':>9}")
+    """``mixed``: the Triton kernel; ``mgpu``: the Mosaic GPU kernel; ``dflt``: the one `jm.decode_attention` runs
+    (``*`` marks the Mosaic GPU kernel); the ratios are of the default."""
+    head = (f"{'pg':>3} {'gqa':>3} {'tq':>2} {'B x ctx':>11} {'mixed':>7} {'mgpu':>7} {'dflt':>8} {'cuDNN':>7} "
+            f"{'flash':>7} {'jaxPA':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'dflt/fl4':>8} {'cuDNN/dflt':>10}")
     lines = [head]
     for r in rows:
         f = lambda k: fmt(r.get(k), 7)  # noqa: E731
+        mark = "*" if r.get("default") == "mgpu" else " "
         lines.append(f"{r['page']:>3} {r['gqa']:>3} {r['tq']:>2} {r['batch']:>4} x {r['context'] // 1024:>4}k "
-                     f"{f('mixed_ms')} {f('mgpu_ms')} {f('cudnn_ms')} {f('flash_ms')} {f('jax_pa_ms')} "
-                     f"{f('floor_nvfp4_ms')} {f('floor_bf16_ms')} {f('mixed_vs_nvfp4_floor')} "
-                     f"{fmt(r.get('cudnn_over_mixed'), 9)}" + (f"  {r['error']}" if r.get("error") else ""))
+                     f"{f('mixed_ms')} {f('mgpu_ms')} {f('default_ms')}{mark} {f('cudnn_ms')} {f('flash_ms')} "
+                     f"{f('jax_pa_ms')} {f('floor_nvfp4_ms')} {f('floor_bf16_ms')} "
+                     f"{fmt(r.get('default_vs_nvfp4_floor'), 8)} {fmt(r.get('cudnn_over_default'), 10)}"
+                     + (f"  {r['error']}" if r.get("error") else ""))
     return "\n".join(lines)
 
 

@@ -297,7 +297,7 @@ class TorchKVCache:
         float8_e4m3fn with ``scratch_dtype="fp8"`` (value = f32(row) * scale[b]); ``scale f32[B]``. Positions
         outside ``[0, n)`` read as zero."""
         sync, spec, seq = self._read_args("gather_rows", layer, group, seq_slots, sync)
-        idx = self._indices(indices, "gather_rows indices", ndim=2)
+        idx = self._indices(indices, "gather_rows", "indices", ndim=2)
         if idx.shape[0] != seq.shape[0]:
             raise ValueError(f"gather_rows: indices has {idx.shape[0]} rows for {seq.shape[0]} sequences")
         if scratch_dtype not in (None, "fp8", "float8_e4m3fn"):
@@ -342,8 +342,8 @@ class TorchKVCache:
         """After a verify append of ``num_drafts[b] + 1`` rows (the verified token + drafts) to ``seq_slots[b]``,
         keep the verified token and the first ``num_accepted[b]`` drafts: ``kv_len += num_accepted - num_drafts``."""
         seq = self._slots(seq_slots, "accept")
-        self.manager.accept(seq, self._counts(num_accepted, seq, "accept num_accepted"),
-                            self._counts(num_drafts, seq, "accept num_drafts"))
+        self.manager.accept(seq, self._counts(num_accepted, seq, "accept", "num_accepted"),
+                            self._counts(num_drafts, seq, "accept", "num_drafts"))
 
     def fork(self, src: int, dst: Optional[int] = None) -> int:
         """Copy sequence ``src`` into the free slot ``dst`` (default: the first free one) for beam search /
@@ -383,49 +383,35 @@ class TorchKVCache:
         return sync, spec, self._slots(seq_slots, what)
 
     def _layer(self, layer, spec, what):
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < spec.num_layers:
-            raise ValueError(f"{what}: layer {layer!r} out of range [0, {spec.num_layers}) of group {spec.name!r}")
+        checks.host_int(layer, f"layer (group {spec.name!r})", what, 0, spec.num_layers)
 
     def _slot(self, slot, what):
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.max_seqs:
-            raise ValueError(f"{what}: slot {slot!r} out of range [0, {self.max_seqs})")
-        return int(slot)
+        return checks.host_int(slot, "slot", what, 0, self.max_seqs)
 
-    def _indices(self, x, what, ndim):
-        """Host int32 numpy copy of an index tensor / list (int32 or int64; CPU or this cache's device)."""
+    def _indices(self, x, what, name, ndim, lo=None, hi=None):
+        """Host int32 numpy copy of an index tensor / list (int32 or int64; CPU or this cache's device), its values
+        in ``[lo, hi)`` when given (`jmixedkv.checks.index_array`: the error names the first offending entry)."""
         if isinstance(x, torch.Tensor):
             if x.dtype not in INDEX_INPUTS:
                 raise ValueError(f"{what}: expected an int32 (or int64) tensor, got {x.dtype}")
             if x.device.type != "cpu" and not _same_device(x.device, self.device):
                 raise ValueError(f"{what}: tensor is on {x.device}, the cache is on {self.device}")
-            arr = x.detach().cpu().numpy()
-        else:
-            arr = np.asarray(x)
-            if arr.size and not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"{what}: expected integers, got {arr.dtype}")
-        if arr.ndim != ndim:
-            raise ValueError(f"{what}: expected a {ndim}-D index array, got shape {arr.shape}")
-        info = np.iinfo(np.int32)
-        if arr.size and (arr.min() < info.min or arr.max() > info.max):
-            raise ValueError(f"{what}: values outside int32")
-        return arr.astype(np.int32)
+            x = x.detach().cpu().numpy()
+        return checks.index_array(x, name, what, lo, hi, ndim=ndim, host=True)
 
     def _slots(self, seq_slots, what):
-        seq = self._indices(seq_slots, f"{what} seq_slots", ndim=1)
-        bad = sorted({int(s) for s in seq if s < -1 or s >= self.max_seqs})
-        if bad:
-            raise ValueError(f"{what}: sequence slots {bad} out of range [-1, {self.max_seqs}) (-1 = padding)")
-        return seq
+        """Host int32 sequence slots in ``[-1, max_seqs)`` (-1 = padding)."""
+        return self._indices(seq_slots, what, "seq_slots", ndim=1, lo=-1, hi=self.max_seqs)
 
     def _index_pair(self, seq_slots, positions, what):
         seq = self._slots(seq_slots, what)
-        pos = self._indices(positions, f"{what} positions", ndim=1)
+        pos = self._indices(positions, what, "positions", ndim=1)
         if seq.shape != pos.shape:
             raise ValueError(f"{what}: seq_slots {seq.shape} and positions {pos.shape} must have the same length")
         return seq, pos
 
     def _offsets(self, offsets, seq_slots, what):
-        off = self._indices(offsets, f"{what} offsets", ndim=1)
+        off = self._indices(offsets, what, "offsets", ndim=1)
         if seq_slots is None:
             if off.shape[0] != self.max_seqs:
                 raise ValueError(f"{what}: offsets must have max_seqs={self.max_seqs} entries, got {off.shape[0]}")
@@ -477,16 +463,16 @@ class TorchKVCache:
             raise ValueError(f"{what}: sync must be one of {SYNC_MODES}, got {sync!r}")
         return sync
 
-    def _counts(self, x, seq, what):
+    def _counts(self, x, seq, what, name):
         """Per-row counts: a scalar or ``[B]`` aligned with ``seq``."""
         arr = np.asarray(x) if not isinstance(x, torch.Tensor) else None
         if arr is not None and arr.ndim == 0:
             if not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"{what}: expected an integer, got {arr.dtype}")
+                raise ValueError(f"{what}: {name} must be an integer, got {arr.dtype}")
             return np.full(seq.shape, int(arr), np.int32)
-        out = self._indices(x, what, ndim=1)
+        out = self._indices(x, what, name, ndim=1)
         if out.shape != seq.shape:
-            raise ValueError(f"{what}: {out.shape[0]} entries for {seq.shape[0]} sequence slots")
+            raise ValueError(f"{what}: {name} has {out.shape[0]} entries for {seq.shape[0]} sequence slots")
         return out
 
 

@@ -424,8 +424,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         warp (`WIDE_GRID_TUNING`) and >= 1024 tokens per split (there it is faster on the H200; with 64-token steps
         or short splits it is slower), else 1.
       skip_interior: attend only the *edge* blocks of each sequence (those before and after `interior_blocks`'
-        range; with ``num_splits=1`` that range is exactly the blocks skipped), for a caller that attends the
-        interior with another kernel and merges (`pallas_kernels.decode_mgpu`).
+        range; each split skips its part of that range, so over all splits exactly that range is skipped), for a
+        caller that attends the interior with another kernel and merges (`pallas_kernels.decode_mgpu`).
       partials_only: return the unnormalized split partials ``(o f32[S, B, H, R, D], m, l f32[S, B, H, R])``
         (natural-log ``m``; rows ``t * G + g`` of each KV head, ``R >= Tq * G``) instead of the merged result.
 
