@@ -397,7 +397,8 @@ class TorchKVCache:
             if x.device.type != "cpu" and not _same_device(x.device, self.device):
                 raise ValueError(f"{what}: tensor is on {x.device}, the cache is on {self.device}")
             x = x.detach().cpu().numpy()
-        return checks.index_array(x, name, what, lo, hi, ndim=ndim, host=True)
+        # a host copy first: `index_array` range-checks host values only (it leaves JAX arrays to jit)
+        return checks.index_array(np.asarray(x), name, what, lo, hi, ndim=ndim, host=True)
 
     def _slots(self, seq_slots, what):
         """Host int32 sequence slots in ``[-1, max_seqs)`` (-1 = padding)."""

@@ -427,6 +427,8 @@ def test_bad_inputs_raise_clear_errors():
         cache.append(2, k, v, seq, pos)
     with pytest.raises(ValueError, match=r"seq_slots\[1\]=9 out of range \[-1, "):
         cache.append(0, k, v, torch.tensor([0, 9, 1], dtype=torch.int32), pos)
+    with pytest.raises(ValueError, match=r"seq_slots\[1\]=9 out of range \[-1, "):      # a JAX array: checked too
+        cache.append(0, k, v, jnp.array([0, 9, 1], jnp.int32), pos)
     with pytest.raises(ValueError, match="int32"):
         cache.append(0, k, v, seq.float(), pos)
     with pytest.raises(ValueError, match="same length"):
