@@ -468,9 +468,8 @@ class TorchKVCache:
         """Per-row counts: a scalar or ``[B]`` aligned with ``seq``."""
         arr = np.asarray(x) if not isinstance(x, torch.Tensor) else None
         if arr is not None and arr.ndim == 0:
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"{what}: {name} must be an integer, got {arr.dtype}")
-            return np.full(seq.shape, int(arr), np.int32)
+            n = checks.host_int(arr, name, what, -checks.INT32_MAX - 1, checks.INT32_MAX + 1)
+            return np.full(seq.shape, n, np.int32)
         out = self._indices(x, what, name, ndim=1)
         if out.shape != seq.shape:
             raise ValueError(f"{what}: {name} has {out.shape[0]} entries for {seq.shape[0]} sequence slots")
