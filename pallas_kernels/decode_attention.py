@@ -167,7 +167,7 @@ def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, par
 def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, lowmul_ref, hs_ref, data_ref,
             scales_ref, high_ref, plain_ref, o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, geom,
             ht_width, sm_scale, window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts,
-            use_asm, keys_major, v_late=False, groups=1, rep=1, skip_interior=False):
+            use_asm, keys_major, v_late=False, groups=1, rep=1, skip_interior=False, interior_tokens=None):
     s = pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[0]
@@ -190,7 +190,8 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     per = (n_blocks - lo_blk + num_splits - 1) // num_splits
     start = lo_blk + s * per
     end = jnp.minimum(start + per, n_blocks)
-    i0, i1 = interior_blocks(n, k_tok, tq, geom if has_high else None, window)
+    it = k_tok if interior_tokens is None else interior_tokens     # the interior's block (a multiple of k_tok)
+    i0, i1 = (x * (it // k_tok) for x in interior_blocks(n, it, tq, geom if has_high else None, window))
     a = jnp.clip(i0, start, jnp.maximum(end, start))
     c = jnp.clip(i1, a, jnp.maximum(end, a))
     e = jnp.maximum(end, c)
@@ -372,7 +373,7 @@ def _pad_cols(x, multiple, fill):
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "sliding_window", "soft_cap", "num_splits",
     "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype", "dequant", "keys_major", "v_late",
-    "col_groups", "skip_interior", "partials_only"))
+    "col_groups", "skip_interior", "partials_only", "interior_tokens"))
 def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
                            geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                            sliding_window: Optional[int] = None,
@@ -382,7 +383,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                            interpret: bool = False, out_dtype=None, dequant: Optional[str] = None,
                            keys_major: bool = False, v_late: Optional[bool] = None,
                            col_groups: Optional[int] = None, skip_interior: bool = False,
-                           partials_only: bool = False):
+                           partials_only: bool = False, interior_tokens: Optional[int] = None):
     """Paged decode / verify attention over raw pool arrays (one layer).
 
     Args:
@@ -426,6 +427,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       skip_interior: attend only the *edge* blocks of each sequence (those before and after `interior_blocks`'
         range; each split skips its part of that range, so over all splits exactly that range is skipped), for a
         caller that attends the interior with another kernel and merges (`pallas_kernels.decode_mgpu`).
+      interior_tokens: with ``skip_interior``, the block size (tokens) in which the other kernel counts the
+        interior (`interior_blocks` with that block; a multiple of this kernel's block); None = this kernel's block.
       partials_only: return the unnormalized split partials ``(o f32[S, B, H, R, D], m, l f32[S, B, H, R])``
         (natural-log ``m``; rows ``t * G + g`` of each KV head, ``R >= Tq * G``) instead of the merged result.
 
@@ -453,6 +456,9 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                          f"num_stages={num_stages} must be >= 1")
     nb = max(1, block_k // page, -(-16 // page))
     k_tok = nb * page
+    if interior_tokens is not None and (not skip_interior or interior_tokens % k_tok):
+        raise ValueError(f"paged_decode_attention: interior_tokens={interior_tokens} needs skip_interior=True and a "
+                         f"multiple of the block ({k_tok} tokens)")
     max_blocks = max(1, -(-page_table.shape[1] // nb))
     splits = default_num_splits(b, h, max_blocks, per_sm) if num_splits is None else int(num_splits)
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
@@ -541,7 +547,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         ht_width=ht_width, sm_scale=sm_scale, window=sliding_window, cap=soft_cap,
         num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts,
         use_asm=dequant == "asm", keys_major=keys_major, v_late=v_late, groups=col_groups, rep=rep,
-        skip_interior=skip_interior)
+        skip_interior=skip_interior, interior_tokens=interior_tokens)
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
     check_offsets("decode_attention", **{f"pool operand {i}": a for i, a in enumerate(args[9:])})
     o, m, l = pl.pallas_call(

@@ -5,14 +5,17 @@ Scope (`supported` says when it applies; everything else runs the Pallas Triton 
 pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of **16 tokens**, optional
 bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap.
 
-Status (H200, bench/RESULTS.md, 2026-12-01, third): correct against the float32 reference; 1.05-1.32x faster than
-the Triton kernel end to end on every shape class measured (16 x 32k Tq 1 x GQA 4: 0.393 vs 0.452 ms, 1.23x faster
-than cuDNN SDPA over bf16; verify steps Tq 2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported`
-(``JMIXEDKV_DECODE_KERNEL`` overrides). Pages of 32 / 64 / 128 tokens fault on the
-H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run correctly in the Mosaic GPU interpreter; cause not found),
-so `supported` refuses them. Not built: warp specialization (a producer warp for the page TMA and consumer
-warpgroups); every CTA is one warpgroup doing TMA wait, dequantization, MMA and softmax in sequence (ncu at
-16 x 32k: 136 registers, 3 CTAs = 12 warps per SM, 0.60 instructions issued per scheduler cycle).
+Status (H200, bench/RESULTS.md, 2026-12-01, third and fourth): correct against the float32 reference; 1.05-1.32x
+faster than the Triton kernel end to end on every shape class measured with >= 128k tokens (16 x 32k Tq 1 x GQA 4:
+0.396 vs 0.452 ms, 1.23x faster than cuDNN SDPA over bf16; 16 x 128k 1.359 vs 1.582 ms, 1.40x faster than cuDNN;
+verify steps Tq 2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported` (``JMIXEDKV_DECODE_KERNEL``
+overrides). Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run
+correctly in the Mosaic GPU interpreter; cause not found), so `supported` refuses them. Not built: warp
+specialization (a producer warp for the page TMA and consumer warpgroups); every CTA is one warpgroup doing TMA
+wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows (PTX, 2026-12-01, fourth): ~480
+instructions per thread per 64-token block (~285 of them dequantization), 5 warpgroup barriers (two for the
+softmax max across the 4 warps), 2 full wgmma waits; 127 registers (4 CTAs = 16 warps per SM). ncu at 16 x 32k
+(third session, 136 registers then): 0.60 instructions issued per scheduler cycle, latency-bound.
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
@@ -33,8 +36,9 @@ Work split
   barrier per step and the epilogue's own (`_make_kernel`'s ``sync``). Output: unnormalized partials
   ``(o, m, l)`` per split; the f32 output tile aliases the K tile (``plgpu.RefUnion``).
 * **Edge blocks** (the retained first-N / last-N rows, read from the twin where held, the causal region among the
-  ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (one split, its twin
-  overlay and masks), merged with the kernel's partials by LSE (`merge_partials`).
+  ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (`default_edge_splits`
+  splits of `EDGE_BLOCK_K`-token steps, its twin overlay and masks; the interior it skips counted in this kernel's
+  blocks), merged with the kernel's partials by LSE (`merge_partials`).
 
 Numerics are the Triton kernel's (see its docstring): a NVFP4 element dequantizes to
 ``(e2m1 * 2^-14) * (f16(s) * 2^7) = e2m1 * s * 2^-7`` in f16 **exactly** (the *low domain*, ``x / (gs * 2^7)``);
@@ -69,7 +73,8 @@ from pallas_kernels.decode_attention import (LOW_DOMAIN, f16_queries, group_quer
 from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
-           "KERNEL_ENV", "KEYS_ON_M_ROWS", "WIDE_COLUMNS", "default_edge_splits"]
+           "KERNEL_ENV", "KEYS_ON_M_ROWS", "WIDE_COLUMNS", "default_edge_splits", "MAX_SPLIT_BLOCKS",
+           "EDGE_BLOCK_K", "EDGE_WARPS"]
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
 CHUNK = 16               # tokens per bulk copy (the smallest page)
@@ -83,6 +88,19 @@ M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 KEYS_ON_M_ROWS = 16
 HEAD_DIM = 128
 NUM_SMS = 132
+#: most 64-token blocks one CTA attends (`default_num_splits`). On the H200 (bench/RESULTS.md, 2026-12-01, fourth),
+#: 64 x 32k GQA 4 at 2 / 5 splits (256 / 102 blocks per CTA): 1.528 / 1.387 ms; 16 x 128k at 8 / 15 splits (256 /
+#: 137): 1.484 / 1.362; 16 x 32k and 64 x 8k (64 blocks per CTA) level from 43 to 64
+MAX_SPLIT_BLOCKS = 128
+#: tokens per step and warps of the Triton kernel that attends the edge blocks (`paged_decode_attention_mgpu`'s
+#: ``edge_block_k`` / ``edge_warps``; it skips this kernel's interior, counted in `BLOCK_K` blocks). That kernel is
+#: L1-bound at 64-token steps (ncu at 64 x 8193: 91% L1 throughput, 11% DRAM, 255 registers per thread: spills,
+#: likely).
+#: Edge kernel on the H200 (profiler, bench/RESULTS.md, 2026-12-01, fourth), 64 tokens x 2 warps -> 32 x 4:
+#: 64 x 8193 77.7 -> 67.9 us, 16 x 32k 22.9 -> 18.1, 1 x 128k 22.4 -> 13.5, 16 x 32k Tq 4 x GQA 8 36.3 -> 19.6,
+#: 64 x 4k GQA 8 level (54.6 / 56.1)
+EDGE_BLOCK_K = 32
+EDGE_WARPS = 4
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
@@ -431,11 +449,14 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
 # ----------------------------------------------------------------------------- wrapper
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Splits so that the grid has ~4 CTAs per SM (3 are resident at a time: 53-74 KB of shared memory and 136-166
-    registers per thread each, ncu; 0.5x and 2x these splits measured slower on the H200, bench/RESULTS.md)."""
+    """Split-K count: the grid has ~4 CTAs per SM (3-4 are resident at a time: 54-74 KB of shared memory and 127
+    (keys on M, 16 rows; ptxas) to 166 registers per thread each; 0.5x and 2x these splits measured slower on the
+    H200, bench/RESULTS.md), and no split runs more than `MAX_SPLIT_BLOCKS` blocks (long contexts at large batch:
+    finer CTAs leave a shorter tail). Split counts off a power of two (3, 5, 6, 9, 12, 15 ...) measured level."""
     programs = max(1, batch * num_kv_heads)
     want = max(1, -(-4 * NUM_SMS // programs))
-    return int(max(1, min(1 << (want - 1).bit_length(), max_blocks, 64)))
+    splits = max(1 << (want - 1).bit_length(), -(-max_blocks // MAX_SPLIT_BLOCKS))
+    return int(max(1, min(splits, max_blocks, 64)))
 
 
 def default_edge_splits(batch: int, num_kv_heads: int) -> int:
@@ -488,13 +509,14 @@ def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
 
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
-    "partials_only", "keys_on_m", "edge_splits"))
+    "partials_only", "keys_on_m", "edge_splits", "edge_block_k", "edge_warps"))
 def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
                                 geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                                 num_splits: Optional[int] = None,
                                 stages: int = 2, interpret: bool = False, out_dtype=None,
                                 partials_only: bool = False, keys_on_m: Optional[bool] = None,
-                                edge_splits: Optional[int] = None):
+                                edge_splits: Optional[int] = None, edge_block_k: Optional[int] = None,
+                                edge_warps: Optional[int] = None):
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
 
     Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
@@ -503,8 +525,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
     in flight). ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). Returns ``(out [B, Tq,
     Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
-    ``edge_splits``: split-K programs of the Triton kernel that attends the edge blocks (None:
-    `default_edge_splits`).
+    ``edge_splits``, ``edge_block_k``, ``edge_warps``: split-K programs, tokens per step (a divisor of `BLOCK_K`)
+    and warps of the Triton kernel that attends the edge blocks (None: `default_edge_splits`, `EDGE_BLOCK_K`,
+    `EDGE_WARPS`).
     """
     if low is None:
         raise ValueError("paged_decode_attention_mgpu: needs low= NVFP4 pages")
@@ -604,7 +627,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, data_pages=P,
                           scale_pages=scales.shape[1], num_heads=h, batch=b,
                           interpret=interpret, keys_on_m=km, n_rows=n_rows)
-    pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len)))                      # TMA boxes never leave the array
+    # TMA boxes never leave the array, and its row stride is a multiple of 16 bytes (TMA's rule: a page table of
+    # any width, e.g. 513 pages for 8193 tokens, failed at trace time before)
+    pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len + (-max_pages % 4))))
     out_type = (jax.ShapeDtypeStruct((splits * b * h * 2,) + ((half, n_rows) if km else (M_ROWS, half)),
                                      jnp.float32),
                 jax.ShapeDtypeStruct((splits * b * h, n_rows), jnp.float32),
@@ -639,8 +664,10 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     edge_splits = default_edge_splits(b, h) if edge_splits is None else int(edge_splits)
     oe, me, le = paged_decode_attention(
         q, page_table, kv_lens, layer, low, high if use_high else None, None, high_table if use_high else None,
-        geom=geom if use_high else None, sm_scale=sm_scale, num_splits=edge_splits, block_k=BLOCK_K, num_warps=2,
-        precise=out_dtype == jnp.dtype(jnp.float32), interpret=interpret, skip_interior=True, partials_only=True)
+        geom=geom if use_high else None, sm_scale=sm_scale, num_splits=edge_splits,
+        block_k=EDGE_BLOCK_K if edge_block_k is None else int(edge_block_k),
+        num_warps=EDGE_WARPS if edge_warps is None else int(edge_warps), precise=out_dtype == jnp.dtype(jnp.float32),
+        interpret=interpret, skip_interior=True, interior_tokens=BLOCK_K, partials_only=True)
     o = jnp.concatenate([o[:, :, :, :rows], oe[:, :, :, :rows]], axis=0)
     m = jnp.concatenate([m[..., :rows], me[..., :rows]], axis=0)
     l = jnp.concatenate([l[..., :rows], le[..., :rows]], axis=0)

@@ -40,18 +40,19 @@ def _run(st, q, layer, **kw):
 
 
 # ------------------------------------------------------------------------------------------ interpret mode
-@pytest.mark.parametrize("edge_splits", [1, 3])
-def test_interpret_mixed_page16_splits_poisoned_float32(edge_splits):
+@pytest.mark.parametrize("edge_splits,edge_block_k", [(1, 64), (3, 64), (2, 32), (1, 16)])
+def test_interpret_mixed_page16_splits_poisoned_float32(edge_splits, edge_block_k):
     """Lengths 0, 1, page-1, page, page+1, long (retained windows overlap for the short rows); 2 splits, NaN-poisoned
     rows past n and outside the retained set; float32 output against the float32 reference. Queries on M (the
     default form above `KEYS_ON_M_ROWS` rows, forced here). The edge blocks' Triton kernel in 1 or 3 splits (the
-    other tests run `default_edge_splits`: 2 at this batch)."""
+    other tests run `default_edge_splits`: 2 at this batch), in steps of 64 / 32 / 16 tokens (the interior it skips is
+    counted in the kernel's 64-token blocks)."""
     st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
     q = queries(st, 1, 4)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
     out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32, keys_on_m=False,
-                    edge_splits=edge_splits)
+                    edge_splits=edge_splits, edge_block_k=edge_block_k)
     assert np.isfinite(np.asarray(out)).all()
     assert rel_l2(out, ref_o) < 1e-4
     _lse_close(lse, ref_lse)
@@ -201,6 +202,21 @@ def test_cross_lowers_for_cuda(page, tq, hq, twin):
                                            geom=TwinGeometry(page, 5, 7, 1, 3), num_splits=2)
     text = cross_lower_cuda(fn, q, pt, lens, ht, low, high)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("width", [13, 14, 15])
+def test_cross_lowers_for_any_page_table_width(width):
+    """A page table whose row is not a multiple of 16 bytes (513 pages for 8193 tokens, say) lowers: TMA needs such
+    strides, so the wrapper pads the table (it failed at trace time with widths not a multiple of 4 before)."""
+    page, L, P, kv, H, D, B = 16, 2, 16, 2, 2, 128, 2
+    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
+           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
+    q = jnp.zeros((B, 1, 32, D), jnp.bfloat16)
+    pt, lens = jnp.zeros((B, width), jnp.int32), jnp.ones((B,), jnp.int32)
+
+    def fn(q, pt, lens, low):
+        return paged_decode_attention_mgpu(q, pt, lens, 1, low, num_splits=2)
+    assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, low)
 
 
 @pytest.mark.parametrize("tq,hq", [(1, 32), (3, 16), (4, 32)])
