@@ -469,10 +469,9 @@ def default_edge_splits(batch: int, num_kv_heads: int) -> int:
     return 2 if batch * num_kv_heads <= NUM_SMS else 1
 
 
-def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None, low=True,
-              max_pages=None) -> bool:
-    """Whether the Mosaic GPU kernel covers this configuration (static facts only)."""
-    if not (_HAVE_MGPU and low):
+def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None) -> bool:
+    """Whether the Mosaic GPU kernel covers this configuration (static facts only; NVFP4 low pages)."""
+    if not _HAVE_MGPU:
         return False
     # page 16 only: larger pages fault on the H200 (module docstring)
     if head_dim != HEAD_DIM or page not in SUPPORTED_PAGES or tq * group > M_ROWS:
@@ -533,7 +532,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         raise ValueError("paged_decode_attention_mgpu: needs low= NVFP4 pages")
     data, scales, gs = low
     b, tq, hq, d = q.shape
-    L, P, kvf, h, page, dh = data.shape
+    _, P, kvf, h, page, dh = data.shape
     group = hq // h
     if not supported(head_dim=d, page=page, tq=tq, group=group,
                      high_dtype=None if high is None else high[0].dtype) or kvf != 2:
@@ -575,7 +574,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     # >= 64 ids: every configuration that ran on the H200 had >= 64 (the faulting ones had 32; unproven cause)
     pt_len = max(64, 32 * -(-pages_needed // 32)) if pages_needed <= 256 else 256 * -(-pages_needed // 256)
     pt = jnp.asarray(page_table, jnp.int32)
-    data3 = data.reshape(L * P * kvf * h * (page // CHUNK), CHUNK, dh)        # [(..., chunk), 16, 64]
+    data3 = data.reshape(-1, CHUNK, dh)                                       # [(..., chunk), 16, 64]
     scales4 = scales.reshape(-1, 1, 128)                                      # 16 tokens x 8 scales
     if not interpret:
         scales4 = lax.bitcast_convert_type(scales4, jnp.uint8)

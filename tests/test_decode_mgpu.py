@@ -131,6 +131,9 @@ def test_supported_and_dispatch_choice(monkeypatch):
     assert not supported(head_dim=128, page=16, tq=1, group=4, soft_cap=30.0)
     # the edge blocks' Triton kernel: 2 splits while one program per (row, KV head) leaves SMs idle
     assert [decode_mgpu.default_edge_splits(b, 8) for b in (1, 16, 17, 64)] == [2, 2, 1, 1]
+    # split-K: ~4 CTAs per SM, at most MAX_SPLIT_BLOCKS (128) 64-token blocks per CTA (64 x 32k: 4, 16 x 128k: 16)
+    assert [decode_mgpu.default_num_splits(b, 8, blocks) for b, blocks in
+            ((1, 2048), (16, 512), (64, 128), (64, 512), (16, 2048), (64, 2048), (1, 8))] == [64, 8, 2, 4, 16, 16, 8]
     # auto (the default): this kernel on Hopper wherever supported, compiled
     monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
     assert not preferred(head_dim=128, page=16, tq=4, group=8)           # not on a Hopper GPU here
@@ -281,6 +284,28 @@ def test_gpu_keys_on_m_matches_reference(dtype, tq, hq):
         assert out.dtype == q.dtype and np.isfinite(np.asarray(out, np.float32)).all()
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(q.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_any_page_table_width():
+    """Page tables 1-3 columns wider than a multiple of 4 (unused columns -1): the page ids' TMA rows are padded to a
+    16-byte stride by the wrapper (such widths failed at trace time before); the output matches the reference."""
+    assert on_gpu(), "gpu tests need a GPU"
+    st = make_state(first_n=64, last_n=64, page=16, lens=(1, 17, 300, 4096), heads=8, d=128, layers=2,
+                    max_draft_len=3, gs=0.01)
+    q = queries(st, 1, 32)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    pools = st.pools[0]
+    width = st.page_table.shape[1]
+    for extra in range(4 - width % 4, 4 - width % 4 + 3):
+        pt = jnp.pad(st.page_table, ((0, 0), (0, extra)), constant_values=-1)
+        assert pt.shape[1] % 4, pt.shape
+        out, lse = paged_decode_attention_mgpu(q, pt, st.kv_lens, 1, kernel_arrays(pools.low),
+                                               kernel_arrays(pools.high), st.high_table, geom=st.config.twin,
+                                               out_dtype=jnp.float32)
+        assert rel_l2(out, ref_o) < 1e-4, extra
+        _lse_close(lse, ref_lse)
 
 
 @pytest.mark.gpu
