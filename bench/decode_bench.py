@@ -97,6 +97,20 @@ def time_jax(fn, *args, reps=10, trials=15, warmup=2):
     return float(np.median(times))
 
 
+def gpu_busy_ms(fn, *args, steps=5):
+    """GPU time per call of ``fn(*args)``, ms: the kernels' busy time in a jax profiler trace
+    (`step_bench.gpu_kernel_profile`), without the host's dispatch; None off the GPU. `time_jax` of a small shape
+    measures the host (13 kernel launches per call on the Mosaic path: 1 x 4k is ~0.03 ms of GPU time and ~0.12 ms
+    end to end, bench/RESULTS.md 2026-12-01 fourth); this does not."""
+    if INTERPRET or not on_gpu():
+        return None
+    import tempfile
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from step_bench import gpu_kernel_profile
+    prof = gpu_kernel_profile(lambda i: fn(*args), steps, tempfile.mkdtemp(prefix="trace_decode"))
+    return prof["busy_us_per_step"] / 1e3 if prof["kernels"] else None
+
+
 def time_torch(torch, fn, reps=10, trials=15, warmup=2):
     for _ in range(warmup):
         fn()
@@ -648,6 +662,7 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
     if not np.isfinite(out).all():
         raise FloatingPointError("mixed: non-finite output")
     row["mixed_ms"] = time_jax(fn, q, pt, lens, ht, low, high)
+    row["mixed_gpu_ms"] = gpu_busy_ms(fn, q, pt, lens, ht, low, high)
 
     def mgpu():
         mg = jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
@@ -656,7 +671,9 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
         rel = float(np.linalg.norm(got - out) / max(np.linalg.norm(out), 1e-30))
         if not rel < 1e-2:
             raise ValueError(f"mgpu output differs from the Triton kernel's by {rel:.2e}")
-        return time_jax(mg, q, pt, lens, ht, low, high)
+        ms = time_jax(mg, q, pt, lens, ht, low, high)
+        row["mgpu_gpu_ms"] = gpu_busy_ms(mg, q, pt, lens, ht, low, high)
+        return ms
     if USE_MGPU and decode_mgpu.supported(head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=high.rows.dtype):
         _method(row, "mgpu", mgpu)
     del low, high
@@ -679,6 +696,9 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
     row["default"] = "mgpu" if use_mgpu else "mixed"
     row["default_ms"] = row[f"{row['default']}_ms"]
     row["default_vs_nvfp4_floor"] = row["default_ms"] / row["floor_nvfp4_ms"]
+    row["default_gpu_ms"] = row.get(f"{row['default']}_gpu_ms")
+    # end to end well above the GPU's busy time: the host's dispatch, not the kernels, sets the call's time
+    row["host_bound"] = bool(row["default_gpu_ms"] and row["default_ms"] > 1.25 * row["default_gpu_ms"])
     if row.get("cudnn_ms"):
         row["cudnn_over_default"] = row["cudnn_ms"] / row["default_ms"]
     return row
@@ -695,15 +715,17 @@ def _method(row, name, thunk):
 
 def grid_table(rows):
     """``mixed``: the Triton kernel; ``mgpu``: the Mosaic GPU kernel; ``dflt``: the one `jm.decode_attention` runs
-    (``*`` marks the Mosaic GPU kernel); the ratios are of the default."""
-    head = (f"{'pg':>3} {'gqa':>3} {'tq':>2} {'B x ctx':>11} {'mixed':>7} {'mgpu':>7} {'dflt':>8} {'cuDNN':>7} "
-            f"{'flash':>7} {'jaxPA':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'dflt/fl4':>8} {'cuDNN/dflt':>10}")
+    (``*`` marks the Mosaic GPU kernel; ``h`` a host-bound call: end to end > 1.25x its GPU time); ``dflt GPU``:
+    its GPU busy time (`gpu_busy_ms`); the ratios are of the default's end-to-end time."""
+    head = (f"{'pg':>3} {'gqa':>3} {'tq':>2} {'B x ctx':>11} {'mixed':>7} {'mgpu':>7} {'dflt':>9} {'dflt GPU':>8} "
+            f"{'cuDNN':>7} {'flash':>7} {'jaxPA':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'dflt/fl4':>8} {'cuDNN/dflt':>10}")
     lines = [head]
     for r in rows:
         f = lambda k: fmt(r.get(k), 7)  # noqa: E731
-        mark = "*" if r.get("default") == "mgpu" else " "
+        mark = ("*" if r.get("default") == "mgpu" else " ") + ("h" if r.get("host_bound") else " ")
         lines.append(f"{r['page']:>3} {r['gqa']:>3} {r['tq']:>2} {r['batch']:>4} x {r['context'] // 1024:>4}k "
-                     f"{f('mixed_ms')} {f('mgpu_ms')} {f('default_ms')}{mark} {f('cudnn_ms')} {f('flash_ms')} "
+                     f"{f('mixed_ms')} {f('mgpu_ms')} {f('default_ms')}{mark} {fmt(r.get('default_gpu_ms'), 8)} "
+                     f"{f('cudnn_ms')} {f('flash_ms')} "
                      f"{f('jax_pa_ms')} {f('floor_nvfp4_ms')} {f('floor_bf16_ms')} "
                      f"{fmt(r.get('default_vs_nvfp4_floor'), 8)} {fmt(r.get('cudnn_over_default'), 10)}"
                      + (f"  {r['error']}" if r.get("error") else ""))
