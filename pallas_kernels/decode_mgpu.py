@@ -5,17 +5,18 @@ Scope (`supported` says when it applies; everything else runs the Pallas Triton 
 pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of **16 tokens**, optional
 bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap.
 
-Status (H200, bench/RESULTS.md, 2026-12-01, third and fourth): correct against the float32 reference; 1.05-1.32x
-faster than the Triton kernel end to end on every shape class measured with >= 128k tokens (16 x 32k Tq 1 x GQA 4:
-0.396 vs 0.452 ms, 1.23x faster than cuDNN SDPA over bf16; 16 x 128k 1.359 vs 1.582 ms, 1.40x faster than cuDNN;
-verify steps Tq 2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported` (``JMIXEDKV_DECODE_KERNEL``
-overrides). Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run
+Status (H200, bench/RESULTS.md, 2026-12-01, third to fifth): correct against the float32 reference; faster than the
+Triton kernel end to end on every shape class measured with >= 128k tokens (16 x 32k Tq 1 x GQA 4: 0.380 vs 0.455
+ms, 1.29x faster than cuDNN SDPA over bf16; 16 x 128k 1.275 vs 1.555 ms, 1.49x faster than cuDNN; verify steps Tq
+2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported` (``JMIXEDKV_DECODE_KERNEL`` overrides). Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run
 correctly in the Mosaic GPU interpreter; cause not found), so `supported` refuses them. Not built: warp
 specialization (a producer warp for the page TMA and consumer warpgroups); every CTA is one warpgroup doing TMA
-wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows (PTX, 2026-12-01, fourth): ~480
-instructions per thread per 64-token block (~285 of them dequantization), 5 warpgroup barriers (two for the
-softmax max across the 4 warps), 2 full wgmma waits; 127 registers (4 CTAs = 16 warps per SM). ncu at 16 x 32k
-(third session, 136 registers then): 0.60 instructions issued per scheduler cycle, latency-bound.
+wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows: ~480 PTX instructions per thread
+per 64-token block (~285 of them dequantization; 2026-12-01, fourth), **2 warpgroup barriers** per block (5 before
+the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers and 47 KB of shared memory (4 CTAs = 16
+warps per SM, both limits). ncu at 16 x 32k (fifth): 0.69 instructions issued per scheduler cycle, an eligible warp
+in 69% of cycles, SM throughput 67%, DRAM 32%: issue and latency share the bound now, so fewer instructions
+(dequantization) or more warps per SM are what is left.
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
@@ -32,8 +33,10 @@ Work split
   once); the warpgroup dequantizes a block in registers (per thread and row one 16-byte load in the
   `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the scales; exact, see below) and runs the
   two wgmma products with an online softmax in base 2. Pallas' automatic barriers around shared-memory stores are
-  off (``unsafe_no_auto_barriers``; ~10 fewer barriers per step, 2-4% faster on verify shapes): one warpgroup
-  barrier per step and the epilogue's own (`_make_kernel`'s ``sync``). Output: unnormalized partials
+  off (``unsafe_no_auto_barriers``; ~10 fewer barriers per step, 2-4% faster on verify shapes); the kernel places its
+  own: keys on M, the key maximum's exchange (`_key_max_inline`) and the commit before ``P V`` (V is dequantized and
+  the next block's copy issued after the maximum's barrier, when every warp is past the previous block); queries on
+  M, one at the top of each step and the commit before ``Q K^T``. Output: unnormalized partials
   ``(o, m, l)`` per split; the f32 output tile aliases the K tile (``plgpu.RefUnion``).
 * **Edge blocks** (the retained first-N / last-N rows, read from the twin where held, the causal region among the
   ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (`default_edge_splits`
@@ -47,10 +50,11 @@ f16) and to the f32 output. Columns are kept as ``[even | odd]`` halves (low / h
 `WIDE_COLUMNS` order; q is permuted to match and the output permuted back outside.
 
 CPU CI: ``interpret=True`` runs the same kernel body in the Mosaic GPU interpreter
-(``plgpu.kernel(interpret=InterpretGPUParams())``) with the dequantization in plain jnp (the interpreter has no
-``inline_mgpu``) and P staged through shared memory (its wgmma takes operands from shared memory only); the
-compiled form (inline PTX, register-A wgmma, barriers) is checked by cross-lowering for CUDA. Neither checks ptxas,
-the swizzle / TMA descriptors, races, or timing: that needs the GPU (tests marked ``gpu``).
+(``plgpu.kernel(interpret=InterpretGPUParams())``) with the dequantization and the key maximum in plain jnp (the
+interpreter has no ``inline_mgpu``) and P staged through shared memory (its wgmma takes operands from shared memory
+only); the compiled form (inline PTX, the one-barrier key maximum, register-A wgmma, barriers) is checked by
+cross-lowering for CUDA. Neither checks ptxas, the swizzle / TMA descriptors, races, or timing: that needs the GPU
+(tests marked ``gpu``).
 
 Entry: `paged_decode_attention_mgpu` (raw arrays), `supported` (static shape / option check), `preferred` (the
 dispatch choice of `jmixedkv.decode`).
@@ -225,6 +229,53 @@ def _dequant_jnp(b_ref, s_ref):
     return to_wide(lo), to_wide(hi)
 
 
+def _key_max_inline(s, red_ref):
+    """Compiled path: ``s`` f32 ``[64 keys, N]`` in the WGMMA layout -> its maximum over the keys, ``[N]`` in the
+    layout ``WGMMA.reduce(0)``, with **one** warpgroup barrier. Each warp reduces its 16 keys in registers and warp
+    shuffles, writes its ``N`` maxima to ``red_ref`` (``f32[4 N]``, warp-major), and after the barrier every thread
+    reads the four warps' values of its columns. Pallas' own reduction (``s.max(axis=0)``) places a second barrier
+    after the reads, to protect its scratch for the next reduction; here the caller guarantees that a warpgroup
+    barrier separates these reads from the next call's writes (`_make_kernel`'s keys-on-M step: its commit before
+    ``P V``)."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, vector
+
+    out_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def body(ctx, x, red):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        idx_t = ir.IndexType.get()
+        ci = lambda v: arith.constant(i32, v)  # noqa: E731
+        rows, cols = x.shape
+        regs = x.registers                                # (1, N / 8, 1, 1, 2, 1, 1, 1, 1): column tile j, row half
+        assert rows == BLOCK_K and regs.shape == (1, cols // 8, 1, 1, 2, 1, 1, 1, 1), regs.shape
+        tid = arith.remui(mgu.thread_idx(), ci(128))
+        warp = arith.divui(tid, ci(32))
+        quad = arith.remui(tid, ci(4))                    # this thread's columns: 8 j + 2 quad + {0, 1}
+        vec_t = ir.VectorType.get((2,), ir.F32Type.get())
+        to_idx = lambda v: arith.index_castui(idx_t, v)  # noqa: E731
+        for j in range(cols // 8):
+            v = arith.maximumf(regs[0, j, 0, 0, 0, 0, 0, 0, 0], regs[0, j, 0, 0, 1, 0, 0, 0, 0])
+            for dist in (4, 8, 16):                       # the 8 lanes that share quad: 8 rows each of 2 halves
+                v = arith.maximumf(v, mgu.shfl_bfly(v, dist))
+            col = arith.addi(ci(8 * j), arith.muli(quad, ci(2)))
+            vector.store(v, red, [to_idx(arith.addi(arith.muli(warp, ci(cols)), col))])
+        mgu.warpgroup_barrier()
+        out = np.empty((cols // 8, 1, 1), dtype=object)
+        for j in range(cols // 8):
+            col = arith.addi(ci(8 * j), arith.muli(quad, ci(2)))
+            parts = [vector.load(vec_t, red, [to_idx(arith.addi(ci(w * cols), col))]) for w in range(4)]
+            out[j, 0, 0] = arith.maximumf(arith.maximumf(parts[0], parts[1]), arith.maximumf(parts[2], parts[3]))
+        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT.reduce((0,)), _is_signed=None)
+
+    ret = plgpu.ShapeDtypeStruct((s.shape[1],), jnp.float32, layout=out_layout)
+    return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()), return_type=ret)(body)(s, red_ref)
+
+
 # ----------------------------------------------------------------------------- kernel
 def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_heads, batch, interpret, keys_on_m=False,
                  n_rows=M_ROWS):
@@ -248,9 +299,13 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
     def kernel(meta_ref, q_ref, rowmul_ref, pt_ref, data_ref, scales_ref,      # inputs (GMEM)
                o_ref, m_ref, l_ref,                                           # outputs (GMEM)
-               q_smem, rm_smem, pt_smem, kb, ks, vb, vs, k16, v16, p_smem, o_smem, ml_smem,
+               q_smem, rm_smem, pt_smem, kb, ks, vb, vs, k16, v16, p_smem, o_smem, ml_smem, red_smem,
                bar_q, bar_pt, bar_kv):
-        if o_smem is None:              # compiled: o_smem aliases k16 (used only after the loop)
+        # compiled: o_smem (used only after the loop) aliases the K tile (queries on M) or the V tile and the row
+        # multipliers (keys on M; those are loaded into registers before the loop)
+        if rm_smem is None:
+            v16, o_smem, rm_smem = v16
+        elif o_smem is None:
             k16, o_smem = k16
         si = lax.axis_index("s")
         hi = lax.axis_index("h")
@@ -306,13 +361,15 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
         # 16 floats is 64 bytes, which a warpgroup cannot load in one go)
         rowmul = rm_smem[...] if interpret else _load(rm_smem, wgmma_layout if keys_on_m else row_layout)
 
-        def softmax_step(s, m_i, l_i, accs, kax):
+        def softmax_step(s, m_i, l_i, accs, kax, m_new=None):
             """Online softmax (base 2) of one block's scores ``s`` (no mask: interior blocks only), keys along axis
-            ``kax``, the accumulators ``accs`` rescaled. -> ``(p, m_new, l_new, accs)``. Keys on M (``kax`` 0): ``l``
-            is a ``[64 keys, N]`` tile of per-thread partial sums, summed over the keys once in the epilogue (no
-            cross-warp reduction per block for it; the max needs one)."""
+            ``kax``, the accumulators ``accs`` rescaled; ``m_new``: the new running maximum when the caller has it.
+            -> ``(p, m_new, l_new, accs)``. Keys on M (``kax`` 0): ``l`` is a ``[64 keys, N]`` tile of per-thread
+            partial sums, summed over the keys once in the epilogue (no cross-warp reduction per block for it; the
+            max needs one)."""
             qax = 1 - kax
-            m_new = jnp.maximum(m_i, s.max(axis=kax))
+            if m_new is None:
+                m_new = jnp.maximum(m_i, s.max(axis=kax))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [qax]))
             if kax == 0:
@@ -333,9 +390,24 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             prods = pl.run_scoped(fresh, *[plgpu.ACC(a.shape, jnp.float32) for a in accs])
             return tuple(a + d for a, d in zip(accs, prods))
 
-        def _km_step(klo, khi, acc_lo, acc_hi, m_i, l_i):
-            """Keys on M: ``S^T = K Q^T`` ([64 keys, N], K the register A operand), softmax down the columns,
-            ``O^T += V^T P^T`` ([64 dims, N] per half, V^T a transposed shared-memory view, P^T in shared memory)."""
+        def km_step(i, carry):
+            """Keys on M, one 64-token block: ``S^T = K Q^T`` ([64 keys, N], the dequantized K the register A
+            operand), softmax down the columns, ``O^T += V^T P^T`` ([64 dims, N] per half, V^T a transposed
+            shared-memory view, P^T in shared memory). Two warpgroup barriers per block: the one inside the
+            maximum over the keys (`_key_max_inline`), past which every warp has finished block ``i - 1`` (its
+            ``P V`` wgmma and its reads of the ring slot that the next copy refills, and of the V / P tiles that
+            this block overwrites), and the commit before ``P V``, which also separates the maximum's scratch reads
+            from the next block's writes."""
+            acc_lo, acc_hi, m_i, l_i = carry
+            rel = i - start
+            slot = lax.rem(rel, i32(stages))
+            nxt = rel + stages - 1
+            plgpu.barrier_wait(bar_kv.at[slot])
+            klo, khi = dequant(kb.at[slot], ks.at[slot])
+            if interpret:       # the interpreter's wgmma takes operands from shared memory only
+                k16.at[0][...] = klo
+                k16.at[1][...] = khi
+
             def qk(acc_ref):
                 if interpret:
                     plgpu.wgmma(acc_ref, k16.at[0], q_smem.at[0])
@@ -345,8 +417,19 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                     plgpu.wgmma(acc_ref, khi, _transposed(q_smem.at[1]))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32))          # [keys, N]
-            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s * rowmul, m_i, l_i, (acc_lo, acc_hi), 0)
+            s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32)) * rowmul   # [keys, N]
+            m_new = jnp.maximum(m_i, s.max(axis=0) if interpret else _key_max_inline(s, red_smem))
+
+            @pl.when(nxt < nblk)
+            def _():
+                issue(start + nxt, lax.rem(nxt, i32(stages)))
+
+            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, m_i, l_i, (acc_lo, acc_hi), 0, m_new=m_new)
+            vlo, vhi = dequant(vb.at[slot], vs.at[slot])
+            if interpret:       # V^T stored as such (no transposed operands in the interpreter)
+                vlo, vhi = vlo.T, vhi.T
+            v16.at[0][...] = vlo
+            v16.at[1][...] = vhi
             p_smem[...] = p.astype(jnp.float16)
             plgpu.commit_smem()
             vt = (lambda r: r) if interpret else _transposed  # noqa: E731
@@ -358,13 +441,15 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             acc_lo, acc_hi = accumulate(pv, (acc_lo, acc_hi))
             return acc_lo, acc_hi, m_new, l_new
 
-        def step(i, carry):
+        def qm_step(i, carry):
+            """Queries on M, one 64-token block: ``S = Q K^T`` ([64 rows, 64 keys], K^T a transposed view of the
+            f16 K tile), ``O += P V`` (P from registers)."""
             acc_lo, acc_hi, m_i, l_i = carry
             rel = i - start
             slot = lax.rem(rel, i32(stages))
             nxt = rel + stages - 1
-            # every warp is past the previous step: its wgmma reads of the f16 / P tiles and its dequantization
-            # reads of the ring slot that the next copy refills
+            # every warp is past the previous step: its wgmma reads of the f16 tiles and its dequantization reads
+            # of the ring slot that the next copy refills
             sync()
 
             @pl.when(nxt < nblk)
@@ -373,11 +458,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
             plgpu.barrier_wait(bar_kv.at[slot])
             klo, khi = dequant(kb.at[slot], ks.at[slot])
-            if keys_on_m:
-                if interpret:   # the interpreter's wgmma takes operands from shared memory only
-                    k16.at[0][...] = klo
-                    k16.at[1][...] = khi
-            elif interpret:   # the interpreter's wgmma takes no transposed operand: K^T stored as such
+            if interpret:   # the interpreter's wgmma takes no transposed operand: K^T stored as such
                 k16.at[0][...] = klo.T
                 k16.at[1][...] = khi.T
             else:
@@ -385,13 +466,9 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                 k16.at[1][...] = khi
             # V next (dequantizing V while the tensor cores run Q K^T measured 15% slower on the H200)
             vlo, vhi = dequant(vb.at[slot], vs.at[slot])
-            if keys_on_m and interpret:     # V^T stored as such (no transposed operands in the interpreter)
-                vlo, vhi = vlo.T, vhi.T
             v16.at[0][...] = vlo
             v16.at[1][...] = vhi
             plgpu.commit_smem()
-            if keys_on_m:
-                return _km_step(klo, khi, acc_lo, acc_hi, m_i, l_i)
 
             def qk(acc_ref):
                 kt = (lambda r: r) if interpret else _transposed  # noqa: E731
@@ -423,6 +500,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                  cast(jnp.full((n_rows,), _M_INIT, jnp.float32), row_layout),
                  cast(jnp.zeros((bk, n_rows) if keys_on_m else (n_rows,), jnp.float32),
                       wgmma_layout if keys_on_m else row_layout))
+        step = km_step if keys_on_m else qm_step
         acc_lo, acc_hi, m_i, l_i = lax.fori_loop(start, jnp.maximum(end, start), step, carry)
 
         # epilogue: partials through shared memory (o_smem may alias k16: every warp past its last wgmma first;
@@ -449,7 +527,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
 # ----------------------------------------------------------------------------- wrapper
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Split-K count: the grid has ~4 CTAs per SM (3-4 are resident at a time: 54-74 KB of shared memory and 127
+    """Split-K count: the grid has ~4 CTAs per SM (3-4 are resident at a time: 47-74 KB of shared memory and 127
     (keys on M, 16 rows; ptxas) to 166 registers per thread each; 0.5x and 2x these splits measured slower on the
     H200, bench/RESULTS.md), and no split runs more than `MAX_SPLIT_BLOCKS` blocks (long contexts at large batch:
     finer CTAs leave a shorter tail). Split counts off a power of two (3, 5, 6, 9, 12, 15 ...) measured level."""
@@ -522,7 +600,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
-    in flight). ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). Returns ``(out [B, Tq,
+    in flight; 3 measured 0-7% slower than 2 on the H200 with keys on M, bench/RESULTS.md, 2026-12-01, fifth). ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). Returns ``(out [B, Tq,
     Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     ``edge_splits``, ``edge_block_k``, ``edge_warps``: split-K programs, tokens per step (a divisor of `BLOCK_K`)
     and warps of the Triton kernel that attends the edge blocks (None: `default_edge_splits`, `EDGE_BLOCK_K`,
@@ -601,23 +679,30 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         v16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr),
         p_smem=plgpu.SMEM((M_ROWS, BLOCK_K), jnp.float16, transforms=tr) if interpret else None,
         o_smem=o_spec if interpret else None,
-        ml_smem=plgpu.SMEM((2, M_ROWS), jnp.float32))
+        ml_smem=plgpu.SMEM((2, M_ROWS), jnp.float32),
+        red_smem=None)
     if km:
         # V's f16 tile and P^T share wgmma's swizzle (the bytes of one P^T row: 2 * n_rows); f32 [64, N] tiles (row
         # multipliers, O^T, m, l) are swizzled too (unswizzled ones fail the bank-conflict check at N = 32)
         tr_n = (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
         f32_cols = min(n_rows, 32)
         tr_f32 = () if interpret else (plgpu.TilingTransform((8, f32_cols)), plgpu.SwizzleTransform(4 * f32_cols))
+        rm_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float32, transforms=tr_f32)
+        o_km_spec = plgpu.SMEM((half, n_rows), jnp.float32, transforms=tr_f32)
+        v16_spec = plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else \
+            plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n)
         smem.update(
             q_smem=plgpu.SMEM((2, half, n_rows), jnp.float16) if interpret else
             plgpu.SMEM((2, n_rows, half), jnp.float16, transforms=tr),
-            rm_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float32, transforms=tr_f32),
+            rm_smem=rm_spec if interpret else None,
             k16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16) if interpret else None,
-            v16=plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else
-            plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n),
+            # compiled: the row multipliers (read before the loop) and the output tile (after it) share the V
+            # tile's bytes (16 KB), which leaves room for a third ring stage at 4 CTAs per SM
+            v16=v16_spec if interpret else plgpu.RefUnion(v16_spec, o_km_spec, rm_spec),
             p_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=() if interpret else tr_n),
-            o_smem=plgpu.SMEM((half, n_rows), jnp.float32, transforms=tr_f32),
-            ml_smem=plgpu.SMEM((2, n_rows), jnp.float32))
+            o_smem=o_km_spec if interpret else None,
+            ml_smem=plgpu.SMEM((2, n_rows), jnp.float32),
+            red_smem=plgpu.SMEM((4 * n_rows,), jnp.float32))     # `_key_max_inline`'s exchange
     scratch = list(smem.values()) + [
         plgpu.Barrier(num_arrivals=2, num_barriers=1),                        # bar_q
         plgpu.Barrier(num_arrivals=max(1, pt_len // 256), num_barriers=1),    # bar_pt

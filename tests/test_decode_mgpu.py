@@ -97,6 +97,20 @@ def test_interpret_keys_on_m_matches_reference(tq, hq):
     assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all()   # length 0: no key
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_interpret_keys_on_m_ring_wraps(stages):
+    """Keys on M over many interior blocks in one split (up to 15 blocks of 64 tokens), so the TMA ring of 2 or 3
+    slots wraps several times: the next block's copy is issued after the key maximum's barrier, into the slot the
+    previous block read."""
+    st = make_state(lens=(0, 450, 1000), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
+    q = queries(st, 1, 4)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    out, lse = _run(st, q, 1, num_splits=1, stages=stages, interpret=True, out_dtype=jnp.float32, keys_on_m=True)
+    assert rel_l2(out, ref_o) < 1e-4
+    _lse_close(lse, ref_lse)
+
+
 def test_interpret_through_public_entry_nvfp4_verify(monkeypatch):
     """``JMIXEDKV_DECODE_KERNEL=mgpu`` routes `decode_attention` to this kernel: plain NVFP4 pages (no twin),
     Tq = 2 (causal among the new tokens, handled on the edge path), GQA 8, lengths 1 < Tq..., page +- 1."""
