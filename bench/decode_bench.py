@@ -105,7 +105,9 @@ def gpu_busy_ms(fn, *args, steps=5):
     if INTERPRET or not on_gpu():
         return None
     import tempfile
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from step_bench import gpu_kernel_profile
     try:
         prof = gpu_kernel_profile(lambda i: fn(*args), steps, tempfile.mkdtemp(prefix="trace_decode"))
