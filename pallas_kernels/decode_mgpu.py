@@ -8,8 +8,9 @@ bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, n
 Status (H200, bench/RESULTS.md, 2026-12-01, third to fifth): correct against the float32 reference; faster than the
 Triton kernel end to end on every shape class measured with >= 128k tokens (16 x 32k Tq 1 x GQA 4: 0.380 vs 0.455
 ms, 1.29x faster than cuDNN SDPA over bf16; 16 x 128k 1.275 vs 1.555 ms, 1.49x faster than cuDNN; verify steps Tq
-2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported` (``JMIXEDKV_DECODE_KERNEL`` overrides). Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run
-correctly in the Mosaic GPU interpreter; cause not found), so `supported` refuses them. Not built: warp
+2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported` (``JMIXEDKV_DECODE_KERNEL`` overrides).
+Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run correctly in the
+Mosaic GPU interpreter; cause not found), so `supported` refuses them. Not built: warp
 specialization (a producer warp for the page TMA and consumer warpgroups); every CTA is one warpgroup doing TMA
 wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows: ~480 PTX instructions per thread
 per 64-token block (~285 of them dequantization; 2026-12-01, fourth), **2 warpgroup barriers** per block (5 before
@@ -600,8 +601,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
-    in flight; 3 measured 0-7% slower than 2 on the H200 with keys on M, bench/RESULTS.md, 2026-12-01, fifth). ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). Returns ``(out [B, Tq,
-    Hq, 128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
+    in flight; 3 measured 0-7% slower than 2 on the H200 with keys on M, bench/RESULTS.md, 2026-12-01, fifth).
+    ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). Returns ``(out [B, Tq, Hq, 128],
+    lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     ``edge_splits``, ``edge_block_k``, ``edge_warps``: split-K programs, tokens per step (a divisor of `BLOCK_K`)
     and warps of the Triton kernel that attends the edge blocks (None: `default_edge_splits`, `EDGE_BLOCK_K`,
     `EDGE_WARPS`).
@@ -697,7 +699,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
             rm_smem=rm_spec if interpret else None,
             k16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16) if interpret else None,
             # compiled: the row multipliers (read before the loop) and the output tile (after it) share the V
-            # tile's bytes (16 KB), which leaves room for a third ring stage at 4 CTAs per SM
+            # tile's bytes (16 KB): 47 KB per CTA at N = 16 (a third ring stage would fit 4 CTAs per SM; it
+            # measured slower)
             v16=v16_spec if interpret else plgpu.RefUnion(v16_spec, o_km_spec, rm_spec),
             p_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=() if interpret else tr_n),
             o_smem=o_km_spec if interpret else None,
