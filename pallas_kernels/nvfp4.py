@@ -25,10 +25,11 @@ How the kernels are laid out:
   ``u & 0xFFFF0000``: no bf16 -> f32 converts and no shuffles); other dtypes split the nibble pairs with
   ``jnp.unstack``. (Other variants, kept as experiments with their timings: `bench/nvfp4_bench.py`.)
 * The arithmetic is `pallas_kernels.nvfp4_ops` (shared with the write and read kernels): **no float8 / float4
-  casts** (E4M3 rounding with integer ops, E2M1 codes by one magic-constant multiply-add), **exact division** by
-  inline PTX ``div.rn.f32`` on the GPU (Triton's float32 ``/`` is the approximate ``div.full.f32``), block maxima
-  as **int32 maxima over the float bits** (NaN-safe on both backends). Scales leave the kernel as uint8 and are
-  bit-cast in the wrapper.
+  casts** (E4M3 rounding with integer ops, E2M1 codes as the minimum of three magic-constant multiply-adds: FMA-pipe
+  work, `nvfp4_ops.e2m1_magic_bits`), **exact division** by inline PTX ``div.rn.f32`` on the GPU (Triton's float32
+  ``/`` is the approximate ``div.full.f32``), block maxima as **int32 maxima over the float bits** (NaN-safe on both
+  backends). Scales leave the kernel as uint8 and are bit-cast in the wrapper. On the H200 the kernel is bound by
+  the integer / logic (ALU) pipe (ncu, 2026-12-01 sixth: ALU 79% busy, issue 81%, 89 registers).
 
 Bit-exactness holds for every input ``x`` (NaN, Inf, zeros, subnormals) as long as ``gs`` is a finite
 positive float in ``[2^-100, 2^100]`` (any calibrated ``amax / 2688`` is): then no product of the pinned
@@ -53,8 +54,10 @@ __all__ = ["quantize", "dequantize", "kernel_width", "QUANT_DEFAULTS", "DEQUANT_
            "tile_loop", "row_tiling", "gs_operand", "check_warps", "row_width", "resolve_interpret"]
 
 #: kernel tiling defaults (kernel rows are ``W`` wide, see `kernel_width`; W = 128 for D = 128): the fastest
-#: bit-exact tiling measured on the H200 (bench/nvfp4_bench.py; figures in bench/RESULTS.md)
-QUANT_DEFAULTS = dict(block_rows=32, sub_rows=32, num_warps=4, num_stages=1)
+#: bit-exact tiling measured on the H200 (bench/nvfp4_bench.py; figures in bench/RESULTS.md). Quantize, 1 GiB bf16
+#: with the three-line E2M1 encoder (2026-12-01, sixth): 32 / 16 rows 0.430 ms, 32 / 32 0.447, 64 / 16 (2 stages)
+#: 0.438, 16 / 16 (2 warps) 0.439, 128+ rows 0.466-0.471, 8 warps 0.468-0.601
+QUANT_DEFAULTS = dict(block_rows=32, sub_rows=16, num_warps=4, num_stages=1)
 DEQUANT_DEFAULTS = dict(block_rows=512, sub_rows=32, num_warps=4, num_stages=2)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _MAX_W = 512

@@ -2,13 +2,13 @@
 
 A leaf module of the kernel package: it imports only `jmixedkv.compat` and `jmixedkv.numerics`. Everything here
 works on values inside a Pallas Triton kernel (and in interpret mode, and as plain jnp), with no float8 / float4
-casts (the E4M3 scale is rounded with integer ops, E2M1 codes come from a magic-constant add):
+casts (the E4M3 scale is rounded with integer ops, E2M1 codes come from magic-constant adds):
 
 * exact float32 ops: `ptx_f32` (one PTX instruction with an explicit rounding modifier: never contracted into an
   FMA), `div_rn` and `recip` (IEEE division: Triton lowers ``/`` to the approximate ``div.full.f32``);
 * E4M3: `e4m3_encode` (float32 -> byte, RNE, no cast) and `e4m3_decode` (byte -> float32);
-* E2M1: `e2m1_code_magnitude` (float32 -> |code| 0..7, RNE, saturating: the *encoder*) and `e2m1_value`
-  (4-bit code -> float32 value, sign of zero kept: the *decoder*);
+* E2M1: `e2m1_code_magnitude` / `e2m1_magic_bits` (float32 -> |code| 0..7, RNE, saturating: the *encoder*) and
+  `e2m1_value` (4-bit code -> float32 value, sign of zero kept: the *decoder*);
 * blocks: `block_quant` (per-block scale byte, reciprocal and NaN flag in the pinned order), the element views
   `f32_halves` / `bf16_pair_halves` and `quantize_halves` (packed codes of a block tile), `dequant_tile`;
 * the decode kernels' f16 form of E2M1: `NIBBLE_TO_F16` and `e2m1_f16_halves` (packed bytes -> f16 ``e2m1 * 2^-14``,
@@ -28,13 +28,14 @@ from jmixedkv.compat import pltriton
 from jmixedkv.numerics import BLOCK, E4M3_MAX, SIXTH as _SIXTH_F32, keep
 
 __all__ = ["as_bits", "from_bits", "ptx_f32", "div_rn", "recip", "e4m3_encode", "e4m3_decode",
-           "e2m1_code_magnitude", "e2m1_value", "block_quant", "f32_halves", "bf16_pair_halves", "quantize_halves",
-           "dequant_tile", "SIXTH", "NIBBLE_TO_F16", "E2M1_F16_PTX", "e2m1_f16_halves"]
+           "e2m1_code_magnitude", "e2m1_magic_bits", "e2m1_value", "block_quant", "f32_halves", "bf16_pair_halves",
+           "quantize_halves", "dequant_tile", "SIXTH", "NIBBLE_TO_F16", "E2M1_F16_PTX", "e2m1_f16_halves"]
 
 #: float32 1/6 of the pinned order as a Python float (exactly the float32 value; a weak-typed kernel constant)
 SIXTH = float(_SIXTH_F32)
 _MAGIC = 8388608.0          # 2^23: ulp 1, so x + 2^23 rounds x to an integer (RNE)
 _MAGIC_BITS = 0x4B000000
+_PACK_BIAS = (-17 * _MAGIC_BITS) % (1 << 32)     # -17 * 0x4B000000 mod 2^32 = 0x05000000 (see quantize_halves)
 
 
 def as_bits(x):
@@ -101,20 +102,27 @@ def e4m3_decode(b):
 
 
 # ------------------------------------------------------------------------------------------- E2M1
+def e2m1_magic_bits(a):
+    """Encoder core: int32 bits of the float ``2^23 + |E2M1 code|`` (code 0..7, RNE, saturating at 6) of float32
+    ``a >= 0`` (NaN: unspecified, masked by the caller); ``bits - 0x4B000000`` is the code.
+
+    The code is ``RNE(g(a))`` with ``g(a) = min(2 a, a + 2, a / 2 + 4)`` (``2a`` on [0, 2), ``a + 2`` on [2, 4),
+    ``a / 2 + 4`` on [4, 6]: the three lines of the E2M1 grid, concave, so ``g`` is their minimum), and RNE is
+    monotone, so ``RNE(g(a)) = min`` of the three lines each rounded alone: ``a * m + (2^23 + b)`` rounds once to
+    an integer (``a * m`` is exact, so an FMA gives the same bits). ``a`` is clamped to 6 first (saturation; the
+    minimum also keeps ``ptxas`` from contracting the caller's ``x * r`` into the adds, which would skip the
+    rounding of ``x * r`` that the pinned order has). One float minimum, three adds / FMAs and two minima per
+    element: the adds run on the FMA pipe, which leaves the integer / logic pipe (the bound of the quantize
+    kernel, 16 lanes per SM sub-partition on Hopper) half the work of the compare-and-select form."""
+    a = jnp.minimum(a, 6.0)
+    y = jnp.minimum(jnp.minimum(a * 2.0 + _MAGIC, a + (_MAGIC + 2.0)), a * 0.5 + (_MAGIC + 4.0))
+    return as_bits(y)
+
+
 def e2m1_code_magnitude(y, nonneg: bool = False):
     """Encoder: |E2M1 code| (int32 0..7) of float32 ``y``, RNE, saturating at 6 (NaN: unspecified, masked by the
-    caller). ``nonneg``: the caller guarantees ``y >= 0`` (skips the abs).
-
-    ``code = RNE(a * m) + b`` with ``(m, b) = (2, 0)`` on [0, 2), ``(1, 2)`` on [2, 4), ``(1/2, 4)`` on [4, 6];
-    ``a * m`` is exact, so a fused multiply-add gives the same bits; the ``2^23 + b`` magic makes the add round
-    to an integer."""
-    a = y if nonneg else jnp.abs(y)
-    a = jnp.minimum(a, 6.0)
-    lt2 = a < 2.0
-    lt4 = a < 4.0
-    m = jnp.where(lt2, 2.0, jnp.where(lt4, 1.0, 0.5))
-    magic = jnp.where(lt2, _MAGIC, jnp.where(lt4, _MAGIC + 2.0, _MAGIC + 4.0))
-    return as_bits(a * m + magic) & 7
+    caller). ``nonneg``: the caller guarantees ``y >= 0`` (skips the abs). See `e2m1_magic_bits`."""
+    return e2m1_magic_bits(y if nonneg else jnp.abs(y)) - _MAGIC_BITS
 
 
 def e2m1_value(code):
@@ -198,19 +206,23 @@ def quantize_halves(lo, hi, signs, gs, exact_asm: bool, block_scale: str = "max6
     def candidate(inv_max):
         byte, r, nan = block_quant(amax_bits, gs, exact_asm, inv_max)
         r3 = r[:, :, None]
-        mag = lambda b: e2m1_code_magnitude(from_bits(b) * r3, nonneg=True)  # noqa: E731  = |x * r| exactly
-        return byte, nan, mag(lo), mag(hi)
+        bits = lambda b: e2m1_magic_bits(from_bits(b) * r3)  # noqa: E731  |x * r| exactly -> 2^23 + |code|
+        return byte, nan, bits(lo), bits(hi)
 
-    byte, nan, ml, mh = candidate(SIXTH)
+    byte, nan, bl, bh = candidate(SIXTH)
     if block_scale == "4over6":
-        byte4, _, ml4, mh4 = candidate(0.25)
-        use4 = (_sq_error(lo, hi, ml4, mh4, byte4, gs, exact_asm) < _sq_error(lo, hi, ml, mh, byte, gs, exact_asm))
+        byte4, _, bl4, bh4 = candidate(0.25)
+        mag = lambda b: b - _MAGIC_BITS  # noqa: E731
+        use4 = (_sq_error(lo, hi, mag(bl4), mag(bh4), byte4, gs, exact_asm)
+                < _sq_error(lo, hi, mag(bl), mag(bh), byte, gs, exact_asm))
         byte = jnp.where(use4, byte4, byte)
         u3 = use4[:, :, None]
-        ml, mh = jnp.where(u3, ml4, ml), jnp.where(u3, mh4, mh)
+        bl, bh = jnp.where(u3, bl4, bl), jnp.where(u3, bh4, bh)
     elif block_scale != "max6":
         raise ValueError(f"NVFP4 kernel: block_scale must be 'max6' or '4over6', got {block_scale!r}")
-    packed = ml | (mh << 4) | signs
+    # (2^23 + mh) * 16 + (2^23 + ml) + signs - 17 * 2^23 (bits, int32 wrapping) = ml | mh << 4 | signs: one shift /
+    # multiply-add and one 3-input add instead of masks, shift and ors
+    packed = (bh << 4) + bl + signs + _PACK_BIAS
     return jnp.where(nan[:, :, None], 0, packed), byte
 
 
