@@ -153,7 +153,7 @@ def test_edge_blocks_of_twin_rows_only(dtype, tq, hq, block_k, splits, kw):
     """Edge blocks made only of retained twin rows (inside first_n, or the last_n window) and rows past n, beside
     blocks that mix twin and NVFP4 rows, in one call: causal verify rows, uneven splits, NaN-poisoned rows past n
     and outside the retained set, bf16 / FP8 twins, window + soft cap; float32 output against the float32
-    reference. (A twin-only branch for such blocks was tried: 10% faster at small pools, 36% slower with
+    reference. (A twin-only branch for such blocks was tried: 10-15% faster at small pools, 33-36% slower with
     model-sized ones, bench/RESULTS.md 2026-12-01 sixth; not kept. This test stays for the case.)"""
     lens = (1, 31, 32, 33, 64, 65, 100, 150)
     st = make_state(dtype, first_n=32, last_n=32, lens=lens, max_draft_len=3)
