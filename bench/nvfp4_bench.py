@@ -61,7 +61,8 @@ PROBE = "probe"
 
 
 def _magnitude_compare(y, nonneg=False):
-    """|E2M1 code| by 7 threshold compares (``code_impl="compare"``; the library uses the magic-constant add)."""
+    """|E2M1 code| by 7 threshold compares (``code_impl="compare"``; the library uses `nvfp4_ops.e2m1_magic_bits`,
+    the minimum of three magic-constant lines)."""
     a = y if nonneg else jnp.abs(y)
     return ((a > 0.25).astype(jnp.int32) + (a >= 0.75).astype(jnp.int32) + (a > 1.25).astype(jnp.int32)
             + (a >= 1.75).astype(jnp.int32) + (a > 2.5).astype(jnp.int32) + (a >= 3.5).astype(jnp.int32)
