@@ -4,7 +4,7 @@ The step a user's model runs per generated token (issue 18), batch 64 x context 
 head_dim 128, one query token, everything in one jit with the cache donated (updated in place):
 
   mixed   ``jm.append`` of the 32 layers' new K/V rows (write kernel: NVFP4 + retained twin rows), then 32 x
-          ``jm.decode_attention`` (the default fused kernel) over mixed_nvfp4_bf16 pools, page 16,
+          ``jm.decode_attention`` (the default fused kernel) over mixed_nvfp4_bf16 pools, page 16 (`--page`),
           first_n = last_n = 64 (random NVFP4 bytes, valid E4M3 scales, random twin rows; page ids permuted)
   bf16    the same step over contiguous bf16 caches ``[B, S, H, D]`` (one per layer and K / V): a scatter of the
           new rows, then 32 x ``jax.nn.dot_product_attention(implementation="cudnn")`` with
@@ -192,10 +192,12 @@ def main(argv=None):
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="also trace 3 steps of each path with the jax profiler and print GPU time per kernel")
+    ap.add_argument("--page", type=int, default=PAGE,
+                    help=f"tokens per page of the mixed cache (default {PAGE}; KVCacheConfig's default is 32)")
     ap.add_argument("--attn-only-after-s", type=float, default=60.0,
                     help="time the 32 attention calls alone only if the mixed step was ready within this many s")
     args = ap.parse_args(argv)
-    layers, batch, ctx, steps = L, B, CTX, STEPS
+    layers, batch, ctx, steps, page = L, B, CTX, STEPS, args.page
     impl = "cudnn"
     if args.smoke and not on_gpu():
         layers, batch, ctx, steps, impl = 2, 2, 64, 2, "xla"
@@ -207,7 +209,7 @@ def main(argv=None):
     t0 = time.time()
     res = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                device=jax.devices()[0].device_kind, jax=jax.__version__, layers=layers, batch=batch, context=ctx,
-               kv_heads=H, q_heads=HQ, head_dim=D, page=PAGE, first_n=FIRST_N, last_n=LAST_N,
+               kv_heads=H, q_heads=HQ, head_dim=D, page=page, first_n=FIRST_N, last_n=LAST_N,
                copy_bandwidth_tbs=bw, rows={})
     try:
         import triton
@@ -231,7 +233,7 @@ def main(argv=None):
     inputs = [qkv(i) for i in range(min(steps, 4))]
 
     # ---- mixed NVFP4
-    st = mixed_state(layers, batch, ctx, PAGE, spare_pages=4)
+    st = mixed_state(layers, batch, ctx, page, spare_pages=4)
     backend = "reference" if interp else "auto"
 
     def mixed_step(state, q, kn, vn):
@@ -344,7 +346,7 @@ def main(argv=None):
         if "ms" in r.get(k, {}):
             res["speedup_mixed_vs_bf16"] = r[k]["ms"] / r["mixed_step"]["ms"]
             res["speedup_mixed_vs_bf16_pipelined"] = r[k + "_pipelined"]["ms"] / r["mixed_step_pipelined"]["ms"]
-    lines = [f"decode step, {layers} layers, batch {batch} x {ctx}, {H} KV / {HQ} q heads, D {D}, page {PAGE} "
+    lines = [f"decode step, {layers} layers, batch {batch} x {ctx}, {H} KV / {HQ} q heads, D {D}, page {page} "
              f"({res['device']}, jax {res['jax']}, triton {res['triton']}, copy {bw:.2f} TB/s)",
              f"{'path':>28} {'ms':>8} {'floor ms':>9} {'x floor':>8}"]
     for k, v in r.items():

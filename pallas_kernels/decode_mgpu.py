@@ -2,22 +2,24 @@
 
 Scope (`supported` says when it applies; everything else runs the Pallas Triton kernel
 `pallas_kernels.decode_attention.paged_decode_attention` behind the same entry point): head_dim 128, NVFP4 low
-pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of **16 tokens**, optional
-bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap.
+pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of 16, 32, 64 or 128
+tokens, optional bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window,
+no soft cap.
 
 Status (H200, bench/RESULTS.md, 2026-12-01, third to fifth): correct against the float32 reference; faster than the
 Triton kernel end to end on every shape class measured with >= 128k tokens (16 x 32k Tq 1 x GQA 4: 0.380 vs 0.455
 ms, 1.29x faster than cuDNN SDPA over bf16; 16 x 128k 1.275 vs 1.555 ms, 1.49x faster than cuDNN; verify steps Tq
 2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported` (``JMIXEDKV_DECODE_KERNEL`` overrides).
-Pages of 32 / 64 / 128 tokens fault on the H200 with ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` (they run correctly in the
-Mosaic GPU interpreter; cause not found), so `supported` refuses them. Not built: warp
-specialization (a producer warp for the page TMA and consumer warpgroups); every CTA is one warpgroup doing TMA
-wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows: ~480 PTX instructions per thread
-per 64-token block (~285 of them dequantization; 2026-12-01, fourth), **2 warpgroup barriers** per block (5 before
-the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers and 47 KB of shared memory (4 CTAs = 16
-warps per SM, both limits). ncu at 16 x 32k (fifth): 0.69 instructions issued per scheduler cycle, an eligible warp
-in 69% of cycles, SM throughput 67%, DRAM 32%: issue and latency share the bound now, so fewer instructions
-(dequantization) or more warps per SM are what is left.
+Pages of 32 / 64 / 128 tokens run since 2026-12-01 (seventh): they faulted (``CUDA_ERROR_ILLEGAL_INSTRUCTION``)
+because a split's page-table copy started at a column that was not a multiple of 4 ids (16 bytes); it now starts at
+the aligned column at or below (bench/RESULTS.md: 1.04-3.2x faster than the Triton kernel there, level at 64 x 4k).
+Not built: warp specialization (a producer warp for the page TMA and consumer warpgroups); every CTA is one
+warpgroup doing TMA wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows: ~480 PTX
+instructions per thread per 64-token block (~285 of them dequantization; 2026-12-01, fourth), **2 warpgroup
+barriers** per block (5 before the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers and 47 KB
+of shared memory (4 CTAs = 16 warps per SM, both limits). ncu at 16 x 32k (fifth): 0.69 instructions issued per
+scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM 32%: issue and latency share the bound
+now, so fewer instructions (dequantization) or more warps per SM are what is left.
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
@@ -83,7 +85,7 @@ __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
 CHUNK = 16               # tokens per bulk copy (the smallest page)
-SUPPORTED_PAGES = (16,)  # run on the H200; 32 / 64 / 128 run in the interpreter but fault on the GPU
+SUPPORTED_PAGES = (16, 32, 64, 128)   # run on the H200 (bench/RESULTS.md, 2026-12-01 seventh)
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: keys on M (``S^T = K Q^T``: the dequantized
 #: K tile is wgmma's register A operand, the query rows, padded to 16 / 32 / 64, its N side; ``O^T = V^T P^T``) for
@@ -139,19 +141,18 @@ def from_wide(x):
     return jnp.swapaxes(x.reshape(x.shape[:-1] + (8, 4, 2)), -3, -2).reshape(x.shape)
 
 
-# E4M3 scale bytes 0 and 1 of $2 -> $0, $1 = f16x2 (s, s) * 2^7 each (the low domain's scale factor, exact)
+# E4M3 scale bytes 0 and 1 of $2 -> $0, $1 = f16x2 (s, s) * 2^7 each (the low domain's scale factor, exact): both
+# bytes converted by one cvt and scaled by one multiply, then each half broadcast by a prmt (5 instructions; was 9 with
+# a broadcast, a convert and a multiply per byte)
 _SCALE_PAIR_PTX = """{
 .reg .b32 a, k;
 .reg .b16 p;
 mov.b32 k, 0x58005800;
-prmt.b32 a, $2, 0, 0x0000;
-cvt.u16.u32 p, a;
+cvt.u16.u32 p, $2;
 cvt.rn.f16x2.e4m3x2 a, p;
-mul.rn.f16x2 $0, a, k;
-prmt.b32 a, $2, 0, 0x1111;
-cvt.u16.u32 p, a;
-cvt.rn.f16x2.e4m3x2 a, p;
-mul.rn.f16x2 $1, a, k;
+mul.rn.f16x2 a, a, k;
+prmt.b32 $0, a, 0, 0x1010;
+prmt.b32 $1, a, 0, 0x3232;
 }"""
 
 
@@ -324,7 +325,11 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
         # q (permuted [even | odd] halves, f16 low domain), row multipliers, this split's page ids
         plgpu.copy_gmem_to_smem(q_ref.at[bh], q_smem, bar_q.at[0])
         plgpu.copy_gmem_to_smem(rowmul_ref.at[bh], rm_smem, bar_q.at[0])
+        # the split's page ids from the 16-byte aligned column (a multiple of 4 ids) at or below its first page: a
+        # page-table copy starting off that boundary (first page 2 mod 4 at pages of 32 tokens, say) faulted on the
+        # H200 with CUDA_ERROR_ILLEGAL_INSTRUCTION
         first_page = lax.div(start * bk, i32(page))
+        first_page = first_page - lax.rem(first_page, i32(4))
         for c_ in range(pt_chunks):
             plgpu.copy_gmem_to_smem(pt_ref.at[bi, pl.ds(first_page + c_ * pt_chunk, pt_chunk)],
                                     pt_smem.at[pl.ds(c_ * pt_chunk, pt_chunk)], bar_pt.at[0])
@@ -340,9 +345,8 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                 sdst = pl.ds(j, 1)
                 b = bar_kv.at[slot]
                 # pools viewed as [(layer, page, K/V, head, 16-token chunk), 16, ...]: every dynamic index is
-                # the leading one (a dynamic row offset inside a page tile faulted on the H200: page >= 32). The
-                # data and scale pools may hold different page counts (`jmixedkv.state` pads each past the
-                # offset hole on its own)
+                # the leading one, one TMA box per 16 tokens whatever the page size. The data and scale pools may
+                # hold different page counts (`jmixedkv.state` pads each past the offset hole on its own)
                 kr = (((layer * data_pages + pid) * 2) * num_heads + hi) * cpp + sub
                 vr = kr + num_heads * cpp
                 skr = (((layer * scale_pages + pid) * 2) * num_heads + hi) * cpp + sub
@@ -552,7 +556,6 @@ def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
     """Whether the Mosaic GPU kernel covers this configuration (static facts only; NVFP4 low pages)."""
     if not _HAVE_MGPU:
         return False
-    # page 16 only: larger pages fault on the H200 (module docstring)
     if head_dim != HEAD_DIM or page not in SUPPORTED_PAGES or tq * group > M_ROWS:
         return False
     if sliding_window is not None or soft_cap is not None:
@@ -630,7 +633,12 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
 
     # ---- kernel operands: the interior blocks [a, c) of each sequence (the Triton kernel's clean blocks; the
     # kernel masks nothing, every key there is a low row visible to every query)
-    i0, i1 = interior_blocks(lens, BLOCK_K, tq, geom if use_high else None)
+    # both kernels count the interior in blocks of `interior_tokens`: a multiple of this kernel's 64-token block and
+    # of the edge kernel's (whole pages: 128 tokens at pages of 128)
+    edge_block_k = EDGE_BLOCK_K if edge_block_k is None else int(edge_block_k)
+    interior_tokens = math.lcm(BLOCK_K, max(1, edge_block_k // page, -(-16 // page)) * page)
+    per_it = interior_tokens // BLOCK_K
+    i0, i1 = (x * per_it for x in interior_blocks(lens, interior_tokens, tq, geom if use_high else None))
     n_blocks = -(-lens // BLOCK_K)
     a = jnp.clip(i0, 0, n_blocks)
     c = jnp.clip(i1, a, n_blocks)
@@ -650,8 +658,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     max_blocks = max(1, -(-max_tokens // BLOCK_K))
     splits = default_num_splits(b, h, max_blocks) if num_splits is None else int(num_splits)
     per_max = -(-max_blocks // splits)
-    pages_needed = -(-(per_max * BLOCK_K) // page) + 1
-    # >= 64 ids: every configuration that ran on the H200 had >= 64 (the faulting ones had 32; unproven cause)
+    pages_needed = -(-(per_max * BLOCK_K) // page) + 1 + 3                   # + 3: the aligned first column
+    # >= 64 ids (a floor from before the misaligned-copy fault was found; it costs nothing)
     pt_len = max(64, 32 * -(-pages_needed // 32)) if pages_needed <= 256 else 256 * -(-pages_needed // 256)
     pt = jnp.asarray(page_table, jnp.int32)
     data3 = data.reshape(-1, CHUNK, dh)                                       # [(..., chunk), 16, 64]
@@ -752,9 +760,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     oe, me, le = paged_decode_attention(
         q, page_table, kv_lens, layer, low, high if use_high else None, None, high_table if use_high else None,
         geom=geom if use_high else None, sm_scale=sm_scale, num_splits=edge_splits,
-        block_k=EDGE_BLOCK_K if edge_block_k is None else int(edge_block_k),
-        num_warps=EDGE_WARPS if edge_warps is None else int(edge_warps), precise=out_dtype == jnp.dtype(jnp.float32),
-        interpret=interpret, skip_interior=True, interior_tokens=BLOCK_K, partials_only=True)
+        block_k=edge_block_k, num_warps=EDGE_WARPS if edge_warps is None else int(edge_warps),
+        precise=out_dtype == jnp.dtype(jnp.float32), interpret=interpret, skip_interior=True,
+        interior_tokens=interior_tokens, partials_only=True)
     o = jnp.concatenate([o[:, :, :, :rows], oe[:, :, :, :rows]], axis=0)
     m = jnp.concatenate([m[..., :rows], me[..., :rows]], axis=0)
     l = jnp.concatenate([l[..., :rows], le[..., :rows]], axis=0)

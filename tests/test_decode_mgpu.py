@@ -97,6 +97,24 @@ def test_interpret_keys_on_m_matches_reference(tq, hq):
     assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all()   # length 0: no key
 
 
+@pytest.mark.parametrize("page,edge_block_k,km", [(32, 32, True), (64, 16, False), (128, 32, True)])
+def test_interpret_pages_32_to_128(page, edge_block_k, km):
+    """Pages of 32 / 64 / 128 tokens: first_n = 64 puts the interior's first block at 1, so split starts fall on
+    page-table columns that are not a multiple of 4 (the page ids are copied from the aligned column below: a copy
+    from such a column faulted on the H200); 3 splits, lengths 0, 1, page-1, page, page+1, long; NaN-poisoned rows.
+    At page 128 the interior is counted in 128-token blocks (the edge kernel's block is a whole page)."""
+    st = make_state(lens=(0, 1, page - 1, page, page + 1, 700), first_n=64, last_n=20, page=page, d=128, heads=1,
+                    max_draft_len=2)
+    q = queries(st, 1, 4)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    out, lse = _run(st, q, 1, num_splits=3, interpret=True, out_dtype=jnp.float32, keys_on_m=km,
+                    edge_block_k=edge_block_k)
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel_l2(out, ref_o) < 1e-4
+    _lse_close(lse, ref_lse)
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 def test_interpret_keys_on_m_ring_wraps(stages):
     """Keys on M over many interior blocks in one split (up to 15 blocks of 64 tokens), so the TMA ring of 2 or 3
@@ -137,8 +155,9 @@ def test_supported_and_dispatch_choice(monkeypatch):
     assert supported(head_dim=128, page=16, tq=4, group=16, high_dtype=jnp.bfloat16)
     assert not supported(head_dim=64, page=16, tq=1, group=4)
     assert not supported(head_dim=128, page=8, tq=1, group=4)
-    for page in (32, 64, 128):        # fault on the H200 (CUDA_ERROR_ILLEGAL_INSTRUCTION): the Triton kernel runs
-        assert not supported(head_dim=128, page=page, tq=1, group=4)
+    for page in (32, 64, 128):        # run on the H200 since the page-table copy starts at an aligned column
+        assert supported(head_dim=128, page=page, tq=1, group=4)
+    assert not supported(head_dim=128, page=256, tq=1, group=4)
     assert not supported(head_dim=128, page=16, tq=5, group=16)          # 80 query rows > 64
     assert not supported(head_dim=128, page=16, tq=1, group=4, high_dtype=jnp.float8_e4m3fn)
     assert not supported(head_dim=128, page=16, tq=1, group=4, sliding_window=128)
@@ -156,7 +175,8 @@ def test_supported_and_dispatch_choice(monkeypatch):
     assert preferred(head_dim=128, page=16, tq=1, group=16)
     assert preferred(head_dim=128, page=16, tq=4, group=8, high_dtype=jnp.bfloat16)
     assert not preferred(head_dim=128, page=16, tq=4, group=8, interpret=True)
-    assert not preferred(head_dim=128, page=64, tq=4, group=8)           # unsupported: Triton
+    assert preferred(head_dim=128, page=64, tq=4, group=8)
+    assert not preferred(head_dim=128, page=8, tq=4, group=8)            # unsupported: Triton
     monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "triton")
     assert not preferred(head_dim=128, page=16, tq=4, group=8)
     monkeypatch.setattr(decode_mgpu, "on_hopper", lambda: False)
@@ -203,7 +223,8 @@ def test_refuses_unsupported_configuration():
 
 # ------------------------------------------------------------------------------------------ CUDA cross-lowering
 @pytest.mark.parametrize("page,tq,hq,twin", [(16, 1, 32, "bf16"), (16, 3, 16, "bf16"), (16, 1, 16, None),
-                                             (16, 2, 16, "fp16")])
+                                             (16, 2, 16, "fp16"), (32, 1, 32, "bf16"), (64, 3, 16, "bf16"),
+                                             (128, 1, 16, None)])
 def test_cross_lowers_for_cuda(page, tq, hq, twin):
     """The compiled form (inline PTX dequantization, register-A wgmma, TMA ring) lowers for CUDA."""
     L, P, kv, H, D, B = 2, 16, 2, 2, 128, 2
@@ -301,6 +322,27 @@ def test_gpu_keys_on_m_matches_reference(dtype, tq, hq):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page", [32, 64, 128])
+def test_gpu_pages_32_to_128(page):
+    """Pages of 32 / 64 / 128 tokens on the H200 (they faulted before the page-table copy started at an aligned
+    column): bf16 twin at Tq 1 x GQA 4 (keys on M) and Tq 3 x GQA 8 (queries on M), plain NVFP4 at Tq 2 x GQA 2;
+    lengths 1, page-1, page, page+1 .. 4096; default and 8 splits; float32 output against the float32 reference."""
+    assert on_gpu(), "gpu tests need a GPU"
+    for dtype, tq, hq in (("mixed_nvfp4_bf16", 1, 32), ("mixed_nvfp4_bf16", 3, 64), ("nvfp4", 2, 16)):
+        mixed = dtype.startswith("mixed")
+        st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=page,
+                        lens=(1, page - 1, page, page + 1, 200, 1000, 3000, 4096), heads=8, d=128, layers=2,
+                        max_draft_len=3, gs=0.01)
+        q = queries(st, tq, hq)
+        seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+        ref_o, ref_lse = reference(st, 1, q, seq)
+        for splits in (None, 8):
+            out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
+            assert rel_l2(out, ref_o) < 1e-4, (dtype, tq, splits)
+            _lse_close(lse, ref_lse)
+
+
+@pytest.mark.gpu
 def test_gpu_any_page_table_width():
     """Page tables 1-3 columns wider than a multiple of 4 (unused columns -1): the page ids' TMA rows are padded to a
     16-byte stride by the wrapper (such widths failed at trace time before); the output matches the reference."""
@@ -325,16 +367,17 @@ def test_gpu_any_page_table_width():
 @pytest.mark.gpu
 def test_gpu_public_entry_auto_dispatch(monkeypatch):
     """With `KERNEL_ENV` unset, `decode_attention` runs this kernel on the H200 for a verify step (Tq 4 x GQA 8 = 32
-    query rows) and a decode step (Tq 1 x GQA 4), bf16 twin, and the Triton kernel for a page-64 cache (not
-    `supported`); all match the reference."""
+    query rows) and a decode step (Tq 1 x GQA 4), bf16 twin, at pages of 16 and 64, and the Triton kernel for an
+    FP8 twin (not `supported`); all match the reference."""
     import jmixedkv.decode as decode_mod
     assert on_gpu(), "gpu tests need a GPU"
     monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
     calls = []
     real = decode_mgpu.paged_decode_attention_mgpu
     monkeypatch.setattr(decode_mgpu, "paged_decode_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for page, tq, hq, want in ((16, 4, 64, 1), (16, 1, 32, 1), (64, 1, 32, 0)):
-        st = make_state("mixed_nvfp4_bf16", first_n=64, last_n=64, page=page, lens=(1, 15, 17, 300, 4096), heads=8,
+    for dtype, page, tq, hq, want in (("mixed_nvfp4_bf16", 16, 4, 64, 1), ("mixed_nvfp4_bf16", 16, 1, 32, 1),
+                                      ("mixed_nvfp4_bf16", 64, 1, 32, 1), ("mixed_nvfp4_fp8", 16, 1, 32, 0)):
+        st = make_state(dtype, first_n=64, last_n=64, page=page, lens=(1, 15, 17, 300, 4096), heads=8,
                         d=128, layers=2, max_draft_len=3, gs=0.01)
         seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
         calls.clear()
