@@ -395,6 +395,19 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             prods = pl.run_scoped(fresh, *[plgpu.ACC(a.shape, jnp.float32) for a in accs])
             return tuple(a + d for a, d in zip(accs, prods))
 
+        def ring(i):
+            """TMA ring bookkeeping of block ``i``: ``(slot, prefetch)``, its ring slot and a function that issues
+            the copy of block ``i + stages - 1`` (when this split has it) into the slot that block will read."""
+            rel = i - start
+            slot = lax.rem(rel, i32(stages))
+            nxt = rel + stages - 1
+
+            def prefetch():
+                @pl.when(nxt < nblk)
+                def _():
+                    issue(start + nxt, lax.rem(nxt, i32(stages)))
+            return slot, prefetch
+
         def km_step(i, carry):
             """Keys on M, one 64-token block: ``S^T = K Q^T`` ([64 keys, N], the dequantized K the register A
             operand), softmax down the columns, ``O^T += V^T P^T`` ([64 dims, N] per half, V^T a transposed
@@ -404,9 +417,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             this block overwrites), and the commit before ``P V``, which also separates the maximum's scratch reads
             from the next block's writes."""
             acc_lo, acc_hi, m_i, l_i = carry
-            rel = i - start
-            slot = lax.rem(rel, i32(stages))
-            nxt = rel + stages - 1
+            slot, prefetch = ring(i)
             plgpu.barrier_wait(bar_kv.at[slot])
             klo, khi = dequant(kb.at[slot], ks.at[slot])
             if interpret:       # the interpreter's wgmma takes operands from shared memory only
@@ -424,11 +435,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
             s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32)) * rowmul   # [keys, N]
             m_new = jnp.maximum(m_i, s.max(axis=0) if interpret else _key_max_inline(s, red_smem))
-
-            @pl.when(nxt < nblk)
-            def _():
-                issue(start + nxt, lax.rem(nxt, i32(stages)))
-
+            prefetch()
             p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, m_i, l_i, (acc_lo, acc_hi), 0, m_new=m_new)
             vlo, vhi = dequant(vb.at[slot], vs.at[slot])
             if interpret:       # V^T stored as such (no transposed operands in the interpreter)
@@ -450,17 +457,11 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             """Queries on M, one 64-token block: ``S = Q K^T`` ([64 rows, 64 keys], K^T a transposed view of the
             f16 K tile), ``O += P V`` (P from registers)."""
             acc_lo, acc_hi, m_i, l_i = carry
-            rel = i - start
-            slot = lax.rem(rel, i32(stages))
-            nxt = rel + stages - 1
+            slot, prefetch = ring(i)
             # every warp is past the previous step: its wgmma reads of the f16 tiles and its dequantization reads
             # of the ring slot that the next copy refills
             sync()
-
-            @pl.when(nxt < nblk)
-            def _():
-                issue(start + nxt, lax.rem(nxt, i32(stages)))
-
+            prefetch()
             plgpu.barrier_wait(bar_kv.at[slot])
             klo, khi = dequant(kb.at[slot], ks.at[slot])
             if interpret:   # the interpreter's wgmma takes no transposed operand: K^T stored as such

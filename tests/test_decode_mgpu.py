@@ -242,6 +242,34 @@ def test_cross_lowers_for_cuda(page, tq, hq, twin):
     assert "mosaic_gpu" in text
 
 
+def test_cross_lowers_for_cuda_under_shard_map():
+    """The compiled kernel inside `jax.shard_map` over 4 devices, `jmixedkv.sharding`'s layout (pools and query
+    heads sharded over KV heads: one KV head and its 4 query heads per shard), page 32, bf16 twin, lowers for CUDA
+    with per-shard operands. What this cannot check: a run on several GPUs (none lent) — and the interpreter cannot
+    run it on several CPU devices (its barrier check is global across devices; README, Multi-GPU)."""
+    from jax.sharding import PartitionSpec as P
+    from jmixedkv import sharding
+    assert len(jax.devices()) >= 4, "conftest forces 4 CPU devices"
+    mesh = sharding.make_mesh(4)
+    page, L, Pg, kv, H, D, B = 32, 2, 16, 2, 4, 128, 2
+    low = (jnp.zeros((L, Pg, kv, H, page, D // 2), jnp.uint8),
+           jnp.zeros((L, Pg, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
+    high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
+    q = jnp.zeros((B, 1, 4 * H, D), jnp.bfloat16)
+    pt, lens, ht = jnp.zeros((B, 12), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
+    heads = P(None, None, None, sharding.AXIS)
+    qspec = P(None, None, sharding.AXIS)
+
+    def per_shard(q, pt, lens, ht, data, scales, gs, rows, rs):
+        return paged_decode_attention_mgpu(q, pt, lens, 1, (data, scales, gs), (rows, rs), ht,
+                                           geom=TwinGeometry(page, 5, 7, 1, 3), num_splits=2)
+    fn = jax.shard_map(per_shard, mesh=mesh, in_specs=(qspec, P(), P(), P(), heads, heads, P(), heads, P()),
+                       out_specs=(qspec, qspec), check_vma=False)
+    text = cross_lower_cuda(fn, q, pt, lens, ht, *low, *high)
+    assert "mosaic_gpu" in text and "sdy.manual_computation" in text
+    assert "tensor<2x1x4x128xbf16>" in text            # one shard's query heads (4 of 16)
+
+
 @pytest.mark.parametrize("width", [13, 14, 15])
 def test_cross_lowers_for_any_page_table_width(width):
     """A page table whose row is not a multiple of 16 bytes (513 pages for 8193 tokens, say) lowers: TMA needs such
