@@ -100,9 +100,9 @@ def test_interpret_keys_on_m_matches_reference(tq, hq):
 @pytest.mark.parametrize("page,edge_block_k,km", [(32, 32, True), (64, 16, False), (128, 32, True)])
 def test_interpret_pages_32_to_128(page, edge_block_k, km):
     """Pages of 32 / 64 / 128 tokens: first_n = 64 puts the interior's first block at 1, so split starts fall on
-    page-table columns that are not a multiple of 4 (the page ids are copied from the aligned column below: a copy
-    from such a column faulted on the H200); 3 splits, lengths 0, 1, page-1, page, page+1, long; NaN-poisoned rows.
-    At page 128 the interior is counted in 128-token blocks (the edge kernel's block is a whole page)."""
+    page-table columns that are not a multiple of 4 (the page ids are copied from the aligned column at or below: a
+    copy from such a column faulted on the H200); 3 splits, lengths 0, 1, page-1, page, page+1, long; NaN-poisoned
+    rows. At page 128 the interior is counted in 128-token blocks (the edge kernel's block is a whole page)."""
     st = make_state(lens=(0, 1, page - 1, page, page + 1, 700), first_n=64, last_n=20, page=page, d=128, heads=1,
                     max_draft_len=2)
     q = queries(st, 1, 4)
