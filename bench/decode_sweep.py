@@ -196,9 +196,9 @@ def splits_for(v, b, npg, page, m_rows=16, rows=None):
     real query rows ``Tq * G``, default ``m_rows``)."""
     if "block_k" not in v:
         bk, _, per_sm = da.default_tuning("nvfp4", b, H, page, m_rows, rows)
-        nb = max(1, bk // page, -(-16 // page))
+        nb = da.pages_per_block(bk, page)
         return da.default_num_splits(b, H, max(1, -(-npg // nb)), per_sm)
-    nb = max(1, v["block_k"] // page, -(-16 // page))
+    nb = da.pages_per_block(v["block_k"], page)
     blocks = max(1, -(-npg // nb))
     return max(1, min(blocks, int(round(da.default_num_splits(b, H, blocks) * v.get("x", 1)))))
 
@@ -233,7 +233,7 @@ PROBES = {"probe-k64w2s3x1": dict(block_k=64, num_warps=2, num_stages=3),
 def probe_fn(v, b, npg, page):
     from jmixedkv.compat import triton_params
     pl = da.pl
-    nb = max(1, v["block_k"] // page, -(-16 // page))
+    nb = da.pages_per_block(v["block_k"], page)
     k_tok = nb * page
     splits = splits_for(v, b, npg, page)
 

@@ -73,7 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import layout, sharding  # noqa: E402
 from jmixedkv.decode import decode_attention  # noqa: E402
-from pallas_kernels.decode_attention import DEFAULT_BLOCK_K, default_num_splits  # noqa: E402
+from pallas_kernels.decode_attention import DEFAULT_BLOCK_K, default_num_splits, pages_per_block  # noqa: E402
 from read_bench import timeit as _median_s  # noqa: E402  (warm-up + median wall time, seconds)
 
 HQ, HKV, D = 32, 8, 128
@@ -182,7 +182,7 @@ def head_cols(out, lo, hi):
 
 def max_blocks(ctx, page):
     """Page blocks of one sequence as the kernel counts them (for `default_num_splits`)."""
-    nb = max(1, DEFAULT_BLOCK_K["nvfp4"] // page, -(-16 // page))
+    nb = pages_per_block(DEFAULT_BLOCK_K["nvfp4"], page)
     pages = -(-ctx // page)
     return max(1, -(-pages // nb))
 

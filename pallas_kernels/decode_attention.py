@@ -54,7 +54,7 @@ from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention", "merge_partials", "group_queries", "ungroup_rows", "f16_queries",
            "default_num_splits", "default_tuning", "NUM_SMS", "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS",
-           "WIDE_GRID_TUNING", "VERIFY_GRID_TUNING", "interior_blocks"]
+           "WIDE_GRID_TUNING", "VERIFY_GRID_TUNING", "interior_blocks", "pages_per_block"]
 
 NUM_SMS = 132          # H200
 _M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
@@ -101,6 +101,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_sm: i
     programs = max(1, batch * num_kv_heads)
     want = max(1, -(-per_sm * NUM_SMS // programs))
     return int(max(1, min(_next_pow2(want), max_blocks, 64)))
+
+
+def pages_per_block(block_k: int, page: int) -> int:
+    """Pages per kernel step for a requested ``block_k`` (tokens): whole pages, at least one and at least 16 tokens
+    (the smallest dot); the step is ``pages_per_block(block_k, page) * page`` tokens."""
+    return max(1, block_k // page, -(-16 // page))
 
 
 def interior_blocks(n, k_tok: int, tq: int, geom: Optional[TwinGeometry] = None, window: Optional[int] = None):
@@ -454,7 +460,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     if block_k < 1 or num_warps < 1 or num_stages < 1:
         raise ValueError(f"paged_decode_attention: block_k={block_k}, num_warps={num_warps}, "
                          f"num_stages={num_stages} must be >= 1")
-    nb = max(1, block_k // page, -(-16 // page))
+    nb = pages_per_block(block_k, page)
     k_tok = nb * page
     if interior_tokens is not None and (not skip_interior or interior_tokens % k_tok):
         raise ValueError(f"paged_decode_attention: interior_tokens={interior_tokens} needs skip_interior=True and a "

@@ -76,7 +76,7 @@ from jax import lax
 
 from jmixedkv.layout import TwinGeometry
 from pallas_kernels.decode_attention import (LOW_DOMAIN, f16_queries, group_queries, interior_blocks, merge_partials,
-                                             paged_decode_attention, ungroup_rows)
+                                             paged_decode_attention, pages_per_block, ungroup_rows)
 from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
@@ -637,7 +637,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     # both kernels count the interior in blocks of `interior_tokens`: a multiple of this kernel's 64-token block and
     # of the edge kernel's (whole pages: 128 tokens at pages of 128)
     edge_block_k = EDGE_BLOCK_K if edge_block_k is None else int(edge_block_k)
-    interior_tokens = math.lcm(BLOCK_K, max(1, edge_block_k // page, -(-16 // page)) * page)
+    interior_tokens = math.lcm(BLOCK_K, pages_per_block(edge_block_k, page) * page)
     per_it = interior_tokens // BLOCK_K
     i0, i1 = (x * per_it for x in interior_blocks(lens, interior_tokens, tq, geom if use_high else None))
     n_blocks = -(-lens // BLOCK_K)
