@@ -26,6 +26,17 @@ was measured; ``--budget-s`` stops starting shapes before the device's 600 s com
 Usage: ``PYTHONPATH=. python3 bench/decode_bench.py --out DIR [--batches 1,16,64] [--contexts 4096,32768,131072]``
 Compiling every config for all nine shapes takes a while: on a 600 s device limit run one batch size per command
 (``--batches 1``, ``--batches 16``, ``--batches 64``) or pass ``--quick``; `bench/plot_decode.py` merges the JSONs.
+
+``--grid`` (issue 18's grid: batch x context x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default kernels only, 72
+rows) is more than one 600 s command holds. ``--shard I/N`` runs every N-th row, so one command on a 4-GPU host runs
+it all, one process per GPU, and ``--merge`` joins the shards (it refuses shards from different devices or
+versions)::
+
+    for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i python3 bench/decode_bench.py --grid --shard $i/4 \
+        --out $OUT/s$i > $OUT/s$i.txt 2>&1 & done; wait
+    python3 bench/decode_bench.py --merge $OUT/s*/decode_bench-grid.json --out $OUT
+
+(on a 1-GPU machine the shards run in consecutive commands).
 """
 from __future__ import annotations
 
@@ -651,7 +662,7 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
     both bytes floors. Every timed output must be finite; the Mosaic GPU output must match the Triton one."""
     set_geometry(gqa, page)
     key = jax.random.PRNGKey(b * 1000 + ctx // 1024 + 7 * gqa + page + tq)
-    row = dict(batch=b, context=ctx, gqa=gqa, page=page, tq=tq)
+    row = dict(batch=b, context=ctx, gqa=gqa, page=page, tq=tq, copy_bandwidth_tbs=bw)
     tokens = b * ctx
     row["floor_nvfp4_ms"] = (tokens * H * D * 2 * (0.5 + 1 / 16) + b * (FIRST_N + LAST_N) * H * D * 4) / bw * 1e-9
     row["floor_bf16_ms"] = tokens * H * D * 4 / bw * 1e-9
@@ -738,15 +749,102 @@ def grid_table(rows):
     return "\n".join(lines)
 
 
+def grid_order(batches: str, contexts: str, geos: str):
+    """The grid's rows ``(batch, context, gqa, page, tq)`` in run order: geometry by geometry (``geos`` =
+    ``"GQA/page/Tq,..."``), each over batch x context, so a time-budget cut loses the later geometries."""
+    shapes = [(b, c) for b in map(int, batches.split(",")) for c in map(int, contexts.split(","))]
+    geo = [tuple(map(int, g.split("/"))) for g in geos.split(",")]
+    for g in geo:
+        if len(g) != 3:
+            raise ValueError(f"--geos: expected GQA/page/Tq triples, got {geos!r}")
+    return [(b, c, *g) for g in geo for b, c in shapes]
+
+
+def parse_shard(text):
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N`` (``None`` -> ``(0, 1)``)."""
+    if text is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard: expected I/N (e.g. 0/4), got {text!r}") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard: need 0 <= I < N, got {text!r}")
+    return i, n
+
+
+def shard_rows(order, shard):
+    """Rows ``k`` of ``order`` with ``k % N == I`` (``shard = (I, N)``): N processes, one per GPU of a multi-GPU
+    host (``CUDA_VISIBLE_DEVICES``) or consecutive device calls, run the whole grid between them; ``--merge``
+    joins their JSONs. Interleaved, so every shard gets small and large shapes alike."""
+    i, n = shard
+    return [r for k, r in enumerate(order) if k % n == i]
+
+
+def merge_grids(results, order=None):
+    """Join grid results (the JSON dicts of shards of one grid) into one, rows in ``order`` (the grid's run
+    order, `grid_order`; default: the shards' rows as listed). Refuses shards measured on different devices or
+    versions (the rows would not be side by side) and a row measured twice. Each row keeps the copy bandwidth its
+    shard measured (``copy_bandwidth_tbs``); the merged header gives their range."""
+    if not results:
+        raise ValueError("merge: no grid results given")
+    keys = ("device", "jax", "triton", "torch", "heads", "head_dim", "first_n", "last_n", "layers")
+    first = results[0]
+    for r in results[1:]:
+        diff = {k: (first.get(k), r.get(k)) for k in keys if first.get(k) != r.get(k)}
+        if diff:
+            raise ValueError(f"merge: shards differ in {diff}; their rows are not side by side")
+    rows, seen = [], set()
+    for r in results:
+        for row in r["rows"]:
+            k = (row["batch"], row["context"], row["gqa"], row["page"], row["tq"])
+            if k in seen:
+                raise ValueError(f"merge: row {k} appears in more than one shard")
+            seen.add(k)
+            rows.append(row)
+    if order is not None:
+        rank = {tuple(o): i for i, o in enumerate(order)}
+        rows.sort(key=lambda row: rank.get((row["batch"], row["context"], row["gqa"], row["page"], row["tq"]),
+                                           len(rank)))
+    bws = [x["copy_bandwidth_tbs"] for x in results]
+    out = {k: first.get(k) for k in keys}
+    out.update(date=min(x["date"] for x in results), shards=len(results), copy_bandwidth_tbs=min(bws),
+               copy_bandwidth_range_tbs=[min(bws), max(bws)],
+               copy_bandwidth_how="; ".join(sorted({x.get("copy_bandwidth_how", "") for x in results})),
+               rows=rows, skipped=[s for x in results for s in x.get("skipped", [])])
+    return out
+
+
+def merge_main(args):
+    """``--merge A.json B.json ...``: one grid JSON (``decode_bench-grid.json`` under ``--out``) and table from
+    the shards of one ``--grid`` run."""
+    results = []
+    for path in args.merge:
+        with open(path) as f:
+            results.append(json.load(f))
+    merged = merge_grids(results, grid_order(args.batches, args.contexts, args.geos))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "decode_bench-grid.json")
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1, default=str)
+    print(f"device {merged['device']}  jax {merged['jax']}  triton {merged['triton']}  torch {merged['torch']}  "
+          f"copy bandwidth {merged['copy_bandwidth_range_tbs'][0]:.2f}-{merged['copy_bandwidth_range_tbs'][1]:.2f} "
+          f"TB/s ({merged['shards']} shards)")
+    print(grid_table(merged["rows"]))
+    if merged["skipped"]:
+        print(f"not run (time budget): {merged['skipped']}")
+    print(f"wrote {path}")
+    return 0
+
+
 def grid_main(args, torch, bw, bw_how, info):
     """``--grid``: batch x context x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only (one compile per
-    kernel and shape), the headline geometry (GQA 4, page 16, Tq 1) first so a time-budget cut loses variants."""
-    shapes = [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
-    geos = [tuple(map(int, g.split("/"))) for g in args.geos.split(",")]
-    order = [(b, c, *geo) for geo in geos for b, c in shapes]
+    kernel and shape), the headline geometry (GQA 4, page 16, Tq 1) first so a time-budget cut loses variants;
+    ``--shard I/N`` runs every N-th row (`shard_rows`)."""
+    order = shard_rows(grid_order(args.batches, args.contexts, args.geos), parse_shard(args.shard))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
                   copy_bandwidth_tbs=bw, copy_bandwidth_how=bw_how, heads=H, head_dim=D, first_n=FIRST_N,
-                  last_n=LAST_N, layers=LAYERS, rows=[], skipped=[])
+                  last_n=LAST_N, layers=LAYERS, shard=args.shard, rows=[], skipped=[])
     path = os.path.join(args.out, "decode_bench-grid.json")
     t0 = time.time()
     for b, c, g, p, t in order:
@@ -788,8 +886,21 @@ def main(argv=None):
                     help="the issue-18 grid: x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only")
     ap.add_argument("--geos", default="4/16/1,4/16/4,4/64/1,4/64/4,8/16/1,8/16/4,8/64/1,8/64/4",
                     help="--grid geometries GQA/page/Tq, in the order they run")
+    ap.add_argument("--shard", default=None,
+                    help="--grid: run rows k with k %% N == I (I/N), e.g. one process per GPU: "
+                         "CUDA_VISIBLE_DEVICES=i ... --shard i/4; --merge joins the shards' JSONs")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="join the decode_bench-grid.json files of --shard runs into one grid JSON + table "
+                         "under --out (no GPU needed)")
     ap.add_argument("--results-md", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     args = ap.parse_args(argv)
+    try:
+        parse_shard(args.shard)
+        grid_order(args.batches, args.contexts, args.geos)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.merge:
+        return merge_main(args)
     global INTERPRET, CHECK_LENS, USE_MGPU, MGPU_CONFIGS, LAYERS
     USE_MGPU = not args.no_mgpu
     LAYERS = args.layers

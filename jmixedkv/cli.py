@@ -34,6 +34,9 @@ EXIT_NO_GPU = 2
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 #: benches that also run on CPU (accuracy only, no kernel timing)
 CPU_BENCHES = ("real_activations", "accuracy")
+#: scripts in bench/ that read what benchmarks wrote (JSON, Nsight Compute exports) rather than time anything: run by
+#: name on any machine, with exactly the arguments given (no ``--out`` added); ``jmixedkv bench`` (all) skips them
+BENCH_TOOLS = ("plot_decode", "sass_mix")
 
 
 class CliError(Exception):
@@ -118,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Examples:\n  jmixedkv demo\n  jmixedkv demo --quick --plot demo.png\n"
                "  jmixedkv capacity --model-shape llama3-8b --gpu-mem 80GiB --seq-len 32768\n"
                "  jmixedkv capacity --model-shape path/to/config.json --kv-budget 40GiB --json cap.json\n"
-               "  jmixedkv bench decode_bench --out bench/out   (from a source checkout)\n\n"
+               "  jmixedkv bench decode_bench --out bench/out   (from a source checkout)\n"
+               "  jmixedkv bench decode_bench --grid --shard 0/4 --out s0   (arguments after the name go to the "
+               "bench)\n\n"
                "Exit codes: 0 ok, 2 bad arguments or (bench) no GPU / no source checkout.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -177,11 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--page-size", type=_positive_int, default=32, help="tokens per page (default 32)")
 
     b = sub.add_parser("bench", help="run the GPU benchmarks (bench/*.py)",
-                       description="Run bench/NAME.py (or all) with --out DIR. The benches time GPU kernels: "
-                                   "without a GPU this prints a message and exits with code 2, except the "
-                                   f"CPU-capable ones: {', '.join(CPU_BENCHES)}.")
+                       description="Run bench/NAME.py (or all) with --out DIR; other arguments after NAME go to "
+                                   "the bench (e.g. `jmixedkv bench decode_bench --grid --shard 0/4`). The benches "
+                                   "time GPU kernels: without a GPU this prints a message and exits with code 2, "
+                                   f"except the CPU-capable ones: {', '.join(CPU_BENCHES)}. The tools "
+                                   f"{', '.join(BENCH_TOOLS)} read benchmark outputs: they run anywhere, by name, "
+                                   "with exactly the arguments given.")
     b.add_argument("name", nargs="?", help="bench name (file stem); default: all")
-    b.add_argument("--out", default="bench/out", help="output folder for JSON / plots (default bench/out)")
+    b.add_argument("--out", default=None, help="output folder for JSON / plots (default bench/out; a tool gets it "
+                                                "only when given)")
     b.add_argument("--list", action="store_true", help="list the benches and exit")
     return p
 
@@ -582,31 +591,45 @@ def cmd_bench(args) -> int:
                        f"`jmixedkv bench` (or `python bench/<name>.py --out DIR`) from it, or `pip install -e .` "
                        f"there")
     if args.list:
-        print("\n".join(names))
+        print("\n".join(n + (" (tool)" if n in BENCH_TOOLS else "") for n in names))
         return 0
     if args.name is not None and args.name not in names:
         raise CliError(f"unknown bench {args.name!r}; available: {', '.join(names)}")
+    extra = list(getattr(args, "bench_args", []))
+    if extra and args.name is None:
+        raise CliError(f"arguments for a bench ({' '.join(extra)}) need its name: jmixedkv bench NAME ...")
+    if args.name in BENCH_TOOLS:
+        out = ["--out", args.out] if args.out is not None else []
+        return subprocess.call([sys.executable, str(BENCH_DIR / f"{args.name}.py"), *extra, *out], env=_bench_env())
     from .compat import on_gpu
-    todo = [args.name] if args.name else names
+    todo = [args.name] if args.name else [n for n in names if n not in BENCH_TOOLS]
     if not on_gpu() and not (args.name in CPU_BENCHES):
         print(f"jmixedkv bench: no GPU found (jax backend is {_device()}). The benches time Pallas kernels on a "
               f"CUDA GPU; on the GPU machine run: PYTHONPATH=. python3 bench/<name>.py --out DIR. "
               f"On CPU only these run (by name): {', '.join(CPU_BENCHES)}", file=sys.stderr)
         return EXIT_NO_GPU
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH_DIR.parent),
-                                                                    os.environ.get("PYTHONPATH")])))
     worst = 0
     for name in todo:
         print(f"== bench {name}", flush=True)
-        rc = subprocess.call([sys.executable, str(BENCH_DIR / f"{name}.py"), "--out", args.out], env=env)
+        cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--out", args.out or "bench/out", *extra]
+        rc = subprocess.call(cmd, env=_bench_env())
         worst = worst or rc
     return worst
+
+
+def _bench_env():
+    """The environment of a bench process: the source tree first on ``PYTHONPATH``."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH_DIR.parent),
+                                                                     os.environ.get("PYTHONPATH")])))
 
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)            # usage errors: message + SystemExit(2)
+    args, extra = parser.parse_known_args(argv)   # usage errors: message + SystemExit(2)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.bench_args = extra                   # bench: passed on to the bench script
     try:
         return {"demo": cmd_demo, "capacity": cmd_capacity, "bench": cmd_bench}[args.command](args)
     except CliError as e:

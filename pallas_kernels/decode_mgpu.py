@@ -19,7 +19,11 @@ instructions per thread per 64-token block (~285 of them dequantization; 2026-12
 barriers** per block (5 before the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers and 47 KB
 of shared memory (4 CTAs = 16 warps per SM, both limits). ncu at 16 x 32k (fifth): 0.69 instructions issued per
 scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM 32%: issue and latency share the bound
-now, so fewer instructions (dequantization) or more warps per SM are what is left.
+now, so fewer instructions or more warps per SM are what is left. The SASS (ncu source page, 2026-12-01 eighth,
+`bench/sass_mix.py`): 723 instructions per warp and block, ~290 dequantization and **~240 the TMA copies of the
+next block** (16 per block: 4 tensors x 4 chunks of 16 tokens), whose address arithmetic every one of the four warps
+executes under a one-thread predicate. Fewer copies (K and V rows in one box, a box per page) issued by one warp is
+the next change (bench/RESULTS.md, eighth session: written and checked on the CPU, not yet run on a GPU).
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and

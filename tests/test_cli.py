@@ -1,5 +1,6 @@
 """The ``jmixedkv`` command line: demo (quick size), capacity, bench on CPU, help, bad arguments -> exit 2."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,41 @@ def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "jmixedkv", "capacity", "--gpu-mem", "lots"], capture_output=True,
                        text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "memory size 'lots'" in r.stderr
+
+
+def _capture_calls(monkeypatch, gpu=True):
+    """Record the bench processes `cmd_bench` would start (and pretend a GPU is there when ``gpu``)."""
+    import jmixedkv.compat as compat
+    calls = []
+    monkeypatch.setattr(compat, "on_gpu", lambda: gpu)
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env=None: calls.append(cmd) or 0)
+    return calls
+
+
+def test_bench_passes_arguments_after_the_name(monkeypatch):
+    calls = _capture_calls(monkeypatch)
+    assert cli.main(["bench", "decode_bench", "--grid", "--shard", "0/4", "--out", "s0"]) == 0
+    (cmd,) = calls
+    assert cmd[1].endswith("decode_bench.py") and cmd[2:] == ["--out", "s0", "--grid", "--shard", "0/4"]
+
+
+def test_bench_all_skips_the_tools_and_tools_run_anywhere(monkeypatch):
+    calls = _capture_calls(monkeypatch)
+    assert cli.main(["bench"]) == 0
+    ran = {os.path.basename(c[1])[:-3] for c in calls}
+    assert ran and not ran & set(cli.BENCH_TOOLS) and "decode_bench" in ran
+    assert all(c[2:] == ["--out", "bench/out"] for c in calls)
+    calls = _capture_calls(monkeypatch, gpu=False)                    # a tool needs no GPU and gets no --out
+    assert cli.main(["bench", "sass_mix", "k.csv", "--units", "4"]) == 0
+    assert calls[0][1].endswith("sass_mix.py") and calls[0][2:] == ["k.csv", "--units", "4"]
+    assert cli.main(["bench", "plot_decode", "--json-dir", "d", "--out", "o"]) == 0
+    assert calls[1][2:] == ["--json-dir", "d", "--out", "o"]
+
+
+def test_unknown_arguments_refused_outside_bench(monkeypatch, capsys):
+    _capture_calls(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["capacity", "--frobnicate"])
+    assert e.value.code == 2 and "unrecognized arguments: --frobnicate" in capsys.readouterr().err
+    assert cli.main(["bench", "--grid"]) == 2
+    assert "need its name" in capsys.readouterr().err

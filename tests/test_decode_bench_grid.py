@@ -1,0 +1,82 @@
+"""`bench/decode_bench.py --grid` bookkeeping on the CPU: the row order, `--shard I/N` (the shards partition the
+grid), `--merge` (rows back in grid order; shards from different devices / versions or a row measured twice are
+refused with the offending values)."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+import decode_bench as db  # noqa: E402
+
+GEOS = "4/16/1,4/16/4,4/64/1,4/64/4,8/16/1,8/16/4,8/64/1,8/64/4"
+
+
+def test_grid_order_is_geometry_major_and_covers_the_issue_grid():
+    order = db.grid_order("1,16,64", "4096,32768,131072", GEOS)
+    assert len(order) == 72 and len(set(order)) == 72
+    assert order[:3] == [(1, 4096, 4, 16, 1), (1, 32768, 4, 16, 1), (1, 131072, 4, 16, 1)]
+    assert order[9] == (1, 4096, 4, 16, 4)
+    with pytest.raises(ValueError, match="GQA/page/Tq"):
+        db.grid_order("1", "4096", "4/16")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_shards_partition_the_grid(n):
+    order = db.grid_order("1,16,64", "4096,32768,131072", GEOS)
+    shards = [db.shard_rows(order, (i, n)) for i in range(n)]
+    assert sorted(r for s in shards for r in s) == sorted(order)
+    assert sum(len(s) for s in shards) == len(order)
+    assert max(len(s) for s in shards) - min(len(s) for s in shards) <= 1
+
+
+@pytest.mark.parametrize("bad", ["4", "4/4", "-1/2", "a/b", "1/0"])
+def test_parse_shard_refuses(bad):
+    with pytest.raises(ValueError, match="--shard"):
+        db.parse_shard(bad)
+    assert db.parse_shard(None) == (0, 1) and db.parse_shard("2/4") == (2, 4)
+
+
+def _shard(rows, bw, device="NVIDIA H200", date="2026-12-02T10:00:00+00:00"):
+    return dict(date=date, device=device, jax="0.11.2", triton="3.6.0", torch="2.11", heads=8, head_dim=128,
+                first_n=64, last_n=64, layers=1, copy_bandwidth_tbs=bw, copy_bandwidth_how="torch copy",
+                rows=[dict(batch=b, context=c, gqa=g, page=p, tq=t, default_ms=0.1 * (k + 1),
+                           copy_bandwidth_tbs=bw) for k, (b, c, g, p, t) in enumerate(rows)], skipped=[])
+
+
+def test_merge_puts_rows_in_grid_order_and_keeps_each_bandwidth():
+    order = db.grid_order("1,16", "4096", "4/16/1,8/64/4")
+    a, b = db.shard_rows(order, (0, 2)), db.shard_rows(order, (1, 2))
+    m = db.merge_grids([_shard(b, 4.20), _shard(a, 4.26, date="2026-12-02T09:00:00+00:00")], order)
+    assert [(r["batch"], r["context"], r["gqa"], r["page"], r["tq"]) for r in m["rows"]] == order
+    assert m["copy_bandwidth_range_tbs"] == [4.20, 4.26] and m["shards"] == 2
+    assert m["date"] == "2026-12-02T09:00:00+00:00"
+    assert {r["copy_bandwidth_tbs"] for r in m["rows"]} == {4.20, 4.26}
+
+
+def test_merge_refuses_other_devices_and_duplicate_rows():
+    order = db.grid_order("1", "4096", "4/16/1,4/16/4")
+    with pytest.raises(ValueError, match="A100"):
+        db.merge_grids([_shard(order[:1], 4.2), _shard(order[1:], 4.2, device="A100")], order)
+    with pytest.raises(ValueError, match="more than one shard"):
+        db.merge_grids([_shard(order, 4.2), _shard(order[:1], 4.2)], order)
+    with pytest.raises(ValueError, match="no grid results"):
+        db.merge_grids([], order)
+
+
+def test_main_merge_writes_one_grid(tmp_path, capsys):
+    order = db.grid_order("1,16", "4096", "4/16/1")
+    paths = []
+    for i in range(2):
+        p = tmp_path / f"s{i}.json"
+        p.write_text(json.dumps(_shard(db.shard_rows(order, (i, 2)), 4.25)))
+        paths.append(str(p))
+    assert db.main(["--merge", *paths, "--out", str(tmp_path / "m"), "--batches", "1,16", "--contexts", "4096",
+                    "--geos", "4/16/1"]) == 0
+    merged = json.loads((tmp_path / "m" / "decode_bench-grid.json").read_text())
+    assert [r["batch"] for r in merged["rows"]] == [1, 16]
+    out = capsys.readouterr().out
+    assert "2 shards" in out and "   1 x    4k" in out and "  16 x    4k" in out
+    with pytest.raises(SystemExit):
+        db.main(["--merge", *paths, "--out", str(tmp_path), "--shard", "5/2"])
