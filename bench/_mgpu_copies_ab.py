@@ -1,7 +1,24 @@
-"""H200 A/B for this branch (run on the device, PYTHONPATH=.): the Mosaic decode kernel of main (saved as
-.ab/decode_mgpu_head.py: `git show main:pallas_kernels/decode_mgpu.py > .ab/decode_mgpu_head.py`) against this
-branch with combined K+V TMA boxes only (B) and with the one-warp TMA issue too (AB): outputs compared, kernel GPU time
-(profiler) and end-to-end time, alternating, 7 shapes. Writes $OUT/s8b.json."""
+"""H200 A/B for the branch ``mgpu-tma-copies`` (a tool, not a bench: it needs main's kernel beside the branch's).
+
+Compares the Mosaic decode kernel of main (loaded from ``.ab/decode_mgpu_head.py``) with this branch's, which issues
+fewer TMA copies (B: a box's K and V rows in one copy, a box per page up to 64 tokens) from one warp (AB: B + the copies
+issued by one warp, rotating with the block): outputs compared (max abs. difference of out and LSE; the arithmetic is
+the same, so 0 is expected), kernel GPU time (`partials_only`, profiler) and end-to-end time, two alternating rounds,
+7 shapes (pages 16 / 32 / 64 / 128). Writes ``$OUT/s8b.json``.
+
+One device call (about 8 minutes)::
+
+    # here, before the call (.ab is ignored by git; the device gets it through ``carry``):
+    mkdir -p .ab && git show main:pallas_kernels/decode_mgpu.py > .ab/decode_mgpu_head.py
+    # the call (carry=[".ab"]):
+    export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+    timeout 330 python3 bench/_mgpu_copies_ab.py
+    timeout 250 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_mgpu.py \
+        -k "gpu_matches_reference or pages_32_to_128 or keys_on_m"
+
+then the rest of ``tests/test_decode_mgpu.py -m gpu`` and an ncu source page of the new kernel
+(``bench/sass_mix.py`` on main reads it) in a second call.
+"""
 import os, sys, json, time, importlib.util
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path[:0] = [".", "bench", "tests"]
