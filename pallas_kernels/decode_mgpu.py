@@ -22,8 +22,9 @@ scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM 32%:
 now, so fewer instructions or more warps per SM are what is left. The SASS (ncu source page, 2026-12-01 eighth,
 `bench/sass_mix.py`): 723 instructions per warp and block, ~290 dequantization and **~240 the TMA copies of the
 next block** (16 per block: 4 tensors x 4 chunks of 16 tokens), whose address arithmetic every one of the four warps
-executes under a one-thread predicate. Fewer copies (K and V rows in one box, a box per page) issued by one warp is
-the next change (bench/RESULTS.md, eighth session: written and checked on the CPU, not yet run on a GPU).
+executed under a one-thread predicate. Since then (this branch, **not yet run on a GPU**): one copy brings a box's K
+and V rows, a box is a page up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and one warp, rotating
+with the block, issues them (`ONE_WARP_ISSUE`).
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
@@ -36,8 +37,8 @@ Work split
 * **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* blocks of each sequence
   (`pallas_kernels.decode_attention.interior_blocks` with 64-token blocks: every key visible to every query, no
   retained row, no row at or past n). A TMA ring of ``stages`` slots holds 64-token blocks of packed bytes + E4M3
-  scales (one bulk copy per 16 tokens and tensor, page ids of the split copied from the page table to shared memory
-  once); the warpgroup dequantizes a block in registers (per thread and row one 16-byte load in the
+  scales (per `tma_box` tokens one copy of the K and V bytes and one of their scales, issued by one warp; page ids
+  of the split copied from the page table to shared memory once); the warpgroup dequantizes a block in registers (per thread and row one 16-byte load in the
   `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the scales; exact, see below) and runs the
   two wgmma products with an online softmax in base 2. Pallas' automatic barriers around shared-memory stores are
   off (``unsafe_no_auto_barriers``; ~10 fewer barriers per step, 2-4% faster on verify shapes); the kernel places its
