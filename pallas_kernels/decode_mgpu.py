@@ -22,8 +22,9 @@ scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM 32%:
 now, so fewer instructions or more warps per SM are what is left. The SASS (ncu source page, 2026-12-01 eighth,
 `bench/sass_mix.py`): 723 instructions per warp and block, ~290 dequantization and **~240 the TMA copies of the
 next block** (16 per block: 4 tensors x 4 chunks of 16 tokens), whose address arithmetic every one of the four warps
-executes under a one-thread predicate. Fewer copies (K and V rows in one box, a box per page) issued by one warp is
-the next change (bench/RESULTS.md, eighth session: written and checked on the CPU, not yet run on a GPU).
+executed under a one-thread predicate. Since then (this branch, **not yet run on a GPU**): one copy brings a box's K
+and V rows, a box is a page up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and one warp, rotating
+with the block, issues them (`ONE_WARP_ISSUE`).
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
@@ -36,8 +37,8 @@ Work split
 * **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* blocks of each sequence
   (`pallas_kernels.decode_attention.interior_blocks` with 64-token blocks: every key visible to every query, no
   retained row, no row at or past n). A TMA ring of ``stages`` slots holds 64-token blocks of packed bytes + E4M3
-  scales (one bulk copy per 16 tokens and tensor, page ids of the split copied from the page table to shared memory
-  once); the warpgroup dequantizes a block in registers (per thread and row one 16-byte load in the
+  scales (per `tma_box` tokens one copy of the K and V bytes and one of their scales, issued by one warp; page ids
+  of the split copied from the page table to shared memory once); the warpgroup dequantizes a block in registers (per thread and row one 16-byte load in the
   `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the scales; exact, see below) and runs the
   two wgmma products with an online softmax in base 2. Pallas' automatic barriers around shared-memory stores are
   off (``unsafe_no_auto_barriers``; ~10 fewer barriers per step, 2-4% faster on verify shapes); the kernel places its
@@ -88,7 +89,7 @@ __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num
            "EDGE_BLOCK_K", "EDGE_WARPS"]
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
-CHUNK = 16               # tokens per bulk copy (the smallest page)
+CHUNK = 16               # tokens under one row of scale bytes in a TMA box (16 x 8 scales), the smallest page
 SUPPORTED_PAGES = (16, 32, 64, 128)   # run on the H200 (bench/RESULTS.md, 2026-12-01 seventh)
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: keys on M (``S^T = K Q^T``: the dequantized
@@ -112,11 +113,20 @@ MAX_SPLIT_BLOCKS = 128
 #: 64 x 4k GQA 8 level (54.6 / 56.1)
 EDGE_BLOCK_K = 32
 EDGE_WARPS = 4
+#: the TMA copies of a block are issued by one warp of the warpgroup (rotating with the block), not by all four
+#: under a one-thread predicate (`_make_kernel`'s ``issue_from_one_warp``)
+ONE_WARP_ISSUE = True
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
 from jmixedkv.compat import (HAVE_MGPU as _HAVE_MGPU, mgpu_interpret_params as _interpret_params,  # noqa: E402
                              mgpu_load as _load, mgpu_transposed as _transposed, on_hopper, pl, plgpu)
+
+
+def tma_box(page: int) -> int:
+    """Tokens per TMA copy at pages of ``page`` tokens: a whole page up to the 64-token block (one copy of bytes and
+    one of scales per box, K and V rows together)."""
+    return min(page, BLOCK_K)
 
 
 def available() -> bool:
@@ -161,8 +171,9 @@ prmt.b32 $1, a, 0, 0x3232;
 
 
 def _dequant_inline(b_ref, s_ref):
-    """Compiled path: packed bytes ``u8[64, 64]`` + scales ``e4m3[4, 128]`` (token ``t``'s 8 scales at flat
-    ``t * 8``) in shared memory -> ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout, columns in
+    """Compiled path: packed bytes ``u8[nb, box, 64]`` + scales ``e4m3[nb, box / 16, 128]`` (the block's 64 tokens as
+    ``nb`` TMA boxes of ``box`` tokens; token ``t`` of a box has its 8 scales at flat ``t * 8``) in shared memory ->
+    ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout, columns in
     `WIDE_COLUMNS` order, low domain ``e2m1 * s * 2^-7`` (exact). Per thread and row: one 16-byte load of packed
     bytes, one 2-byte load of scales, then `E2M1_F16_PTX` per 4 bytes (~2 instructions per element)."""
     from jax.experimental.mosaic import gpu as mgpu
@@ -198,14 +209,16 @@ def _dequant_inline(b_ref, s_ref):
         words_t = ir.VectorType.get((4,), i32)
         struct2 = ir.Type.parse("!llvm.struct<(i32, i32)>")
         regs = {}                                                             # (row offset, j) -> (lo, hi)
+        box = ir.MemRefType(b.type).shape[1]
         for r_off in (0, 8):
             row = arith.addi(row0, ci(r_off))
+            bx, r_in = arith.divui(row, ci(box)), arith.remui(row, ci(box))     # the row's TMA box, its row there
             # 16 bytes: this thread's columns of the row; scales of 8-byte blocks 2 quad, 2 quad + 1 (flat row * 8)
-            bv = vector.load(b_vec, b, [to_idx(row), to_idx(arith.muli(quad, ci(16)))], alignment=16)
+            bv = vector.load(b_vec, b, [to_idx(bx), to_idx(r_in), to_idx(arith.muli(quad, ci(16)))], alignment=16)
             words = vector.bitcast(words_t, mgu.bitcast(bv, ir.VectorType.get((16,), i8)))
-            sflat = arith.addi(arith.muli(row, ci(8)), arith.muli(quad, ci(2)))
-            sv = vector.load(s_vec, s, [to_idx(arith.divui(sflat, ci(128))), to_idx(arith.remui(sflat, ci(128)))],
-                             alignment=2)
+            sflat = arith.addi(arith.muli(r_in, ci(8)), arith.muli(quad, ci(2)))
+            sv = vector.load(s_vec, s, [to_idx(bx), to_idx(arith.divui(sflat, ci(128))),
+                                        to_idx(arith.remui(sflat, ci(128)))], alignment=2)
             sv = arith.extui(i32, mgu.bitcast(mgu.bitcast(sv, ir.VectorType.get((2,), i8)), i16))
             sc = llvm.inline_asm(struct2, [sv], _SCALE_PAIR_PTX, "=r,=r,r", has_side_effects=False)
             sc = [llvm.extractvalue(i32, sc, [k]) for k in (0, 1)]
@@ -231,7 +244,7 @@ def _dequant_jnp(b_ref, s_ref):
     """Interpret path: the same exact arithmetic in jnp, the same column order."""
     sc = s_ref[...].reshape(BLOCK_K, 8).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
     sc = jnp.repeat(sc, 8, axis=1)                                            # [64, 64]
-    lo, hi = (x * sc for x in e2m1_f16_halves(b_ref[...]))                    # [64, 64] each
+    lo, hi = (x * sc for x in e2m1_f16_halves(b_ref[...].reshape(BLOCK_K, -1)))   # [64, 64] each
     return to_wide(lo), to_wide(hi)
 
 
@@ -291,8 +304,9 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
     wgmma_layout = plgpu.Layout.WGMMA
     # per-query vectors: along the rows of the accumulators, or (keys on M) along their columns
     row_layout = plgpu.Layout.WGMMA.reduce(0 if keys_on_m else 1)
-    chunks = bk // CHUNK            # one bulk copy per 16 tokens and tensor (all page sizes: pages are 16k tokens)
-    cpp = page // CHUNK             # chunks per page
+    box = tma_box(page)             # tokens per TMA copy (K and V together, one copy for bytes, one for scales)
+    n_box = bk // box               # copies of each kind per block
+    bpp = page // box               # boxes per page
     pt_chunks = pt_len // 256 if pt_len >= 256 else 1
     pt_chunk = min(pt_len, 256)
     dequant = _dequant_jnp if interpret else _dequant_inline
@@ -305,7 +319,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
     def kernel(meta_ref, q_ref, rowmul_ref, pt_ref, data_ref, scales_ref,      # inputs (GMEM)
                o_ref, m_ref, l_ref,                                           # outputs (GMEM)
-               q_smem, rm_smem, pt_smem, kb, ks, vb, vs, k16, v16, p_smem, o_smem, ml_smem, red_smem,
+               q_smem, rm_smem, pt_smem, kvb, kvs, k16, v16, p_smem, o_smem, ml_smem, red_smem,
                bar_q, bar_pt, bar_kv):
         # compiled: o_smem (used only after the loop) aliases the K tile (queries on M) or the V tile and the row
         # multipliers (keys on M; those are loaded into registers before the loop)
@@ -341,29 +355,37 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
         def issue(blk, slot):
             tok0 = blk * bk
-            for j in range(chunks):
-                tok = tok0 + j * CHUNK
+            for j in range(n_box):
+                tok = tok0 + j * box
                 pid = jnp.maximum(pt_smem[lax.div(tok, i32(page)) - first_page], 0)
-                sub = lax.div(lax.rem(tok, i32(page)), i32(CHUNK)) if page > CHUNK else 0
-                dst = pl.ds(j * CHUNK, CHUNK)
-                sdst = pl.ds(j, 1)
+                sub = lax.div(lax.rem(tok, i32(page)), i32(box)) if page > box else 0
                 b = bar_kv.at[slot]
-                # pools viewed as [(layer, page, K/V, head, 16-token chunk), 16, ...]: every dynamic index is
-                # the leading one, one TMA box per 16 tokens whatever the page size. The data and scale pools may
-                # hold different page counts (`jmixedkv.state` pads each past the offset hole on its own)
-                kr = (((layer * data_pages + pid) * 2) * num_heads + hi) * cpp + sub
-                vr = kr + num_heads * cpp
-                skr = (((layer * scale_pages + pid) * 2) * num_heads + hi) * cpp + sub
-                svr = skr + num_heads * cpp
-                plgpu.copy_gmem_to_smem(data_ref.at[kr], kb.at[slot, dst], b)
-                plgpu.copy_gmem_to_smem(scales_ref.at[skr], ks.at[slot, sdst], b)
-                plgpu.copy_gmem_to_smem(data_ref.at[vr], vb.at[slot, dst], b)
-                plgpu.copy_gmem_to_smem(scales_ref.at[svr], vs.at[slot, sdst], b)
+                # pools viewed as [(layer, page), K/V, (head, box), box tokens, ...]: one TMA copy brings the K and
+                # the V rows of a box (2 x box rows, 2 KB at 16 tokens), one their scales. The data and scale pools
+                # may hold different page counts (`jmixedkv.state` pads each past the offset hole on its own)
+                hb = hi * bpp + sub
+                plgpu.copy_gmem_to_smem(data_ref.at[layer * data_pages + pid, :, hb], kvb.at[slot, j], b)
+                plgpu.copy_gmem_to_smem(scales_ref.at[layer * scale_pages + pid, :, hb], kvs.at[slot, j], b)
+
+        def issue_from_one_warp(blk, slot, k):
+            """`issue` from warp ``k mod 4`` of the warpgroup only: the other three skip its page-id loads, address
+            arithmetic and TMA instructions (issued by every warp before, under a one-thread predicate: ~270 of ~725
+            SASS instructions per warp and block at 16 x 32k, ncu on the H200, bench/RESULTS.md 2026-12-01 eighth).
+            ``k`` rotates with the block, so the four warps (one per SM sub-partition) share the work."""
+            if interpret or not ONE_WARP_ISSUE:
+                issue(blk, slot)
+                return
+
+            @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+            def _():
+                @pl.when(lax.axis_index("warp") == lax.rem(k, i32(4)))
+                def _():
+                    issue(blk, slot)
 
         for i in range(stages - 1):
             @pl.when(i < nblk)
             def _():
-                issue(start + i, i)
+                issue_from_one_warp(start + i, i, i32(i))
 
         plgpu.barrier_wait(bar_q.at[0])
         # [M] f32, includes log2(e); keys on M: [64 keys, N] (the same row on every key: a per-query vector of
@@ -409,7 +431,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             def prefetch():
                 @pl.when(nxt < nblk)
                 def _():
-                    issue(start + nxt, lax.rem(nxt, i32(stages)))
+                    issue_from_one_warp(start + nxt, lax.rem(nxt, i32(stages)), nxt)
             return slot, prefetch
 
         def km_step(i, carry):
@@ -423,7 +445,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             acc_lo, acc_hi, m_i, l_i = carry
             slot, prefetch = ring(i)
             plgpu.barrier_wait(bar_kv.at[slot])
-            klo, khi = dequant(kb.at[slot], ks.at[slot])
+            klo, khi = dequant(kvb.at[slot, :, 0], kvs.at[slot, :, 0])
             if interpret:       # the interpreter's wgmma takes operands from shared memory only
                 k16.at[0][...] = klo
                 k16.at[1][...] = khi
@@ -441,7 +463,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             m_new = jnp.maximum(m_i, s.max(axis=0) if interpret else _key_max_inline(s, red_smem))
             prefetch()
             p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, m_i, l_i, (acc_lo, acc_hi), 0, m_new=m_new)
-            vlo, vhi = dequant(vb.at[slot], vs.at[slot])
+            vlo, vhi = dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1])
             if interpret:       # V^T stored as such (no transposed operands in the interpreter)
                 vlo, vhi = vlo.T, vhi.T
             v16.at[0][...] = vlo
@@ -467,7 +489,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             sync()
             prefetch()
             plgpu.barrier_wait(bar_kv.at[slot])
-            klo, khi = dequant(kb.at[slot], ks.at[slot])
+            klo, khi = dequant(kvb.at[slot, :, 0], kvs.at[slot, :, 0])
             if interpret:   # the interpreter's wgmma takes no transposed operand: K^T stored as such
                 k16.at[0][...] = klo.T
                 k16.at[1][...] = khi.T
@@ -475,7 +497,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                 k16.at[0][...] = klo
                 k16.at[1][...] = khi
             # V next (dequantizing V while the tensor cores run Q K^T measured 15% slower on the H200)
-            vlo, vhi = dequant(vb.at[slot], vs.at[slot])
+            vlo, vhi = dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1])
             v16.at[0][...] = vlo
             v16.at[1][...] = vhi
             plgpu.commit_smem()
@@ -667,8 +689,10 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     # >= 64 ids (a floor from before the misaligned-copy fault was found; it costs nothing)
     pt_len = max(64, 32 * -(-pages_needed // 32)) if pages_needed <= 256 else 256 * -(-pages_needed // 256)
     pt = jnp.asarray(page_table, jnp.int32)
-    data3 = data.reshape(-1, CHUNK, dh)                                       # [(..., chunk), 16, 64]
-    scales4 = scales.reshape(-1, 1, 128)                                      # 16 tokens x 8 scales
+    box = tma_box(page)
+    # [(layer, page), K/V, (head, box), box tokens, 64 bytes] and [(layer, page), K/V, (head, box), box / 16, 16 x 8]
+    data3 = data.reshape(-1, 2, h * (page // box), box, dh)
+    scales4 = scales.reshape(-1, 2, h * (page // box), box // CHUNK, 128)
     if not interpret:
         scales4 = lax.bitcast_convert_type(scales4, jnp.uint8)
 
@@ -686,10 +710,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         q_smem=plgpu.SMEM((2, M_ROWS, half), jnp.float16, transforms=tr),
         rm_smem=plgpu.SMEM((M_ROWS,), jnp.float32),
         pt_smem=plgpu.SMEM((pt_len,), jnp.int32),
-        kb=plgpu.SMEM((st, BLOCK_K, half), u8),
-        ks=plgpu.SMEM((st, BLOCK_K // 16, 128), sdt),
-        vb=plgpu.SMEM((st, BLOCK_K, half), u8),
-        vs=plgpu.SMEM((st, BLOCK_K // 16, 128), sdt),
+        kvb=plgpu.SMEM((st, BLOCK_K // box, 2, box, half), u8),
+        kvs=plgpu.SMEM((st, BLOCK_K // box, 2, box // CHUNK, 128), sdt),
         k16=k16_spec if interpret else plgpu.RefUnion(k16_spec, o_spec),    # (| o_smem)
         v16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr),
         p_smem=plgpu.SMEM((M_ROWS, BLOCK_K), jnp.float16, transforms=tr) if interpret else None,
@@ -722,7 +744,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     scratch = list(smem.values()) + [
         plgpu.Barrier(num_arrivals=2, num_barriers=1),                        # bar_q
         plgpu.Barrier(num_arrivals=max(1, pt_len // 256), num_barriers=1),    # bar_pt
-        plgpu.Barrier(num_arrivals=4 * (BLOCK_K // CHUNK), num_barriers=st),  # bar_kv
+        plgpu.Barrier(num_arrivals=2 * (BLOCK_K // box), num_barriers=st),   # bar_kv
     ]
     kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, data_pages=P,
                           scale_pages=scales.shape[1], num_heads=h, batch=b,
