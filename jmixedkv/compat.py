@@ -110,6 +110,13 @@ def mgpu_load(ref, layout):
     return plgpu.load(ref, (), layout=layout) if _MGPU_LOAD_TAKES_IDX else plgpu.load(ref, layout=layout)
 
 
+def mgpu_per_warp(body, axis_name: str = "warp"):
+    """Run ``body()`` once per warp of the current warpgroup, inside a Mosaic GPU kernel (``lax.axis_index(axis_name)``
+    is the warp, 0..3). ``pl.kernel(body, out_type=(), mesh=plgpu.WarpMesh(...))()``: the same module as the
+    ``pl.core_map(plgpu.WarpMesh(...))`` decorator, which jax 0.11 deprecates for it (both lower alike on 0.10.2)."""
+    pl.kernel(body, out_type=(), mesh=plgpu.WarpMesh(axis_name=axis_name))()
+
+
 def mgpu_interpret_params():
     """Mosaic GPU interpret-mode params (``plgpu.InterpretGPUParams``, or its private home on 0.10)."""
     p = getattr(plgpu, "InterpretGPUParams", None)

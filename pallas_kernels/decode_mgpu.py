@@ -22,9 +22,12 @@ scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM 32%:
 now, so fewer instructions or more warps per SM are what is left. The SASS (ncu source page, 2026-12-01 eighth,
 `bench/sass_mix.py`): 723 instructions per warp and block, ~290 dequantization and **~240 the TMA copies of the
 next block** (16 per block: 4 tensors x 4 chunks of 16 tokens), whose address arithmetic every one of the four warps
-executed under a one-thread predicate. Since then (this branch, **not yet run on a GPU**): one copy brings a box's K
-and V rows, a box is a page up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and one warp, rotating
-with the block, issues them (`ONE_WARP_ISSUE`).
+executed under a one-thread predicate. Since the ninth session one copy brings a box's K and V rows, a box is a page
+up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and one warp, rotating with the block, issues them
+(`jmixedkv.compat.mgpu_per_warp`): 494 instructions per warp and block, kernel 12% faster at page 16 and 19% at page
+64 (16 x 32k: 0.315 -> 0.276 / 0.322 -> 0.261 ms), outputs bitwise equal. What bounds it then (ncu): latency, not
+issue: 0.54 instructions per scheduler cycle, 1.04 eligible of 3.7 active warps; stalls at the wgmma wait
+(``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%.
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
@@ -113,14 +116,12 @@ MAX_SPLIT_BLOCKS = 128
 #: 64 x 4k GQA 8 level (54.6 / 56.1)
 EDGE_BLOCK_K = 32
 EDGE_WARPS = 4
-#: the TMA copies of a block are issued by one warp of the warpgroup (rotating with the block), not by all four
-#: under a one-thread predicate (`_make_kernel`'s ``issue_from_one_warp``)
-ONE_WARP_ISSUE = True
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
 from jmixedkv.compat import (HAVE_MGPU as _HAVE_MGPU, mgpu_interpret_params as _interpret_params,  # noqa: E402
-                             mgpu_load as _load, mgpu_transposed as _transposed, on_hopper, pl, plgpu)
+                             mgpu_load as _load, mgpu_per_warp as _per_warp, mgpu_transposed as _transposed,
+                             on_hopper, pl, plgpu)
 
 
 def tma_box(page: int) -> int:
@@ -372,15 +373,15 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             arithmetic and TMA instructions (issued by every warp before, under a one-thread predicate: ~270 of ~725
             SASS instructions per warp and block at 16 x 32k, ncu on the H200, bench/RESULTS.md 2026-12-01 eighth).
             ``k`` rotates with the block, so the four warps (one per SM sub-partition) share the work."""
-            if interpret or not ONE_WARP_ISSUE:
+            if interpret:
                 issue(blk, slot)
                 return
 
-            @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
-            def _():
+            def per_warp():
                 @pl.when(lax.axis_index("warp") == lax.rem(k, i32(4)))
                 def _():
                     issue(blk, slot)
+            _per_warp(per_warp)
 
         for i in range(stages - 1):
             @pl.when(i < nblk)
