@@ -25,9 +25,9 @@ next block** (16 per block: 4 tensors x 4 chunks of 16 tokens), whose address ar
 executed under a one-thread predicate. Since the ninth session one copy brings a box's K and V rows, a box is a page
 up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and one warp, rotating with the block, issues them
 (`jmixedkv.compat.mgpu_per_warp`): 494 instructions per warp and block, kernel 12% faster at page 16 and 19% at page
-64 (16 x 32k: 0.315 -> 0.276 / 0.322 -> 0.261 ms), outputs bitwise equal. What bounds it then (ncu): latency, not
-issue: 0.54 instructions per scheduler cycle, 1.04 eligible of 3.7 active warps; stalls at the wgmma wait
-(``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%.
+64 (16 x 32k: 0.315 -> 0.276 / 0.322 -> 0.261 ms; end to end 0.348 ms, 1.41x faster than cuDNN), outputs bitwise
+equal. What bounds it then (ncu): latency, not issue: 0.54 instructions per scheduler cycle, 1.04 eligible of 3.7
+active warps; stalls at the wgmma wait (``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%.
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
