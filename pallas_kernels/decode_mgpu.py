@@ -40,15 +40,15 @@ Work split
 * **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* blocks of each sequence
   (`pallas_kernels.decode_attention.interior_blocks` with 64-token blocks: every key visible to every query, no
   retained row, no row at or past n). A TMA ring of ``stages`` slots holds 64-token blocks of packed bytes + E4M3
-  scales (per `tma_box` tokens one copy of the K and V bytes and one of their scales, issued by one warp; page ids
-  of the split copied from the page table to shared memory once); the warpgroup dequantizes a block in registers (per thread and row one 16-byte load in the
-  `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the scales; exact, see below) and runs the
-  two wgmma products with an online softmax in base 2. Pallas' automatic barriers around shared-memory stores are
-  off (``unsafe_no_auto_barriers``; ~10 fewer barriers per step, 2-4% faster on verify shapes); the kernel places its
-  own: keys on M, the key maximum's exchange (`_key_max_inline`) and the commit before ``P V`` (V is dequantized and
-  the next block's copy issued after the maximum's barrier, when every warp is past the previous block); queries on
-  M, one at the top of each step and the commit before ``Q K^T``. Output: unnormalized partials
-  ``(o, m, l)`` per split; the f32 output tile aliases the K tile (``plgpu.RefUnion``).
+  scales (per `tma_box` tokens one copy of the K and V bytes and one of their scales, issued by one warp; page ids of
+  the split copied from the page table to shared memory once); the warpgroup dequantizes a block in registers (per
+  thread and row one 16-byte load in the `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the scales;
+  exact, see below) and runs the two wgmma products with an online softmax in base 2. Pallas' automatic barriers
+  around shared-memory stores are off (``unsafe_no_auto_barriers``; ~10 fewer barriers per step, 2-4% faster on verify
+  shapes); the kernel places its own: keys on M, the key maximum's exchange (`_key_max_inline`) and the commit before
+  ``P V`` (V is dequantized and the next block's copy issued after the maximum's barrier, when every warp is past the
+  previous block); queries on M, one at the top of each step and the commit before ``Q K^T``. Output: unnormalized
+  partials ``(o, m, l)`` per split; the f32 output tile aliases the K tile (``plgpu.RefUnion``).
 * **Edge blocks** (the retained first-N / last-N rows, read from the twin where held, the causal region among the
   ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (`default_edge_splits`
   splits of `EDGE_BLOCK_K`-token steps, its twin overlay and masks; the interior it skips counted in this kernel's
@@ -278,17 +278,17 @@ def _key_max_inline(s, red_ref):
         quad = arith.remui(tid, ci(4))                    # this thread's columns: 8 j + 2 quad + {0, 1}
         vec_t = ir.VectorType.get((2,), ir.F32Type.get())
         to_idx = lambda v: arith.index_castui(idx_t, v)  # noqa: E731
+        quad2 = arith.muli(quad, ci(2))
+        col = [arith.addi(ci(8 * j), quad2) for j in range(cols // 8)]   # column j's pair of this thread
         for j in range(cols // 8):
             v = arith.maximumf(regs[0, j, 0, 0, 0, 0, 0, 0, 0], regs[0, j, 0, 0, 1, 0, 0, 0, 0])
             for dist in (4, 8, 16):                       # the 8 lanes that share quad: 8 rows each of 2 halves
                 v = arith.maximumf(v, mgu.shfl_bfly(v, dist))
-            col = arith.addi(ci(8 * j), arith.muli(quad, ci(2)))
-            vector.store(v, red, [to_idx(arith.addi(arith.muli(warp, ci(cols)), col))])
+            vector.store(v, red, [to_idx(arith.addi(arith.muli(warp, ci(cols)), col[j]))])
         mgu.warpgroup_barrier()
         out = np.empty((cols // 8, 1, 1), dtype=object)
         for j in range(cols // 8):
-            col = arith.addi(ci(8 * j), arith.muli(quad, ci(2)))
-            parts = [vector.load(vec_t, red, [to_idx(arith.addi(ci(w * cols), col))]) for w in range(4)]
+            parts = [vector.load(vec_t, red, [to_idx(arith.addi(ci(w * cols), col[j]))]) for w in range(4)]
             out[j, 0, 0] = arith.maximumf(arith.maximumf(parts[0], parts[1]), arith.maximumf(parts[2], parts[3]))
         return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT.reduce((0,)), _is_signed=None)
 
