@@ -370,7 +370,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
         def issue_from_one_warp(blk, slot, k):
             """`issue` from warp ``k mod 4`` of the warpgroup only: the other three skip its page-id loads, address
-            arithmetic and TMA instructions (issued by every warp before, under a one-thread predicate: ~270 of ~725
+            arithmetic and TMA instructions (issued by every warp before, under a one-thread predicate: ~240 of 723
             SASS instructions per warp and block at 16 x 32k, ncu on the H200, bench/RESULTS.md 2026-12-01 eighth).
             ``k`` rotates with the block, so the four warps (one per SM sub-partition) share the work."""
             if interpret:
