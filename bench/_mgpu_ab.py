@@ -29,11 +29,9 @@ _ROOT = os.path.dirname(_BENCH)
 sys.path[:0] = [_BENCH, _ROOT]
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import decode_sweep as ds  # noqa: E402
-from jmixedkv.pools import kernel_arrays  # noqa: E402
 
 KERNEL = os.path.join(_ROOT, "pallas_kernels", "decode_mgpu.py")
 DEFAULT_SHAPES = "16/16/32768/32/1,16/64/8192/32/1,16/64/4096/64/1,16/16/32768/64/4,64/16/32768/32/1," \
@@ -93,10 +91,7 @@ def bitwise_equal(a, b) -> bool:
 
 def run_shape(mods, shape, rounds, interpret):
     page, b, ctx, hq, tq = shape
-    st, nf, nr = ds.random_state(page, [ctx] * b)
-    pool = st.pools[0]
-    q = jax.random.normal(jax.random.PRNGKey(b), (b, tq, hq, ds.D), jnp.float32).astype(jnp.bfloat16)
-    args = (q, st.page_table, st.kv_lens, 0, kernel_arrays(pool.low), kernel_arrays(pool.high), st.high_table)
+    args, nf, nr = ds.mgpu_case(page, b, ctx, hq, tq)
     fns, outs = {}, {}
     for name, m in mods.items():
         kw = dict(ds.geom_kw(m.paged_decode_attention_mgpu, page, nf, nr), interpret=interpret)

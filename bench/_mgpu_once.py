@@ -21,10 +21,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import decode_sweep as ds  # noqa: E402
-from jmixedkv.pools import kernel_arrays  # noqa: E402
 from pallas_kernels import decode_mgpu as dm  # noqa: E402
 
 
@@ -38,17 +36,11 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true", help="the whole call, not the kernel's partials alone")
     ap.add_argument("--interpret", action="store_true", help="Mosaic GPU interpreter (CPU; tiny shapes)")
     a = ap.parse_args(argv)
-    for name in ("batch", "context", "q_heads", "tq", "page"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.q_heads % ds.H:
-        ap.error(f"--q-heads must be a multiple of the {ds.H} KV heads, got {a.q_heads}")
-    st, nf, nr = ds.random_state(a.page, [a.context] * a.batch)
-    pool = st.pools[0]
-    q = jax.random.normal(jax.random.PRNGKey(a.batch), (a.batch, a.tq, a.q_heads, ds.D), jnp.float32)
-    out = dm.paged_decode_attention_mgpu(q.astype(jnp.bfloat16), st.page_table, st.kv_lens, 0,
-                                         kernel_arrays(pool.low), kernel_arrays(pool.high), st.high_table,
-                                         partials_only=not a.full, interpret=a.interpret,
+    try:
+        args, nf, nr = ds.mgpu_case(a.page, a.batch, a.context, a.q_heads, a.tq)
+    except ValueError as e:
+        ap.error(str(e))
+    out = dm.paged_decode_attention_mgpu(*args, partials_only=not a.full, interpret=a.interpret,
                                          **ds.geom_kw(dm.paged_decode_attention_mgpu, a.page, nf, nr))
     jax.block_until_ready(out)
     shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(out)]

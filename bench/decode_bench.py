@@ -794,18 +794,20 @@ def merge_grids(results, order=None):
         diff = {k: (first.get(k), r.get(k)) for k in keys if first.get(k) != r.get(k)}
         if diff:
             raise ValueError(f"merge: shards differ in {diff}; their rows are not side by side")
+    def row_key(row):
+        return row["batch"], row["context"], row["gqa"], row["page"], row["tq"]
+
     rows, seen = [], set()
     for r in results:
         for row in r["rows"]:
-            k = (row["batch"], row["context"], row["gqa"], row["page"], row["tq"])
+            k = row_key(row)
             if k in seen:
                 raise ValueError(f"merge: row {k} appears in more than one shard")
             seen.add(k)
             rows.append(row)
     if order is not None:
         rank = {tuple(o): i for i, o in enumerate(order)}
-        rows.sort(key=lambda row: rank.get((row["batch"], row["context"], row["gqa"], row["page"], row["tq"]),
-                                           len(rank)))
+        rows.sort(key=lambda row: rank.get(row_key(row), len(rank)))
     bws = [x["copy_bandwidth_tbs"] for x in results]
     out = {k: first.get(k) for k in keys}
     out.update(date=min(x["date"] for x in results), shards=len(results), copy_bandwidth_tbs=min(bws),

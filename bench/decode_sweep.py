@@ -191,6 +191,24 @@ def random_state(page, lens, seed=0, extra_pages=0):
                                kv_lens=jnp.asarray(np.asarray(lens, np.int32)), active=jnp.ones((b,), bool)), nf, nr
 
 
+def mgpu_case(page, batch, context, q_heads, tq):
+    """Inputs of `pallas_kernels.decode_mgpu.paged_decode_attention_mgpu` at one bench shape: ``batch`` sequences of
+    ``context`` tokens in a `random_state` cache of ``page``-token pages, ``q`` bf16 ``[batch, tq, q_heads, D]``
+    (key ``batch``). -> ``(args, nf, nr)``, ``args = (q, page_table, kv_lens, 0, low arrays, high arrays,
+    high_table)`` positionally; ``nf`` / ``nr`` for `geom_kw`. ValueError for a field < 1 or ``q_heads`` not a
+    multiple of the `H` KV heads."""
+    fields = dict(page=page, batch=batch, context=context, q_heads=q_heads, tq=tq)
+    bad = {k: v for k, v in fields.items() if v < 1}
+    if bad:
+        raise ValueError(f"every shape field must be >= 1, got {bad}")
+    if q_heads % H:
+        raise ValueError(f"q_heads must be a multiple of the {H} KV heads, got {q_heads}")
+    st, nf, nr = random_state(page, [context] * batch)
+    pool = st.pools[0]
+    q = jax.random.normal(jax.random.PRNGKey(batch), (batch, tq, q_heads, D), jnp.float32).astype(jnp.bfloat16)
+    return (q, st.page_table, st.kv_lens, 0, kernel_arrays(pool.low), kernel_arrays(pool.high), st.high_table), nf, nr
+
+
 def splits_for(v, b, npg, page, m_rows=16, rows=None):
     """Split count of variant ``v``; the kernel's own default tuning (`default_tuning`) for ``{}`` (``rows``: the
     real query rows ``Tq * G``, default ``m_rows``)."""

@@ -43,3 +43,15 @@ def test_main_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         ab.main(["--variant", "a:EDGE_WARPS=4", "--variant", "a:EDGE_WARPS=2"])
     assert "distinct" in capsys.readouterr().err
+
+
+def test_mgpu_case_builds_the_kernel_inputs_and_refuses_bad_shapes():
+    import decode_sweep as ds
+    args, nf, nr = ds.mgpu_case(16, 2, 100, 16, 3)
+    q, pt, lens, layer = args[:4]
+    assert q.shape == (2, 3, 16, ds.D) and str(q.dtype) == "bfloat16" and layer == 0
+    assert lens.tolist() == [100, 100] and pt.shape[0] == 2 and nf >= 1 and nr >= 1
+    with pytest.raises(ValueError, match="batch"):
+        ds.mgpu_case(16, 0, 100, 16, 1)
+    with pytest.raises(ValueError, match="multiple of the 8"):
+        ds.mgpu_case(16, 1, 100, 12, 1)
