@@ -16,7 +16,7 @@ the aligned column at or below (bench/RESULTS.md: 1.04-3.2x faster than the Trit
 Not built: warp specialization (a producer warp for the page TMA and consumer warpgroups); every CTA is one
 warpgroup doing TMA wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows: ~480 PTX
 instructions per thread per 64-token block (~285 of them dequantization; 2026-12-01, fourth), **2 warpgroup
-barriers** per block (5 before the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers and 47 KB
+barriers** per block (5 before the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers (121 since the ninth) and 47 KB
 of shared memory (4 CTAs = 16 warps per SM, both limits). ncu at 16 x 32k (fifth): 0.69 instructions issued per
 scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM 32%: issue and latency share the bound
 now, so fewer instructions or more warps per SM are what is left. The SASS (ncu source page, 2026-12-01 eighth,
@@ -27,7 +27,10 @@ up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and one warp,
 (`jmixedkv.compat.mgpu_per_warp`): 494 instructions per warp and block, kernel 12% faster at page 16 and 19% at page
 64 (16 x 32k: 0.315 -> 0.276 / 0.322 -> 0.261 ms; end to end 0.348 ms, 1.41x faster than cuDNN), outputs bitwise
 equal. What bounds it then (ncu): latency, not issue: 0.54 instructions per scheduler cycle, 1.04 eligible of 3.7
-active warps; stalls at the wgmma wait (``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%.
+active warps; stalls at the wgmma wait (``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%. Leaving
+``P V`` in flight while the next K is dequantized measured level (2026-12-02, tenth: not kept); ptxas: 121
+registers. The instruction count alone bounds the kernel at 16 x 32k to >= 0.124 ms (0.87x the NVFP4 bytes floor) at
+one instruction per scheduler cycle (bench/RESULTS.md, tenth, item 4).
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
@@ -560,7 +563,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
 
 # ----------------------------------------------------------------------------- wrapper
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Split-K count: the grid has ~4 CTAs per SM (3-4 are resident at a time: 47-74 KB of shared memory and 127
+    """Split-K count: the grid has ~4 CTAs per SM (3-4 are resident at a time: 47-74 KB of shared memory and 121
     (keys on M, 16 rows; ptxas) to 166 registers per thread each; 0.5x and 2x these splits measured slower on the
     H200, bench/RESULTS.md), and no split runs more than `MAX_SPLIT_BLOCKS` blocks (long contexts at large batch:
     finer CTAs leave a shorter tail). Split counts off a power of two (3, 5, 6, 9, 12, 15 ...) measured level."""
