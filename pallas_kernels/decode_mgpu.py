@@ -16,21 +16,22 @@ the aligned column at or below (bench/RESULTS.md: 1.04-3.2x faster than the Trit
 Not built: warp specialization (a producer warp for the page TMA and consumer warpgroups); every CTA is one
 warpgroup doing TMA wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows: ~480 PTX
 instructions per thread per 64-token block (~285 of them dequantization; 2026-12-01, fourth), **2 warpgroup
-barriers** per block (5 before the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers (121 since the ninth) and 47 KB
-of shared memory (4 CTAs = 16 warps per SM, both limits). ncu at 16 x 32k (fifth): 0.69 instructions issued per
-scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM 32%: issue and latency share the bound
-now, so fewer instructions or more warps per SM are what is left. The SASS (ncu source page, 2026-12-01 eighth,
-`bench/sass_mix.py`): 723 instructions per warp and block, ~290 dequantization and **~240 the TMA copies of the
-next block** (16 per block: 4 tensors x 4 chunks of 16 tokens), whose address arithmetic every one of the four warps
-executed under a one-thread predicate. Since the ninth session one copy brings a box's K and V rows, a box is a page
-up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and one warp, rotating with the block, issues them
-(`jmixedkv.compat.mgpu_per_warp`): 494 instructions per warp and block, kernel 12% faster at page 16 and 19% at page
-64 (16 x 32k: 0.315 -> 0.276 / 0.322 -> 0.261 ms; end to end 0.348 ms, 1.41x faster than cuDNN), outputs bitwise
-equal. What bounds it then (ncu): latency, not issue: 0.54 instructions per scheduler cycle, 1.04 eligible of 3.7
-active warps; stalls at the wgmma wait (``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%. Leaving
-``P V`` in flight while the next K is dequantized measured level (2026-12-02, tenth: not kept); ptxas: 121
-registers. The instruction count alone bounds the kernel at 16 x 32k to >= 0.124 ms (0.87x the NVFP4 bytes floor) at
-one instruction per scheduler cycle (bench/RESULTS.md, tenth, item 4).
+barriers** per block (5 before the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers (121 in the
+current form: ptxas, 2026-12-02) and 47 KB of shared memory (4 CTAs = 16 warps per SM, both limits). ncu at 16 x 32k
+(fifth): 0.69 instructions issued per scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM
+32%: issue and latency share the bound now, so fewer instructions or more warps per SM are what is left. The SASS
+(ncu source page, 2026-12-01 eighth, `bench/sass_mix.py`): 723 instructions per warp and block, ~290 dequantization
+and **~240 the TMA copies of the next block** (16 per block: 4 tensors x 4 chunks of 16 tokens), whose address
+arithmetic every one of the four warps executed under a one-thread predicate. Since the ninth session one copy
+brings a box's K and V rows, a box is a page up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and
+one warp, rotating with the block, issues them (`jmixedkv.compat.mgpu_per_warp`): 494 instructions per warp and
+block, kernel 12% faster at page 16 and 19% at page 64 (16 x 32k: 0.315 -> 0.276 / 0.322 -> 0.261 ms; end to end
+0.348 ms, 1.41x faster than cuDNN), outputs bitwise equal. What bounds it then (ncu): latency, not issue: 0.54
+instructions per scheduler cycle, 1.04 eligible of 3.7 active warps; stalls at the wgmma wait (``WARPGROUP``, 22% of
+samples), short scoreboard 18%, barrier 13%. Leaving ``P V`` in flight while the next K is dequantized measured
+level (2026-12-02, tenth: not kept); ptxas: 121 registers. The instruction count alone bounds the kernel at 16 x 32k
+to >= 0.124 ms (0.87x the NVFP4 bytes floor) at one instruction per scheduler cycle (bench/RESULTS.md, tenth, item
+4).
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
