@@ -191,6 +191,13 @@ def random_state(page, lens, seed=0, extra_pages=0):
                                kv_lens=jnp.asarray(np.asarray(lens, np.int32)), active=jnp.ones((b,), bool)), nf, nr
 
 
+def state_args(st, q):
+    """``(q, page_table, kv_lens, high_table, low arrays, high arrays)`` of layer 0's pool in ``st``: the argument
+    order of this sweep's kernel functions (`kernel_fn`, `mgpu_fn`)."""
+    pool = st.pools[0]
+    return q, st.page_table, st.kv_lens, st.high_table, kernel_arrays(pool.low), kernel_arrays(pool.high)
+
+
 def mgpu_case(page, batch, context, q_heads, tq):
     """Inputs of `pallas_kernels.decode_mgpu.paged_decode_attention_mgpu` at one bench shape: ``batch`` sequences of
     ``context`` tokens in a `random_state` cache of ``page``-token pages, ``q`` bf16 ``[batch, tq, q_heads, D]``
@@ -314,7 +321,7 @@ def correctness(names, log):
         ref_b = np.asarray(ref.astype(jnp.bfloat16).astype(jnp.float32))
         pool = st.pools[0]
         npg = st.page_table.shape[1]
-        args = (q, st.page_table, st.kv_lens, st.high_table, kernel_arrays(pool.low), kernel_arrays(pool.high))
+        args = state_args(st, q)
         todo = [(n, VARIANTS[n]) for n in (names if page == 16 and tq == 1 and hq == 32 else names[:4])]
         todo += [("mgpu", None)] if CHECK_MGPU else []
         for n, v in todo:
@@ -357,7 +364,7 @@ def run_shape(shape, names, bw, log, with_mgpu=True, with_probe=False):
     pool = st.pools[0]
     npg = st.page_table.shape[1]
     q = jax.random.normal(jax.random.PRNGKey(b), (b, tq, hq, D), jnp.float32).astype(jnp.bfloat16)
-    args = (q, st.page_table, st.kv_lens, st.high_table, kernel_arrays(pool.low), kernel_arrays(pool.high))
+    args = state_args(st, q)
     nbytes = shape_bytes(b, ctx, page)
     floor = nbytes / (bw * 1e12) * 1e3
     row = dict(shape=label, batch=b, context=ctx, q_heads=hq, page=page, tq=tq, bytes=nbytes, floor_ms=floor,
@@ -459,13 +466,12 @@ def main(argv=None):
     if args.profile:      # one launch of each named variant at 16 x 32k (ncu -c <count>)
         label, b, ctx, hq, page, tq = SHAPES[0]
         st, nf, nr = random_state(page, [ctx] * b)
-        pool = st.pools[0]
         q = jax.random.normal(jax.random.PRNGKey(b), (b, tq, hq, D), jnp.float32).astype(jnp.bfloat16)
         npg = st.page_table.shape[1]
         fns = [mgpu_fn(page, nf, nr) if n == "mgpu" else kernel_fn(VARIANTS[n], b, npg, page, nf, nr,
                                                                       rows=tq * hq // H)[0]
                for n in args.profile.split(",")]
-        args_ = (q, st.page_table, st.kv_lens, st.high_table, kernel_arrays(pool.low), kernel_arrays(pool.high))
+        args_ = state_args(st, q)
         compiled = [f.lower(*args_).compile() for f in fns]
         for c in compiled:
             jax.block_until_ready(c(*args_))
