@@ -191,6 +191,11 @@ def random_state(page, lens, seed=0, extra_pages=0):
                                kv_lens=jnp.asarray(np.asarray(lens, np.int32)), active=jnp.ones((b,), bool)), nf, nr
 
 
+def bench_queries(batch, tq, q_heads):
+    """The bench shapes' queries: bf16 ``[batch, tq, q_heads, D]``, standard normal (key ``batch``)."""
+    return jax.random.normal(jax.random.PRNGKey(batch), (batch, tq, q_heads, D), jnp.float32).astype(jnp.bfloat16)
+
+
 def state_args(st, q):
     """``(q, page_table, kv_lens, high_table, low arrays, high arrays)`` of layer 0's pool in ``st``: the argument
     order of this sweep's kernel functions (`kernel_fn`, `mgpu_fn`)."""
@@ -211,9 +216,8 @@ def mgpu_case(page, batch, context, q_heads, tq):
     if q_heads % H:
         raise ValueError(f"q_heads must be a multiple of the {H} KV heads, got {q_heads}")
     st, nf, nr = random_state(page, [context] * batch)
-    pool = st.pools[0]
-    q = jax.random.normal(jax.random.PRNGKey(batch), (batch, tq, q_heads, D), jnp.float32).astype(jnp.bfloat16)
-    return (q, st.page_table, st.kv_lens, 0, kernel_arrays(pool.low), kernel_arrays(pool.high), st.high_table), nf, nr
+    q, page_table, kv_lens, high_table, low, high = state_args(st, bench_queries(batch, tq, q_heads))
+    return (q, page_table, kv_lens, 0, low, high, high_table), nf, nr
 
 
 def splits_for(v, b, npg, page, m_rows=16, rows=None):
@@ -363,7 +367,7 @@ def run_shape(shape, names, bw, log, with_mgpu=True, with_probe=False):
     st, nf, nr = random_state(page, [ctx] * b, seed=b + ctx // 1024 + page)
     pool = st.pools[0]
     npg = st.page_table.shape[1]
-    q = jax.random.normal(jax.random.PRNGKey(b), (b, tq, hq, D), jnp.float32).astype(jnp.bfloat16)
+    q = bench_queries(b, tq, hq)
     args = state_args(st, q)
     nbytes = shape_bytes(b, ctx, page)
     floor = nbytes / (bw * 1e12) * 1e3
@@ -466,7 +470,7 @@ def main(argv=None):
     if args.profile:      # one launch of each named variant at 16 x 32k (ncu -c <count>)
         label, b, ctx, hq, page, tq = SHAPES[0]
         st, nf, nr = random_state(page, [ctx] * b)
-        q = jax.random.normal(jax.random.PRNGKey(b), (b, tq, hq, D), jnp.float32).astype(jnp.bfloat16)
+        q = bench_queries(b, tq, hq)
         npg = st.page_table.shape[1]
         fns = [mgpu_fn(page, nf, nr) if n == "mgpu" else kernel_fn(VARIANTS[n], b, npg, page, nf, nr,
                                                                       rows=tq * hq // H)[0]

@@ -29,7 +29,7 @@ block, kernel 12% faster at page 16 and 19% at page 64 (16 x 32k: 0.315 -> 0.276
 0.348 ms, 1.41x faster than cuDNN), outputs bitwise equal. What bounds it then (ncu): latency, not issue: 0.54
 instructions per scheduler cycle, 1.04 eligible of 3.7 active warps; stalls at the wgmma wait (``WARPGROUP``, 22% of
 samples), short scoreboard 18%, barrier 13%. Leaving ``P V`` in flight while the next K is dequantized measured
-level (2026-12-02, tenth: not kept); ptxas: 121 registers. The instruction count alone bounds the kernel at 16 x 32k
+level (2026-12-02, tenth: not kept). The instruction count alone bounds the kernel at 16 x 32k
 to >= 0.124 ms (0.87x the NVFP4 bytes floor) at one instruction per scheduler cycle (bench/RESULTS.md, tenth, item
 4).
 
