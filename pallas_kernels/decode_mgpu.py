@@ -33,6 +33,17 @@ level (2026-12-02, tenth: not kept). The instruction count alone bounds the kern
 to >= 0.124 ms (0.87x the NVFP4 bytes floor) at one instruction per scheduler cycle (bench/RESULTS.md, tenth, item
 4).
 
+**This branch (`MIN_KM_ROWS`, not yet run on a GPU)**: up to 8 query rows (GQA 4 Tq 1-2, GQA 8 Tq 1: the headline
+shapes) on wgmma's N side as N = 8, not 16, with ``MIN_KM_ROWS = 8``: half the ``S^T`` / ``P`` / ``l`` / row-multiplier
+tiles and accumulators (registers) and half the key maximum, exponentials and rescales per block (the SASS of
+2026-12-01 ninth: 32 ``FMNMX`` per warp and block, 12% of the stall samples). A ``[64, 8]`` f16 ``P^T`` tile has
+16-byte rows, a swizzle wgmma has not, so P is stored as ``[8, 64]`` at the 128-byte swizzle (`_store_keys_minor`:
+four 2-byte stores per thread) and read through a transposed view; V's tile takes the same swizzle. Default 16
+(the module is then op-for-op main's: compared after deserializing). Check (one call):
+``python3 bench/_mgpu_ab.py --variant n16:MIN_KM_ROWS=16 --variant n8:MIN_KM_ROWS=8 --out $OUT`` (outputs expected
+bitwise equal) and ``tests/test_decode_mgpu.py -m gpu -k keys_on_m``; ``MOSAIC_GPU_DUMP_PTXAS=1`` for the
+registers (121 at N = 16; a fifth CTA per SM needs <= 96 and <= 45 KB of shared memory).
+
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
 the query rows padded only to N = 16 / 32 / 64, the softmax down the columns (``l`` kept as per-thread partial sums,
@@ -105,6 +116,9 @@ M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: 2026-12-01, second): keys on M 0.529 vs 0.566 ms at 16 x 32k GQA 4, 0.581 vs 0.635 at 64 x 8k; queries on M 0.600
 #: vs 0.749 at 16 x 32k Tq 4 x GQA 8 (32 rows)
 KEYS_ON_M_ROWS = 16
+#: fewest query rows on the wgmma N side of the keys-on-M form (rows padded to a power of two >= this): 16, or 8 (P
+#: then stored as ``[N, keys]`` and read through a transposed view: wgmma has no swizzle for 16-byte ``P^T`` rows)
+MIN_KM_ROWS = 16
 HEAD_DIM = 128
 NUM_SMS = 132
 #: most 64-token blocks one CTA attends (`default_num_splits`). On the H200 (bench/RESULTS.md, 2026-12-01, fourth),
@@ -300,12 +314,52 @@ def _key_max_inline(s, red_ref):
     return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()), return_type=ret)(body)(s, red_ref)
 
 
+def _store_keys_minor(p, p_ref):
+    """Compiled path: ``p`` f16 ``[64 keys, N]`` in the WGMMA layout stored as its transpose into ``p_ref`` (f16 ``[N,
+    64]``, tiles of ``(8, 64)`` at the 128-byte swizzle; N = 8), so that a transposed view of ``p_ref`` is ``P^T`` at
+    a swizzle wgmma has (a ``[64, 8]`` tile would need 16-byte rows, which it has not; Pallas cannot store through a
+    transposed swizzled view). Each thread holds keys ``16 warp + lane / 4 + 8 h`` and columns ``2 (lane % 4) + {0,
+    1}``: four 2-byte stores. Element ``(n, k)`` sits at ``64 n + 8 ((k / 8) ^ (n % 8)) + k % 8`` (the swizzle XORs a
+    row's 16-byte chunk index with the row index mod 8)."""
+    from jax.experimental.mosaic.gpu import utils as mgu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+
+    rows_n = p.shape[1]
+
+    def body(ctx, x, ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        idx_t = ir.IndexType.get()
+        ci = lambda v: arith.constant(i32, v)  # noqa: E731
+        regs = x.registers                                 # (1, 1, 1, 1, 2, 1, 1, 1, 1): row half h
+        assert x.shape == (BLOCK_K, 8) and regs.shape == (1, 1, 1, 1, 2, 1, 1, 1, 1), (x.shape, regs.shape)
+        flat = mgu.memref_reshape(ref, (rows_n * BLOCK_K,))
+        tid = arith.remui(mgu.thread_idx(), ci(128))
+        lane = arith.remui(tid, ci(32))
+        key0 = arith.addi(arith.muli(arith.divui(tid, ci(32)), ci(16)), arith.divui(lane, ci(4)))
+        col0 = arith.muli(arith.remui(lane, ci(4)), ci(2))
+        for h in range(2):
+            key = arith.addi(key0, ci(8 * h))
+            chunk, within = arith.divui(key, ci(8)), arith.remui(key, ci(8))
+            for e in range(2):
+                n = arith.addi(col0, ci(e))
+                pos = arith.addi(arith.addi(arith.muli(n, ci(BLOCK_K)),
+                                            arith.muli(arith.xori(chunk, n), ci(8))), within)
+                val = vector.extract(regs[0, 0, 0, 0, h, 0, 0, 0, 0], [], [e])
+                memref.store(val, flat, [arith.index_castui(idx_t, pos)])
+
+    tiles = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))     # p_ref's, as allocated
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(tiles)))(body)(p, p_ref)
+
+
 # ----------------------------------------------------------------------------- kernel
 def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_heads, batch, interpret, keys_on_m=False,
                  n_rows=M_ROWS):
     """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form (`KEYS_ON_M_ROWS`) with
     ``n_rows`` query rows (16 / 32 / 64) on the wgmma N side."""
     bk, half = BLOCK_K, HEAD_DIM // 2
+    p_keys_minor = keys_on_m and n_rows < 16 and not interpret     # P stored as [N, keys] (`MIN_KM_ROWS`)
     wgmma_layout = plgpu.Layout.WGMMA
     # per-query vectors: along the rows of the accumulators, or (keys on M) along their columns
     row_layout = plgpu.Layout.WGMMA.reduce(0 if keys_on_m else 1)
@@ -473,13 +527,17 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                 vlo, vhi = vlo.T, vhi.T
             v16.at[0][...] = vlo
             v16.at[1][...] = vhi
-            p_smem[...] = p.astype(jnp.float16)
+            p_op = _transposed(p_smem) if p_keys_minor else p_smem   # P^T [keys, N] either way
+            if p_keys_minor:
+                _store_keys_minor(p.astype(jnp.float16), p_smem)
+            else:
+                p_smem[...] = p.astype(jnp.float16)
             plgpu.commit_smem()
             vt = (lambda r: r) if interpret else _transposed  # noqa: E731
 
             def pv(refs):
-                plgpu.wgmma(refs[0], vt(v16.at[0]), p_smem)
-                plgpu.wgmma(refs[1], vt(v16.at[1]), p_smem)
+                plgpu.wgmma(refs[0], vt(v16.at[0]), p_op)
+                plgpu.wgmma(refs[1], vt(v16.at[1]), p_op)
 
             acc_lo, acc_hi = accumulate(pv, (acc_lo, acc_hi))
             return acc_lo, acc_hi, m_new, l_new
@@ -676,7 +734,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     c = jnp.clip(i1, a, n_blocks)
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if keys_on_m is None else bool(keys_on_m)
-    n_rows = max(16, 1 << (tq * group - 1).bit_length()) if km else M_ROWS   # query rows: wgmma N (keys on M) or M
+    n_rows = max(MIN_KM_ROWS, 1 << (tq * group - 1).bit_length()) if km else M_ROWS   # query rows: wgmma N (keys on M) or M
     qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
     qlow, shift = f16_queries(qg)                                             # shift [B, H, M]
     qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
@@ -726,7 +784,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     if km:
         # V's f16 tile and P^T share wgmma's swizzle (the bytes of one P^T row: 2 * n_rows); f32 [64, N] tiles (row
         # multipliers, O^T, m, l) are swizzled too (unswizzled ones fail the bank-conflict check at N = 32)
-        tr_n = (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
+        # (N = 8: P stored as [N, keys] at the K tiles' 128-byte swizzle, V's tile with it)
+        tr_n = tr if n_rows < 16 else (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
         f32_cols = min(n_rows, 32)
         tr_f32 = () if interpret else (plgpu.TilingTransform((8, f32_cols)), plgpu.SwizzleTransform(4 * f32_cols))
         rm_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float32, transforms=tr_f32)
@@ -742,7 +801,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
             # tile's bytes (16 KB): 47 KB per CTA at N = 16 (a third ring stage would fit 4 CTAs per SM; it
             # measured slower)
             v16=v16_spec if interpret else plgpu.RefUnion(v16_spec, o_km_spec, rm_spec),
-            p_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=() if interpret else tr_n),
+            p_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float16) if interpret else
+            plgpu.SMEM((n_rows, BLOCK_K), jnp.float16, transforms=tr) if n_rows < 16 else
+            plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=tr_n),
             o_smem=o_km_spec if interpret else None,
             ml_smem=plgpu.SMEM((2, n_rows), jnp.float32),
             red_smem=plgpu.SMEM((4 * n_rows,), jnp.float32))     # `_key_max_inline`'s exchange
