@@ -33,23 +33,21 @@ level (2026-12-02, tenth: not kept). The instruction count alone bounds the kern
 to >= 0.124 ms (0.87x the NVFP4 bytes floor) at one instruction per scheduler cycle (bench/RESULTS.md, tenth, item
 4).
 
-**This branch (`MIN_KM_ROWS`, not yet run on a GPU)**: up to 8 query rows (GQA 4 Tq 1-2, GQA 8 Tq 1: the headline
-shapes) on wgmma's N side as N = 8, not 16, with ``MIN_KM_ROWS = 8``: half the ``S^T`` / ``P`` / ``l`` / row-multiplier
-tiles and accumulators (registers) and half the key maximum, exponentials and rescales per block (the SASS of
-2026-12-01 ninth: 32 ``FMNMX`` per warp and block, 12% of the stall samples). A ``[64, 8]`` f16 ``P^T`` tile has
+**Eight query rows** (`MIN_KM_ROWS` = 8, 2026-12-02 eleventh): up to 8 query rows (GQA 4 Tq 1-2, GQA 8 Tq 1: the
+headline shapes) sit on wgmma's N side as N = 8, not 16: half the ``S^T`` / ``P`` / ``l`` / row-multiplier tiles and
+accumulators and half the key maximum, exponentials and rescales per block. A ``[64, 8]`` f16 ``P^T`` tile has
 16-byte rows, a swizzle wgmma has not, so P is stored as ``[8, 64]`` at the 128-byte swizzle (`_store_keys_minor`:
-four 2-byte stores per thread) and read through a transposed view; V's tile takes the same swizzle. Default 16
-(the module is then op-for-op main's: compared after deserializing). Check (one call):
-``python3 bench/_mgpu_ab.py --variant n16:MIN_KM_ROWS=16 --variant n8:MIN_KM_ROWS=8 --out $OUT`` (outputs expected
-bitwise equal) and ``tests/test_decode_mgpu.py -m gpu -k keys_on_m``; ``MOSAIC_GPU_DUMP_PTXAS=1`` for the
-registers (121 at N = 16; a fifth CTA per SM needs <= 96 and <= 45 KB of shared memory).
+four 2-byte stores per thread) and read through a transposed view; V's tile takes the same swizzle. On the H200
+(same-run A/B, bench/RESULTS.md eleventh): 95 registers (121 at N = 16), kernel 11.6-12.5% faster on every 4-8 row
+shape (16 x 32k GQA 4 page 16: 0.276 -> 0.244 ms; page 64 0.262 -> 0.230), outputs and LSE bitwise equal to N = 16;
+``min_km_rows=16`` (or ``MIN_KM_ROWS = 16``) gives the earlier module op for op.
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
-the query rows padded only to N = 16 / 32 / 64, the softmax down the columns (``l`` kept as per-thread partial sums,
-summed once in the epilogue), ``O^T += V^T P^T`` with V^T a transposed shared-memory view (V's f16 tile and P^T share
-the swizzle of one P^T row, ``2 N`` bytes); *queries on M* above (query rows padded to wgmma's M = 64, P from
-registers).
+the query rows padded only to N = 8 / 16 / 32 / 64 (`MIN_KM_ROWS`), the softmax down the columns (``l`` kept as
+per-thread partial sums, summed once in the epilogue), ``O^T += V^T P^T`` with V^T a transposed shared-memory view
+(V's f16 tile and P^T share the swizzle of one P^T row, ``2 N`` bytes; at N = 8 P is stored as ``[8, 64]`` at 128
+bytes); *queries on M* above (query rows padded to wgmma's M = 64, P from registers).
 
 Work split
 * **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* blocks of each sequence
@@ -110,15 +108,16 @@ BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
 CHUNK = 16               # tokens under one row of scale bytes in a TMA box (16 x 8 scales), the smallest page
 SUPPORTED_PAGES = (16, 32, 64, 128)   # run on the H200 (bench/RESULTS.md, 2026-12-01 seventh)
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
-#: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: keys on M (``S^T = K Q^T``: the dequantized
-#: K tile is wgmma's register A operand, the query rows, padded to 16 / 32 / 64, its N side; ``O^T = V^T P^T``) for
-#: ``Tq * G <=`` this many query rows, queries on M (rows padded to 64) above. On the H200 (bench/RESULTS.md,
-#: 2026-12-01, second): keys on M 0.529 vs 0.566 ms at 16 x 32k GQA 4, 0.581 vs 0.635 at 64 x 8k; queries on M 0.600
-#: vs 0.749 at 16 x 32k Tq 4 x GQA 8 (32 rows)
+#: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: keys on M (``S^T = K Q^T``: the
+#: dequantized K tile is wgmma's register A operand, the query rows, padded to 8 / 16 / 32 / 64 (`MIN_KM_ROWS`), its
+#: N side; ``O^T = V^T P^T``) for ``Tq * G <=`` this many query rows, queries on M (rows padded to 64) above. On the
+#: H200 (bench/RESULTS.md, 2026-12-01, second): keys on M 0.529 vs 0.566 ms at 16 x 32k GQA 4, 0.581 vs 0.635 at 64
+#: x 8k; queries on M 0.600 vs 0.749 at 16 x 32k Tq 4 x GQA 8 (32 rows)
 KEYS_ON_M_ROWS = 16
-#: fewest query rows on the wgmma N side of the keys-on-M form (rows padded to a power of two >= this): 16, or 8 (P
-#: then stored as ``[N, keys]`` and read through a transposed view: wgmma has no swizzle for 16-byte ``P^T`` rows)
-MIN_KM_ROWS = 16
+#: fewest query rows on the wgmma N side of the keys-on-M form (rows padded to a power of two >= this): 8 (P then
+#: stored as ``[N, keys]`` and read through a transposed view: wgmma has no swizzle for 16-byte ``P^T`` rows), or 16.
+#: On the H200 (bench/RESULTS.md, 2026-12-02 eleventh) 8 is 12% faster in the kernel at 4-8 rows, bitwise equal
+MIN_KM_ROWS = 8
 HEAD_DIM = 128
 NUM_SMS = 132
 #: most 64-token blocks one CTA attends (`default_num_splits`). On the H200 (bench/RESULTS.md, 2026-12-01, fourth),
@@ -680,14 +679,14 @@ def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
 
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
-    "partials_only", "keys_on_m", "edge_splits", "edge_block_k", "edge_warps"))
+    "partials_only", "keys_on_m", "min_km_rows", "edge_splits", "edge_block_k", "edge_warps"))
 def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
                                 geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                                 num_splits: Optional[int] = None,
                                 stages: int = 2, interpret: bool = False, out_dtype=None,
                                 partials_only: bool = False, keys_on_m: Optional[bool] = None,
-                                edge_splits: Optional[int] = None, edge_block_k: Optional[int] = None,
-                                edge_warps: Optional[int] = None):
+                                min_km_rows: Optional[int] = None, edge_splits: Optional[int] = None,
+                                edge_block_k: Optional[int] = None, edge_warps: Optional[int] = None):
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
 
     Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
@@ -695,8 +694,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
     in flight; 3 measured 0-7% slower than 2 on the H200 with keys on M, bench/RESULTS.md, 2026-12-01, fifth).
-    ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`). Returns ``(out [B, Tq, Hq, 128],
-    lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
+    ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`); ``min_km_rows``: its fewest query
+    rows on wgmma's N side, 8 or 16 (None: `MIN_KM_ROWS`). Returns ``(out [B, Tq, Hq, 128], lse f32[B, Tq, Hq])``;
+    ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     ``edge_splits``, ``edge_block_k``, ``edge_warps``: split-K programs, tokens per step (a divisor of `BLOCK_K`)
     and warps of the Triton kernel that attends the edge blocks (None: `default_edge_splits`, `EDGE_BLOCK_K`,
     `EDGE_WARPS`).
@@ -711,6 +711,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
                      high_dtype=None if high is None else high[0].dtype) or kvf != 2:
         raise ValueError(f"paged_decode_attention_mgpu: unsupported configuration D={d} page={page} Tq={tq} "
                          f"G={group} kv={kvf}")
+    min_km_rows = MIN_KM_ROWS if min_km_rows is None else min_km_rows
+    if min_km_rows not in (8, 16):
+        raise ValueError(f"paged_decode_attention_mgpu: min_km_rows must be 8 or 16, got {min_km_rows!r}")
     dtype = jnp.dtype(q.dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
@@ -734,7 +737,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     c = jnp.clip(i1, a, n_blocks)
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if keys_on_m is None else bool(keys_on_m)
-    n_rows = max(MIN_KM_ROWS, 1 << (tq * group - 1).bit_length()) if km else M_ROWS   # query rows: wgmma N (keys on M) or M
+    n_rows = max(min_km_rows, 1 << (tq * group - 1).bit_length()) if km else M_ROWS  # wgmma N (keys on M) or M
     qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
     qlow, shift = f16_queries(qg)                                             # shift [B, H, M]
     qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]

@@ -97,23 +97,24 @@ def test_interpret_keys_on_m_matches_reference(tq, hq):
     assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all()   # length 0: no key
 
 
+@pytest.mark.parametrize("min_rows", [8, 16])
 @pytest.mark.parametrize("tq,hq", [(1, 4), (2, 4), (1, 8)])
-def test_interpret_keys_on_m_eight_rows(monkeypatch, tq, hq):
-    """`MIN_KM_ROWS` = 8: up to 8 query rows (GQA 4 Tq 1-2, GQA 8 Tq 1) on wgmma's N side as 8, not 16 (the
-    kernel's partials have 8 rows), against the reference on the poisoned page-16 cache, 2 splits, float32 output.
-    The interpreter runs the N = 8 softmax and wgmma shapes; the compiled form's transposed store of P
-    (`_store_keys_minor`) is checked by `test_keys_on_m_cross_lowers_for_cuda` here and on the H200 by
-    `test_gpu_keys_on_m_matches_reference` (``min_rows`` 8)."""
-    monkeypatch.setattr(decode_mgpu, "MIN_KM_ROWS", 8)
+def test_interpret_keys_on_m_min_rows(tq, hq, min_rows):
+    """``min_km_rows``: up to 8 query rows (GQA 4 Tq 1-2, GQA 8 Tq 1) on wgmma's N side as 8 (`MIN_KM_ROWS`, the
+    default) or 16 (the kernel's partials have that many rows), against the reference on the poisoned page-16 cache,
+    2 splits, float32 output. The interpreter runs the N = 8 softmax and wgmma shapes; the compiled form's
+    transposed store of P (`_store_keys_minor`) is checked by `test_keys_on_m_cross_lowers_for_cuda` here and on the
+    H200 by `test_gpu_keys_on_m_matches_reference` (``min_rows`` 8)."""
     st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
     q = queries(st, tq, hq)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
-    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32, keys_on_m=True)
+    kw = dict(num_splits=2, interpret=True, keys_on_m=True, min_km_rows=min_rows)
+    out, lse = _run(st, q, 1, out_dtype=jnp.float32, **kw)
     assert rel_l2(out, ref_o) < 1e-4
     _lse_close(lse, ref_lse)
-    o_part, m_part, _ = _run(st, q, 1, num_splits=2, interpret=True, keys_on_m=True, partials_only=True)
-    assert m_part.shape[-1] == 8 and o_part.shape[-1] == 8, (o_part.shape, m_part.shape)
+    o_part, m_part, _ = _run(st, q, 1, partials_only=True, **kw)
+    assert m_part.shape[-1] == min_rows and o_part.shape[-1] == min_rows, (o_part.shape, m_part.shape)
 
 
 @pytest.mark.parametrize("page,edge_block_k,km", [(32, 32, True), (64, 16, False), (128, 32, True)])
@@ -210,11 +211,13 @@ def test_supported_and_dispatch_choice(monkeypatch):
 @pytest.mark.parametrize("tq,hq,km", [(1, 4, True), (4, 4, True), (2, 8, True), (3, 8, False), (4, 16, False)])
 def test_default_form_by_query_rows(tq, hq, km):
     """``keys_on_m=None``: keys on M for Tq x GQA <= `KEYS_ON_M_ROWS` query rows, queries on M above (the raw
-    partials' tile is ``[64 dims, N]`` for keys on M, ``[64 rows, 64 dims]`` for queries on M)."""
+    partials' tile is ``[64 dims, N]`` for keys on M, N the rows padded to a power of two >= `MIN_KM_ROWS` = 8,
+    ``[64 rows, 64 dims]`` for queries on M)."""
     st = make_state(lens=(3, 40), first_n=4, last_n=8, d=128, heads=1, max_draft_len=3)
     q = queries(st, tq, hq)
     o, _, _ = jax.eval_shape(lambda q: _run(st, q, 1, num_splits=1, interpret=True, partials_only=True), q)
-    rows = max(16, 1 << (tq * hq - 1).bit_length())
+    assert decode_mgpu.MIN_KM_ROWS == 8
+    rows = max(8, 1 << (tq * hq - 1).bit_length())
     assert o.shape[1:] == ((64, rows) if km else (64, 64))
     assert (tq * hq <= decode_mgpu.KEYS_ON_M_ROWS) == km
 
@@ -238,6 +241,9 @@ def test_refuses_unsupported_configuration():
     q = queries(st, 1, 2)
     with pytest.raises(ValueError, match="D=64"):
         _run(st, q, 0)
+    st = make_state(lens=(3, 9), d=128, heads=1)
+    with pytest.raises(ValueError, match="min_km_rows must be 8 or 16, got 12"):
+        _run(st, queries(st, 1, 2), 0, interpret=True, min_km_rows=12)
 
 
 # ------------------------------------------------------------------------------------------ CUDA cross-lowering
@@ -305,12 +311,11 @@ def test_cross_lowers_for_any_page_table_width(width):
 
 
 @pytest.mark.parametrize("tq,hq,min_rows", [(1, 32, 16), (3, 16, 16), (4, 32, 16), (1, 8, 8), (2, 8, 8), (1, 16, 8)])
-def test_keys_on_m_cross_lowers_for_cuda(monkeypatch, tq, hq, min_rows):
+def test_keys_on_m_cross_lowers_for_cuda(tq, hq, min_rows):
     """The compiled keys-on-M form (register-A wgmma on the dequantized K, transposed V^T view, P^T and V tiles at
     the swizzle of 2 N bytes, swizzled f32 tiles) lowers for CUDA with N = 16, 32 and 64 query rows; with
-    `MIN_KM_ROWS` = 8 at N = 8 (``Q^T`` and ``P^T`` through transposed views at the 128-byte swizzle, V's tile with
+    ``min_km_rows`` = 8 at N = 8 (``Q^T`` and ``P^T`` through transposed views at the 128-byte swizzle, V's tile with
     it, P stored transposed by `_store_keys_minor`)."""
-    monkeypatch.setattr(decode_mgpu, "MIN_KM_ROWS", min_rows)
     page, L, P, kv, H, D, B = 16, 2, 16, 2, 2, 128, 2
     low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
            jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
@@ -320,7 +325,7 @@ def test_keys_on_m_cross_lowers_for_cuda(monkeypatch, tq, hq, min_rows):
 
     def fn(q, pt, lens, ht, low, high):
         return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht, geom=TwinGeometry(page, 5, 7, 1, 3),
-                                           num_splits=2, keys_on_m=True)
+                                           num_splits=2, keys_on_m=True, min_km_rows=min_rows)
     assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, ht, low, high)
 
 
@@ -356,23 +361,21 @@ def test_gpu_matches_reference(dtype, tq, hq, page):
 @pytest.mark.parametrize("dtype,tq,hq,min_rows", [
     ("mixed_nvfp4_bf16", 1, 32, 16), ("mixed_nvfp4_bf16", 4, 64, 16), ("nvfp4", 2, 16, 16),
     ("mixed_nvfp4_bf16", 1, 32, 8), ("mixed_nvfp4_bf16", 2, 32, 8), ("nvfp4", 1, 64, 8)])
-def test_gpu_keys_on_m_matches_reference(monkeypatch, dtype, tq, hq, min_rows):
+def test_gpu_keys_on_m_matches_reference(dtype, tq, hq, min_rows):
     """The keys-on-M form on the H200: output in the attention dtype against the reference rounded to it (< 1e-3),
     LSE within 1e-3; default and 8 splits (the checks of bench/data/decode_mgpu_keys_on_m-2026-12-01.json). With
-    `MIN_KM_ROWS` = 8 (N = 8: the transposed store of P) also bitwise equal to the 16-row form (same products in
+    ``min_km_rows`` = 8 (N = 8: the transposed store of P) also bitwise equal to the 16-row form (same products in
     the same order)."""
     assert on_gpu(), "gpu tests need a GPU"
-    monkeypatch.setattr(decode_mgpu, "MIN_KM_ROWS", 16)
     mixed = dtype.startswith("mixed")
     st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=16,
                     lens=(1, 15, 16, 17, 200, 1000, 3000, 4096), heads=8, d=128, layers=2, max_draft_len=3, gs=0.01)
     q = queries(st, tq, hq)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
-    o16, lse16 = _run(st, q, 1, num_splits=8, keys_on_m=True)
-    monkeypatch.setattr(decode_mgpu, "MIN_KM_ROWS", min_rows)
+    o16, lse16 = _run(st, q, 1, num_splits=8, keys_on_m=True, min_km_rows=16)
     for splits in (None, 8):
-        out, lse = _run(st, q, 1, num_splits=splits, keys_on_m=True)
+        out, lse = _run(st, q, 1, num_splits=splits, keys_on_m=True, min_km_rows=min_rows)
         assert out.dtype == q.dtype and np.isfinite(np.asarray(out, np.float32)).all()
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(q.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
