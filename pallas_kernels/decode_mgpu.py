@@ -356,7 +356,7 @@ def _store_keys_minor(p, p_ref):
 def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_heads, batch, interpret, keys_on_m=False,
                  n_rows=M_ROWS):
     """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form (`KEYS_ON_M_ROWS`) with
-    ``n_rows`` query rows (16 / 32 / 64) on the wgmma N side."""
+    ``n_rows`` query rows (8 / 16 / 32 / 64) on the wgmma N side."""
     bk, half = BLOCK_K, HEAD_DIM // 2
     p_keys_minor = keys_on_m and n_rows < 16 and not interpret     # P stored as [N, keys] (`MIN_KM_ROWS`)
     wgmma_layout = plgpu.Layout.WGMMA
