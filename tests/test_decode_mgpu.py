@@ -373,14 +373,15 @@ def test_gpu_keys_on_m_matches_reference(dtype, tq, hq, min_rows):
     q = queries(st, tq, hq)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
-    o16, lse16 = _run(st, q, 1, num_splits=8, keys_on_m=True, min_km_rows=16)
     for splits in (None, 8):
         out, lse = _run(st, q, 1, num_splits=splits, keys_on_m=True, min_km_rows=min_rows)
         assert out.dtype == q.dtype and np.isfinite(np.asarray(out, np.float32)).all()
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(q.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(o16, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse16))
+    if min_rows == 8:                                  # 8 splits, N = 8 vs N = 16: two traces, same products
+        o16, lse16 = _run(st, q, 1, num_splits=8, keys_on_m=True, min_km_rows=16)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(o16, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse16))
 
 
 @pytest.mark.gpu
