@@ -17,21 +17,21 @@ Not built: warp specialization (a producer warp for the page TMA and consumer wa
 warpgroup doing TMA wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows: ~480 PTX
 instructions per thread per 64-token block (~285 of them dequantization; 2026-12-01, fourth), **2 warpgroup
 barriers** per block (5 before the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers (121 in the
-current form: ptxas, 2026-12-02) and 47 KB of shared memory (4 CTAs = 16 warps per SM, both limits). ncu at 16 x 32k
-(fifth): 0.69 instructions issued per scheduler cycle, an eligible warp in 69% of cycles, SM throughput 67%, DRAM
-32%: issue and latency share the bound now, so fewer instructions or more warps per SM are what is left. The SASS
-(ncu source page, 2026-12-01 eighth, `bench/sass_mix.py`): 723 instructions per warp and block, ~290 dequantization
-and **~240 the TMA copies of the next block** (16 per block: 4 tensors x 4 chunks of 16 tokens), whose address
-arithmetic every one of the four warps executed under a one-thread predicate. Since the ninth session one copy
-brings a box's K and V rows, a box is a page up to 64 tokens (8 copies per block at page 16, 2 at pages >= 64), and
-one warp, rotating with the block, issues them (`jmixedkv.compat.mgpu_per_warp`): 494 instructions per warp and
-block, kernel 12% faster at page 16 and 19% at page 64 (16 x 32k: 0.315 -> 0.276 / 0.322 -> 0.261 ms; end to end
-0.348 ms, 1.41x faster than cuDNN), outputs bitwise equal. What bounds it then (ncu): latency, not issue: 0.54
-instructions per scheduler cycle, 1.04 eligible of 3.7 active warps; stalls at the wgmma wait (``WARPGROUP``, 22% of
-samples), short scoreboard 18%, barrier 13%. Leaving ``P V`` in flight while the next K is dequantized measured
-level (2026-12-02, tenth: not kept). The instruction count alone bounds the kernel at 16 x 32k
-to >= 0.124 ms (0.87x the NVFP4 bytes floor) at one instruction per scheduler cycle (bench/RESULTS.md, tenth, item
-4).
+current form at N = 16, 95 at N = 8: ptxas, 2026-12-02) and 47 KB of shared memory at N = 16 (4 CTAs = 16 warps per
+SM, both limits). ncu at 16 x 32k (fifth): 0.69 instructions issued per scheduler cycle, an eligible warp in 69% of
+cycles, SM throughput 67%, DRAM 32%: issue and latency share the bound now, so fewer instructions or more warps per
+SM are what is left. The SASS (ncu source page, 2026-12-01 eighth, `bench/sass_mix.py`): 723 instructions per warp
+and block, ~290 dequantization and **~240 the TMA copies of the next block** (16 per block: 4 tensors x 4 chunks of
+16 tokens), whose address arithmetic every one of the four warps executed under a one-thread predicate. Since the
+ninth session one copy brings a box's K and V rows, a box is a page up to 64 tokens (8 copies per block at page 16,
+2 at pages >= 64), and one warp, rotating with the block, issues them (`jmixedkv.compat.mgpu_per_warp`): 494
+instructions per warp and block, kernel 12% faster at page 16 and 19% at page 64 (16 x 32k: 0.315 -> 0.276 / 0.322
+-> 0.261 ms; end to end 0.348 ms, 1.41x faster than cuDNN), outputs bitwise equal. What bounds it then (ncu):
+latency, not issue: 0.54 instructions per scheduler cycle, 1.04 eligible of 3.7 active warps; stalls at the wgmma
+wait (``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%. Leaving ``P V`` in flight while the next K
+is dequantized measured level (2026-12-02, tenth: not kept). The instruction count alone bounds the kernel at 16 x
+32k to >= 0.124 ms (0.87x the NVFP4 bytes floor) at one instruction per scheduler cycle (bench/RESULTS.md, tenth,
+item 4).
 
 **Eight query rows** (`MIN_KM_ROWS` = 8, 2026-12-02 eleventh): up to 8 query rows (GQA 4 Tq 1-2, GQA 8 Tq 1: the
 headline shapes) sit on wgmma's N side as N = 8, not 16: half the ``S^T`` / ``P`` / ``l`` / row-multiplier tiles and
@@ -795,6 +795,12 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         o_km_spec = plgpu.SMEM((half, n_rows), jnp.float32, transforms=tr_f32)
         v16_spec = plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else \
             plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n)
+        if interpret:
+            p_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float16)
+        elif n_rows < 16:                 # P stored as [N, keys] (`_store_keys_minor`), read as P^T through a view
+            p_spec = plgpu.SMEM((n_rows, BLOCK_K), jnp.float16, transforms=tr)
+        else:
+            p_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=tr_n)
         smem.update(
             q_smem=plgpu.SMEM((2, half, n_rows), jnp.float16) if interpret else
             plgpu.SMEM((2, n_rows, half), jnp.float16, transforms=tr),
@@ -804,9 +810,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
             # tile's bytes (16 KB): 47 KB per CTA at N = 16 (a third ring stage would fit 4 CTAs per SM; it
             # measured slower)
             v16=v16_spec if interpret else plgpu.RefUnion(v16_spec, o_km_spec, rm_spec),
-            p_smem=plgpu.SMEM((BLOCK_K, n_rows), jnp.float16) if interpret else
-            plgpu.SMEM((n_rows, BLOCK_K), jnp.float16, transforms=tr) if n_rows < 16 else
-            plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=tr_n),
+            p_smem=p_spec,
             o_smem=o_km_spec if interpret else None,
             ml_smem=plgpu.SMEM((2, n_rows), jnp.float32),
             red_smem=plgpu.SMEM((4 * n_rows,), jnp.float32))     # `_key_max_inline`'s exchange
