@@ -31,7 +31,10 @@ latency, not issue: 0.54 instructions per scheduler cycle, 1.04 eligible of 3.7 
 wait (``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%. Leaving ``P V`` in flight while the next K
 is dequantized measured level (2026-12-02, tenth: not kept). The instruction count alone bounds the kernel at 16 x
 32k to >= 0.124 ms (0.87x the NVFP4 bytes floor) at one instruction per scheduler cycle (bench/RESULTS.md, tenth,
-item 4).
+item 4). ncu of the N = 8 kernel (16 x 32k page 16, 2026-12-02 twelfth): 95 registers and 44 KB of shared memory per
+CTA, so **5 CTAs (20 warps) per SM** fit (both limits at 5); 0.56 instructions issued per scheduler cycle, 1.09
+eligible of 4.13 active warps, DRAM 42% of peak (at ncu's 1.35 GHz clock), L1 hit 90%. Still latency-bound; the
+partial second wave (1024 CTAs over 660 slots) costs little: 5 splits (one wave) measured level (`default_num_splits`).
 
 **Eight query rows** (`MIN_KM_ROWS` = 8, 2026-12-02 eleventh): up to 8 query rows (GQA 4 Tq 1-2, GQA 8 Tq 1: the
 headline shapes) sit on wgmma's N side as N = 8, not 16: half the ``S^T`` / ``P`` / ``l`` / row-multiplier tiles and
@@ -42,7 +45,7 @@ four 2-byte stores per thread) and read through a transposed view; V's tile take
 shape (16 x 32k GQA 4 page 16: 0.276 -> 0.244 ms; page 64 0.262 -> 0.230), outputs and LSE bitwise equal to N = 16;
 ``min_km_rows=16`` (or ``MIN_KM_ROWS = 16``) gives the earlier module op for op.
 
-Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 16 rows:
+Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 32 rows:
 ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
 the query rows padded only to N = 8 / 16 / 32 / 64 (`MIN_KM_ROWS`), the softmax down the columns (``l`` kept as
 per-thread partial sums, summed once in the epilogue), ``O^T += V^T P^T`` with V^T a transposed shared-memory view
@@ -111,9 +114,11 @@ M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: keys on M (``S^T = K Q^T``: the
 #: dequantized K tile is wgmma's register A operand, the query rows, padded to 8 / 16 / 32 / 64 (`MIN_KM_ROWS`), its
 #: N side; ``O^T = V^T P^T``) for ``Tq * G <=`` this many query rows, queries on M (rows padded to 64) above. On the
-#: H200 (bench/RESULTS.md, 2026-12-01, second): keys on M 0.529 vs 0.566 ms at 16 x 32k GQA 4, 0.581 vs 0.635 at 64
-#: x 8k; queries on M 0.600 vs 0.749 at 16 x 32k Tq 4 x GQA 8 (32 rows)
-KEYS_ON_M_ROWS = 16
+#: H200 (bench/RESULTS.md, 2026-12-02 twelfth, same-run A/B): keys on M is 10-12% faster in the kernel at 32 rows
+#: (16 x 32k Tq 4 x GQA 8 page 16: 0.366 vs 0.410 ms; GQA 4 Tq 8: 0.367 vs 0.411), queries on M 27-37% faster at 64
+#: rows (0.415 vs 0.567 ms at 16 x 32k Tq 8 x GQA 8). (The second session, before the barrier / copy / N changes,
+#: had keys on M losing at 32 rows: 0.749 vs 0.600 ms.)
+KEYS_ON_M_ROWS = 32
 #: fewest query rows on the wgmma N side of the keys-on-M form (rows padded to a power of two >= this): 8 (P then
 #: stored as ``[N, keys]`` and read through a transposed view: wgmma has no swizzle for 16-byte ``P^T`` rows), or 16.
 #: On the H200 (bench/RESULTS.md, 2026-12-02 eleventh) 8 is 12% faster in the kernel at 4-8 rows, bitwise equal
@@ -624,7 +629,11 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     """Split-K count: the grid has ~4 CTAs per SM (3-4 are resident at a time: 47-74 KB of shared memory and 121
     (keys on M, 16 rows; ptxas) to 166 registers per thread each; 0.5x and 2x these splits measured slower on the
     H200, bench/RESULTS.md), and no split runs more than `MAX_SPLIT_BLOCKS` blocks (long contexts at large batch:
-    finer CTAs leave a shorter tail). Split counts off a power of two (3, 5, 6, 9, 12, 15 ...) measured level."""
+    finer CTAs leave a shorter tail). Split counts off a power of two (3, 5, 6, 9, 12, 15 ...) measured level. At N =
+    8 (95 registers, 44 KB) 5 CTAs fit per SM; fitting the grid to that (one full wave: 5 splits at 16 x 32k) measured
+    level too (kernel 0.240 vs 0.243 ms); up to 2x or 4x the default's splits gained at most 3% in the kernel at
+    16 x 32k, 64 x 32k, 16 x 128k and Tq 4-8 x GQA 8, half of them lost up to 12% (bench/RESULTS.md, 2026-12-02
+    twelfth), so the rule stays."""
     programs = max(1, batch * num_kv_heads)
     want = max(1, -(-4 * NUM_SMS // programs))
     splits = max(1 << (want - 1).bit_length(), -(-max_blocks // MAX_SPLIT_BLOCKS))

@@ -208,7 +208,8 @@ def test_supported_and_dispatch_choice(monkeypatch):
         preferred(head_dim=128, page=16, tq=1, group=4)
 
 
-@pytest.mark.parametrize("tq,hq,km", [(1, 4, True), (4, 4, True), (2, 8, True), (3, 8, False), (4, 16, False)])
+@pytest.mark.parametrize("tq,hq,km", [(1, 4, True), (4, 4, True), (2, 8, True), (3, 8, True), (4, 8, True),
+                                       (3, 16, False), (4, 16, False)])
 def test_default_form_by_query_rows(tq, hq, km):
     """``keys_on_m=None``: keys on M for Tq x GQA <= `KEYS_ON_M_ROWS` query rows, queries on M above (the raw
     partials' tile is ``[64 dims, N]`` for keys on M, N the rows padded to a power of two >= `MIN_KM_ROWS` = 8,
@@ -388,10 +389,12 @@ def test_gpu_keys_on_m_matches_reference(dtype, tq, hq, min_rows):
 @pytest.mark.parametrize("page", [32, 64, 128])
 def test_gpu_pages_32_to_128(page):
     """Pages of 32 / 64 / 128 tokens on the H200 (they faulted before the page-table copy started at an aligned
-    column): bf16 twin at Tq 1 x GQA 4 (keys on M) and Tq 3 x GQA 8 (queries on M), plain NVFP4 at Tq 2 x GQA 2;
-    lengths 1, page-1, page, page+1 .. 4096; default and 8 splits; float32 output against the float32 reference."""
+    column): bf16 twin at Tq 1 x GQA 4 and Tq 3 x GQA 8 (keys on M, 8 and 32 rows on wgmma's N side) and Tq 4 x
+    GQA 16 (queries on M), plain NVFP4 at Tq 2 x GQA 2; lengths 1, page-1, page, page+1 .. 4096; default and 8
+    splits; float32 output against the float32 reference."""
     assert on_gpu(), "gpu tests need a GPU"
-    for dtype, tq, hq in (("mixed_nvfp4_bf16", 1, 32), ("mixed_nvfp4_bf16", 3, 64), ("nvfp4", 2, 16)):
+    for dtype, tq, hq in (("mixed_nvfp4_bf16", 1, 32), ("mixed_nvfp4_bf16", 3, 64), ("mixed_nvfp4_bf16", 4, 128),
+                          ("nvfp4", 2, 16)):
         mixed = dtype.startswith("mixed")
         st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=page,
                         lens=(1, page - 1, page, page + 1, 200, 1000, 3000, 4096), heads=8, d=128, layers=2,
