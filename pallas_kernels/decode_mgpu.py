@@ -115,7 +115,7 @@ M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: dequantized K tile is wgmma's register A operand, the query rows, padded to 8 / 16 / 32 / 64 (`MIN_KM_ROWS`), its
 #: N side; ``O^T = V^T P^T``) for ``Tq * G <=`` this many query rows, queries on M (rows padded to 64) above. On the
 #: H200 (bench/RESULTS.md, 2026-12-02 twelfth, same-run A/B): keys on M is 10-12% faster in the kernel at 32 rows
-#: (16 x 32k Tq 4 x GQA 8 page 16: 0.366 vs 0.410 ms; GQA 4 Tq 8: 0.367 vs 0.411), queries on M 27-37% faster at 64
+#: (16 x 32k Tq 4 x GQA 8 page 16: 0.366 vs 0.410 ms; GQA 4 Tq 8: 0.367 vs 0.411), queries on M 25-27% faster at 64
 #: rows (0.415 vs 0.567 ms at 16 x 32k Tq 8 x GQA 8). (The second session, before the barrier / copy / N changes,
 #: had keys on M losing at 32 rows: 0.749 vs 0.600 ms.)
 KEYS_ON_M_ROWS = 32
@@ -632,7 +632,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     finer CTAs leave a shorter tail). Split counts off a power of two (3, 5, 6, 9, 12, 15 ...) measured level. At N =
     8 (95 registers, 44 KB) 5 CTAs fit per SM; fitting the grid to that (one full wave: 5 splits at 16 x 32k) measured
     level too (kernel 0.240 vs 0.243 ms); up to 2x or 4x the default's splits gained at most 3% in the kernel at
-    16 x 32k, 64 x 32k, 16 x 128k and Tq 4-8 x GQA 8, half of them lost up to 12% (bench/RESULTS.md, 2026-12-02
+    16 x 32k, 64 x 32k, 16 x 128k and Tq 4-8 x GQA 8, half the default's lost up to 12% (bench/RESULTS.md, 2026-12-02
     twelfth), so the rule stays."""
     programs = max(1, batch * num_kv_heads)
     want = max(1, -(-4 * NUM_SMS // programs))
