@@ -84,8 +84,9 @@ def test_interpret_pools_of_different_page_counts(pad):
 
 @pytest.mark.parametrize("tq,hq", [(1, 4), (2, 8), (3, 8)])
 def test_interpret_keys_on_m_matches_reference(tq, hq):
-    """The keys-on-M form (``S^T = K Q^T``, query rows on wgmma's N side: 16 rows for Tq x GQA <= 16, 32 for Tq 3 x
-    GQA 8) on the poisoned page-16 cache with overlapping retained windows, 2 splits, float32 output."""
+    """The keys-on-M form (``S^T = K Q^T``, query rows on wgmma's N side: 8 for Tq 1 x GQA 4 (`MIN_KM_ROWS`), 16 for
+    Tq 2 x GQA 8, 32 for Tq 3 x GQA 8) on the poisoned page-16 cache with overlapping retained windows, 2 splits,
+    float32 output."""
     st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
     q = queries(st, tq, hq)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
