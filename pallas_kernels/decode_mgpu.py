@@ -168,8 +168,14 @@ def available() -> bool:
 WIDE_COLUMNS = np.array([16 * (t % 8 // 2) + 2 * (t // 8) + t % 2 for t in range(HEAD_DIM // 2)])
 
 
-def to_wide(x):
-    """Last axis (64 columns, byte order) -> `WIDE_COLUMNS` order: ``x[..., WIDE_COLUMNS]`` as a reshape."""
+def to_wide(x, gather=False):
+    """Last axis (64 columns, byte order) -> `WIDE_COLUMNS` order: ``x[..., WIDE_COLUMNS]``. ``gather``: as a
+    ``jnp.take`` (outside a kernel: XLA on the H200 ran the reshape form's transpose, whose contiguous runs are 2
+    elements, at ~0.1 TB/s: 20 us for the 2 MB of q at 64 x 4k Tq 4 x GQA 8; the gather 3.7 us, bench/RESULTS.md
+    2026-12-02 thirteenth), else as a reshape (inside a kernel body, where a gather's index array would be a captured
+    constant)."""
+    if gather:
+        return jnp.take(x, WIDE_COLUMNS, axis=-1)
     return jnp.swapaxes(x.reshape(x.shape[:-1] + (4, 8, 2)), -3, -2).reshape(x.shape)
 
 
@@ -750,7 +756,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
     qlow, shift = f16_queries(qg)                                             # shift [B, H, M]
     qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
-    qlow = to_wide(qlow)                                                      # `WIDE_COLUMNS` order
+    qlow = to_wide(qlow, gather=True)                                         # `WIDE_COLUMNS` order
     if km and interpret:                  # the interpreter's wgmma takes no transposed operand: Q^T as such
         qlow = jnp.swapaxes(qlow, -1, -2)
     rowmul = jnp.ldexp(jnp.float32(sm_scale * _LOG2E) * gs_l[0] * LOW_DOMAIN, -shift).astype(jnp.float32)

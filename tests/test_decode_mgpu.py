@@ -236,6 +236,7 @@ def test_wide_column_order():
     x = jnp.arange(3 * 64).reshape(3, 64)
     np.testing.assert_array_equal(decode_mgpu.to_wide(x), np.asarray(x)[:, cols])
     np.testing.assert_array_equal(decode_mgpu.from_wide(decode_mgpu.to_wide(x)), x)
+    np.testing.assert_array_equal(decode_mgpu.to_wide(x, gather=True), np.asarray(x)[:, cols])
 
 
 def test_refuses_unsupported_configuration():
