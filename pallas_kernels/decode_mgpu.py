@@ -171,7 +171,7 @@ WIDE_COLUMNS = np.array([16 * (t % 8 // 2) + 2 * (t // 8) + t % 2 for t in range
 def to_wide(x, gather=False):
     """Last axis (64 columns, byte order) -> `WIDE_COLUMNS` order: ``x[..., WIDE_COLUMNS]``. ``gather``: as a
     ``jnp.take`` (outside a kernel: XLA on the H200 ran the reshape form's transpose, whose contiguous runs are 2
-    elements, at ~0.1 TB/s: 20 us for the 2 MB of q at 64 x 4k Tq 4 x GQA 8; the gather 3.7 us, bench/RESULTS.md
+    elements, at ~0.2 TB/s read + write: 20 us for the 2 MB of q at 64 x 4k Tq 4 x GQA 8; the gather 3.7 us, bench/RESULTS.md
     2026-12-02 thirteenth), else as a reshape (inside a kernel body, where a gather's index array would be a captured
     constant)."""
     if gather:
