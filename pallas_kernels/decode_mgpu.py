@@ -64,11 +64,15 @@ Work split
   shapes); the kernel places its own: keys on M, the key maximum's exchange (`_key_max_inline`) and the commit before
   ``P V`` (V is dequantized and the next block's copy issued after the maximum's barrier, when every warp is past the
   previous block); queries on M, one at the top of each step and the commit before ``Q K^T``. Output: unnormalized
-  partials ``(o, m, l)`` per split; the f32 output tile aliases the K tile (``plgpu.RefUnion``).
+  partials ``(o, m, l)`` per split, ``o`` query-row major in both forms (``[rows, 2 halves, 64]`` per CTA; keys on M
+  stores its ``O^T`` accumulator transposed, `_store_transposed`); the f32 output tile aliases the K tile (queries on
+  M) or the V tile (keys on M) (``plgpu.RefUnion``).
 * **Edge blocks** (the retained first-N / last-N rows, read from the twin where held, the causal region among the
   ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (`default_edge_splits`
   splits of `EDGE_BLOCK_K`-token steps, its twin overlay and masks; the interior it skips counted in this kernel's
-  blocks), merged with the kernel's partials by LSE (`merge_partials`).
+  blocks), merged with the kernel's partials by LSE (`_merge_with_edge`: each kernel's splits summed in the layout
+  it wrote, then one permutation within each row: 1-3.5% less GPU time per call at Tq 4 than a transpose of every
+  split's tile and one concatenated merge, bench/RESULTS.md 2026-12-02 fourteenth).
 
 Numerics are the Triton kernel's (see its docstring): a NVFP4 element dequantizes to
 ``(e2m1 * 2^-14) * (f16(s) * 2^7) = e2m1 * s * 2^-7`` in f16 **exactly** (the *low domain*, ``x / (gs * 2^7)``);
@@ -99,7 +103,7 @@ import numpy as np
 from jax import lax
 
 from jmixedkv.layout import TwinGeometry
-from pallas_kernels.decode_attention import (LOW_DOMAIN, f16_queries, group_queries, interior_blocks, merge_partials,
+from pallas_kernels.decode_attention import (LOW_DOMAIN, f16_queries, group_queries, interior_blocks,
                                              paged_decode_attention, pages_per_block, ungroup_rows)
 from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
@@ -168,12 +172,18 @@ def available() -> bool:
 WIDE_COLUMNS = np.array([16 * (t % 8 // 2) + 2 * (t // 8) + t % 2 for t in range(HEAD_DIM // 2)])
 
 
+_FROM_WIDE = np.argsort(WIDE_COLUMNS)
+#: column ``d`` of an output row <- position ``_KERNEL_COLUMNS[d]`` of the kernel's row of partials (``[2 halves, 64]``,
+#: each half in `WIDE_COLUMNS` order): half ``d % 2``, the wide position of byte ``d // 2``
+_KERNEL_COLUMNS = np.array([(d % 2) * (HEAD_DIM // 2) + _FROM_WIDE[d // 2] for d in range(HEAD_DIM)])
+
+
 def to_wide(x, gather=False):
     """Last axis (64 columns, byte order) -> `WIDE_COLUMNS` order: ``x[..., WIDE_COLUMNS]``. ``gather``: as a
     ``jnp.take`` (outside a kernel: XLA on the H200 ran the reshape form's transpose, whose contiguous runs are 2
-    elements, at ~0.2 TB/s read + write: 20 us for the 2 MB of q at 64 x 4k Tq 4 x GQA 8; the gather 3.7 us, bench/RESULTS.md
-    2026-12-02 thirteenth), else as a reshape (inside a kernel body, where a gather's index array would be a captured
-    constant)."""
+    elements, at ~0.2 TB/s read + write: 20 us for the 2 MB of q at 64 x 4k Tq 4 x GQA 8; the gather 3.7 us,
+    bench/RESULTS.md 2026-12-02 thirteenth), else as a reshape (inside a kernel body, where a gather's index array
+    would be a captured constant)."""
     if gather:
         return jnp.take(x, WIDE_COLUMNS, axis=-1)
     return jnp.swapaxes(x.reshape(x.shape[:-1] + (4, 8, 2)), -3, -2).reshape(x.shape)
@@ -361,6 +371,41 @@ def _store_keys_minor(p, p_ref):
 
     tiles = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))     # p_ref's, as allocated
     plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(tiles)))(body)(p, p_ref)
+
+
+def _store_transposed(acc, o_ref):
+    """Compiled path: ``acc`` f32 ``[64, N]`` in the WGMMA layout (keys on M: ``O^T``, head dims x query rows) stored
+    as its transpose into ``o_ref`` (f32 ``[N, 64]``, untiled): the partial output leaves the kernel query-row major,
+    as the queries-on-M form writes it, so the merge after the kernel reads it without a transpose. Each thread holds
+    rows ``16 warp + lane / 4 + 8 h`` and columns ``8 j + 2 (lane % 4) + e``: ``N / 2`` 4-byte stores, once per CTA."""
+    from jax.experimental.mosaic.gpu import utils as mgu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+
+    rows, cols = acc.shape
+
+    def body(ctx, x, ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        idx_t = ir.IndexType.get()
+        ci = lambda v: arith.constant(i32, v)  # noqa: E731
+        regs = x.registers                                 # (1, N / 8, 1, 1, 2, 1, 1, 1, 1): column tile j, row half h
+        assert rows == 64 and regs.shape == (1, cols // 8, 1, 1, 2, 1, 1, 1, 1), regs.shape
+        flat = mgu.memref_reshape(ref, (rows * cols,))
+        tid = arith.remui(mgu.thread_idx(), ci(128))
+        lane = arith.remui(tid, ci(32))
+        row0 = arith.addi(arith.muli(arith.divui(tid, ci(32)), ci(16)), arith.divui(lane, ci(4)))
+        col0 = arith.muli(arith.remui(lane, ci(4)), ci(2))
+        for j in range(cols // 8):
+            for h in range(2):
+                row = arith.addi(row0, ci(8 * h))
+                for e in range(2):
+                    col = arith.addi(col0, ci(8 * j + e))
+                    pos = arith.addi(arith.muli(col, ci(rows)), row)
+                    val = vector.extract(regs[0, j, 0, 0, h, 0, 0, 0, 0], [], [e])
+                    memref.store(val, flat, [arith.index_castui(idx_t, pos)])
+
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(body)(acc, o_ref)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -611,10 +656,14 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
         # epilogue: partials through shared memory (o_smem may alias k16: every warp past its last wgmma first;
         # each copy out read before the next tile overwrites o_smem)
         sync()
+        cta = (si * batch + bi) * num_heads + hi
         for part, acc in enumerate((acc_lo, acc_hi)):
-            o_smem[...] = acc
+            if keys_on_m and not interpret:
+                _store_transposed(acc, o_smem)           # O^T [64, N] -> O [N, 64]
+            else:
+                o_smem[...] = acc.T if keys_on_m else acc
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[((si * batch + bi) * num_heads + hi) * 2 + part])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[cta, :, part])
             plgpu.wait_smem_to_gmem(0)
             if part == 0:
                 sync()
@@ -800,14 +849,15 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         ml_smem=plgpu.SMEM((2, M_ROWS), jnp.float32),
         red_smem=None)
     if km:
-        # V's f16 tile and P^T share wgmma's swizzle (the bytes of one P^T row: 2 * n_rows); f32 [64, N] tiles (row
-        # multipliers, O^T, m, l) are swizzled too (unswizzled ones fail the bank-conflict check at N = 32)
+        # V's f16 tile and P^T share wgmma's swizzle (the bytes of one P^T row: 2 * n_rows); the f32 [64, N] row
+        # multipliers are swizzled too (unswizzled, they failed the bank-conflict check at N = 32); the output tile
+        # O [N, 64] is untiled, written by `_store_transposed`'s scalar stores once per CTA
         # (N = 8: P stored as [N, keys] at the K tiles' 128-byte swizzle, V's tile with it)
         tr_n = tr if n_rows < 16 else (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
         f32_cols = min(n_rows, 32)
         tr_f32 = () if interpret else (plgpu.TilingTransform((8, f32_cols)), plgpu.SwizzleTransform(4 * f32_cols))
         rm_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float32, transforms=tr_f32)
-        o_km_spec = plgpu.SMEM((half, n_rows), jnp.float32, transforms=tr_f32)
+        o_km_spec = plgpu.SMEM((n_rows, half), jnp.float32)                 # O, stored by `_store_transposed`
         v16_spec = plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else \
             plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n)
         if interpret:
@@ -840,8 +890,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     # TMA boxes never leave the array, and its row stride is a multiple of 16 bytes (TMA's rule: a page table of
     # any width, e.g. 513 pages for 8193 tokens, failed at trace time before)
     pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len + (-max_pages % 4))))
-    out_type = (jax.ShapeDtypeStruct((splits * b * h * 2,) + ((half, n_rows) if km else (M_ROWS, half)),
-                                     jnp.float32),
+    o_rows = n_rows if km else M_ROWS
+    out_type = (jax.ShapeDtypeStruct((splits * b * h, o_rows, 2, half), jnp.float32),   # [CTA, rows, half, 64]
                 jax.ShapeDtypeStruct((splits * b * h, n_rows), jnp.float32),
                 jax.ShapeDtypeStruct((splits * b * h, n_rows), jnp.float32))
     kw = dict(out_type=out_type, grid=(splits, h, b), grid_names=("s", "h", "b"), scratch_types=scratch,
@@ -856,21 +906,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
                                           scales4)
     if partials_only:
         return o, m2, l
-    o = o.reshape((splits, b, h, 2) + o.shape[1:])
-    if km:
-        o = jnp.swapaxes(o, -1, -2)                                           # O^T -> [.., M, 64]
-    o = from_wide(o)                                                          # back to byte order
-    m2 = m2.reshape(splits, b, h, n_rows)
-    l = l.reshape(splits, b, h, n_rows)
-
-    # ---- kernel partials -> natural-log domain, [S, B, H, M, D] interleaved columns, true scale
-    o = jnp.stack([o[:, :, :, 0], o[:, :, :, 1]], axis=-1).reshape(splits, b, h, n_rows, d)
-    o = o * (gs_l[1] * LOW_DOMAIN)
-    m = m2 * (1.0 / _LOG2E)
 
     # ---- edge blocks (retained first-N / last-N rows from the twin, the causal region among the new tokens, rows
     # at or past n): the Triton kernel with the interior skipped; merged by LSE
-    rows = tq * group
     edge_splits = default_edge_splits(b, h) if edge_splits is None else int(edge_splits)
     oe, me, le = paged_decode_attention(
         q, page_table, kv_lens, layer, low, high if use_high else None, None, high_table if use_high else None,
@@ -878,8 +916,36 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         block_k=edge_block_k, num_warps=EDGE_WARPS if edge_warps is None else int(edge_warps),
         precise=out_dtype == jnp.dtype(jnp.float32), interpret=interpret, skip_interior=True,
         interior_tokens=interior_tokens, partials_only=True)
-    o = jnp.concatenate([o[:, :, :, :rows], oe[:, :, :, :rows]], axis=0)
-    m = jnp.concatenate([m[..., :rows], me[..., :rows]], axis=0)
-    l = jnp.concatenate([l[..., :rows], le[..., :rows]], axis=0)
-    out, lse = ungroup_rows(*merge_partials(o, m, l), tq, group)
+    o = o.reshape(splits, b, h, o_rows, 2, half)
+    out, lse = _merge_with_edge(o, m2.reshape(splits, b, h, n_rows), l.reshape(splits, b, h, n_rows), oe, me, le,
+                                rows=tq * group, vmul=gs_l[1] * LOW_DOMAIN)
+    out, lse = ungroup_rows(out, lse, tq, group)
     return out.astype(out_dtype), lse
+
+
+def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul):
+    """LSE merge of the kernel's split partials with the edge kernel's, each summed over its own splits first.
+
+    ``o`` f32 ``[S, B, H, R, 2, 64]`` (per query row the even / odd half, each in `WIDE_COLUMNS` order, low domain),
+    ``m2`` (base 2), ``l`` f32 ``[S, B, H, R]``; ``oe`` f32 ``[Se, B, H, R', D]`` (true scale, natural columns), ``me``,
+    ``le`` f32 ``[Se, B, H, R']``; the first ``rows`` query rows are real, the rest never read. ``vmul``: the kernel's
+    output scale (``gs_v * 2^-7``). -> ``(out f32[B, H, rows, D], lse f32[B, H, rows])``; a row that saw no key gives
+    0 and -inf (as `merge_partials`). The kernel's partials are weighted and summed over its splits in the layout it
+    wrote them, one XLA reduction reading them once; the column permutation and the half interleave then act within
+    each row of the ``[B, H, rows, 2, 64]`` sum. (Concatenating both kernels' partials in natural column order and
+    merging them with `merge_partials` cost a transpose of every split's tile: 11-21 us of XLA time per call at 64 x
+    4k Tq 4 on the H200, bench/RESULTS.md 2026-12-02 thirteenth; this form measured 1-3.5% less GPU time per call at
+    Tq 4 and level at Tq 1, fourteenth.)"""
+    b, h = o.shape[1:3]
+    m = m2[..., :rows] * (1.0 / _LOG2E)
+    l, me, le = l[..., :rows], me[..., :rows], le[..., :rows]
+    m_g = jnp.maximum(m.max(axis=0), me.max(axis=0))                          # [B, H, rows]
+    w, we = jnp.exp(m - m_g[None]), jnp.exp(me - m_g[None])
+    l_g = (w * l).sum(axis=0) + (we * le).sum(axis=0)
+    o_k = (w[..., None, None] * o[:, :, :, :rows]).sum(axis=0)                 # [B, H, rows, 2, 64]
+    o_k = jnp.take(o_k.reshape(b, h, rows, HEAD_DIM), _KERNEL_COLUMNS, axis=-1)     # natural column order
+    o_g = o_k * vmul + (we[..., None] * oe[:, :, :, :rows]).sum(axis=0)
+    ok = l_g > 0
+    out = jnp.where(ok[..., None], o_g / jnp.where(ok, l_g, 1.0)[..., None], 0.0)
+    lse = jnp.where(ok, m_g + jnp.log(jnp.where(ok, l_g, 1.0)), -jnp.inf)
+    return out, lse

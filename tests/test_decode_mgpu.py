@@ -115,7 +115,7 @@ def test_interpret_keys_on_m_min_rows(tq, hq, min_rows):
     assert rel_l2(out, ref_o) < 1e-4
     _lse_close(lse, ref_lse)
     o_part, m_part, _ = _run(st, q, 1, partials_only=True, **kw)
-    assert m_part.shape[-1] == min_rows and o_part.shape[-1] == min_rows, (o_part.shape, m_part.shape)
+    assert m_part.shape[-1] == min_rows and o_part.shape[1:] == (min_rows, 2, 64), (o_part.shape, m_part.shape)
 
 
 @pytest.mark.parametrize("page,edge_block_k,km", [(32, 32, True), (64, 16, False), (128, 32, True)])
@@ -213,14 +213,14 @@ def test_supported_and_dispatch_choice(monkeypatch):
                                        (3, 16, False), (4, 16, False)])
 def test_default_form_by_query_rows(tq, hq, km):
     """``keys_on_m=None``: keys on M for Tq x GQA <= `KEYS_ON_M_ROWS` query rows, queries on M above (the raw
-    partials' tile is ``[64 dims, N]`` for keys on M, N the rows padded to a power of two >= `MIN_KM_ROWS` = 8,
-    ``[64 rows, 64 dims]`` for queries on M)."""
+    partials are ``[N rows, 2 halves, 64 dims]`` per CTA for keys on M, N the rows padded to a power of two >=
+    `MIN_KM_ROWS` = 8, ``[64 rows, 2, 64]`` for queries on M)."""
     st = make_state(lens=(3, 40), first_n=4, last_n=8, d=128, heads=1, max_draft_len=3)
     q = queries(st, tq, hq)
     o, _, _ = jax.eval_shape(lambda q: _run(st, q, 1, num_splits=1, interpret=True, partials_only=True), q)
     assert decode_mgpu.MIN_KM_ROWS == 8
     rows = max(8, 1 << (tq * hq - 1).bit_length())
-    assert o.shape[1:] == ((64, rows) if km else (64, 64))
+    assert o.shape[1:] == ((rows, 2, 64) if km else (64, 2, 64))
     assert (tq * hq <= decode_mgpu.KEYS_ON_M_ROWS) == km
 
 
@@ -237,6 +237,52 @@ def test_wide_column_order():
     np.testing.assert_array_equal(decode_mgpu.to_wide(x), np.asarray(x)[:, cols])
     np.testing.assert_array_equal(decode_mgpu.from_wide(decode_mgpu.to_wide(x)), x)
     np.testing.assert_array_equal(decode_mgpu.to_wide(x, gather=True), np.asarray(x)[:, cols])
+
+
+@pytest.mark.parametrize("splits,edge_splits,rows,r_pad", [(1, 1, 1, 8), (3, 2, 5, 8), (8, 1, 32, 32), (2, 2, 6, 64)])
+def test_merge_with_edge_matches_float64(splits, edge_splits, rows, r_pad):
+    """`_merge_with_edge` (the kernel's partials summed over its splits in the layout it writes, then permuted)
+    against a float64 merge of the same partials in natural column order: the kernel's ``o [S, B, H, R, 2, 64]``
+    (`WIDE_COLUMNS` order, low domain, ``m`` in base 2) and the edge kernel's ``[Se, B, H, R', 128]``. Random
+    maxima over a wide range; a row with no key in any split (0 and -inf), rows with keys in one kernel only, padding
+    rows holding NaN."""
+    rng = np.random.default_rng(splits * 10 + rows)
+    b, h, d = 2, 3, 128
+    o = rng.normal(size=(splits, b, h, r_pad, 2, 64)).astype(np.float32)
+    m2 = rng.uniform(-30, 30, size=(splits, b, h, r_pad)).astype(np.float32)
+    l = rng.uniform(0.5, 40, size=(splits, b, h, r_pad)).astype(np.float32)
+    oe = rng.normal(size=(edge_splits, b, h, r_pad, d)).astype(np.float32)
+    me = rng.uniform(-20, 20, size=(edge_splits, b, h, r_pad)).astype(np.float32)
+    le = rng.uniform(0.5, 40, size=(edge_splits, b, h, r_pad)).astype(np.float32)
+    for a in (m2, me):                                   # (b 0, h 0, row 0): no key anywhere
+        a[:, 0, 0, 0] = -1e30
+    l[:, 0, 0, 0] = le[:, 0, 0, 0] = 0
+    o[:, 0, 0, 0] = oe[:, 0, 0, 0] = 0
+    m2[:, 1, 0], l[:, 1, 0], o[:, 1, 0] = -1e30, 0, 0    # (b 1, h 0): the edge kernel's keys only
+    me[:, 1, 1], le[:, 1, 1], oe[:, 1, 1] = -1e30, 0, 0  # (b 1, h 1): the kernel's keys only
+    o[:, :, :, rows:] = np.nan                           # padding rows are never read
+    oe[..., rows:, :] = np.nan
+    for a in (m2, l, me, le):
+        a[..., rows:] = np.nan
+    vmul = np.float32(0.37 * 2 ** -7)
+    out, lse = decode_mgpu._merge_with_edge(jnp.asarray(o), jnp.asarray(m2), jnp.asarray(l), jnp.asarray(oe),
+                                            jnp.asarray(me), jnp.asarray(le), rows=rows, vmul=vmul)
+    # float64 reference: natural columns (byte t of half c is column 2 t + c), natural log, one concatenated merge
+    nat = np.zeros((splits, b, h, rows, d))
+    nat[..., 2 * decode_mgpu.WIDE_COLUMNS] = o[:, :, :, :rows, 0].astype(np.float64)
+    nat[..., 2 * decode_mgpu.WIDE_COLUMNS + 1] = o[:, :, :, :rows, 1].astype(np.float64)
+    all_o = np.concatenate([nat * np.float64(vmul), oe[..., :rows, :]], 0)
+    all_m = np.concatenate([m2[..., :rows] / np.log2(np.e), me[..., :rows]], 0).astype(np.float64)
+    all_l = np.concatenate([l[..., :rows], le[..., :rows]], 0).astype(np.float64)
+    m_g = all_m.max(0)
+    w = np.exp(all_m - m_g)
+    l_g = (w * all_l).sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ref = np.where(l_g[..., None] > 0, (w[..., None] * all_o).sum(0) / l_g[..., None], 0.0)
+        ref_lse = np.where(l_g > 0, m_g + np.log(l_g), -np.inf)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-5, atol=1e-6)
+    _lse_close(lse, ref_lse, atol=1e-5)
+    assert (np.asarray(out[0, 0, 0]) == 0).all() and np.isneginf(np.asarray(lse[0, 0, 0]))
 
 
 def test_refuses_unsupported_configuration():
