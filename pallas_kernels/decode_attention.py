@@ -52,8 +52,8 @@ from jmixedkv.compat import pl, pltriton, triton_params
 from jmixedkv.layout import TwinGeometry, check_offsets
 from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
-__all__ = ["paged_decode_attention", "merge_partials", "group_queries", "ungroup_rows", "f16_queries",
-           "default_num_splits", "default_tuning", "NUM_SMS", "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS",
+__all__ = ["paged_decode_attention", "merge_partials", "normalize_merged", "group_queries", "ungroup_rows",
+           "f16_queries", "default_num_splits", "default_tuning", "NUM_SMS", "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS",
            "WIDE_GRID_TUNING", "VERIFY_GRID_TUNING", "interior_blocks", "pages_per_block"]
 
 NUM_SMS = 132          # H200
@@ -363,8 +363,12 @@ def merge_partials(o, m, l):
     Rows that saw no key give ``out = 0`` and ``lse = -inf``."""
     m_g = m.max(axis=0)
     w = jnp.exp(m - m_g[None])
-    l_g = (w * l).sum(axis=0)
-    o_g = (w[..., None] * o).sum(axis=0)
+    return normalize_merged((w[..., None] * o).sum(axis=0), m_g, (w * l).sum(axis=0))
+
+
+def normalize_merged(o_g, m_g, l_g):
+    """Merged sums -> ``(out, lse)``: ``out = o_g / l_g``, ``lse = m_g + log(l_g)``; rows with ``l_g == 0`` (no key
+    seen) give ``out = 0`` and ``lse = -inf``. ``o_g f32[..., D]``, ``m_g, l_g f32[...]``."""
     ok = l_g > 0
     out = jnp.where(ok[..., None], o_g / jnp.where(ok, l_g, 1.0)[..., None], 0.0)
     lse = jnp.where(ok, m_g + jnp.log(jnp.where(ok, l_g, 1.0)), -jnp.inf)

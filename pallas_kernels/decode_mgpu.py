@@ -104,7 +104,7 @@ from jax import lax
 
 from jmixedkv.layout import TwinGeometry
 from pallas_kernels.decode_attention import (LOW_DOMAIN, f16_queries, group_queries, interior_blocks,
-                                             paged_decode_attention, pages_per_block, ungroup_rows)
+                                             normalize_merged, paged_decode_attention, pages_per_block, ungroup_rows)
 from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
@@ -944,12 +944,12 @@ def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul):
     ``m2`` (base 2), ``l`` f32 ``[S, B, H, R]``; ``oe`` f32 ``[Se, B, H, R', D]`` (true scale, natural columns), ``me``,
     ``le`` f32 ``[Se, B, H, R']``; the first ``rows`` query rows are real, the rest never read. ``vmul``: the kernel's
     output scale (``gs_v * 2^-7``). -> ``(out f32[B, H, rows, D], lse f32[B, H, rows])``; a row that saw no key gives
-    0 and -inf (as `merge_partials`). The kernel's partials are weighted and summed over its splits in the layout it
-    wrote them, one XLA reduction reading them once; the column permutation and the half interleave then act within
-    each row of the ``[B, H, rows, 2, 64]`` sum. (Concatenating both kernels' partials in natural column order and
-    merging them with `merge_partials` cost a transpose of every split's tile: 11-21 us of XLA time per call at 64 x
-    4k Tq 4 on the H200, bench/RESULTS.md 2026-12-02 thirteenth; this form measured 1-3.5% less GPU time per call at
-    Tq 4 and level at Tq 1, fourteenth.)"""
+    0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials are weighted and summed over its
+    splits in the layout it wrote them, one XLA reduction reading them once; the column permutation and the half
+    interleave then act within each row of the ``[B, H, rows, 2, 64]`` sum. (Concatenating both kernels' partials
+    in natural column order and merging them with `merge_partials` cost a transpose of every split's tile: 11-21 us
+    of XLA time per call at 64 x 4k Tq 4 on the H200, bench/RESULTS.md 2026-12-02 thirteenth; this form measured
+    1-3.5% less GPU time per call at Tq 4 and level at Tq 1, fourteenth.)"""
     b, h = o.shape[1:3]
     m = m2[..., :rows] * (1.0 / _LOG2E)
     l, me, le = l[..., :rows], me[..., :rows], le[..., :rows]
@@ -958,8 +958,4 @@ def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul):
     l_g = (w * l).sum(axis=0) + (we * le).sum(axis=0)
     o_k = (w[..., None, None] * o[:, :, :, :rows]).sum(axis=0)                 # [B, H, rows, 2, 64]
     o_k = jnp.take(o_k.reshape(b, h, rows, HEAD_DIM), _KERNEL_COLUMNS, axis=-1)     # natural column order
-    o_g = o_k * vmul + (we[..., None] * oe[:, :, :, :rows]).sum(axis=0)
-    ok = l_g > 0
-    out = jnp.where(ok[..., None], o_g / jnp.where(ok, l_g, 1.0)[..., None], 0.0)
-    lse = jnp.where(ok, m_g + jnp.log(jnp.where(ok, l_g, 1.0)), -jnp.inf)
-    return out, lse
+    return normalize_merged(o_k * vmul + (we[..., None] * oe[:, :, :, :rows]).sum(axis=0), m_g, l_g)
