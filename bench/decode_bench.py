@@ -108,6 +108,25 @@ def time_jax(fn, *args, reps=10, trials=15, warmup=2):
     return float(np.median(times))
 
 
+def time_in_step(fn, *args, calls=10, lens_arg=2):
+    """Median ms per call of ``fn(*args)`` (-> one output array) run ``calls`` times inside **one** jitted loop, as
+    the layers of a model's decode step run: one executable, no dispatch per call. `time_jax` of a single call
+    also pays the runtime's cost of launching an executable: on the H200 (jax 0.11.2) 23-28 us per call at 16 x 32k
+    and 64 x 4k that ten calls in one loop do not see (5 us per call there; bench/RESULTS.md 2026-12-02
+    fifteenth). Each call's ``kv_lens`` (argument ``lens_arg``) is the previous one's plus ``isnan(out[0])`` (0 for
+    the finite outputs the grid checks), so XLA can neither hoist a call out of the loop nor merge two; the whole
+    output is carried (materialized every call). Adds one 1-element op per call."""
+    def loop(*a):
+        def body(i, carry):
+            a_ = list(a)
+            a_[lens_arg] = carry[0]
+            out = fn(*a_)
+            return carry[0] + jnp.isnan(out.reshape(-1)[0]).astype(carry[0].dtype), out
+        out0 = jax.eval_shape(fn, *a)
+        return jax.lax.fori_loop(0, calls, body, (a[lens_arg], jnp.zeros(out0.shape, out0.dtype)))
+    return time_jax(jax.jit(loop), *args) / calls
+
+
 def gpu_busy_ms(fn, *args, steps=5):
     """GPU time per call of ``fn(*args)``, ms: the kernels' busy time in a jax profiler trace
     (`step_bench.gpu_kernel_profile`), without the host's dispatch; None off the GPU. `time_jax` of a small shape
@@ -680,6 +699,7 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
         raise FloatingPointError("mixed: non-finite output")
     row["mixed_ms"] = time_jax(fn, q, pt, lens, ht, low, high)
     row["mixed_gpu_ms"] = gpu_busy_ms(fn, q, pt, lens, ht, low, high)
+    fns = dict(mixed=fn)
 
     def mgpu():
         mg = jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
@@ -690,10 +710,16 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
             raise ValueError(f"mgpu output differs from the Triton kernel's by {rel:.2e}")
         ms = time_jax(mg, q, pt, lens, ht, low, high)
         row["mgpu_gpu_ms"] = gpu_busy_ms(mg, q, pt, lens, ht, low, high)
+        fns["mgpu"] = mg
         return ms
     if USE_MGPU and decode_mgpu.supported(head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=high.rows.dtype):
         _method(row, "mgpu", mgpu)
-    del low, high
+    # what `jm.decode_attention` runs here: the Mosaic GPU kernel where `decode_mgpu.preferred` picks it
+    use_mgpu = row.get("mgpu_ms") is not None and decode_mgpu.preferred(
+        head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=jnp.bfloat16, interpret=INTERPRET)
+    row["default"] = "mgpu" if use_mgpu else "mixed"
+    row["default_step_ms"] = time_in_step(fns[row["default"]], q, pt, lens, ht, low, high)
+    del low, high, fns
 
     def jax_pa():   # 128-token compute blocks: 8 pages of 16 or 2 of 64 (8 x 64 needs 276 KB of shared memory)
         kp, vp = jax_layout_pages(jax.random.fold_in(key, 4), b, ctx)
@@ -707,17 +733,17 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
     for other in ("cudnn", "flash", "jax_pa", "mgpu"):
         if row.get(f"{other}_ms"):
             row[f"{other}_over_mixed"] = row[f"{other}_ms"] / row["mixed_ms"]
-    # what `jm.decode_attention` runs here: the Mosaic GPU kernel where `decode_mgpu.preferred` picks it
-    use_mgpu = row.get("mgpu_ms") is not None and decode_mgpu.preferred(
-        head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=jnp.bfloat16, interpret=INTERPRET)
-    row["default"] = "mgpu" if use_mgpu else "mixed"
     row["default_ms"] = row[f"{row['default']}_ms"]
     row["default_vs_nvfp4_floor"] = row["default_ms"] / row["floor_nvfp4_ms"]
     row["default_gpu_ms"] = row.get(f"{row['default']}_gpu_ms")
+    if row["default_step_ms"]:
+        row["default_step_vs_nvfp4_floor"] = row["default_step_ms"] / row["floor_nvfp4_ms"]
     # end to end well above the GPU's busy time: the host's dispatch, not the kernels, sets the call's time
     row["host_bound"] = bool(row["default_gpu_ms"] and row["default_ms"] > 1.25 * row["default_gpu_ms"])
     if row.get("cudnn_ms"):
         row["cudnn_over_default"] = row["cudnn_ms"] / row["default_ms"]
+        if row["default_step_ms"]:
+            row["cudnn_over_default_step"] = row["cudnn_ms"] / row["default_step_ms"]
     return row
 
 
@@ -733,19 +759,67 @@ def _method(row, name, thunk):
 def grid_table(rows):
     """``mixed``: the Triton kernel; ``mgpu``: the Mosaic GPU kernel; ``dflt``: the one `jm.decode_attention` runs
     (``*`` marks the Mosaic GPU kernel; ``h`` a host-bound call: end to end > 1.25x its GPU time); ``dflt GPU``:
-    its GPU busy time (`gpu_busy_ms`); the ratios are of the default's end-to-end time."""
+    its GPU busy time (`gpu_busy_ms`); ``step``: its time per call inside one jitted loop of 10 (`time_in_step`);
+    ``dflt/fl4`` and ``cuDNN/dflt`` are of the default's end-to-end time, ``step/fl4`` and ``cuDNN/step`` of its
+    in-step time."""
     head = (f"{'pg':>3} {'gqa':>3} {'tq':>2} {'B x ctx':>11} {'mixed':>7} {'mgpu':>7} {'dflt':>9} {'dflt GPU':>8} "
-            f"{'cuDNN':>7} {'flash':>7} {'jaxPA':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'dflt/fl4':>8} {'cuDNN/dflt':>10}")
+            f"{'step':>7} {'cuDNN':>7} {'flash':>7} {'jaxPA':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'dflt/fl4':>8} "
+            f"{'step/fl4':>8} {'cuDNN/dflt':>10} {'cuDNN/step':>10}")
     lines = [head]
     for r in rows:
         f = lambda k: fmt(r.get(k), 7)  # noqa: E731
         mark = ("*" if r.get("default") == "mgpu" else " ") + ("h" if r.get("host_bound") else " ")
         lines.append(f"{r['page']:>3} {r['gqa']:>3} {r['tq']:>2} {r['batch']:>4} x {r['context'] // 1024:>4}k "
                      f"{f('mixed_ms')} {f('mgpu_ms')} {f('default_ms')}{mark} {fmt(r.get('default_gpu_ms'), 8)} "
-                     f"{f('cudnn_ms')} {f('flash_ms')} "
+                     f"{f('default_step_ms')} {f('cudnn_ms')} {f('flash_ms')} "
                      f"{f('jax_pa_ms')} {f('floor_nvfp4_ms')} {f('floor_bf16_ms')} "
-                     f"{fmt(r.get('default_vs_nvfp4_floor'), 8)} {fmt(r.get('cudnn_over_default'), 10)}"
+                     f"{fmt(r.get('default_vs_nvfp4_floor'), 8)} {fmt(r.get('default_step_vs_nvfp4_floor'), 8)} "
+                     f"{fmt(r.get('cudnn_over_default'), 10)} {fmt(r.get('cudnn_over_default_step'), 10)}"
                      + (f"  {r['error']}" if r.get("error") else ""))
+    return "\n".join(lines)
+
+
+#: issue 18's targets, by the default's time ``key``: 16 x 32k at <= 1.5x the NVFP4 bytes floor; every row with
+#: >= 512k tokens (batch x context) at <= 1.8x; every row with >= 128k tokens faster than cuDNN SDPA over bf16
+TARGET_16X32K, TARGET_512K, TOKENS_512K, TOKENS_128K = 1.5, 1.8, 512 * 1024, 128 * 1024
+
+
+def grid_targets(rows, key="default_ms"):
+    """Issue 18's three targets counted over grid ``rows`` by the default kernel's ``key`` time (``default_ms`` end
+    to end, ``default_step_ms`` in one executable, ``default_gpu_ms`` GPU busy): ``{"16x32k": (met, of),
+    "512k": (met, of), "cudnn_128k": (met, of), "misses": {target: [(batch, context, gqa, page, tq, value)]}}``,
+    values the ratio to the floor (16 x 32k, 512k) or cuDNN / default. Rows without the time are not counted."""
+    out = {"misses": {"16x32k": [], "512k": [], "cudnn_128k": []}}
+    checks = (("16x32k", lambda r: r["batch"] == 16 and r["context"] == 32768,
+               lambda r: r[key] / r["floor_nvfp4_ms"], lambda v: v <= TARGET_16X32K),
+              ("512k", lambda r: r["batch"] * r["context"] >= TOKENS_512K,
+               lambda r: r[key] / r["floor_nvfp4_ms"], lambda v: v <= TARGET_512K),
+              ("cudnn_128k", lambda r: r["batch"] * r["context"] >= TOKENS_128K and r.get("cudnn_ms"),
+               lambda r: r["cudnn_ms"] / r[key], lambda v: v > 1.0))
+    for name, applies, value, ok in checks:
+        met = total = 0
+        for r in rows:
+            if not r.get(key) or not applies(r):
+                continue
+            v = value(r)
+            total += 1
+            if ok(v):
+                met += 1
+            else:
+                out["misses"][name].append((r["batch"], r["context"], r["gqa"], r["page"], r["tq"], round(v, 3)))
+        out[name] = (met, total)
+    return out
+
+
+def targets_text(rows):
+    """Lines counting issue 18's targets (`grid_targets`) by end-to-end, in-step and GPU busy time."""
+    lines = []
+    for key, label in (("default_ms", "end to end"), ("default_step_ms", "in a step"),
+                       ("default_gpu_ms", "GPU busy")):
+        t = grid_targets(rows, key)
+        lines.append(f"targets by {label}: 16 x 32k <= {TARGET_16X32K}x floor {t['16x32k'][0]}/{t['16x32k'][1]}; "
+                     f">= 512k tokens <= {TARGET_512K}x {t['512k'][0]}/{t['512k'][1]}; faster than cuDNN at "
+                     f">= 128k tokens {t['cudnn_128k'][0]}/{t['cudnn_128k'][1]}")
     return "\n".join(lines)
 
 
@@ -785,7 +859,8 @@ def merge_grids(results, order=None):
     """Join grid results (the JSON dicts of shards of one grid) into one, rows in ``order`` (the grid's run
     order, `grid_order`; default: the shards' rows as listed). Refuses shards measured on different devices or
     versions (the rows would not be side by side) and a row measured twice. Each row keeps the copy bandwidth its
-    shard measured (``copy_bandwidth_tbs``); the merged header gives their range."""
+    shard measured (``copy_bandwidth_tbs``); the merged header gives their range. A row one shard skipped (time
+    budget) and another measured (a re-run of the skipped rows) is not listed as skipped."""
     if not results:
         raise ValueError("merge: no grid results given")
     keys = ("device", "jax", "triton", "torch", "heads", "head_dim", "first_n", "last_n", "layers")
@@ -813,7 +888,7 @@ def merge_grids(results, order=None):
     out.update(date=min(x["date"] for x in results), shards=len(results), copy_bandwidth_tbs=min(bws),
                copy_bandwidth_range_tbs=[min(bws), max(bws)],
                copy_bandwidth_how="; ".join(sorted({x.get("copy_bandwidth_how", "") for x in results})),
-               rows=rows, skipped=[s for x in results for s in x.get("skipped", [])])
+               rows=rows, skipped=[s for x in results for s in x.get("skipped", []) if tuple(s) not in seen])
     return out
 
 
@@ -833,6 +908,7 @@ def merge_main(args):
           f"copy bandwidth {merged['copy_bandwidth_range_tbs'][0]:.2f}-{merged['copy_bandwidth_range_tbs'][1]:.2f} "
           f"TB/s ({merged['shards']} shards)")
     print(grid_table(merged["rows"]))
+    print(targets_text(merged["rows"]))
     if merged["skipped"]:
         print(f"not run (time budget): {merged['skipped']}")
     print(f"wrote {path}")
@@ -863,6 +939,7 @@ def grid_main(args, torch, bw, bw_how, info):
             json.dump(result, f, indent=1, default=str)
     text = grid_table(result["rows"])
     print(text)
+    print(targets_text(result["rows"]))
     if result["skipped"]:
         print(f"not run (time budget {args.budget_s:.0f}s): {result['skipped']}")
     with open(path, "w") as f:

@@ -55,6 +55,16 @@ def test_merge_puts_rows_in_grid_order_and_keeps_each_bandwidth():
     assert {r["copy_bandwidth_tbs"] for r in m["rows"]} == {4.20, 4.26}
 
 
+def test_merge_lists_as_skipped_only_rows_no_shard_measured():
+    order = db.grid_order("16,64", "4096", "4/16/1,8/64/4")
+    first = _shard(order[:2], 4.25)
+    first["skipped"] = [list(r) for r in order[2:]]          # the time budget cut the last two rows
+    rerun = _shard(order[2:3], 4.24)                          # a later call measured one of them
+    m = db.merge_grids([first, rerun], order)
+    assert m["skipped"] == [list(order[3])]
+    assert len(m["rows"]) == 3
+
+
 def test_merge_refuses_other_devices_and_duplicate_rows():
     order = db.grid_order("1", "4096", "4/16/1,4/16/4")
     with pytest.raises(ValueError, match="A100"):
@@ -80,3 +90,24 @@ def test_main_merge_writes_one_grid(tmp_path, capsys):
     assert "2 shards" in out and "   1 x    4k" in out and "  16 x    4k" in out
     with pytest.raises(SystemExit):
         db.main(["--merge", *paths, "--out", str(tmp_path), "--shard", "5/2"])
+
+
+def _row(b, c, ms, floor, cudnn=None, **kw):
+    return dict(batch=b, context=c, gqa=4, page=16, tq=1, default_ms=ms, floor_nvfp4_ms=floor, cudnn_ms=cudnn, **kw)
+
+
+def test_grid_targets_counts_each_target_by_the_chosen_time():
+    rows = [_row(16, 32768, 0.20, 0.144, 0.49, default_step_ms=0.21),     # 1.39x floor, faster than cuDNN
+            _row(16, 32768, 0.30, 0.144, 0.49, default_step_ms=0.22),     # 2.08x end to end, 1.53x in a step
+            _row(64, 131072, 4.20, 2.30, 8.30),                           # 1.83x: a 512k miss; no step time
+            _row(64, 4096, 0.33, 0.079, 0.265, default_step_ms=0.30),     # 256k tokens: slower than cuDNN (0.80x)
+            _row(1, 4096, 0.10, 0.001, 0.05)]                             # 4k tokens: in no target
+    t = db.grid_targets(rows)
+    assert t["16x32k"] == (1, 2) and t["512k"] == (1, 3) and t["cudnn_128k"] == (3, 4)
+    assert t["misses"]["16x32k"] == [(16, 32768, 4, 16, 1, 2.083)]
+    assert t["misses"]["512k"] == [(16, 32768, 4, 16, 1, 2.083), (64, 131072, 4, 16, 1, 1.826)]
+    assert t["misses"]["cudnn_128k"] == [(64, 4096, 4, 16, 1, 0.803)]
+    s = db.grid_targets(rows, "default_step_ms")              # rows without the time are not counted
+    assert s["16x32k"] == (1, 2) and s["512k"] == (2, 2) and s["cudnn_128k"] == (2, 3)
+    assert s["misses"]["16x32k"] == [(16, 32768, 4, 16, 1, 1.528)]
+    assert "in a step: 16 x 32k <= 1.5x floor 1/2" in db.targets_text(rows)
