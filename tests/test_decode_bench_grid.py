@@ -111,3 +111,20 @@ def test_grid_targets_counts_each_target_by_the_chosen_time():
     assert s["16x32k"] == (1, 2) and s["512k"] == (2, 2) and s["cudnn_128k"] == (2, 3)
     assert s["misses"]["16x32k"] == [(16, 32768, 4, 16, 1, 1.528)]
     assert "in a step: 16 x 32k <= 1.5x floor 1/2" in db.targets_text(rows)
+
+
+def test_time_in_step_runs_every_call_inside_one_executable():
+    """`time_in_step`: ten calls per execution of its jitted loop (none hoisted or merged: a host callback in ``fn``
+    fires once per call), each reading the ``kv_lens`` argument; returns ms per call."""
+    import jax
+    import jax.numpy as jnp
+    calls = []
+
+    def fn(q, pt, lens):
+        jax.debug.callback(lambda n: calls.append(int(n)), lens[0])
+        return q * lens[0].astype(q.dtype)
+
+    ms = db.time_in_step(fn, jnp.ones((2, 4), jnp.float32), jnp.zeros((2, 3), jnp.int32), jnp.full((2,), 7, jnp.int32))
+    assert ms > 0
+    executions = 2 + 15 * 10                     # `time_jax`: 2 warm-up calls, then 15 trials of 10
+    assert len(calls) == 10 * executions and set(calls) == {7}
