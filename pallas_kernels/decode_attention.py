@@ -348,11 +348,16 @@ def ungroup_rows(out, lse, tq: int, group: int):
     return out, lse
 
 
-def f16_queries(qf):
+def f16_queries(qf, rows_share_shift: bool = False):
     """float32 query rows ``[..., D]`` -> ``(rows * 2^shift in f16, shift i32[...])``: each row scaled by a power of
     two into ``[2^7, 2^8)`` (exact) for the f16 dot with low-domain NVFP4 rows; the caller applies ``2^-shift`` to
-    the float32 logits."""
-    _, ex = jnp.frexp(jnp.max(jnp.abs(qf), axis=-1))
+    the float32 logits. ``rows_share_shift``: one shift for all rows of ``qf[..., R, D]`` (the largest row's), so
+    that the logits' multiplier is one number per ``[R, D]`` group (a row 2^k smaller than the largest then has 2^k
+    less room above f16's subnormals: its elements below 2^(-22 + k) of its largest lose bits)."""
+    amax = jnp.max(jnp.abs(qf), axis=-1)
+    if rows_share_shift:
+        amax = jnp.broadcast_to(jnp.max(amax, axis=-1, keepdims=True), amax.shape)
+    _, ex = jnp.frexp(amax)
     shift = 8 - ex
     return jnp.ldexp(qf, shift[..., None]).astype(jnp.float16), shift
 

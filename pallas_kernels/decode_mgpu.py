@@ -50,7 +50,11 @@ Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_RO
 the query rows padded only to N = 8 / 16 / 32 / 64 (`MIN_KM_ROWS`), the softmax down the columns (``l`` kept as
 per-thread partial sums, summed once in the epilogue), ``O^T += V^T P^T`` with V^T a transposed shared-memory view
 (V's f16 tile and P^T share the swizzle of one P^T row, ``2 N`` bytes; at N = 8 P is stored as ``[8, 64]`` at 128
-bytes); *queries on M* above (query rows padded to wgmma's M = 64, P from registers).
+bytes); *queries on M* above (query rows padded to wgmma's M = 64, P from registers). In the keys-on-M form a CTA's
+query rows share one power-of-two shift into f16, so the logits' multiplier is one scalar (folded into the
+exponential's FMA), each thread keeps one ``l`` partial per key-row pair (`_l_update_inline`), and at N >= 32 and
+pages <= 32 K's two column halves are dequantized in turn (`default_qk_in_turn`): 163 -> 128 registers at N = 32,
+3 -> 4 CTAs per SM, kernel 4-5% faster on the H200 (bench/RESULTS.md, 2026-12-02 sixteenth).
 
 Work split
 * **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* blocks of each sequence
@@ -77,7 +81,7 @@ Work split
 Numerics are the Triton kernel's (see its docstring): a NVFP4 element dequantizes to
 ``(e2m1 * 2^-14) * (f16(s) * 2^7) = e2m1 * s * 2^-7`` in f16 **exactly** (the *low domain*, ``x / (gs * 2^7)``);
 ``gs`` and ``sm_scale`` are applied to the f32 logits (per query row, with the power-of-two row scaling of q into
-f16) and to the f32 output. Columns are kept as ``[even | odd]`` halves (low / high nibbles), each half in
+f16; keys on M: one scaling per CTA, `f16_queries`' ``rows_share_shift``) and to the f32 output. Columns are kept as ``[even | odd]`` halves (low / high nibbles), each half in
 `WIDE_COLUMNS` order; q is permuted to match and the output permuted back outside.
 
 CPU CI: ``interpret=True`` runs the same kernel body in the Mosaic GPU interpreter
@@ -109,7 +113,8 @@ from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
            "KERNEL_ENV", "KEYS_ON_M_ROWS", "WIDE_COLUMNS", "default_edge_splits", "MAX_SPLIT_BLOCKS",
-           "default_edge_block_k", "EDGE_BLOCK_K", "EDGE_WARPS"]
+           "default_edge_block_k", "EDGE_BLOCK_K", "EDGE_WARPS", "default_qk_in_turn", "IN_TURN_ROWS",
+           "IN_TURN_MAX_PAGE"]
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
 CHUNK = 16               # tokens under one row of scale bytes in a TMA box (16 x 8 scales), the smallest page
@@ -142,6 +147,17 @@ MAX_SPLIT_BLOCKS = 128
 #: 64 x 4k GQA 8 level (54.6 / 56.1). 16-token steps where they measured faster: `default_edge_block_k`.
 EDGE_BLOCK_K = 32
 EDGE_WARPS = 4
+#: the keys-on-M form's row multiplier (``sm_scale log2(e) gs_k 2^-7 2^-shift``, one number per CTA: its query rows
+#: share one shift, `f16_queries`) goes in as a vector of this many equal floats (a warpgroup's copy moves >= 128 bytes)
+RM_VECTOR = 32
+#: the keys-on-M form dequantizes K's two column halves in turn (the first half's wgmma waited on before the second
+#: half is dequantized: fewer registers live) at this many query rows or more and pages of at most `IN_TURN_MAX_PAGE`
+#: tokens (`default_qk_in_turn`). On the H200 (bench/RESULTS.md, 2026-12-02 sixteenth; ptxas, ncu, same-run A/B of
+#: the kernel) at N = 32, page 16: 139 -> 128 registers, 3 -> 4 CTAs per SM, kernel 4-5% faster (16 x 32k Tq 4 x GQA
+#: 8: 0.363 -> 0.349 ms); page 32 3% faster; page 64 compiled to 135 registers (still 3 CTAs), and pages 64 / 128 ran
+#: 4-6% slower; at N = 8 / 16 (95 -> 80, 109 -> 96 registers, no CTA gained) 4-5% slower
+IN_TURN_ROWS = 32
+IN_TURN_MAX_PAGE = 32
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
@@ -209,12 +225,13 @@ prmt.b32 $1, a, 0, 0x3232;
 }"""
 
 
-def _dequant_inline(b_ref, s_ref):
+def _dequant_inline(b_ref, s_ref, halves=("lo", "hi")):
     """Compiled path: packed bytes ``u8[nb, box, 64]`` + scales ``e4m3[nb, box / 16, 128]`` (the block's 64 tokens as
     ``nb`` TMA boxes of ``box`` tokens; token ``t`` of a box has its 8 scales at flat ``t * 8``) in shared memory ->
     ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout, columns in
     `WIDE_COLUMNS` order, low domain ``e2m1 * s * 2^-7`` (exact). Per thread and row: one 16-byte load of packed
-    bytes, one 2-byte load of scales, then `E2M1_F16_PTX` per 4 bytes (~2 instructions per element)."""
+    bytes, one 2-byte load of scales, then `E2M1_F16_PTX` per 4 bytes (~2 instructions per element). ``halves``:
+    the ones to return (``("lo",)``: the even columns only, half the conversions; the loads are the same)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgu
@@ -223,7 +240,7 @@ def _dequant_inline(b_ref, s_ref):
 
     out_t = plgpu.ShapeDtypeStruct((BLOCK_K, HEAD_DIM // 2), jnp.float16, layout=plgpu.Layout.WGMMA)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=(out_t, out_t))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=tuple(out_t for _ in halves))
     def body(ctx, b, s):
         del ctx
         layout = fa.WGMMA_LAYOUT
@@ -232,8 +249,7 @@ def _dequant_inline(b_ref, s_ref):
         idx_t = ir.IndexType.get()
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
         reg_shape = layout.registers_shape(shape)
-        lo = np.empty(reg_shape, dtype=object)
-        hi = np.empty(reg_shape, dtype=object)
+        outs = {h_: np.empty(reg_shape, dtype=object) for h_ in halves}
         ci = lambda v: arith.constant(i32, v)  # noqa: E731
         contig = (shape[1], 1)
         tile_strides = layout.tiling.tile_strides(contig)
@@ -247,7 +263,7 @@ def _dequant_inline(b_ref, s_ref):
         b_vec = ir.VectorType.get((16,), ir.MemRefType(b.type).element_type)
         words_t = ir.VectorType.get((4,), i32)
         struct2 = ir.Type.parse("!llvm.struct<(i32, i32)>")
-        regs = {}                                                             # (row offset, j) -> (lo, hi)
+        regs = {}                                                             # (row offset, j) -> {half: f16x2}
         box = ir.MemRefType(b.type).shape[1]
         for r_off in (0, 8):
             row = arith.addi(row0, ci(r_off))
@@ -264,27 +280,27 @@ def _dequant_inline(b_ref, s_ref):
             for k in range(4):                                                # word k: columns j = 2k, 2k + 1
                 w = vector.extract(words, [], [k])
                 f = sc[k // 2]
-                pair = [llvm.inline_asm(struct2, [w, f, f], E2M1_F16_PTX[h], "=r,=r,r,r,r", has_side_effects=False)
-                        for h in ("lo", "hi")]
+                pair = {h: llvm.inline_asm(struct2, [w, f, f], E2M1_F16_PTX[h], "=r,=r,r,r,r",
+                                           has_side_effects=False) for h in halves}
                 for e in (0, 1):
-                    regs[(r_off, 2 * k + e)] = tuple(
-                        mgu.bitcast(llvm.extractvalue(i32, p_, [e]), f16x2) for p_ in pair)
+                    regs[(r_off, 2 * k + e)] = {h: mgu.bitcast(llvm.extractvalue(i32, p_, [e]), f16x2)
+                                                for h, p_ in pair.items()}
         for reg_idx in np.ndindex(reg_shape):
             lin = sum(i * st_ for i, st_ in zip(reg_idx, tile_strides))
             r_off, c_off = divmod(lin, shape[1])
-            lo[reg_idx], hi[reg_idx] = regs[(r_off, c_off // 8)]
-        return (mgpu.FragmentedArray(_registers=lo, _layout=layout, _is_signed=None),
-                mgpu.FragmentedArray(_registers=hi, _layout=layout, _is_signed=None))
+            for h_ in halves:
+                outs[h_][reg_idx] = regs[(r_off, c_off // 8)][h_]
+        return tuple(mgpu.FragmentedArray(_registers=outs[h_], _layout=layout, _is_signed=None) for h_ in halves)
 
     return body(b_ref, s_ref)
 
 
-def _dequant_jnp(b_ref, s_ref):
+def _dequant_jnp(b_ref, s_ref, halves=("lo", "hi")):
     """Interpret path: the same exact arithmetic in jnp, the same column order."""
     sc = s_ref[...].reshape(BLOCK_K, 8).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
     sc = jnp.repeat(sc, 8, axis=1)                                            # [64, 64]
     lo, hi = (x * sc for x in e2m1_f16_halves(b_ref[...].reshape(BLOCK_K, -1)))   # [64, 64] each
-    return to_wide(lo), to_wide(hi)
+    return tuple(to_wide(dict(lo=lo, hi=hi)[h]) for h in halves)
 
 
 def _key_max_inline(s, red_ref):
@@ -332,6 +348,38 @@ def _key_max_inline(s, red_ref):
 
     ret = plgpu.ShapeDtypeStruct((s.shape[1],), jnp.float32, layout=out_layout)
     return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()), return_type=ret)(body)(s, red_ref)
+
+
+def _l_update_inline(l, alpha, p):
+    """Compiled path, keys on M: ``l * alpha + p`` for ``l``, the ``[64 keys, N]`` tile of per-thread partial sums
+    (WGMMA layout; ``alpha`` ``[N]`` in ``WGMMA.reduce(0)``, ``p`` like ``l``), with each thread's two key rows
+    (``16 warp + lane / 4`` and ``+ 8``) summed into the first and the second left zero: the loop then carries half of
+    ``l``'s registers (the compiler folds a loop-carried zero), and the sum over the keys after the loop is the
+    same sum."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+
+    def body(ctx, l_, a_, p_):
+        del ctx
+        regs_l, regs_p, regs_a = l_.registers, p_.registers, a_.registers
+        cols = l_.shape[1]
+        assert regs_l.shape == (1, cols // 8, 1, 1, 2, 1, 1, 1, 1), regs_l.shape
+        f32 = ir.F32Type.get()
+        vec_t = ir.VectorType.get((2,), f32)
+        zero = arith.constant(vec_t, ir.DenseElementsAttr.get_splat(vec_t, ir.FloatAttr.get(f32, 0.0)))
+        out = np.empty(regs_l.shape, dtype=object)
+        for j in range(cols // 8):
+            i0, i1 = (0, j, 0, 0, 0, 0, 0, 0, 0), (0, j, 0, 0, 1, 0, 0, 0, 0)
+            acc = arith.addf(arith.mulf(regs_l[i0], regs_a[j, 0, 0]), regs_p[i0])
+            out[i0] = arith.addf(acc, regs_p[i1])
+            out[i1] = zero
+        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    ret = plgpu.ShapeDtypeStruct(l.shape, jnp.float32, layout=plgpu.Layout.WGMMA)
+    return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA),
+                             return_type=ret)(body)(l, alpha, p)
 
 
 def _store_keys_minor(p, p_ref):
@@ -410,9 +458,10 @@ def _store_transposed(acc, o_ref):
 
 # ----------------------------------------------------------------------------- kernel
 def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_heads, batch, interpret, keys_on_m=False,
-                 n_rows=M_ROWS):
+                 n_rows=M_ROWS, qk_in_turn=False):
     """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form (`KEYS_ON_M_ROWS`) with
-    ``n_rows`` query rows (8 / 16 / 32 / 64) on the wgmma N side."""
+    ``n_rows`` query rows (8 / 16 / 32 / 64) on the wgmma N side, its row multiplier one scalar per CTA;
+    ``qk_in_turn``: there, K's column halves dequantized in turn (`IN_TURN_ROWS`)."""
     bk, half = BLOCK_K, HEAD_DIM // 2
     p_keys_minor = keys_on_m and n_rows < 16 and not interpret     # P stored as [N, keys] (`MIN_KM_ROWS`)
     wgmma_layout = plgpu.Layout.WGMMA
@@ -436,7 +485,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                q_smem, rm_smem, pt_smem, kvb, kvs, k16, v16, p_smem, o_smem, ml_smem, red_smem,
                bar_q, bar_pt, bar_kv):
         # compiled: o_smem (used only after the loop) aliases the K tile (queries on M) or the V tile and the row
-        # multipliers (keys on M; those are loaded into registers before the loop)
+        # multiplier (keys on M; read into a register before the loop)
         if rm_smem is None:
             v16, o_smem, rm_smem = v16
         elif o_smem is None:
@@ -454,7 +503,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
         end = jnp.minimum(start + per, n_blk)
         nblk = jnp.maximum(end - start, 0)
 
-        # q (permuted [even | odd] halves, f16 low domain), row multipliers, this split's page ids
+        # q (permuted [even | odd] halves, f16 low domain), row multiplier(s), this split's page ids
         plgpu.copy_gmem_to_smem(q_ref.at[bh], q_smem, bar_q.at[0])
         plgpu.copy_gmem_to_smem(rowmul_ref.at[bh], rm_smem, bar_q.at[0])
         # the split's page ids from the 16-byte aligned column (a multiple of 4 ids) at or below its first page: a
@@ -502,22 +551,25 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                 issue_from_one_warp(start + i, i, i32(i))
 
         plgpu.barrier_wait(bar_q.at[0])
-        # [M] f32, includes log2(e); keys on M: [64 keys, N] (the same row on every key: a per-query vector of
-        # 16 floats is 64 bytes, which a warpgroup cannot load in one go)
-        rowmul = rm_smem[...] if interpret else _load(rm_smem, wgmma_layout if keys_on_m else row_layout)
+        # includes log2(e): [M] f32 (queries on M), one f32 (keys on M: the query rows share one shift; a [64, N]
+        # tile of it held 16 registers per thread at N = 32)
+        rowmul = rm_smem[0] if keys_on_m else rm_smem[...] if interpret else _load(rm_smem, row_layout)
 
-        def softmax_step(s, m_i, l_i, accs, kax, m_new=None):
+        def softmax_step(s, m_i, l_i, accs, kax, m_new=None, s_mul=None):
             """Online softmax (base 2) of one block's scores ``s`` (no mask: interior blocks only), keys along axis
-            ``kax``, the accumulators ``accs`` rescaled; ``m_new``: the new running maximum when the caller has it.
+            ``kax``, the accumulators ``accs`` rescaled; ``m_new``: the new running maximum when the caller has it;
+            ``s_mul``: a multiplier of ``s`` not yet applied (folded into the exponential's argument).
             -> ``(p, m_new, l_new, accs)``. Keys on M (``kax`` 0): ``l`` is a ``[64 keys, N]`` tile of per-thread
             partial sums, summed over the keys once in the epilogue (no cross-warp reduction per block for it; the
-            max needs one)."""
+            max needs one); compiled, each thread keeps its two key rows' sums in one (`_l_update_inline`)."""
             qax = 1 - kax
             if m_new is None:
                 m_new = jnp.maximum(m_i, s.max(axis=kax))
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [qax]))
-            if kax == 0:
+            p = jnp.exp2((s if s_mul is None else s * s_mul) - lax.broadcast_in_dim(m_new, s.shape, [qax]))
+            if kax == 0 and not interpret:
+                l_new = _l_update_inline(l_i, alpha, p)
+            elif kax == 0:
                 l_new = l_i * lax.broadcast_in_dim(alpha, s.shape, [qax]) + p
             else:
                 l_new = l_i * alpha + p.sum(axis=kax)
@@ -559,7 +611,10 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             acc_lo, acc_hi, m_i, l_i = carry
             slot, prefetch = ring(i)
             plgpu.barrier_wait(bar_kv.at[slot])
-            klo, khi = dequant(kvb.at[slot, :, 0], kvs.at[slot, :, 0])
+            k_b, k_s = kvb.at[slot, :, 0], kvs.at[slot, :, 0]
+            in_turn = qk_in_turn and not interpret
+            if not in_turn:
+                klo, khi = dequant(k_b, k_s)
             if interpret:       # the interpreter's wgmma takes operands from shared memory only
                 k16.at[0][...] = klo
                 k16.at[1][...] = khi
@@ -568,15 +623,23 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                 if interpret:
                     plgpu.wgmma(acc_ref, k16.at[0], q_smem.at[0])
                     plgpu.wgmma(acc_ref, k16.at[1], q_smem.at[1])
+                elif in_turn:   # one half's registers live at a time
+                    plgpu.wgmma(acc_ref, dequant(k_b, k_s, ("lo",))[0], _transposed(q_smem.at[0]))
+                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma(acc_ref, dequant(k_b, k_s, ("hi",))[0], _transposed(q_smem.at[1]))
                 else:
                     plgpu.wgmma(acc_ref, klo, _transposed(q_smem.at[0]))
                     plgpu.wgmma(acc_ref, khi, _transposed(q_smem.at[1]))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32)) * rowmul   # [keys, N]
-            m_new = jnp.maximum(m_i, s.max(axis=0) if interpret else _key_max_inline(s, red_smem))
+            s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32))      # [keys, N]
+            # the row multiplier is one positive scalar: applied to the maximum, then inside the exponential's
+            # argument (s * rowmul - m: one FMA per element)
+            s_max = s.max(axis=0) if interpret else _key_max_inline(s, red_smem)
+            m_new = jnp.maximum(m_i, s_max * rowmul)
             prefetch()
-            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, m_i, l_i, (acc_lo, acc_hi), 0, m_new=m_new)
+            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, m_i, l_i, (acc_lo, acc_hi), 0, m_new=m_new,
+                                                             s_mul=rowmul)
             vlo, vhi = dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1])
             if interpret:       # V^T stored as such (no transposed operands in the interpreter)
                 vlo, vhi = vlo.T, vhi.T
@@ -695,6 +758,13 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     return int(max(1, min(splits, max_blocks, 64)))
 
 
+def default_qk_in_turn(n_rows: int, page: int) -> bool:
+    """Whether the keys-on-M form with ``n_rows`` query rows on wgmma's N side dequantizes K's column halves in turn
+    at pages of ``page`` tokens: where that took the kernel to 128 registers or fewer and a fourth CTA per SM on the
+    H200 (`IN_TURN_ROWS`, `IN_TURN_MAX_PAGE`)."""
+    return n_rows >= IN_TURN_ROWS and page <= IN_TURN_MAX_PAGE
+
+
 def default_edge_splits(batch: int, num_kv_heads: int) -> int:
     """Split-K programs of the Triton kernel that attends the edge blocks (`paged_decode_attention_mgpu`'s
     ``edge_splits``): its splits cut a sequence's blocks in equal ranges and skip the interior in each, so with 2 the
@@ -757,14 +827,15 @@ def preferred(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
 
 @functools.partial(jax.jit, static_argnames=(
     "geom", "sm_scale", "num_splits", "stages", "interpret", "out_dtype",
-    "partials_only", "keys_on_m", "min_km_rows", "edge_splits", "edge_block_k", "edge_warps"))
+    "partials_only", "keys_on_m", "min_km_rows", "edge_splits", "edge_block_k", "edge_warps", "qk_in_turn"))
 def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=None, high_table=None, *,
                                 geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
                                 num_splits: Optional[int] = None,
                                 stages: int = 2, interpret: bool = False, out_dtype=None,
                                 partials_only: bool = False, keys_on_m: Optional[bool] = None,
                                 min_km_rows: Optional[int] = None, edge_splits: Optional[int] = None,
-                                edge_block_k: Optional[int] = None, edge_warps: Optional[int] = None):
+                                edge_block_k: Optional[int] = None, edge_warps: Optional[int] = None,
+                                qk_in_turn: Optional[bool] = None):
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
 
     Same arguments and result as `pallas_kernels.decode_attention.paged_decode_attention` for the configurations
@@ -773,8 +844,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
     in flight; 3 measured 0-7% slower than 2 on the H200 with keys on M, bench/RESULTS.md, 2026-12-01, fifth).
     ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`); ``min_km_rows``: its fewest query
-    rows on wgmma's N side, 8 or 16 (None: `MIN_KM_ROWS`). Returns ``(out [B, Tq, Hq, 128], lse f32[B, Tq, Hq])``;
-    ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
+    rows on wgmma's N side, 8 or 16 (None: `MIN_KM_ROWS`); ``qk_in_turn``: there, K's column halves dequantized in
+    turn (None: `default_qk_in_turn`; the same products in the same order either way). Returns ``(out [B, Tq, Hq,
+    128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     ``edge_splits``, ``edge_block_k``, ``edge_warps``: split-K programs, tokens per step (a divisor of `BLOCK_K`)
     and warps of the Triton kernel that attends the edge blocks (None: `default_edge_splits`,
     `default_edge_block_k`, `EDGE_WARPS`).
@@ -817,7 +889,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     km = tq * group <= KEYS_ON_M_ROWS if keys_on_m is None else bool(keys_on_m)
     n_rows = max(min_km_rows, 1 << (tq * group - 1).bit_length()) if km else M_ROWS  # wgmma N (keys on M) or M
     qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
-    qlow, shift = f16_queries(qg)                                             # shift [B, H, M]
+    qlow, shift = f16_queries(qg, rows_share_shift=km)                       # shift [B, H, M]
     qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
     qlow = to_wide(qlow, gather=True)                                         # `WIDE_COLUMNS` order
     if km and interpret:                  # the interpreter's wgmma takes no transposed operand: Q^T as such
@@ -863,14 +935,11 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         ml_smem=plgpu.SMEM((2, M_ROWS), jnp.float32),
         red_smem=None)
     if km:
-        # V's f16 tile and P^T share wgmma's swizzle (the bytes of one P^T row: 2 * n_rows); the f32 [64, N] row
-        # multipliers are swizzled too (unswizzled, they failed the bank-conflict check at N = 32); the output tile
-        # O [N, 64] is untiled, written by `_store_transposed`'s scalar stores once per CTA
+        # V's f16 tile and P^T share wgmma's swizzle (the bytes of one P^T row: 2 * n_rows); the output tile O [N,
+        # 64] is untiled, written by `_store_transposed`'s scalar stores once per CTA
         # (N = 8: P stored as [N, keys] at the K tiles' 128-byte swizzle, V's tile with it)
         tr_n = tr if n_rows < 16 else (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
-        f32_cols = min(n_rows, 32)
-        tr_f32 = () if interpret else (plgpu.TilingTransform((8, f32_cols)), plgpu.SwizzleTransform(4 * f32_cols))
-        rm_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float32, transforms=tr_f32)
+        rm_spec = plgpu.SMEM((RM_VECTOR,), jnp.float32)
         o_km_spec = plgpu.SMEM((n_rows, half), jnp.float32)                 # O, stored by `_store_transposed`
         v16_spec = plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else \
             plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n)
@@ -885,9 +954,9 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
             plgpu.SMEM((2, n_rows, half), jnp.float16, transforms=tr),
             rm_smem=rm_spec if interpret else None,
             k16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16) if interpret else None,
-            # compiled: the row multipliers (read before the loop) and the output tile (after it) share the V
-            # tile's bytes (16 KB): 47 KB per CTA at N = 16 (a third ring stage would fit 4 CTAs per SM; it
-            # measured slower)
+            # compiled: the row multiplier (read before the loop) and the output tile (after it) share the V
+            # tile's bytes (16 KB): 47 KB per CTA at N = 16, 53 KB at N = 32 (a third ring stage would fit 4 CTAs
+            # per SM at N = 16; it measured slower)
             v16=v16_spec if interpret else plgpu.RefUnion(v16_spec, o_km_spec, rm_spec),
             p_smem=p_spec,
             o_smem=o_km_spec if interpret else None,
@@ -898,9 +967,10 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
         plgpu.Barrier(num_arrivals=max(1, pt_len // 256), num_barriers=1),    # bar_pt
         plgpu.Barrier(num_arrivals=2 * (BLOCK_K // box), num_barriers=st),   # bar_kv
     ]
+    in_turn = default_qk_in_turn(n_rows, page) if qk_in_turn is None else bool(qk_in_turn)
     kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, data_pages=P,
                           scale_pages=scales.shape[1], num_heads=h, batch=b,
-                          interpret=interpret, keys_on_m=km, n_rows=n_rows)
+                          interpret=interpret, keys_on_m=km, n_rows=n_rows, qk_in_turn=km and in_turn)
     # TMA boxes never leave the array, and its row stride is a multiple of 16 bytes (TMA's rule: a page table of
     # any width, e.g. 513 pages for 8193 tokens, failed at trace time before)
     pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len + (-max_pages % 4))))
@@ -914,8 +984,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     if interpret:
         kw["interpret"] = _interpret_params()
     rm = rowmul.reshape(b * h, n_rows)
-    if km:
-        rm = jnp.broadcast_to(rm[:, None, :], (b * h, BLOCK_K, n_rows))
+    if km:                  # one number per CTA (`RM_VECTOR`)
+        rm = jnp.broadcast_to(rm[:, :1], (b * h, RM_VECTOR))
     o, m2, l = plgpu.kernel(kernel, **kw)(meta, qlow.reshape((b * h,) + qlow.shape[2:]), rm, pt_padded, data3,
                                           scales4)
     if partials_only:

@@ -17,6 +17,7 @@ from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.layout import TwinGeometry
 from jmixedkv.pools import kernel_arrays
 from pallas_kernels import decode_mgpu
+from pallas_kernels.decode_attention import f16_queries
 from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu, preferred, supported
 from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state
 from helpers import rel_l2
@@ -96,6 +97,28 @@ def test_interpret_keys_on_m_matches_reference(tq, hq):
     assert rel_l2(out, ref_o) < 1e-4
     _lse_close(lse, ref_lse)
     assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all()   # length 0: no key
+
+
+@pytest.mark.parametrize("tq,hq", [(1, 8), (4, 8)])
+def test_interpret_keys_on_m_rows_of_unequal_magnitude(tq, hq):
+    """The keys-on-M form's query rows share one power-of-two shift into f16 (the largest row's; one row multiplier
+    per CTA): rows 2^-10 and 2^-14 times the largest (and one all zero) still match the float64 reference, and the
+    kernel's partials are ``rows * 2^shift`` with that one shift."""
+    st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=3)
+    q = queries(st, tq, hq)
+    row_scale = np.ones(hq, np.float32)
+    row_scale[1], row_scale[2], row_scale[3] = 2.0 ** -10, 2.0 ** -14, 0.0
+    q = (q.astype(jnp.float32) * row_scale[None, None, :, None]).astype(q.dtype)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    out, lse = _run(st, q, 1, num_splits=2, interpret=True, out_dtype=jnp.float32, keys_on_m=True)
+    for h in range(hq):      # each head on its own: a small row's error is judged against its own output
+        assert rel_l2(out[1:, :, h], ref_o[1:, :, h]) < 1e-4, h
+    _lse_close(lse, ref_lse)
+    q16, shift = f16_queries(jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 8, 128)), jnp.float32)
+                             * jnp.asarray(2.0 ** np.arange(8), jnp.float32)[:, None], rows_share_shift=True)
+    assert (shift == shift[..., :1]).all() and (np.abs(np.asarray(q16, np.float32)).max(axis=(-2, -1)) < 256).all()
+    assert (np.abs(np.asarray(q16, np.float32)).max(axis=(-2, -1)) >= 128).all()
 
 
 @pytest.mark.parametrize("min_rows", [8, 16])
@@ -387,13 +410,16 @@ def test_cross_lowers_for_any_page_table_width(width):
     assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, low)
 
 
-@pytest.mark.parametrize("tq,hq,min_rows", [(1, 32, 16), (3, 16, 16), (4, 32, 16), (1, 8, 8), (2, 8, 8), (1, 16, 8)])
-def test_keys_on_m_cross_lowers_for_cuda(tq, hq, min_rows):
+@pytest.mark.parametrize("tq,hq,min_rows,in_turn,page", [
+    (1, 32, 16, None, 16), (3, 16, 16, None, 16), (4, 32, 16, None, 16), (1, 8, 8, None, 16), (2, 8, 8, None, 16),
+    (1, 16, 8, None, 16), (1, 8, 8, True, 16), (4, 32, 16, False, 16), (4, 32, 16, None, 64)])
+def test_keys_on_m_cross_lowers_for_cuda(tq, hq, min_rows, in_turn, page):
     """The compiled keys-on-M form (register-A wgmma on the dequantized K, transposed V^T view, P^T and V tiles at
-    the swizzle of 2 N bytes, swizzled f32 tiles) lowers for CUDA with N = 16, 32 and 64 query rows; with
-    ``min_km_rows`` = 8 at N = 8 (``Q^T`` and ``P^T`` through transposed views at the 128-byte swizzle, V's tile with
-    it, P stored transposed by `_store_keys_minor`)."""
-    page, L, P, kv, H, D, B = 16, 2, 16, 2, 2, 128, 2
+    the swizzle of 2 N bytes, one row multiplier per CTA, `_l_update_inline`) lowers for CUDA with N = 16, 32 and 64
+    query rows; with ``min_km_rows`` = 8 at N = 8 (``Q^T`` and ``P^T`` through transposed views at the 128-byte
+    swizzle, V's tile with it, P stored transposed by `_store_keys_minor`); K's halves dequantized in turn (the
+    default at N = 32 and page 16, `default_qk_in_turn`; forced at N = 8) and not (forced at N = 32; page 64)."""
+    L, P, kv, H, D, B = 2, 16, 2, 2, 128, 2
     low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
            jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
     high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
@@ -402,8 +428,16 @@ def test_keys_on_m_cross_lowers_for_cuda(tq, hq, min_rows):
 
     def fn(q, pt, lens, ht, low, high):
         return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht, geom=TwinGeometry(page, 5, 7, 1, 3),
-                                           num_splits=2, keys_on_m=True, min_km_rows=min_rows)
+                                           num_splits=2, keys_on_m=True, min_km_rows=min_rows, qk_in_turn=in_turn)
     assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+
+
+@pytest.mark.parametrize("n_rows,page,want", [(32, 16, True), (32, 32, True), (32, 64, False), (32, 128, False),
+                                              (16, 16, False), (8, 16, False), (64, 16, True)])
+def test_default_qk_in_turn(n_rows, page, want):
+    """`default_qk_in_turn`: K's halves in turn at >= `IN_TURN_ROWS` (32) query rows and pages <= `IN_TURN_MAX_PAGE`
+    (32), where ptxas then fit 4 CTAs per SM on the H200 (bench/RESULTS.md, 2026-12-02 sixteenth)."""
+    assert decode_mgpu.default_qk_in_turn(n_rows, page) is want
 
 
 # ------------------------------------------------------------------------------------------ GPU (H200)
@@ -459,6 +493,11 @@ def test_gpu_keys_on_m_matches_reference(dtype, tq, hq, min_rows):
         o16, lse16 = _run(st, q, 1, num_splits=8, keys_on_m=True, min_km_rows=16)
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(o16, np.float32))
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse16))
+    # K's halves dequantized in turn or together (`default_qk_in_turn`; on at N = 32): the same products in order
+    turn = decode_mgpu.default_qk_in_turn(max(min_rows, 1 << (tq * hq // 8 - 1).bit_length()), 16)
+    o_t, lse_t = _run(st, q, 1, num_splits=8, keys_on_m=True, min_km_rows=min_rows, qk_in_turn=not turn)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(o_t, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_t))
 
 
 @pytest.mark.gpu
