@@ -353,7 +353,8 @@ def f16_queries(qf, rows_share_shift: bool = False):
     two into ``[2^7, 2^8)`` (exact) for the f16 dot with low-domain NVFP4 rows; the caller applies ``2^-shift`` to
     the float32 logits. ``rows_share_shift``: one shift for all rows of ``qf[..., R, D]`` (the largest row's), so
     that the logits' multiplier is one number per ``[R, D]`` group (a row 2^k smaller than the largest then has 2^k
-    less room above f16's subnormals: its elements below 2^(-22 + k) of its largest lose bits)."""
+    less room above f16's subnormals: its elements below about 2^(k - 21) of its own largest lose bits, against
+    2^-21 with a shift of its own)."""
     amax = jnp.max(jnp.abs(qf), axis=-1)
     if rows_share_shift:
         amax = jnp.broadcast_to(jnp.max(amax, axis=-1, keepdims=True), amax.shape)

@@ -81,8 +81,9 @@ Work split
 Numerics are the Triton kernel's (see its docstring): a NVFP4 element dequantizes to
 ``(e2m1 * 2^-14) * (f16(s) * 2^7) = e2m1 * s * 2^-7`` in f16 **exactly** (the *low domain*, ``x / (gs * 2^7)``);
 ``gs`` and ``sm_scale`` are applied to the f32 logits (per query row, with the power-of-two row scaling of q into
-f16; keys on M: one scaling per CTA, `f16_queries`' ``rows_share_shift``) and to the f32 output. Columns are kept as ``[even | odd]`` halves (low / high nibbles), each half in
-`WIDE_COLUMNS` order; q is permuted to match and the output permuted back outside.
+f16; keys on M: one scaling per CTA, `f16_queries`' ``rows_share_shift``) and to the f32 output. Columns are kept
+as ``[even | odd]`` halves (low / high nibbles), each half in `WIDE_COLUMNS` order; q is permuted to match and the
+output permuted back outside.
 
 CPU CI: ``interpret=True`` runs the same kernel body in the Mosaic GPU interpreter
 (``plgpu.kernel(interpret=InterpretGPUParams())``) with the dequantization and the key maximum in plain jnp (the
@@ -148,7 +149,8 @@ MAX_SPLIT_BLOCKS = 128
 EDGE_BLOCK_K = 32
 EDGE_WARPS = 4
 #: the keys-on-M form's row multiplier (``sm_scale log2(e) gs_k 2^-7 2^-shift``, one number per CTA: its query rows
-#: share one shift, `f16_queries`) goes in as a vector of this many equal floats (a warpgroup's copy moves >= 128 bytes)
+#: share one shift, `f16_queries`) goes in as a vector of this many equal floats (a warpgroup's copy moves a multiple
+#: of 128 bytes)
 RM_VECTOR = 32
 #: the keys-on-M form dequantizes K's two column halves in turn (the first half's wgmma waited on before the second
 #: half is dequantized: fewer registers live) at this many query rows or more and pages of at most `IN_TURN_MAX_PAGE`

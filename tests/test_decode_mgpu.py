@@ -102,8 +102,9 @@ def test_interpret_keys_on_m_matches_reference(tq, hq):
 @pytest.mark.parametrize("tq,hq", [(1, 8), (4, 8)])
 def test_interpret_keys_on_m_rows_of_unequal_magnitude(tq, hq):
     """The keys-on-M form's query rows share one power-of-two shift into f16 (the largest row's; one row multiplier
-    per CTA): rows 2^-10 and 2^-14 times the largest (and one all zero) still match the float64 reference, and the
-    kernel's partials are ``rows * 2^shift`` with that one shift."""
+    per CTA): rows 2^-10 and 2^-14 times the largest (and one all zero) still match the float64 reference, each head
+    judged on its own output; `f16_queries` with ``rows_share_shift`` gives one shift per group of rows, the group's
+    largest element scaled into ``[2^7, 2^8)``."""
     st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=3)
     q = queries(st, tq, hq)
     row_scale = np.ones(hq, np.float32)
