@@ -54,7 +54,7 @@ bytes); *queries on M* above (query rows padded to wgmma's M = 64, P from regist
 query rows share one power-of-two shift into f16, so the logits' multiplier is one scalar (folded into the
 exponential's FMA), each thread keeps one ``l`` partial per key-row pair (`_l_update_inline`), and at N >= 32 and
 pages <= 32 K's two column halves are dequantized in turn (`default_qk_in_turn`): 163 -> 128 registers at N = 32,
-3 -> 4 CTAs per SM, kernel 4-5% faster on the H200 (bench/RESULTS.md, 2026-12-02 sixteenth).
+3 -> 4 CTAs per SM, kernel 5-6% faster on the H200 (bench/RESULTS.md, 2026-12-02 sixteenth).
 
 Work split
 * **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* blocks of each sequence
