@@ -354,10 +354,12 @@ def f16_queries(qf, rows_share_shift: bool = False):
     the float32 logits. ``rows_share_shift``: one shift for all rows of ``qf[..., R, D]`` (the largest row's), so
     that the logits' multiplier is one number per ``[R, D]`` group (a row 2^k smaller than the largest then has 2^k
     less room above f16's subnormals: its elements below about 2^(k - 21) of its own largest lose bits, against
-    2^-21 with a shift of its own)."""
+    2^-21 with a shift of its own). The shared shift is taken over the finite rows only: a row holding inf / NaN
+    stays non-finite itself and does not push the other rows past f16's range."""
     amax = jnp.max(jnp.abs(qf), axis=-1)
     if rows_share_shift:
-        amax = jnp.broadcast_to(jnp.max(amax, axis=-1, keepdims=True), amax.shape)
+        finite = jnp.where(jnp.isfinite(amax), amax, 0.0)
+        amax = jnp.broadcast_to(jnp.max(finite, axis=-1, keepdims=True), amax.shape)
     _, ex = jnp.frexp(amax)
     shift = 8 - ex
     return jnp.ldexp(qf, shift[..., None]).astype(jnp.float16), shift

@@ -122,6 +122,31 @@ def test_interpret_keys_on_m_rows_of_unequal_magnitude(tq, hq):
     assert (np.abs(np.asarray(q16, np.float32)).max(axis=(-2, -1)) >= 128).all()
 
 
+def test_interpret_keys_on_m_nonfinite_row_stays_in_its_row():
+    """A query row holding inf / NaN (bad input) under the keys-on-M form's shared shift: the rows beside it in its
+    CTA (the other heads of its KV group, its other query tokens) still match the reference, also with |q| > 256
+    (a shift taken over the non-finite row too would scale them past f16's range: inf logits, NaN outputs); other
+    sequences are bitwise unchanged against a run without the bad row."""
+    st = make_state(lens=(0, 1, 15, 16, 17, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=3)
+    tq, hq = 2, 8
+    q = queries(st, tq, hq).astype(jnp.float32) * 100.0                        # |q| up to a few hundred
+    assert float(jnp.max(jnp.abs(q))) > 256
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, _ = reference(st, 1, q.astype(jnp.bfloat16), seq)
+    kw = dict(num_splits=2, interpret=True, out_dtype=jnp.float32, keys_on_m=True)
+    clean, clean_lse = _run(st, q.astype(jnp.bfloat16), 1, **kw)
+    bad = q.at[5, 0, 1].set(jnp.inf).at[5, 1, 2, 5].set(jnp.nan).astype(jnp.bfloat16)   # sequence 5 only
+    out, lse = _run(st, bad, 1, **kw)
+    ok = np.ones((tq, hq), bool)
+    ok[0, 1] = ok[1, 2] = False
+    o5, r5 = np.asarray(out[5]), np.asarray(ref_o[5])         # 150 tokens: interior blocks in the Mosaic kernel
+    assert np.isfinite(o5[ok]).all()
+    assert rel_l2(o5[ok], r5[ok]) < 1e-4
+    others = np.arange(st.max_seqs) != 5
+    np.testing.assert_array_equal(np.asarray(out)[others], np.asarray(clean)[others])
+    np.testing.assert_array_equal(np.asarray(lse)[others], np.asarray(clean_lse)[others])
+
+
 @pytest.mark.parametrize("min_rows", [8, 16])
 @pytest.mark.parametrize("tq,hq", [(1, 4), (2, 4), (1, 8)])
 def test_interpret_keys_on_m_min_rows(tq, hq, min_rows):
