@@ -122,6 +122,7 @@ def test_interpret_keys_on_m_rows_of_unequal_magnitude(tq, hq):
     assert (np.abs(np.asarray(q16, np.float32)).max(axis=(-2, -1)) >= 128).all()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")   # the bad rows' own inf * 0
 def test_interpret_keys_on_m_nonfinite_row_stays_in_its_row():
     """A query row holding inf / NaN (bad input) under the keys-on-M form's shared shift: the rows beside it in its
     CTA (the other heads of its KV group, its other query tokens) still match the reference, also with |q| > 256
