@@ -233,7 +233,8 @@ def _dequant_inline(b_ref, s_ref, halves=("lo", "hi")):
     ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout, columns in
     `WIDE_COLUMNS` order, low domain ``e2m1 * s * 2^-7`` (exact). Per thread and row: one 16-byte load of packed
     bytes, one 2-byte load of scales, then `E2M1_F16_PTX` per 4 bytes (~2 instructions per element). ``halves``:
-    the ones to return (``("lo",)``: the even columns only, half the conversions; the loads are the same)."""
+    the ones to return (``("lo",)``: the even columns only, half the conversions, but every load: a caller taking
+    the halves in two calls loads the bytes and scales twice)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgu
@@ -625,7 +626,8 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                 if interpret:
                     plgpu.wgmma(acc_ref, k16.at[0], q_smem.at[0])
                     plgpu.wgmma(acc_ref, k16.at[1], q_smem.at[1])
-                elif in_turn:   # one half's registers live at a time
+                elif in_turn:   # one half's registers live at a time; bytes and scales are loaded again for the
+                    # second half (keeping them live across the first wgmma would hold the registers this frees)
                     plgpu.wgmma(acc_ref, dequant(k_b, k_s, ("lo",))[0], _transposed(q_smem.at[0]))
                     plgpu.wgmma_wait(0)
                     plgpu.wgmma(acc_ref, dequant(k_b, k_s, ("hi",))[0], _transposed(q_smem.at[1]))
