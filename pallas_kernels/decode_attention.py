@@ -28,11 +28,12 @@ masked to zero for the other groups), so the f32 output accumulator shrinks by `
 the wrapper reassembles the columns and takes ``m`` / ``l`` from replica 0 (all replicas compute identical logits).
 
 NVFP4 pages never interleave nibbles: the low nibbles of a row are its even columns, the high nibbles its odd
-columns, and q / o are permuted to ``[even | odd]`` outside the kernel (``QK^T = q_e K_e^T + q_o K_o^T``;
-``PV`` gives the even and odd output columns separately). Dequantization: the widened byte gives the f16 bit
-pattern ``sign << 15 | magnitude << 9`` (= e2m1 value * 2^-14, exact) with 4 integer ops per element, one
-f16 -> f32 convert, one multiply by the per-block factor ``f32(s) * (2^14 * gs)`` (a ``[tokens, D/16]`` tile
-broadcast over 8 bytes), one cast to the attention dtype. This equals `jmixedkv.nvfp4.dequantize_reference`'s
+columns (``QK^T = q_e K_e^T + q_o K_o^T``; ``PV`` gives the even and odd output columns separately). A program
+reads q's even / odd parts with strided loads and stores the two output parts interleaved, strided (keys-major
+programs take q split in parts by the wrapper; it re-interleaves their output tiles and those of column groups).
+Dequantization: the widened byte gives the f16 bit pattern ``sign << 15 | magnitude << 9`` (= e2m1 value * 2^-14,
+exact) with 4 integer ops per element, one f16 -> f32 convert, one multiply by the per-block factor
+``f32(s) * (2^14 * gs)`` (a ``[tokens, D/16]`` tile broadcast over 8 bytes), one cast to the attention dtype. This equals `jmixedkv.nvfp4.dequantize_reference`'s
 ``(e2m1 * f32(s)) * gs`` except for a rare double rounding of ``s * gs`` (<= 1 f32 ulp before the cast).
 ``precise=True`` splits the probabilities into two attention-dtype halves for the P @ V product, so the output
 error is dominated by the final rounding (``precise=False`` is ~1e-3 relative L2 from the rounded reference).
@@ -179,8 +180,15 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     n = len_ref[0]
     k_tok = nb * page
     has_low, has_high = data_ref is not None, high_ref is not None
-    qs = [q_ref[p] for p in range(parts)] if q_ref is not None else None               # attention dtype
-    m_rows, dp = q_ref.shape[-2:] if q_ref is not None else qlow_ref.shape[-2:]
+    q_any = q_ref if q_ref is not None else qlow_ref
+    natural_q = q_any.ndim == 2          # q tiles [M, D] in natural column order: part p read by a strided load
+
+    def q_parts(ref):
+        if natural_q:
+            return [ref[:, pl.ds(p, ref.shape[1] // parts, stride=parts)] for p in range(parts)]
+        return [ref[p] for p in range(parts)]
+    qs = q_parts(q_ref) if q_ref is not None else None                                # attention dtype
+    m_rows, dp = (q_any.shape[0], q_any.shape[1] // parts) if natural_q else q_any.shape[-2:]
     if keys_major:      # q / o tiles are [D/parts, M]; scores are [keys, M]
         dp, m_rows = m_rows, dp
     qv = (lambda x: x[None, :]) if keys_major else (lambda x: x[:, None])    # noqa: E731  per-query vector
@@ -205,7 +213,7 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     hs = [hs_ref[i] for i in range(kv_factor)] if (high_fp8 or plain_fp8) else [None] * kv_factor
     twin_dtype = jnp.float16 if high_fp8 else dtype
     if has_low:
-        qlow = [qlow_ref[p] for p in range(parts)]                            # f16, rows scaled by powers of 2
+        qlow = q_parts(qlow_ref)                                              # f16, rows scaled by powers of 2
         rowmul = rowmul_ref[...]                                              # [M]: sm_scale * gs_k * 2^7 / 2^e
         vmul = lowmul_ref[kv_factor - 1]                                      # gs_v * 2^7 (output scale)
         inv_v = 1.0 / vmul
@@ -325,7 +333,11 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         carry = lax.fori_loop(a, c, clean_body, carry)        # interior: no masks, no twin, pipelined loads
     o, m, l = lax.fori_loop(c, e, edge_body, carry)           # tail: last_n window, causal, rows past n
     for p in range(parts):
-        o_ref[p] = o[p] * vmul if has_low else o[p]
+        o_p = o[p] * vmul if has_low else o[p]
+        if o_ref.ndim == 2:     # interleaved output [M, D]: part p is the columns p, p + parts, ... (no XLA transpose)
+            o_ref[:, pl.ds(p, dp, stride=parts)] = o_p
+        else:
+            o_ref[p] = o_p
     m_ref[...] = m
     l_ref[...] = l
 
@@ -502,8 +514,11 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     qg = jnp.pad(group_queries(q, h), ((0, 0), (0, 0), (0, rep - tq * group), (0, 0)))   # [B, H, rep, D]
     qg = jnp.tile(qg, (1, 1, col_groups, 1))                                 # column-group replicas
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - qg.shape[2]), (0, 0)))   # [B, H, M, D]
-    qperm = (0, 1, 4, 3, 2) if keys_major else (0, 1, 4, 2, 3)     # -> [B, H, parts, M, D/p] or [B, H, parts, D/p, M]
-    split = lambda x: x.reshape(b, h, m_rows, dp, parts).transpose(qperm)  # noqa: E731
+    # keys-major programs take q split in parts, ``[B, H, parts, D/p, M]``; the others take ``[B, H, M, D]`` as is
+    # and read each part with a strided load (no XLA split of q: less XLA time per call, bench/RESULTS.md
+    # 2026-12-02 seventeenth)
+    split = ((lambda x: x.reshape(b, h, m_rows, dp, parts).transpose(0, 1, 4, 3, 2)) if keys_major  # noqa: E731
+             else (lambda x: x))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     qlow = rowmul = lowmul = None
     if low is not None:
@@ -541,7 +556,14 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     vec = lambda x: pl.BlockSpec(x.shape, lambda bi, hi, si: (0,))  # noqa: E731
     qtile = (dp, m_rows) if keys_major else (m_rows, dp)
     otile = (m_rows, dp // col_groups) if col_groups > 1 else qtile
-    qspec = pl.BlockSpec((None, None, parts) + qtile, lambda bi, hi, si: (bi, hi, 0, 0, 0))
+    # one program's output written in natural column order, ``[M, D]`` (the parts interleaved by strided stores),
+    # where no replica / transposed tile needs the XLA re-interleave below (one XLA transpose per call fewer,
+    # bench/RESULTS.md 2026-12-02 seventeenth)
+    interleaved = col_groups == 1 and not keys_major
+    o_block = (None, None, None) + ((m_rows, d) if interleaved else (parts,) + otile)
+    o_index = (lambda bi, hi, si: (si, bi, hi, 0, 0)) if interleaved else (lambda bi, hi, si: (si, bi, hi, 0, 0, 0))
+    qspec = (pl.BlockSpec((None, None, parts) + qtile, lambda bi, hi, si: (bi, hi, 0, 0, 0)) if keys_major else
+             pl.BlockSpec((None, None, m_rows, d), lambda bi, hi, si: (bi, hi, 0, 0)))
     in_specs = [
         vec(layer_arr),
         qspec if qg is not None else None,
@@ -572,21 +594,24 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         kernel,
         grid=(b, h, splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, parts) + otile, lambda bi, hi, si: (si, bi, hi, 0, 0, 0)),
+        out_specs=[pl.BlockSpec(o_block, o_index),
                    pl.BlockSpec((None, None, None, m_rows), lambda bi, hi, si: (si, bi, hi, 0)),
                    pl.BlockSpec((None, None, None, m_rows), lambda bi, hi, si: (si, bi, hi, 0))],
-        out_shape=[jax.ShapeDtypeStruct((splits, b, h, parts) + otile, jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((splits, b, h) + o_block[3:], jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, h, m_rows), jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, h, m_rows), jnp.float32)],
         interpret=interpret,
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         name=f"decode_attention_{fmt}_k{k_tok}_m{m_rows}_g{col_groups}",
     )(*args)
-    if keys_major:
-        o = jnp.swapaxes(o, -1, -2)                                           # [S, B, H, parts, M, D/parts]
-    # rows (replica j, query row i) of column group j -> [S, B, H, rep, groups, D/parts/groups, parts]
-    o = o[:, :, :, :, :col_groups * rep].reshape(splits, b, h, parts, col_groups, rep, dp // col_groups)
-    o = o.transpose(0, 1, 2, 5, 4, 6, 3).reshape(splits, b, h, rep, d)        # re-interleave the columns
+    if interleaved:
+        o = o[:, :, :, :rep]                                                  # [S, B, H, rep, D]
+    else:
+        if keys_major:
+            o = jnp.swapaxes(o, -1, -2)                                       # [S, B, H, parts, M, D/parts]
+        # rows (replica j, query row i) of column group j -> [S, B, H, rep, groups, D/parts/groups, parts]
+        o = o[:, :, :, :, :col_groups * rep].reshape(splits, b, h, parts, col_groups, rep, dp // col_groups)
+        o = o.transpose(0, 1, 2, 5, 4, 6, 3).reshape(splits, b, h, rep, d)    # re-interleave the columns
     if partials_only:
         return o, m[..., :rep], l[..., :rep]
     out, lse = ungroup_rows(*merge_partials(o, m[..., :rep], l[..., :rep]), tq, group)

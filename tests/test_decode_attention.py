@@ -186,6 +186,35 @@ def test_float32_output_three_splits():
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tq,hq", [("mixed_nvfp4_bf16", 3, 8), ("nvfp4", 1, 4), ("bf16", 2, 4)])
+def test_natural_and_keys_major_layouts_match_reference(dtype, tq, hq):
+    """The two q / o tile layouts of the kernel: natural (q read as ``[M, D]`` with a strided load per column part,
+    the output stored interleaved) and keys-major (q split in parts by XLA, the output tile transposed and
+    re-interleaved by the wrapper) give the same split partials (``partials_only``: ``[S, B, H, R, D]`` natural
+    columns) and both match the float32 reference, over poisoned pages, first-N / last-N edges, causal verify rows
+    and uneven splits, for NVFP4 (two column parts) and plain bf16 pages (one part)."""
+    mixed, plain = dtype.startswith("mixed"), dtype == "bf16"
+    st = make_state(dtype, first_n=5 if mixed else 0, last_n=9 if mixed else 0, lens=(1, 15, 16, 17, 70, 150), d=64)
+    q = queries(st, tq, hq)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    pools = st.pools[0]
+    low = None if plain else kernel_arrays(pools.low)
+    run = lambda km, parts=False: paged_decode_attention(  # noqa: E731
+        q, st.page_table, st.kv_lens, 1, low, kernel_arrays(pools.high) if mixed else None,
+        kernel_arrays(pools.plain) if plain else None, st.high_table if mixed else None,
+        geom=st.config.twin if mixed else None, num_splits=3, block_k=32, keys_major=km, interpret=True,
+        out_dtype=jnp.float32, partials_only=parts)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    for km in (False, True):
+        out, lse = run(km)
+        assert rel_l2(out, ref_o) < 1e-4, km
+        np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    (on, mn, ln), (ok, mk, lk) = run(False, True), run(True, True)
+    assert on.shape == ok.shape and on.shape[-1] == 64 and on.shape[:3] == (3, st.max_seqs, 2)
+    for a, b in ((on, ok), (mn, mk), (ln, lk)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,tq,hq,d,groups", [("mixed_nvfp4_bf16", 1, 8, 128, 4), ("mixed_nvfp4_fp8", 2, 4, 64, 2),
                                                    ("nvfp4", 1, 4, 64, 2)])
 def test_column_groups_equal_ungrouped_kernel_and_reference(dtype, tq, hq, d, groups):
