@@ -33,8 +33,9 @@ reads q's even / odd parts with strided loads and stores the two output parts in
 programs take q split in parts by the wrapper; it re-interleaves their output tiles and those of column groups).
 Dequantization: the widened byte gives the f16 bit pattern ``sign << 15 | magnitude << 9`` (= e2m1 value * 2^-14,
 exact) with 4 integer ops per element, one f16 -> f32 convert, one multiply by the per-block factor
-``f32(s) * (2^14 * gs)`` (a ``[tokens, D/16]`` tile broadcast over 8 bytes), one cast to the attention dtype. This equals `jmixedkv.nvfp4.dequantize_reference`'s
-``(e2m1 * f32(s)) * gs`` except for a rare double rounding of ``s * gs`` (<= 1 f32 ulp before the cast).
+``f32(s) * (2^14 * gs)`` (a ``[tokens, D/16]`` tile broadcast over 8 bytes), one cast to the attention dtype. This
+equals `jmixedkv.nvfp4.dequantize_reference`'s ``(e2m1 * f32(s)) * gs`` except for a rare double rounding of
+``s * gs`` (<= 1 f32 ulp before the cast).
 ``precise=True`` splits the probabilities into two attention-dtype halves for the P @ V product, so the output
 error is dominated by the final rounding (``precise=False`` is ~1e-3 relative L2 from the rounded reference).
 
