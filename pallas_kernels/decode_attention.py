@@ -371,6 +371,9 @@ def f16_queries(qf, rows_share_shift: bool = False):
     stays non-finite itself and does not push the other rows past f16's range."""
     amax = jnp.max(jnp.abs(qf), axis=-1)
     if rows_share_shift:
+        # the barrier keeps XLA from fusing the rows' reduction into the shared one: fused, XLA's GPU emitter ran
+        # both as one slow kernel at 8 rows per KV head (bench/RESULTS.md 2026-12-03 eighteenth)
+        amax = lax.optimization_barrier(amax)
         finite = jnp.where(jnp.isfinite(amax), amax, 0.0)
         amax = jnp.broadcast_to(jnp.max(finite, axis=-1, keepdims=True), amax.shape)
     _, ex = jnp.frexp(amax)

@@ -512,8 +512,10 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
         # the split's page ids from the 16-byte aligned column (a multiple of 4 ids) at or below its first page: a
         # page-table copy starting off that boundary (first page 2 mod 4 at pages of 32 tokens, say) faulted on the
         # H200 with CUDA_ERROR_ILLEGAL_INSTRUCTION
+        # (at most the table's last pt_len columns: the copy never leaves the table, which the wrapper pads only
+        # when it is narrower than pt_len or its width not a multiple of 4)
         first_page = lax.div(start * bk, i32(page))
-        first_page = first_page - lax.rem(first_page, i32(4))
+        first_page = jnp.minimum(first_page - lax.rem(first_page, i32(4)), i32(pt_ref.shape[1] - pt_len))
         for c_ in range(pt_chunks):
             plgpu.copy_gmem_to_smem(pt_ref.at[bi, pl.ds(first_page + c_ * pt_chunk, pt_chunk)],
                                     pt_smem.at[pl.ds(c_ * pt_chunk, pt_chunk)], bar_pt.at[0])
@@ -523,7 +525,8 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             tok0 = blk * bk
             for j in range(n_box):
                 tok = tok0 + j * box
-                pid = jnp.maximum(pt_smem[lax.div(tok, i32(page)) - first_page], 0)
+                # (clamped: a length past the table's pages reads the table's last column, never past the copy)
+                pid = jnp.maximum(pt_smem[jnp.minimum(lax.div(tok, i32(page)) - first_page, i32(pt_len - 1))], 0)
                 sub = lax.div(lax.rem(tok, i32(page)), i32(box)) if page > box else 0
                 b = bar_kv.at[slot]
                 # pools viewed as [(layer, page), K/V, (head, box), box tokens, ...]: one TMA copy brings the K and
@@ -892,8 +895,10 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if keys_on_m is None else bool(keys_on_m)
     n_rows = max(min_km_rows, 1 << (tq * group - 1).bit_length()) if km else M_ROWS  # wgmma N (keys on M) or M
-    qg = jnp.pad(group_queries(q, h).astype(jnp.float32), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
-    qlow, shift = f16_queries(qg, rows_share_shift=km)                       # shift [B, H, M]
+    # q grouped and padded in its own dtype: the edge kernel's q is the same array where its rows match (XLA
+    # computes it once), and XLA writes no float32 copy of it
+    qg = jnp.pad(group_queries(q, h), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
+    qlow, shift = f16_queries(qg.astype(jnp.float32), rows_share_shift=km)  # shift [B, H, M]
     qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
     qlow = to_wide(qlow, gather=True)                                         # `WIDE_COLUMNS` order
     if km and interpret:                  # the interpreter's wgmma takes no transposed operand: Q^T as such
@@ -977,7 +982,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
                           interpret=interpret, keys_on_m=km, n_rows=n_rows, qk_in_turn=km and in_turn)
     # TMA boxes never leave the array, and its row stride is a multiple of 16 bytes (TMA's rule: a page table of
     # any width, e.g. 513 pages for 8193 tokens, failed at trace time before)
-    pt_padded = jnp.pad(pt, ((0, 0), (0, 2 * pt_len + (-max_pages % 4))))
+    pt_cols = max(pt_len, max_pages + (-max_pages % 4))
+    pt_padded = pt if pt_cols == max_pages else jnp.pad(pt, ((0, 0), (0, pt_cols - max_pages)))
     o_rows = n_rows if km else M_ROWS
     out_type = (jax.ShapeDtypeStruct((splits * b * h, o_rows, 2, half), jnp.float32),   # [CTA, rows, half, 64]
                 jax.ShapeDtypeStruct((splits * b * h, n_rows), jnp.float32),

@@ -83,6 +83,26 @@ def test_interpret_pools_of_different_page_counts(pad):
     _lse_close(lse, ref_lse)
 
 
+def test_interpret_page_table_copy_at_the_table_end():
+    """A page table whose width is a multiple of 4 ids and at least the kernel's page-id copy (64 ids here) goes in
+    unpadded; a split whose pages lie past the table's last 64 columns copies those last columns (the copy is
+    clamped so it never leaves the table) and indexes them from there. Width 72, 4 splits of ~1100 tokens: splits
+    2 and 3 start past column 8. Against the float32 reference, with -1 in the unused columns."""
+    st = make_state(lens=(1, 700, 1100), first_n=5, last_n=20, d=128, heads=2, max_draft_len=2)
+    width = 72
+    assert st.page_table.shape[1] <= width and -(-1100 // 16) > width - 64 + 32     # pages past the clamp
+    pt = jnp.pad(st.page_table, ((0, 0), (0, width - st.page_table.shape[1])), constant_values=-1)
+    q = queries(st, 1, 4)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    cfg, pools = st.config, st.pools[0]
+    out, lse = paged_decode_attention_mgpu(
+        q, pt, st.kv_lens, 1, kernel_arrays(pools.low), kernel_arrays(pools.high), st.high_table, geom=cfg.twin,
+        num_splits=4, interpret=True, out_dtype=jnp.float32)
+    assert rel_l2(out, ref_o) < 1e-4
+    _lse_close(lse, ref_lse)
+
+
 @pytest.mark.parametrize("tq,hq", [(1, 4), (2, 8), (3, 8)])
 def test_interpret_keys_on_m_matches_reference(tq, hq):
     """The keys-on-M form (``S^T = K Q^T``, query rows on wgmma's N side: 8 for Tq 1 x GQA 4 (`MIN_KM_ROWS`), 16 for
