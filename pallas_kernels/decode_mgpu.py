@@ -895,8 +895,8 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if keys_on_m is None else bool(keys_on_m)
     n_rows = max(min_km_rows, 1 << (tq * group - 1).bit_length()) if km else M_ROWS  # wgmma N (keys on M) or M
-    # q grouped and padded in its own dtype: the edge kernel's q is the same array where its rows match (XLA
-    # computes it once), and XLA writes no float32 copy of it
+    # q grouped and padded in its own dtype, converted inside `f16_queries`' fusions: XLA writes no float32 copy of
+    # it (where the rows match, the expression is the edge kernel's grouped q too)
     qg = jnp.pad(group_queries(q, h), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
     qlow, shift = f16_queries(qg.astype(jnp.float32), rows_share_shift=km)  # shift [B, H, M]
     qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
