@@ -155,27 +155,41 @@ def _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm: bool,
     return lo.reshape(k_tok, w), hi.reshape(k_tok, w)
 
 
-def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, parts: int, groups: int = 1):
+def _load_rows(rows_ref, scale, layer, ids, kvi, k_tok, d, dtype, fp8: bool, parts: int, groups: int = 1,
+               split: bool = False):
     """Row-pool rows of pages ``ids`` -> ``parts`` x ``groups`` column tiles (parts 1: columns in order; parts 2:
-    even / odd columns, strided loads; ``groups`` consecutive column groups of each) ``[k_tok, d/parts/groups]`` in
-    ``dtype`` (fp8: ``f32(e4m3) * scale``)."""
+    even / odd columns; ``groups`` consecutive column groups of each) ``[k_tok, d/parts/groups]`` in ``dtype``
+    (fp8: ``f32(e4m3) * scale``). Parts 2: two loads at stride 2, or with ``split`` one contiguous load per group
+    split into even / odd in registers (``unstack`` of the trailing pair: Triton's ``split``); same values."""
     w = d // parts // groups
-    out = []
-    for p in range(parts):
-        tiles = []
-        for j in range(groups):
-            cols = (slice(None) if parts == groups == 1 else
-                    pl.ds(j * w, w) if parts == 1 else pl.ds(2 * j * w + p, w, stride=2))
-            x = rows_ref[layer, ids, kvi, :, cols].reshape(k_tok, w)
-            tiles.append((x.astype(jnp.float32) * scale).astype(dtype) if fp8 else x.astype(dtype))
-        out.append(tuple(tiles))
-    return tuple(out)
+    out = [[] for _ in range(parts)]
+    for j in range(groups):
+        if parts == 2 and split:
+            x = rows_ref[layer, ids, kvi, :, slice(None) if groups == 1 else pl.ds(2 * j * w, 2 * w)]
+            halves = jnp.unstack(x.reshape(k_tok, w, 2), axis=-1)
+        else:
+            halves = [rows_ref[layer, ids, kvi, :, slice(None) if parts == groups == 1 else
+                               pl.ds(j * w, w) if parts == 1 else pl.ds(2 * j * w + p, w, stride=2)].reshape(k_tok, w)
+                      for p in range(parts)]
+        for p in range(parts):
+            x = halves[p]
+            out[p].append((x.astype(jnp.float32) * scale).astype(dtype) if fp8 else x.astype(dtype))
+    return tuple(tuple(t) for t in out)
+
+
+def split_row_loads(skip_interior: bool, k_tok: int) -> bool:
+    """Whether the kernel reads row-pool (twin) tiles with one contiguous load split in registers (`_load_rows`'
+    ``split``) rather than two loads at stride 2: only in the edge-only kernel (``skip_interior``) with steps of at
+    least 32 tokens, where the H200 measured it faster; slower with 16-token steps and in the whole Triton kernel
+    (bench/RESULTS.md, 2026-12-03 nineteenth)."""
+    return skip_interior and k_tok >= 32
 
 
 def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, lowmul_ref, hs_ref, data_ref,
             scales_ref, high_ref, plain_ref, o_ref, m_ref, l_ref, *, page, nb, tq, group, kv_factor, geom,
             ht_width, sm_scale, window, cap, num_splits, dtype, precise, high_fp8, plain_fp8, parts,
-            use_asm, keys_major, v_late=False, groups=1, rep=1, skip_interior=False, interior_tokens=None):
+            use_asm, keys_major, v_late=False, groups=1, rep=1, skip_interior=False, interior_tokens=None,
+            split_loads=False):
     s = pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[0]
@@ -224,7 +238,8 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         if has_low:
             tiles = [_dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm, j, g) for j in range(g)]
             return tuple(tuple(t[p] for t in tiles) for p in range(parts))
-        return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8, parts)
+        return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8, parts,
+                          split=split_loads)
 
     def retained(blk, kpos, kvis=None):
         """(keep bool[k_tok], twin rows per K/V: parts x groups x [k_tok, D/parts/groups] in ``twin_dtype`` (V in
@@ -240,7 +255,7 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         # FP8 twin rows enter the dot as their exact e4m3 values in f16 (the scale goes to the f32 side)
         rows_ = tuple(tuple(tuple(jnp.where(keep[:, None], h_, zero) for h_ in tiles) for tiles in
                             _load_rows(high_ref, None, layer, hid, kvi, k_tok, d, twin_dtype, False, parts,
-                                       groups if kvi == 1 else 1))
+                                       groups if kvi == 1 else 1, split_loads))
                       for kvi in (range(kv_factor) if kvis is None else kvis))
         return keep, rows_
 
@@ -591,7 +606,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         ht_width=ht_width, sm_scale=sm_scale, window=sliding_window, cap=soft_cap,
         num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts,
         use_asm=dequant == "asm", keys_major=keys_major, v_late=v_late, groups=col_groups, rep=rep,
-        skip_interior=skip_interior, interior_tokens=interior_tokens)
+        skip_interior=skip_interior, interior_tokens=interior_tokens,
+        split_loads=split_row_loads(skip_interior, nb * page))
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
     check_offsets("decode_attention", **{f"pool operand {i}": a for i, a in enumerate(args[9:])})
     o, m, l = pl.pallas_call(

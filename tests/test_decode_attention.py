@@ -242,6 +242,35 @@ def test_column_groups_equal_ungrouped_kernel_and_reference(dtype, tq, hq, d, gr
         run(3)
 
 
+@pytest.mark.parametrize("dtype,tq,hq,d,groups", [("mixed_nvfp4_bf16", 3, 8, 128, 1), ("mixed_nvfp4_fp8", 2, 4, 64, 1),
+                                                   ("mixed_nvfp4_bf16", 1, 8, 128, 4)])
+def test_edge_kernel_split_row_loads_equal_strided_loads(dtype, tq, hq, d, groups, monkeypatch):
+    """The edge-only kernel (``skip_interior``, the Mosaic path's partner) reads twin tiles with one contiguous load
+    split in registers when its steps hold >= 32 tokens (`split_row_loads`); its split partials are bitwise those of
+    the two loads at stride 2 (the form everywhere else), over poisoned pages, first-N / last-N edges, causal verify
+    rows, uneven splits, bf16 / FP8 twins and V's column groups."""
+    import pallas_kernels.decode_attention as da
+    assert da.split_row_loads(True, 32) and da.split_row_loads(True, 128)
+    assert not da.split_row_loads(True, 16) and not da.split_row_loads(False, 64)
+    st = make_state(dtype, first_n=5, last_n=9, lens=(1, 15, 16, 17, 70, 150), d=d)
+    q = queries(st, tq, hq)
+    pools = st.pools[0]
+
+    def run(split):
+        monkeypatch.setattr(da, "split_row_loads", lambda skip, k_tok: split)
+        da.paged_decode_attention.clear_cache()
+        return da.paged_decode_attention(
+            q, st.page_table, st.kv_lens, 1, kernel_arrays(pools.low), kernel_arrays(pools.high), None,
+            st.high_table, geom=st.config.twin, num_splits=3, block_k=32, num_warps=1, col_groups=groups,
+            skip_interior=True, interpret=True, out_dtype=jnp.float32, partials_only=True)
+    split, strided = run(True), run(False)
+    da.paged_decode_attention.clear_cache()
+    o = np.asarray(split[0])
+    assert np.isfinite(o).all() and np.abs(o).max() > 0
+    for a, b in zip(split, strided):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_padding_rows_and_reference_backend():
     """seq_slots -1 rows give zeros / -inf; the reference backend agrees with the kernel elsewhere."""
     st = make_state()
@@ -355,6 +384,22 @@ def test_column_groups_cross_lower_for_cuda():
         num_warps=1, col_groups=4)
     text = cross_lower_cuda(fn, q, pt, lens, ht, low, high)
     assert "triton" in text.lower() and "_g4" in text
+
+
+@pytest.mark.parametrize("block_k,col_groups", [(32, 1), (32, 4), (64, 1)])
+def test_edge_kernel_cross_lowers_for_cuda(block_k, col_groups):
+    """The edge-only kernel (``skip_interior``), whose twin tiles are split in registers at >= 32-token steps
+    (`split_row_loads`: Triton's ``split``), lowers for CUDA, with and without V's column groups."""
+    L, P, kv, H, page, D, B = 2, 16, 2, 2, 16, 128, 2
+    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
+           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
+    high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
+    q = jnp.zeros((B, 1, 8, D), jnp.bfloat16)
+    pt, lens, ht = jnp.zeros((B, 8), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
+    fn = lambda q, pt, lens, ht, low, high: paged_decode_attention(  # noqa: E731
+        q, pt, lens, 1, low, high, None, ht, geom=TwinGeometry(page, 5, 7, 1, 3), num_splits=2, block_k=block_k,
+        num_warps=1, col_groups=col_groups, skip_interior=True, partials_only=True)
+    assert "triton" in cross_lower_cuda(fn, q, pt, lens, ht, low, high).lower()
 
 
 # ------------------------------------------------------------------------------------------ GPU (H200)
