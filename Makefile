@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-gpu clean
+.PHONY: setup demo test test-gpu test-gpu-parallel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: setup
 # On the GPU machine (its own image, nothing to install; it has no gguf, and test_gguf.py has no GPU test)
 test-gpu:
 	PYTHONPATH=. $(PY) -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_gguf.py
+
+# the same tests in 4 pytest processes on the one GPU (no XLA preallocation; logs in $OUT or .)
+test-gpu-parallel:
+	PYTHONPATH=. $(PY) tests/run_parallel.py --procs 4
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
