@@ -238,8 +238,7 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
         if has_low:
             tiles = [_dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm, j, g) for j in range(g)]
             return tuple(tuple(t[p] for t in tiles) for p in range(parts))
-        return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8, parts,
-                          split=split_loads)
+        return _load_rows(plain_ref, hs[kvi], layer, ids, kvi, k_tok, d, dtype, plain_fp8, parts)   # parts 1
 
     def retained(blk, kpos, kvis=None):
         """(keep bool[k_tok], twin rows per K/V: parts x groups x [k_tok, D/parts/groups] in ``twin_dtype`` (V in

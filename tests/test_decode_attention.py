@@ -370,13 +370,13 @@ def test_cross_lowers_for_cuda(variant, tuning):
     assert "triton" in text.lower()
 
 
-def _cross_lower_mixed(**kw):
-    """Cross-lower `paged_decode_attention` for CUDA over zero NVFP4 + bf16 twin pools (2 layers, 2 KV heads, page
-    16, D 128, batch 2, Tq 1 x 8 q heads, num_splits 2) with ``kw``; -> the lowered text."""
+def _cross_lower_mixed(high_dtype=jnp.bfloat16, **kw):
+    """Cross-lower `paged_decode_attention` for CUDA over zero NVFP4 + ``high_dtype`` twin pools (2 layers, 2 KV
+    heads, page 16, D 128, batch 2, Tq 1 x 8 q heads, num_splits 2) with ``kw``; -> the lowered text."""
     L, P, kv, H, page, D, B = 2, 16, 2, 2, 16, 128, 2
     low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
            jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
-    high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
+    high = (jnp.zeros((L, 8, kv, H, page, D), high_dtype), jnp.ones((L, kv)))
     q = jnp.zeros((B, 1, 8, D), jnp.bfloat16)
     pt, lens, ht = jnp.zeros((B, 8), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
     fn = lambda q, pt, lens, ht, low, high: paged_decode_attention(  # noqa: E731
@@ -391,11 +391,12 @@ def test_column_groups_cross_lower_for_cuda():
     assert "triton" in text.lower() and "_g4" in text
 
 
-@pytest.mark.parametrize("block_k,col_groups", [(32, 1), (32, 4), (64, 1)])
-def test_edge_kernel_cross_lowers_for_cuda(block_k, col_groups):
+@pytest.mark.parametrize("block_k,col_groups,high_dtype", [(32, 1, jnp.bfloat16), (32, 4, jnp.bfloat16),
+                                                          (64, 1, jnp.bfloat16), (32, 1, jnp.float8_e4m3fn)])
+def test_edge_kernel_cross_lowers_for_cuda(block_k, col_groups, high_dtype):
     """The edge-only kernel (``skip_interior``), whose twin tiles are split in registers at >= 32-token steps
-    (`split_row_loads`: Triton's ``split``), lowers for CUDA, with and without V's column groups."""
-    text = _cross_lower_mixed(block_k=block_k, num_warps=1, col_groups=col_groups, skip_interior=True,
+    (`split_row_loads`: Triton's ``split``), lowers for CUDA, with and without V's column groups, bf16 / FP8 twins."""
+    text = _cross_lower_mixed(high_dtype, block_k=block_k, num_warps=1, col_groups=col_groups, skip_interior=True,
                               partials_only=True)
     assert "triton" in text.lower()
 
