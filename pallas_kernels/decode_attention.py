@@ -606,7 +606,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         num_splits=splits, dtype=dtype, precise=precise, high_fp8=high_fp8, plain_fp8=plain_fp8, parts=parts,
         use_asm=dequant == "asm", keys_major=keys_major, v_late=v_late, groups=col_groups, rep=rep,
         skip_interior=skip_interior, interior_tokens=interior_tokens,
-        split_loads=split_row_loads(skip_interior, nb * page))
+        split_loads=split_row_loads(skip_interior, k_tok))
     fmt = "mixed" if use_high else ("nvfp4" if low is not None else "plain")
     check_offsets("decode_attention", **{f"pool operand {i}": a for i, a in enumerate(args[9:])})
     o, m, l = pl.pallas_call(

@@ -4,7 +4,9 @@ The GPU tests spend most of their time compiling on the host, so on the GPU mach
 the one device finish the suite in about 7 minutes instead of about 12 serially (H200, bench/RESULTS.md 2026-12-03
 nineteenth). Each process gets every N-th test id of the collected list (round robin, so one file's slow tests
 spread), runs with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX takes device memory as it needs it instead of 75% per
-process) and writes its log to ``--logs``; the exit status is 0 only if every process passed.
+process) and writes its log to ``--logs``; the exit status is 0 only if every process passed. (``make test``'s
+``pytest -n`` comes from pytest-xdist, a test extra installed here; the GPU image, where nothing is installed, does
+not list it, so this runner needs nothing beyond pytest.)
 
     PYTHONPATH=. python3 tests/run_parallel.py [--procs 4] [--marker gpu] [--timeout S] [--logs DIR] [PATH ...]
 """
