@@ -73,7 +73,7 @@ Work split
   M) or the V tile (keys on M) (``plgpu.RefUnion``).
 * **Edge blocks** (the retained first-N / last-N rows, read from the twin where held, the causal region among the
   ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (`default_edge_splits`
-  splits of `default_edge_block_k`-token steps, its twin overlay and masks; the interior it skips counted in this
+  splits of `EDGE_BLOCK_K`-token steps, its twin overlay and masks; the interior it skips counted in this
   kernel's blocks), merged with the kernel's partials by LSE (`_merge_with_edge`: each kernel's splits summed in the
   layout it wrote, then one permutation within each row: 1-3.5% less GPU time per call at Tq 4 than a transpose of
   every split's tile and one concatenated merge, bench/RESULTS.md 2026-12-02 fourteenth).
@@ -114,7 +114,7 @@ from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention_mgpu", "supported", "preferred", "default_num_splits", "BLOCK_K", "available",
            "KERNEL_ENV", "KEYS_ON_M_ROWS", "WIDE_COLUMNS", "default_edge_splits", "MAX_SPLIT_BLOCKS",
-           "default_edge_block_k", "EDGE_BLOCK_K", "EDGE_WARPS", "default_qk_in_turn", "IN_TURN_ROWS",
+           "EDGE_BLOCK_K", "EDGE_WARPS", "default_qk_in_turn", "IN_TURN_ROWS",
            "IN_TURN_MAX_PAGE"]
 
 BLOCK_K = 64             # tokens per step (the wgmma K of P V, N of Q K^T)
@@ -145,7 +145,9 @@ MAX_SPLIT_BLOCKS = 128
 #: likely).
 #: Edge kernel on the H200 (profiler, bench/RESULTS.md, 2026-12-01, fourth), 64 tokens x 2 warps -> 32 x 4:
 #: 64 x 8193 77.7 -> 67.9 us, 16 x 32k 22.9 -> 18.1, 1 x 128k 22.4 -> 13.5, 16 x 32k Tq 4 x GQA 8 36.3 -> 19.6,
-#: 64 x 4k GQA 8 level (54.6 / 56.1). 16-token steps where they measured faster: `default_edge_block_k`.
+#: 64 x 4k GQA 8 level (54.6 / 56.1). 16-token steps at page 16 and batch 64 measured faster with strided twin loads
+#: (fourteenth) but slower than 32-token steps with split ones (`decode_attention.split_row_loads`; 2026-12-03
+#: twentieth), so every shape takes 32.
 EDGE_BLOCK_K = 32
 EDGE_WARPS = 4
 #: the keys-on-M form's row multiplier (``sm_scale log2(e) gs_k 2^-7 2^-shift``, one number per CTA: its query rows
@@ -782,20 +784,6 @@ def default_edge_splits(batch: int, num_kv_heads: int) -> int:
     return 2 if batch * num_kv_heads <= NUM_SMS else 1
 
 
-def default_edge_block_k(batch: int, num_kv_heads: int, page: int, rows: int) -> int:
-    """Tokens per step of the Triton kernel that attends the edge blocks (`paged_decode_attention_mgpu`'s
-    ``edge_block_k``): 16 at pages of 16 when its programs (one per row and KV head) outnumber the SMs and there are
-    at most 16 query rows (``rows = Tq * G``), else `EDGE_BLOCK_K` (32). On the H200 (bench/RESULTS.md, 2026-12-02,
-    fourteenth; GPU time per call, 8 KV heads, page 16), 16 against 32 tokens: 64 x 8k Tq 1 GQA 4 0.314 -> 0.302 ms,
-    64 x 4k 0.202 -> 0.190, 64 x 8193 0.327 -> 0.308, 64 x 8k GQA 8 0.315 -> 0.305, 64 x 4k Tq 2 GQA 8 0.221 ->
-    0.210, 64 x 32k 0.958 -> 0.946; but 64 x 4k Tq 4 GQA 8 (32 rows) 0.288 -> 0.300, 1 x 128k 0.097 -> 0.100 (8
-    programs), 16 x 32k level, page 64 level. At pages of 32 or more a step is whole pages (`pages_per_block`), so
-    16 runs as 32 there (bitwise the same output on the H200)."""
-    if page == 16 and batch * num_kv_heads > NUM_SMS and rows <= 16:
-        return 16
-    return EDGE_BLOCK_K
-
-
 def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None) -> bool:
     """Whether the Mosaic GPU kernel covers this configuration (static facts only; NVFP4 low pages)."""
     if not _HAVE_MGPU:
@@ -856,7 +844,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     128], lse f32[B, Tq, Hq])``; ``partials_only`` (benchmarking): the kernel's raw ``(o, m, l)`` partials instead.
     ``edge_splits``, ``edge_block_k``, ``edge_warps``: split-K programs, tokens per step (a divisor of `BLOCK_K`)
     and warps of the Triton kernel that attends the edge blocks (None: `default_edge_splits`,
-    `default_edge_block_k`, `EDGE_WARPS`).
+    `EDGE_BLOCK_K`, `EDGE_WARPS`).
     """
     if low is None:
         raise ValueError("paged_decode_attention_mgpu: needs low= NVFP4 pages")
@@ -885,7 +873,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     # kernel masks nothing, every key there is a low row visible to every query)
     # both kernels count the interior in blocks of `interior_tokens`: a multiple of this kernel's 64-token block and
     # of the edge kernel's (whole pages: 128 tokens at pages of 128)
-    edge_block_k = default_edge_block_k(b, h, page, tq * group) if edge_block_k is None else int(edge_block_k)
+    edge_block_k = EDGE_BLOCK_K if edge_block_k is None else int(edge_block_k)
     interior_tokens = math.lcm(BLOCK_K, pages_per_block(edge_block_k, page) * page)
     per_it = interior_tokens // BLOCK_K
     i0, i1 = (x * per_it for x in interior_blocks(lens, interior_tokens, tq, geom if use_high else None))

@@ -294,32 +294,24 @@ def test_default_form_by_query_rows(tq, hq, km):
     assert (tq * hq <= decode_mgpu.KEYS_ON_M_ROWS) == km
 
 
-def test_default_edge_steps_by_shape(monkeypatch):
-    """`default_edge_block_k`: 16-token edge steps at pages of 16 when the edge kernel's programs (B x H) outnumber
-    the SMs and Tq x G <= 16, else `EDGE_BLOCK_K` (32). The wrapper runs what it picks: traced with `NUM_SMS`
-    lowered to 4, a batch of 6 takes the 16-token branch (the edge kernel's name carries its step, ``_k16_``), with
-    float32 output against the reference; with the real 132 SMs the same call runs 32-token steps."""
-    rule = decode_mgpu.default_edge_block_k
-    assert decode_mgpu.NUM_SMS == 132 and decode_mgpu.EDGE_BLOCK_K == 32
-    assert rule(64, 8, 16, 4) == 16 and rule(64, 8, 16, 16) == 16 and rule(17, 8, 16, 1) == 16     # 136 > 132
-    assert rule(64, 8, 16, 32) == 32 and rule(64, 8, 64, 4) == 32 and rule(64, 8, 32, 4) == 32
-    assert rule(16, 8, 16, 4) == 32 and rule(1, 8, 16, 1) == 32                                      # <= 132
+def test_edge_steps_default_and_16(monkeypatch):
+    """The edge kernel runs `EDGE_BLOCK_K` (32) token steps by default at every shape, where its programs (B x H)
+    outnumber the SMs too (the 16-token rule went with the twin's split loads, bench/RESULTS.md 2026-12-03
+    twentieth); ``edge_block_k=16`` runs 16-token steps (the kernel's name carries its step, ``_k16_``). Both float32
+    outputs against the reference, with `NUM_SMS` lowered to 4 so that a batch of 6 has more programs than SMs."""
+    assert decode_mgpu.EDGE_BLOCK_K == 32
+    monkeypatch.setattr(decode_mgpu, "NUM_SMS", 4)
     st = make_state(lens=(0, 1, 15, 17, 40, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
     q = queries(st, 1, 4)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
-    call = lambda q: _run(st, q, 1, interpret=True, out_dtype=jnp.float32)  # noqa: E731
-    jax.clear_caches()                   # (the wrapper's traces hold the step picked at trace time)
-    try:
-        assert "_k32_" in str(jax.make_jaxpr(call)(q))
-        jax.clear_caches()
-        monkeypatch.setattr(decode_mgpu, "NUM_SMS", 4)
-        assert "_k16_" in str(jax.make_jaxpr(call)(q))
+    for step, name in ((None, "_k32_"), (16, "_k16_")):
+        call = lambda q, step=step: _run(st, q, 1, interpret=True, out_dtype=jnp.float32,  # noqa: E731
+                                         edge_block_k=step)
+        assert name in str(jax.make_jaxpr(call)(q)), step
         out, lse = call(q)
-    finally:
-        jax.clear_caches()
-    assert rel_l2(out, ref_o) < 1e-4
-    _lse_close(lse, ref_lse)
+        assert rel_l2(out, ref_o) < 1e-4, step
+        _lse_close(lse, ref_lse)
 
 
 def test_wide_column_order():
@@ -574,8 +566,8 @@ def test_gpu_pages_32_to_128(page):
 @pytest.mark.parametrize("page", [16, 32])
 def test_gpu_edge_steps_at_batch_24(page):
     """Edge steps of 16 and 32 tokens on the H200 at 24 rows x 8 KV heads (192 edge programs > 132 SMs, where
-    `default_edge_block_k` may pick 16): Tq 1 x GQA 4, Tq 2 x GQA 8 and Tq 4 x GQA 8; each step's float32 output
-    against the float32 reference, and the default call bitwise equal to the step the rule picks. (At page 32 a step
+    the fourteenth session's rule picked 16): Tq 1 x GQA 4, Tq 2 x GQA 8 and Tq 4 x GQA 8; each step's float32 output
+    against the float32 reference, and the default call bitwise equal to `EDGE_BLOCK_K`-token steps. (At page 32 a step
     is whole pages, `pages_per_block`: both requests run 32-token steps there.)"""
     assert on_gpu(), "gpu tests need a GPU"
     lens = (1, 15, 16, 17, 63, 64, 65, 200, 1000, 3000, 4096, 777) * 2
@@ -589,7 +581,7 @@ def test_gpu_edge_steps_at_batch_24(page):
             outs[step] = _run(st, q, 1, out_dtype=jnp.float32, edge_block_k=step)
             assert rel_l2(outs[step][0], ref_o) < 1e-4, (tq, hq, step)
             _lse_close(outs[step][1], ref_lse)
-        pick = decode_mgpu.default_edge_block_k(len(lens), 8, page, tq * hq // 8)
+        pick = decode_mgpu.EDGE_BLOCK_K
         out, lse = _run(st, q, 1, out_dtype=jnp.float32)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[pick][0]))
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(outs[pick][1]))
