@@ -27,9 +27,9 @@ test: setup
 test-gpu:
 	PYTHONPATH=. $(PY) -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_gguf.py
 
-# the same tests in 4 pytest processes on the one GPU (no XLA preallocation; logs in $OUT or .)
+# the same tests in 4 pytest-xdist workers on the one GPU (no XLA preallocation; the GiB-sized caches in one group)
 test-gpu-parallel:
-	PYTHONPATH=. $(PY) tests/run_parallel.py --procs 4
+	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(PY) -m pytest -q -m gpu -n 4 --dist loadgroup -p no:cacheprovider --ignore=tests/test_gguf.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

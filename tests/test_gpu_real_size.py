@@ -21,7 +21,9 @@ from jmixedkv.compat import on_gpu
 
 from helpers import bits
 
-pytestmark = pytest.mark.gpu
+# one xdist group: `make test-gpu-parallel` runs these GiB-sized caches one at a time in one worker (beside the other
+# workers' tests, two of them at once ran out of the H200's memory)
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory")]
 
 PAGE = 16
 CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=16, last_n=32, page_size=PAGE, max_draft_len=3)
