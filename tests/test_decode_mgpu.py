@@ -305,13 +305,17 @@ def test_edge_steps_default_and_16(monkeypatch):
     q = queries(st, 1, 4)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
-    for step, name in ((None, "_k32_"), (16, "_k16_")):
-        call = lambda q, step=step: _run(st, q, 1, interpret=True, out_dtype=jnp.float32,  # noqa: E731
-                                         edge_block_k=step)
-        assert name in str(jax.make_jaxpr(call)(q)), step
-        out, lse = call(q)
-        assert rel_l2(out, ref_o) < 1e-4, step
-        _lse_close(lse, ref_lse)
+    jax.clear_caches()                   # (traces hold `NUM_SMS`-dependent defaults: none made here may leak out)
+    try:
+        for step, name in ((None, "_k32_"), (16, "_k16_")):
+            call = lambda q, step=step: _run(st, q, 1, interpret=True, out_dtype=jnp.float32,  # noqa: E731
+                                             edge_block_k=step)
+            assert name in str(jax.make_jaxpr(call)(q)), step
+            out, lse = call(q)
+            assert rel_l2(out, ref_o) < 1e-4, step
+            _lse_close(lse, ref_lse)
+    finally:
+        jax.clear_caches()
 
 
 def test_wide_column_order():
