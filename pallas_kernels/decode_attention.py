@@ -71,12 +71,11 @@ DEFAULT_NUM_WARPS = {"nvfp4": 2, "plain": 4}
 # program, V read late, ~4 programs per SM rounded up to a power of two of splits (about one resident wave: every
 # configuration compiles to 255 registers per thread, 8 warps per SM), so splits are long and column groups apply
 # from 1024 tokens per split. In the bench/decode_sweep.py runs of 2026-11-30 (fifth session) this beat 16 programs
-# per SM by 6-20% at 16 x 4k, 16 x 32k (GQA 4 and 8), 64 x 4k and 64 x 8k and tied at 64 x 32k; batch 1 keeps 64 / 2.
-# With 16 real rows (Tq 4 x GQA 4: no padding rows) it lost to 64 / 2 (0.615 vs 0.508 ms at 16 x 32k, 2026-12-01).
+# per SM at 16 x 4k, 16 x 32k (GQA 4 and 8), 64 x 4k and 64 x 8k and tied at 64 x 32k; batch 1 keeps 64 / 2.
+# With 16 real rows (Tq 4 x GQA 4: no padding rows) it lost to 64 / 2 at 16 x 32k (2026-12-01; bench/RESULTS.md).
 WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=4)
 # Same grid, 32 query rows per program (Tq * G in 17..32, e.g. Tq 4 x GQA 8 verify steps): 32-token steps, two
-# warps: 0.709 ms against 0.799 for 64 / 2 at 16 x 32k (bench/decode_sweep.py, 2026-12-01; timings in
-# bench/RESULTS.md).
+# warps, faster than 64 / 2 at 16 x 32k (bench/decode_sweep.py, 2026-12-01; timings in bench/RESULTS.md).
 VERIFY_GRID_TUNING = dict(block_k=32, num_warps=2, per_sm=4)
 
 
@@ -464,7 +463,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       keys_major: compute the scores transposed, ``[keys, M] = K q^T`` and ``o^T = V^T P^T``, so the key tiles
         are the MMA's A operand (the query rows its N side) instead of its B operand.
       v_late: read and dequantize V after the softmax of each step instead of beside K (fewer live registers,
-        fewer spills); None = True for NVFP4 pages (measured 2-4% faster on the H200), False for plain pages.
+        fewer spills); None = True for NVFP4 pages (measured faster on the H200), False for plain pages.
       col_groups: put the padding rows of the MMA to work: with ``Tq * G`` (rounded up to a power of two, ``r``)
         <= 8 of the 16 query rows real, the rows hold ``col_groups`` replicas of the ``r`` query rows and replica
         ``j`` accumulates only V's column group ``j`` (``D / 2 / col_groups`` even and odd columns), so the output

@@ -4,79 +4,47 @@ Scope (`supported` says when it applies; everything else runs the Pallas Triton 
 `pallas_kernels.decode_attention.paged_decode_attention` behind the same entry point): head_dim 128, NVFP4 low
 pages (``data u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of 16, 32, 64 or 128
 tokens, optional bf16 / f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window,
-no soft cap.
+no soft cap. `preferred` picks it on Hopper wherever `supported` (``JMIXEDKV_DECODE_KERNEL`` overrides): it measured
+faster than the Triton kernel on every shape class with >= 128k tokens. Every figure behind the choices below is in
+bench/RESULTS.md under the session named (2026-12-01 first to ninth, 2026-12-02 tenth to seventeenth, 2026-12-03
+eighteenth on); the README's Known limitations say what bounds the kernel now.
 
-Status (H200, bench/RESULTS.md, 2026-12-01, third to fifth): correct against the float32 reference; faster than the
-Triton kernel end to end on every shape class measured with >= 128k tokens (16 x 32k Tq 1 x GQA 4: 0.380 vs 0.455
-ms, 1.29x faster than cuDNN SDPA over bf16; 16 x 128k 1.275 vs 1.555 ms, 1.49x faster than cuDNN; verify steps Tq
-2-4 x GQA 4-16), so `preferred` picks it on Hopper wherever `supported` (``JMIXEDKV_DECODE_KERNEL`` overrides).
-Pages of 32 / 64 / 128 tokens run since 2026-12-01 (seventh): they faulted (``CUDA_ERROR_ILLEGAL_INSTRUCTION``)
-because a split's page-table copy started at a column that was not a multiple of 4 ids (16 bytes); it now starts at
-the aligned column at or below (bench/RESULTS.md: 1.04-3.2x faster than the Triton kernel there, level at 64 x 4k).
-Not built: warp specialization (a producer warp for the page TMA and consumer warpgroups); every CTA is one
-warpgroup doing TMA wait, dequantization, MMA and softmax in sequence. The keys-on-M loop at 16 rows: ~480 PTX
-instructions per thread per 64-token block (~285 of them dequantization; 2026-12-01, fourth), **2 warpgroup
-barriers** per block (5 before the fifth session: 5-9% faster kernel), 2 full wgmma waits; 127 registers (121 in the
-current form at N = 16, 95 at N = 8: ptxas, 2026-12-02) and 47 KB of shared memory at N = 16 (4 CTAs = 16 warps per
-SM, both limits). ncu at 16 x 32k (fifth): 0.69 instructions issued per scheduler cycle, an eligible warp in 69% of
-cycles, SM throughput 67%, DRAM 32%: issue and latency share the bound now, so fewer instructions or more warps per
-SM are what is left. The SASS (ncu source page, 2026-12-01 eighth, `bench/sass_mix.py`): 723 instructions per warp
-and block, ~290 dequantization and **~240 the TMA copies of the next block** (16 per block: 4 tensors x 4 chunks of
-16 tokens), whose address arithmetic every one of the four warps executed under a one-thread predicate. Since the
-ninth session one copy brings a box's K and V rows, a box is a page up to 64 tokens (8 copies per block at page 16,
-2 at pages >= 64), and one warp, rotating with the block, issues them (`jmixedkv.compat.mgpu_per_warp`): 494
-instructions per warp and block, kernel 12% faster at page 16 and 19% at page 64 (16 x 32k: 0.315 -> 0.276 / 0.322
--> 0.261 ms; end to end 0.348 ms, 1.41x faster than cuDNN), outputs bitwise equal. What bounds it then (ncu):
-latency, not issue: 0.54 instructions per scheduler cycle, 1.04 eligible of 3.7 active warps; stalls at the wgmma
-wait (``WARPGROUP``, 22% of samples), short scoreboard 18%, barrier 13%. Leaving ``P V`` in flight while the next K
-is dequantized measured level (2026-12-02, tenth: not kept). The instruction count alone bounds the kernel at 16 x
-32k to >= 0.124 ms (0.87x the NVFP4 bytes floor) at one instruction per scheduler cycle (bench/RESULTS.md, tenth,
-item 4). ncu of the N = 8 kernel (16 x 32k page 16, 2026-12-02 twelfth): 95 registers and 44 KB of shared memory per
-CTA, so **5 CTAs (20 warps) per SM** fit (both limits at 5); 0.56 instructions issued per scheduler cycle, 1.09
-eligible of 4.13 active warps, DRAM 42% of peak (at ncu's 1.35 GHz clock), L1 hit 90%. Still latency-bound; the
-partial second wave (1024 CTAs over 660 slots) costs little: 5 splits (one wave) measured level (`default_num_splits`).
+Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`):
 
-**Eight query rows** (`MIN_KM_ROWS` = 8, 2026-12-02 eleventh): up to 8 query rows (GQA 4 Tq 1-2, GQA 8 Tq 1: the
-headline shapes) sit on wgmma's N side as N = 8, not 16: half the ``S^T`` / ``P`` / ``l`` / row-multiplier tiles and
-accumulators and half the key maximum, exponentials and rescales per block. A ``[64, 8]`` f16 ``P^T`` tile has
-16-byte rows, a swizzle wgmma has not, so P is stored as ``[8, 64]`` at the 128-byte swizzle (`_store_keys_minor`:
-four 2-byte stores per thread) and read through a transposed view; V's tile takes the same swizzle. On the H200
-(same-run A/B, bench/RESULTS.md eleventh): 95 registers (121 at N = 16), kernel 11.6-12.5% faster on every 4-8 row
-shape (16 x 32k GQA 4 page 16: 0.276 -> 0.244 ms; page 64 0.262 -> 0.230), outputs and LSE bitwise equal to N = 16;
-``min_km_rows=16`` (or ``MIN_KM_ROWS = 16``) gives the earlier module op for op.
-
-Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`): *keys on M* up to 32 rows:
-``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no shared-memory round trip for K) and
-the query rows padded only to N = 8 / 16 / 32 / 64 (`MIN_KM_ROWS`), the softmax down the columns (``l`` kept as
-per-thread partial sums, summed once in the epilogue), ``O^T += V^T P^T`` with V^T a transposed shared-memory view
-(V's f16 tile and P^T share the swizzle of one P^T row, ``2 N`` bytes; at N = 8 P is stored as ``[8, 64]`` at 128
-bytes); *queries on M* above (query rows padded to wgmma's M = 64, P from registers). In the keys-on-M form a CTA's
-query rows share one power-of-two shift into f16, so the logits' multiplier is one scalar (folded into the
-exponential's FMA), each thread keeps one ``l`` partial per key-row pair (`_l_update_inline`), and at N >= 32 and
-pages <= 32 K's two column halves are dequantized in turn (`default_qk_in_turn`): 163 -> 128 registers at N = 32,
-3 -> 4 CTAs per SM, kernel 5-6% faster on the H200 (bench/RESULTS.md, 2026-12-02 sixteenth).
+* *keys on M* (up to 32 rows): ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no
+  shared-memory round trip for K) and the query rows padded only to N = 8 / 16 / 32 (`MIN_KM_ROWS`), the softmax
+  down the columns (``l`` kept as per-thread partial sums, `_l_update_inline`, summed once in the epilogue), ``O^T
+  += V^T P^T`` with V^T a transposed shared-memory view. V's f16 tile and P^T share the swizzle of one P^T row (``2
+  N`` bytes); at N = 8 that row is 16 bytes, a swizzle wgmma has not, so P is stored as ``[8, 64]`` at the 128-byte
+  swizzle (`_store_keys_minor`) and read through a transposed view. A CTA's query rows share one power-of-two shift
+  into f16, so the logits' multiplier is one scalar folded into the exponential's FMA; at N >= 32 and pages <= 32
+  K's two column halves are dequantized in turn (`default_qk_in_turn`: fewer registers, one more CTA per SM).
+* *queries on M* (33-64 rows): query rows padded to wgmma's M = 64, P from registers.
 
 Work split
-* **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``): the *interior* blocks of each sequence
-  (`pallas_kernels.decode_attention.interior_blocks` with 64-token blocks: every key visible to every query, no
-  retained row, no row at or past n). A TMA ring of ``stages`` slots holds 64-token blocks of packed bytes + E4M3
-  scales (per `tma_box` tokens one copy of the K and V bytes and one of their scales, issued by one warp; page ids of
-  the split copied from the page table to shared memory once); the warpgroup dequantizes a block in registers (per
-  thread and row one 16-byte load in the `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the scales;
-  exact, see below) and runs the two wgmma products with an online softmax in base 2. Pallas' automatic barriers
-  around shared-memory stores are off (``unsafe_no_auto_barriers``; ~10 fewer barriers per step, 2-4% faster on verify
-  shapes); the kernel places its own: keys on M, the key maximum's exchange (`_key_max_inline`) and the commit before
-  ``P V`` (V is dequantized and the next block's copy issued after the maximum's barrier, when every warp is past the
-  previous block); queries on M, one at the top of each step and the commit before ``Q K^T``. Output: unnormalized
-  partials ``(o, m, l)`` per split, ``o`` query-row major in both forms (``[rows, 2 halves, 64]`` per CTA; keys on M
-  stores its ``O^T`` accumulator transposed, `_store_transposed`); the f32 output tile aliases the K tile (queries on
-  M) or the V tile (keys on M) (``plgpu.RefUnion``).
+
+* **Kernel** (one CTA = one warpgroup per ``(split, kv head, batch row)``; `default_num_splits`): the *interior*
+  blocks of each sequence (`pallas_kernels.decode_attention.interior_blocks` with 64-token blocks: every key visible
+  to every query, no retained row, no row at or past n). A TMA ring of ``stages`` slots holds 64-token blocks of
+  packed bytes + E4M3 scales: per `tma_box` tokens (a page, up to 64) one copy of the K and V bytes and one of their
+  scales, issued by one warp that rotates with the block (`jmixedkv.compat.mgpu_per_warp`: in a warpgroup context
+  Pallas would run the copies' address arithmetic in all four warps, the eighth session's SASS); the split's page
+  ids are copied from the page table to shared memory once. The warpgroup dequantizes a block in registers (per
+  thread and row one 16-byte load in the `WIDE_COLUMNS` order, `E2M1_F16_PTX`, ``cvt.rn.f16x2.e4m3x2`` for the
+  scales; exact, see below) and runs the two wgmma products with an online softmax in base 2. Pallas' automatic
+  barriers around shared-memory stores are off (``unsafe_no_auto_barriers``); the kernel places its own, 2 per block:
+  keys on M, the key maximum's exchange (`_key_max_inline`) and the commit before ``P V`` (V is dequantized and the
+  next block's copy issued after the maximum's barrier, when every warp is past the previous block); queries on M,
+  one at the top of each step and the commit before ``Q K^T``. Output: unnormalized partials ``(o, m, l)`` per split,
+  ``o`` query-row major in both forms (``[rows, 2 halves, 64]`` per CTA; keys on M stores its ``O^T`` accumulator
+  transposed, `_store_transposed`); the f32 output tile aliases the K tile (queries on M) or the V tile (keys on M)
+  (``plgpu.RefUnion``). Not built: warp specialization (a producer warp and consumer warpgroups): with 5 CTAs per SM
+  at N = 8 other CTAs already fill a CTA's waits (leaving ``P V`` in flight measured level, tenth session).
 * **Edge blocks** (the retained first-N / last-N rows, read from the twin where held, the causal region among the
   ``Tq`` new tokens, rows at or past n): the Triton kernel with ``skip_interior=True`` (`default_edge_splits`
   splits of `EDGE_BLOCK_K`-token steps, its twin overlay and masks; the interior it skips counted in this
   kernel's blocks), merged with the kernel's partials by LSE (`_merge_with_edge`: each kernel's splits summed in the
-  layout it wrote, then one permutation within each row: 1-3.5% less GPU time per call at Tq 4 than a transpose of
-  every split's tile and one concatenated merge, bench/RESULTS.md 2026-12-02 fourteenth).
+  layout it wrote, then one permutation within each row, not a transpose of every split's tile).
 
 Numerics are the Triton kernel's (see its docstring): a NVFP4 element dequantizes to
 ``(e2m1 * 2^-14) * (f16(s) * 2^7) = e2m1 * s * 2^-7`` in f16 **exactly** (the *low domain*, ``x / (gs * 2^7)``);
@@ -123,31 +91,23 @@ SUPPORTED_PAGES = (16, 32, 64, 128)   # run on the H200 (bench/RESULTS.md, 2026-
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: the form `paged_decode_attention_mgpu` runs when ``keys_on_m`` is None: keys on M (``S^T = K Q^T``: the
 #: dequantized K tile is wgmma's register A operand, the query rows, padded to 8 / 16 / 32 / 64 (`MIN_KM_ROWS`), its
-#: N side; ``O^T = V^T P^T``) for ``Tq * G <=`` this many query rows, queries on M (rows padded to 64) above. On the
-#: H200 (bench/RESULTS.md, 2026-12-02 twelfth, same-run A/B): keys on M is 10-12% faster in the kernel at 32 rows
-#: (16 x 32k Tq 4 x GQA 8 page 16: 0.366 vs 0.410 ms; GQA 4 Tq 8: 0.367 vs 0.411), queries on M 25-27% faster at 64
-#: rows (0.415 vs 0.567 ms at 16 x 32k Tq 8 x GQA 8). (The second session, before the barrier / copy / N changes,
-#: had keys on M losing at 32 rows: 0.749 vs 0.600 ms.)
+#: N side; ``O^T = V^T P^T``) for ``Tq * G <=`` this many query rows, queries on M (rows padded to 64) above: the
+#: faster form on each side of the line on the H200 (same-run A/B, bench/RESULTS.md 2026-12-02 twelfth)
 KEYS_ON_M_ROWS = 32
 #: fewest query rows on the wgmma N side of the keys-on-M form (rows padded to a power of two >= this): 8 (P then
 #: stored as ``[N, keys]`` and read through a transposed view: wgmma has no swizzle for 16-byte ``P^T`` rows), or 16.
-#: On the H200 (bench/RESULTS.md, 2026-12-02 eleventh) 8 is 12% faster in the kernel at 4-8 rows, bitwise equal
+#: 8 measured faster at 4-8 rows on the H200, outputs bitwise equal (bench/RESULTS.md 2026-12-02 eleventh)
 MIN_KM_ROWS = 8
 HEAD_DIM = 128
 NUM_SMS = 132
-#: most 64-token blocks one CTA attends (`default_num_splits`). On the H200 (bench/RESULTS.md, 2026-12-01, fourth),
-#: 64 x 32k GQA 4 at 2 / 5 splits (256 / 102 blocks per CTA): 1.528 / 1.387 ms; 16 x 128k at 8 / 15 splits (256 /
-#: 137): 1.484 / 1.362; 16 x 32k and 64 x 8k (64 blocks per CTA) level from 43 to 64
+#: most 64-token blocks one CTA attends (`default_num_splits`): on the H200 shorter CTAs leave a shorter tail at long
+#: contexts (~256 blocks per CTA measured slower than ~100-137; 43-64 level; bench/RESULTS.md 2026-12-01 fourth)
 MAX_SPLIT_BLOCKS = 128
 #: tokens per step and warps of the Triton kernel that attends the edge blocks (`paged_decode_attention_mgpu`'s
-#: ``edge_block_k`` / ``edge_warps``; it skips this kernel's interior, counted in `BLOCK_K` blocks). That kernel is
-#: L1-bound at 64-token steps (ncu at 64 x 8193: 91% L1 throughput, 11% DRAM, 255 registers per thread: spills,
-#: likely).
-#: Edge kernel on the H200 (profiler, bench/RESULTS.md, 2026-12-01, fourth), 64 tokens x 2 warps -> 32 x 4:
-#: 64 x 8193 77.7 -> 67.9 us, 16 x 32k 22.9 -> 18.1, 1 x 128k 22.4 -> 13.5, 16 x 32k Tq 4 x GQA 8 36.3 -> 19.6,
-#: 64 x 4k GQA 8 level (54.6 / 56.1). 16-token steps at page 16 and batch 64 measured faster with strided twin loads
-#: (fourteenth) but slower than 32-token steps with split ones (`decode_attention.split_row_loads`; 2026-12-03
-#: twentieth), so every shape takes 32.
+#: ``edge_block_k`` / ``edge_warps``; it skips this kernel's interior, counted in `BLOCK_K` blocks). On the H200 32
+#: tokens x 4 warps beat 64 x 2 (L1-bound at 64-token steps; bench/RESULTS.md 2026-12-01 fourth), and with the
+#: twin's split loads (`decode_attention.split_row_loads`) 32-token steps beat 16 at every shape measured, batch 64
+#: included (2026-12-03 twentieth).
 EDGE_BLOCK_K = 32
 EDGE_WARPS = 4
 #: the keys-on-M form's row multiplier (``sm_scale log2(e) gs_k 2^-7 2^-shift``, one number per CTA: its query rows
@@ -156,10 +116,9 @@ EDGE_WARPS = 4
 RM_VECTOR = 32
 #: the keys-on-M form dequantizes K's two column halves in turn (the first half's wgmma waited on before the second
 #: half is dequantized: fewer registers live) at this many query rows or more and pages of at most `IN_TURN_MAX_PAGE`
-#: tokens (`default_qk_in_turn`). On the H200 (bench/RESULTS.md, 2026-12-02 sixteenth; ptxas, ncu, same-run A/B of
-#: the kernel) at N = 32, page 16: 139 -> 128 registers, 3 -> 4 CTAs per SM, kernel 4-5% faster (16 x 32k Tq 4 x GQA
-#: 8: 0.363 -> 0.349 ms); page 32 3% faster; page 64 compiled to 135 registers (still 3 CTAs), and pages 64 / 128 ran
-#: 4-6% slower; at N = 8 / 16 (95 -> 80, 109 -> 96 registers, no CTA gained) 4-5% slower
+#: tokens (`default_qk_in_turn`): on the H200 that gained a fourth CTA per SM at N = 32 and pages 16 / 32 and was
+#: faster there; at page 64 (no CTA gained) and at N = 8 / 16 it was slower (ptxas, ncu, same-run A/B:
+#: bench/RESULTS.md 2026-12-02 sixteenth)
 IN_TURN_ROWS = 32
 IN_TURN_MAX_PAGE = 32
 _LOG2E = math.log2(math.e)
@@ -187,8 +146,8 @@ def available() -> bool:
 #: holds columns ``2 (lane % 4) + 8 j + {0, 1}`` (j = 0..7) of two rows; in this order those are the 16 contiguous
 #: bytes ``16 (lane % 4) .. + 15`` of each row (one 128-bit shared-memory load, conflict-free) under two contiguous
 #: scale bytes. q's columns are permuted the same way and the output's back (`paged_decode_attention_mgpu`); QK^T
-#: sums over the columns, so the order is free. Against 2-byte loads in natural order (one scale byte and one
-#: inline-PTX call per 4 elements) this was 1.15-1.26x faster on the H200 (bench/RESULTS.md, 2026-12-01, second).
+#: sums over the columns, so the order is free. It measured faster on the H200 than 2-byte loads in natural order
+#: (one scale byte and one inline-PTX call per 4 elements; bench/RESULTS.md 2026-12-01 second).
 WIDE_COLUMNS = np.array([16 * (t % 8 // 2) + 2 * (t // 8) + t % 2 for t in range(HEAD_DIM // 2)])
 
 
@@ -201,9 +160,8 @@ _KERNEL_COLUMNS = np.array([(d % 2) * (HEAD_DIM // 2) + _FROM_WIDE[d // 2] for d
 def to_wide(x, gather=False):
     """Last axis (64 columns, byte order) -> `WIDE_COLUMNS` order: ``x[..., WIDE_COLUMNS]``. ``gather``: as a
     ``jnp.take`` (outside a kernel: XLA on the H200 ran the reshape form's transpose, whose contiguous runs are 2
-    elements, at ~0.2 TB/s read + write: 20 us for the 2 MB of q at 64 x 4k Tq 4 x GQA 8; the gather 3.7 us,
-    bench/RESULTS.md 2026-12-02 thirteenth), else as a reshape (inside a kernel body, where a gather's index array
-    would be a captured constant)."""
+    elements, several times slower than the gather, bench/RESULTS.md 2026-12-02 thirteenth), else as a reshape
+    (inside a kernel body, where a gather's index array would be a captured constant)."""
     if gather:
         return jnp.take(x, WIDE_COLUMNS, axis=-1)
     return jnp.swapaxes(x.reshape(x.shape[:-1] + (4, 8, 2)), -3, -2).reshape(x.shape)
@@ -480,7 +438,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
     dequant = _dequant_jnp if interpret else _dequant_inline
     # Pallas' automatic barriers (a warpgroup barrier before and after every shared-memory store) are off; the
     # kernel places its own: `sync` (a warpgroup barrier; commit_smem's proxy fence is harmless). Without them the
-    # kernel measured 2-4% faster on verify shapes on the H200, level at Tq 1 (bench/RESULTS.md, 2026-12-01, second)
+    # kernel measured faster on verify shapes on the H200, level at Tq 1 (bench/RESULTS.md, 2026-12-01, second)
     sync = (lambda: None) if interpret else plgpu.commit_smem  # noqa: E731
     # the interpreter has no layouts: plain values there
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
@@ -686,7 +644,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             else:
                 k16.at[0][...] = klo
                 k16.at[1][...] = khi
-            # V next (dequantizing V while the tensor cores run Q K^T measured 15% slower on the H200)
+            # V next (dequantizing V while the tensor cores run Q K^T measured slower on the H200)
             vlo, vhi = dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1])
             v16.at[0][...] = vlo
             v16.at[1][...] = vhi
@@ -758,8 +716,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     H200, bench/RESULTS.md), and no split runs more than `MAX_SPLIT_BLOCKS` blocks (long contexts at large batch:
     finer CTAs leave a shorter tail). Split counts off a power of two (3, 5, 6, 9, 12, 15 ...) measured level. At N =
     8 (95 registers, 44 KB) 5 CTAs fit per SM; fitting the grid to that (one full wave: 5 splits at 16 x 32k) measured
-    level too (kernel 0.240 vs 0.243 ms); up to 2x or 4x the default's splits gained at most 3% in the kernel at
-    16 x 32k, 64 x 32k, 16 x 128k and Tq 4-8 x GQA 8, half the default's lost up to 12% (bench/RESULTS.md, 2026-12-02
+    level too, 2x or 4x the default's splits gained little and half of them lost (bench/RESULTS.md, 2026-12-02
     twelfth), so the rule stays."""
     programs = max(1, batch * num_kv_heads)
     want = max(1, -(-4 * NUM_SMS // programs))
@@ -778,9 +735,8 @@ def default_edge_splits(batch: int, num_kv_heads: int) -> int:
     """Split-K programs of the Triton kernel that attends the edge blocks (`paged_decode_attention_mgpu`'s
     ``edge_splits``): its splits cut a sequence's blocks in equal ranges and skip the interior in each, so with 2 the
     leading edge (first_n) and the trailing one (last_n, the new tokens) run in different programs. 2 while one
-    program per (row, KV head) leaves SMs idle, else 1. On the H200 (bench/RESULTS.md, 2026-12-01, third), against 1:
-    1 x 128k 0.160 -> 0.151 ms, 16 x 32k level (0.404 / 0.403; Tq 4 x GQA 8 0.554 -> 0.545); at 64 x 8k (512
-    programs) 2 was 3% slower."""
+    program per (row, KV head) leaves SMs idle, else 1. On the H200 against 1: faster at 1 x 128k, level at 16 x 32k,
+    slower at 64 x 8k (512 programs; bench/RESULTS.md, 2026-12-01, third)."""
     return 2 if batch * num_kv_heads <= NUM_SMS else 1
 
 
@@ -797,9 +753,9 @@ def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
 
 #: environment variable choosing the decode kernel behind `jmixedkv.decode_attention` for NVFP4 groups: ``auto``
 #: (default: this kernel where `supported`, on a Hopper GPU; the Triton kernel elsewhere), ``triton`` (always the
-#: Triton kernel) or ``mgpu`` (this kernel wherever `supported`, in interpret mode too). On the H200 this kernel is
-#: 1.05-1.32x faster than the Triton kernel end to end on every shape class measured, Tq 1 included
-#: (bench/RESULTS.md, 2026-12-01, third)
+#: Triton kernel) or ``mgpu`` (this kernel wherever `supported`, in interpret mode too). On the H200 this kernel
+#: measured faster than the Triton kernel end to end on every shape class, Tq 1 included (bench/RESULTS.md,
+#: 2026-12-01, third, and the grids since)
 KERNEL_ENV = "JMIXEDKV_DECODE_KERNEL"
 
 
@@ -837,7 +793,7 @@ def paged_decode_attention_mgpu(q, page_table, kv_lens, layer=0, low=None, high=
     `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`). ``stages``: TMA ring depth (blocks of 64 tokens
-    in flight; 3 measured 0-7% slower than 2 on the H200 with keys on M, bench/RESULTS.md, 2026-12-01, fifth).
+    in flight; 3 measured slower than 2 on the H200 with keys on M, bench/RESULTS.md, 2026-12-01, fifth).
     ``keys_on_m``: the keys-on-M form (None: for ``Tq * G <=`` `KEYS_ON_M_ROWS`); ``min_km_rows``: its fewest query
     rows on wgmma's N side, 8 or 16 (None: `MIN_KM_ROWS`); ``qk_in_turn``: there, K's column halves dequantized in
     turn (None: `default_qk_in_turn`; the same products in the same order either way). Returns ``(out [B, Tq, Hq,
@@ -1015,9 +971,9 @@ def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul):
     0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials are weighted and summed over its
     splits in the layout it wrote them, one XLA reduction reading them once; the column permutation and the half
     interleave then act within each row of the ``[B, H, rows, 2, 64]`` sum. (Concatenating both kernels' partials
-    in natural column order and merging them with `merge_partials` cost a transpose of every split's tile: 11-21 us
-    of XLA time per call at 64 x 4k Tq 4 on the H200, bench/RESULTS.md 2026-12-02 thirteenth; this form measured
-    1-3.5% less GPU time per call at Tq 4 and level at Tq 1, fourteenth.)"""
+    in natural column order and merging them with `merge_partials` cost a transpose of every split's tile; this form
+    measured less GPU time per call at Tq 4 on the H200 and level at Tq 1, bench/RESULTS.md 2026-12-02 thirteenth /
+    fourteenth.)"""
     b, h = o.shape[1:3]
     m = m2[..., :rows] * (1.0 / _LOG2E)
     l, me, le = l[..., :rows], me[..., :rows], le[..., :rows]

@@ -54,9 +54,9 @@ __all__ = ["quantize", "dequantize", "kernel_width", "QUANT_DEFAULTS", "DEQUANT_
            "tile_loop", "row_tiling", "gs_operand", "check_warps", "row_width", "resolve_interpret"]
 
 #: kernel tiling defaults (kernel rows are ``W`` wide, see `kernel_width`; W = 128 for D = 128): the fastest
-#: bit-exact tiling measured on the H200 (bench/nvfp4_bench.py; figures in bench/RESULTS.md). Quantize, 1 GiB bf16
-#: with the three-line E2M1 encoder (2026-12-01, sixth): 32 / 16 rows 0.430 ms, 32 / 32 0.447, 64 / 16 (2 stages)
-#: 0.438, 16 / 16 (2 warps) 0.439, 128+ rows 0.466-0.471, 8 warps 0.468-0.601
+#: bit-exact tiling measured on the H200 (bench/nvfp4_bench.py; figures in bench/RESULTS.md): quantize, 1 GiB bf16
+#: with the three-line E2M1 encoder (2026-12-01, sixth): 32 / 16 rows ahead of 32 / 32, 64 / 16 (2 stages), 16 / 16
+#: (2 warps), 128+ rows and 8 warps
 QUANT_DEFAULTS = dict(block_rows=32, sub_rows=16, num_warps=4, num_stages=1)
 DEQUANT_DEFAULTS = dict(block_rows=512, sub_rows=32, num_warps=4, num_stages=2)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
