@@ -11,15 +11,16 @@ eighteenth on); the README's Known limitations say what bounds the kernel now.
 
 Two forms, one kernel body (`_make_kernel`), chosen by query rows (`KEYS_ON_M_ROWS`):
 
-* *keys on M* (up to 32 rows): ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A operand (no
-  shared-memory round trip for K) and the query rows padded only to N = 8 / 16 / 32 (`MIN_KM_ROWS`), the softmax
-  down the columns (``l`` kept as per-thread partial sums, `_l_update_inline`, summed once in the epilogue), ``O^T
-  += V^T P^T`` with V^T a transposed shared-memory view. V's f16 tile and P^T share the swizzle of one P^T row (``2
-  N`` bytes); at N = 8 that row is 16 bytes, a swizzle wgmma has not, so P is stored as ``[8, 64]`` at the 128-byte
-  swizzle (`_store_keys_minor`) and read through a transposed view. A CTA's query rows share one power-of-two shift
-  into f16, so the logits' multiplier is one scalar folded into the exponential's FMA; at N >= 32 and pages <= 32
-  K's two column halves are dequantized in turn (`default_qk_in_turn`: fewer registers, one more CTA per SM).
-* *queries on M* (33-64 rows): query rows padded to wgmma's M = 64, P from registers.
+* *keys on M* (up to 32 rows by default): ``S^T = K Q^T`` with the dequantized K tile as wgmma's register A
+  operand (no shared-memory round trip for K) and the query rows padded only to N = 8 / 16 / 32 / 64
+  (`MIN_KM_ROWS`), the softmax down the columns (``l`` kept as per-thread partial sums, `_l_update_inline`, summed
+  once in the epilogue), ``O^T += V^T P^T`` with V^T a transposed shared-memory view. V's f16 tile and P^T share the
+  swizzle of one P^T row (``2 N`` bytes); at N = 8 that row is 16 bytes, a swizzle wgmma has not, so P is stored as
+  ``[8, 64]`` at the 128-byte swizzle (`_store_keys_minor`) and read through a transposed view. A CTA's query rows
+  share one power-of-two shift into f16, so the logits' multiplier is one scalar folded into the exponential's FMA;
+  at N >= 32 and pages <= 32 K's two column halves are dequantized in turn (`default_qk_in_turn`: fewer registers,
+  one more CTA per SM).
+* *queries on M* (33-64 rows by default): query rows padded to wgmma's M = 64, P from registers.
 
 Work split
 
