@@ -24,12 +24,14 @@ test: setup
 	$(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile
 
 # On the GPU machine (its own image, nothing to install; it has no gguf, and test_gguf.py has no GPU test)
+GPU_TESTS := -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_gguf.py
+
 test-gpu:
-	PYTHONPATH=. $(PY) -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_gguf.py
+	PYTHONPATH=. $(PY) $(GPU_TESTS)
 
 # the same tests in 4 pytest-xdist workers on the one GPU (no XLA preallocation; the GiB-sized caches in one group)
 test-gpu-parallel:
-	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(PY) -m pytest -q -m gpu -n 4 --dist loadgroup -p no:cacheprovider --ignore=tests/test_gguf.py
+	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(PY) $(GPU_TESTS) -n 4 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

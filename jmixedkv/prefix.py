@@ -310,13 +310,17 @@ class PrefixCache:
             self.host.put(e.key, page)
             e.low, e.high, e.on_host = -1, -1, True
         self._stats["evicted_pages"] += len(victims)
-        self._trim_host()
+        self._trim_host(protect)
         return len(victims)
 
-    def _trim_host(self) -> None:
+    def _trim_host(self, protect=()) -> None:
+        """Drop the least valuable host leaves (and their index entries) until the host tier fits its capacity;
+        ``protect``ed keys (a prefix being restored) stay, over capacity until they leave the host."""
         cap = self.host.capacity_pages
         while cap is not None and len(self.host) > cap:
-            leaves = [self.index[k] for k in self.host.keys() if not self.children.get(k)]
+            leaves = [self.index[k] for k in self.host.keys() if not self.children.get(k) and k not in protect]
+            if not leaves:
+                return
             victim = min(leaves, key=lambda e: (e.priority, e.last_used))
             self._forget(victim)
             self._stats["dropped_pages"] += 1
@@ -345,7 +349,12 @@ class PrefixCache:
         came back."""
         entries = [e for e in matched if e.on_host]
         nf = self.config.num_fixed_pages
-        self.ensure_free(len(entries), sum(e.j < nf for e in entries) + extra_high, protect={e.key for e in matched})
+        try:
+            self.ensure_free(len(entries), sum(e.j < nf for e in entries) + extra_high,
+                             protect={e.key for e in matched})
+        except CacheCapacityError:
+            self._trim_host()          # the matched host pages stay there: the host back within its capacity
+            raise
         if not entries:
             return 0
         k = offload.page_bucket(len(entries))
@@ -361,6 +370,7 @@ class PrefixCache:
             self.host.pop(e.key)
             e.low, e.high, e.on_host = int(low_ids[i]), int(high_ids[i]), False
         self._stats["restored_pages"] += len(entries)
+        self._trim_host()              # (over capacity only while protected pages were on the host)
         return len(entries)
 
     def prefetch(self, tokens) -> int:

@@ -9,6 +9,7 @@ import pytest
 from jmixedkv import KVCacheConfig, init_state
 from jmixedkv import offload
 from jmixedkv.checks import CacheCapacityError
+from jmixedkv.prefix import page_keys
 from jmixedkv.state import admit
 
 from helpers import (BASES, GROUPS, MAX_PAGES, PAGE, cache_append, host_bytes, new_cache, new_shadow, page_bytes,
@@ -150,6 +151,31 @@ def test_pool_pressure_evicts_and_host_capacity_drops():
         m = pc.admit(1, BASES[1][:24])
         assert m == 8                                            # BASES[1] shares two pages with BASES[0]
         cache_append(pc, 1, BASES[1][m:24], m)
+
+
+def test_restore_keeps_the_matched_host_pages_when_its_evictions_overflow_the_host():
+    """`admit` restores a matched prefix whose last page is on the host, and the eviction that frees room for it
+    overflows a full host tier: the trim must drop another host page, not the one being restored (it dropped the
+    restoring page's entry and `admit` failed with a KeyError; found by test_prefix's state machine)."""
+    pc, shadow = new_cache(num_pages=8, num_high_pages=12, host_capacity=1), new_shadow()
+    toks = BASES[0][:16]                                        # + 5 tokens: all 4 pages match
+    _prefill(pc, 0, toks)                                       # 4 committed pages
+    pc.release(0)
+    assert pc.evict(1) == 1                                     # its last page -> the host (now full)
+    golden = {k: page_bytes(pc.state, e.low, e.high) for k, e in pc.index.items() if not e.on_host}
+    golden.update({k: host_bytes(pc.host.get(k)) for k in pc.host.keys()})
+    _prefill(pc, 0, BASES[2][:20])                              # 5 more pages: the low pool is full
+    pc.release(0)
+    m = pc.admit(1, toks + [4] * 5)                                 # evicts one of BASES[2]'s pages to the host
+    assert m == 16 and pc.stats()["restored_pages"] == 1 and pc.stats()["dropped_pages"] == 1
+    assert len(pc.host) <= 1
+    for k in page_keys(toks, PAGE):
+        e = pc.index[k]
+        assert not e.on_host and page_bytes(pc.state, e.low, e.high) == golden[k]
+    cache_append(pc, 1, (toks + [4] * 5)[m:], m)
+    shadow = shadow_append(admit(shadow, 1), 1, toks + [4] * 5, 0)
+    for a, b in zip(jax.device_get(read_all(pc.state)), jax.device_get(read_all(shadow))):
+        np.testing.assert_array_equal(a[:, 1].view(np.uint16), b[:, 1].view(np.uint16))
 
 
 def test_zero_host_capacity_forgets():
