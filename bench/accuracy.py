@@ -48,9 +48,10 @@ def run(args):
     import jax.numpy as jnp
 
     from jmixedkv import capacity as cap
-    from jmixedkv.cli import SMOLLM_SHAPE, parse_cache_spec
-    from jmixedkv.gguf import load_model
-    from jmixedkv.model import builtin_text, evaluate_caches, high_fraction
+    from jmixedkv_demo.demo import SMOLLM_SHAPE
+    from jmixedkv_demo.specs import parse_cache_spec
+    from jmixedkv_demo.gguf import load_model
+    from jmixedkv_demo.model import builtin_text, evaluate_caches, high_fraction
     model = load_model()
     params = jax.tree.map(jnp.asarray, model.params)
     specs = [s for s in args.caches.split(",") if s] if args.caches else default_caches(not args.no_grid)
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
         ap.error(f"--window must be in [2, tokens - 1), got {args.window}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from jmixedkv.gguf import ModelUnavailable, smollm2_path
+    from jmixedkv_demo.gguf import ModelUnavailable, smollm2_path
     try:
         smollm2_path()
         import gguf, tokenizers  # noqa: F401,E401

@@ -12,7 +12,7 @@ head_dim 128, page 16, one query token:
   (d) ``stage``   "stage (XLA) + paged attention": jnp gather + NVFP4 dequant + retained-row overlay into a bf16
                   paged cache, then (c)'s best config over it (stage time reported separately too)
   (e) ``sdpa``    torch SDPA (flash and cuDNN, best) over contiguous bf16 K/V (skipped if torch is missing)
-  (f) ``mgpu``    the Pallas Mosaic GPU kernel (`pallas_kernels.decode_mgpu`) on the same mixed pools, best of
+  (f) ``mgpu``    the Pallas Mosaic GPU kernel (`pallas_kernels.decode.mosaic_sm90`) on the same mixed pools, best of
                   `MGPU_CONFIGS` (ring stages x split multiplier), output checked against (a) to 1e-2
                   (``--no-mgpu`` skips it)
   floors          NVFP4 (+ retained rows) and bf16 K+V bytes / copy bandwidth measured in-run
@@ -25,7 +25,7 @@ was measured; ``--budget-s`` stops starting shapes before the device's 600 s com
 
 Usage: ``PYTHONPATH=. python3 bench/decode_bench.py --out DIR [--batches 1,16,64] [--contexts 4096,32768,131072]``
 Compiling every config for all nine shapes takes a while: on a 600 s device limit run one batch size per command
-(``--batches 1``, ``--batches 16``, ``--batches 64``) or pass ``--quick``; `bench/plot_decode.py` merges the JSONs.
+(``--batches 1``, ``--batches 16``, ``--batches 64``) or pass ``--quick``; `bench/tools/plot_decode.py` merges the JSONs.
 
 ``--grid`` (issue 18's grid: batch x context x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default kernels only, 72
 rows) is more than one 600 s command holds. ``--shard I/N`` runs every N-th row, so one command on a 4-GPU host runs
@@ -61,16 +61,20 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import layout, nvfp4  # noqa: E402
+from common import copy_bandwidth_tbs, gpu_busy_ms, time_jax, time_torch, versions  # noqa: E402
+from shapes import DECODE_GEOMETRY, grid_args  # noqa: E402
 from jmixedkv.decode import decode_attention  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.pools import LowPool, RowPool, kernel_arrays  # noqa: E402
-from pallas_kernels.decode_attention import default_num_splits, paged_decode_attention  # noqa: E402
-from pallas_kernels import decode_mgpu  # noqa: E402
+from pallas_kernels.decode import MosaicConfig, TritonConfig, choose_backend, mosaic_sm90  # noqa: E402
+from pallas_kernels.decode.config import mosaic_num_splits, triton_num_splits  # noqa: E402
+from pallas_kernels.decode.triton import paged_decode_attention  # noqa: E402
 
-H, HQ, D, PAGE, FIRST_N, LAST_N = 8, 32, 128, 16, 64, 64
+H, D, FIRST_N, LAST_N = (DECODE_GEOMETRY[k] for k in ("kv_heads", "head_dim", "first_n", "last_n"))
+HQ, PAGE = 4 * H, 16
 CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
 NF, NR = CFG.num_fixed_pages, CFG.num_ring_pages
-# Kernel variants (block_k tokens per step, num_warps, num_stages, split multiplier vs default_num_splits,
+# Kernel variants (block_k tokens per step, num_warps, num_stages, split multiplier vs triton_num_splits,
 # precise P @ V, dequant form). The first shape of a run sweeps them all; later shapes of a --quick run time only
 # the best TOP_K of the first shape (compiles dominate the budget). "-p": P split in two f16 halves (float32-output
 # accuracy); "-jnp": the NVFP4 dequantization in plain jnp ops instead of the packed inline PTX.
@@ -86,7 +90,7 @@ PLAIN_CONFIGS = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, 
 FULL_EXTRA = [dict(block_k=128, num_warps=8, num_stages=3), dict(block_k=64, num_warps=4, num_stages=4), dict(block_k=256, num_warps=4, num_stages=2),
               dict(block_k=128, num_warps=8, num_stages=4), dict(block_k=64, num_warps=4, num_stages=3, split_mult=2)]
 TOP_K = 3
-# (f) Mosaic GPU kernel variants: TMA ring stages, split multiplier vs `decode_mgpu.default_num_splits`
+# (f) Mosaic GPU kernel variants: TMA ring stages, split multiplier vs `mosaic_num_splits`
 MGPU_CONFIGS = [dict(stages=2), dict(stages=3), dict(stages=2, split_mult=2), dict(stages=2, split_mult=0.5)]
 USE_MGPU = True
 LAYERS = 1           # --layers: pool layers (the kernels read the last one)
@@ -97,26 +101,11 @@ CHECK_LENS = (1, 15, 16, 17, 100, 1000, 2047, 4096)
 
 
 # --------------------------------------------------------------------------------------------- timing
-def time_jax(fn, *args, reps=10, trials=15, warmup=2):
-    """Median ms per call: ``trials`` batches of ``reps`` async calls, blocked at the end of each batch."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps * 1e3)
-    return float(np.median(times))
-
-
 def time_in_step(fn, *args, calls=10, lens_arg=2):
     """Median ms per call of ``fn(*args)`` (-> one output array) run ``calls`` times inside **one** jitted loop, as
     the layers of a model's decode step run: one executable, no dispatch per call. `time_jax` of a single call
     also pays the runtime's cost of launching an executable: on the H200 (jax 0.11.2) 23-28 us per call at 16 x 32k
-    and 64 x 4k that ten calls in one loop do not see (5 us per call there; bench/RESULTS.md 2026-12-02
-    fifteenth). Each call's ``kv_lens`` (argument ``lens_arg``) is the previous one's plus ``isnan(out[0])`` (0 for
+    and 64 x 4k that ten calls in one loop do not see (5 us per call there; bench/RESULTS.md). Each call's ``kv_lens`` (argument ``lens_arg``) is the previous one's plus ``isnan(out[0])`` (0 for
     the finite outputs the grid checks), so XLA can neither hoist a call out of the loop nor merge two; the whole
     output is carried (materialized every call). Adds one 1-element op per call."""
     def loop(*a):
@@ -128,58 +117,6 @@ def time_in_step(fn, *args, calls=10, lens_arg=2):
         out0 = jax.eval_shape(fn, *a)
         return jax.lax.fori_loop(0, calls, body, (a[lens_arg], jnp.zeros(out0.shape, out0.dtype)))
     return time_jax(jax.jit(loop), *args) / calls
-
-
-def gpu_busy_ms(fn, *args, steps=5):
-    """GPU time per call of ``fn(*args)``, ms: the kernels' busy time in a jax profiler trace
-    (`step_bench.gpu_kernel_profile`), without the host's dispatch; None off the GPU. `time_jax` of a small shape
-    measures the host (13 kernel launches per call on the Mosaic path: 1 x 4k is ~0.03 ms of GPU time and ~0.12 ms
-    end to end, bench/RESULTS.md 2026-12-01 fourth); this does not."""
-    if INTERPRET or not on_gpu():
-        return None
-    import tempfile
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    from step_bench import gpu_kernel_profile
-    try:
-        prof = gpu_kernel_profile(lambda i: fn(*args), steps, tempfile.mkdtemp(prefix="trace_decode"))
-    except Exception as e:      # a profiler failure must not lose the row's timings
-        print(f"    gpu_busy_ms: profiler failed ({type(e).__name__}: {str(e)[:100]})")
-        return None
-    return prof["busy_us_per_step"] / 1e3 if prof["kernels"] else None
-
-
-def time_torch(torch, fn, reps=10, trials=15, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return float(np.median(times))
-
-
-def copy_bandwidth_tbs(torch):
-    """Device-to-device copy bandwidth (bytes read + written), TB/s: torch if present, else a jitted jnp copy."""
-    nbytes = 1 << 31
-    if torch is not None:
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        ms = time_torch(torch, lambda: dst.copy_(src), reps=5, trials=10)
-        del src, dst
-        torch.cuda.empty_cache()
-        return 2 * nbytes / (ms * 1e-3) / 1e12, "torch copy_"
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)
-    ms = time_jax(f, x, reps=5, trials=10)
-    return 2 * nbytes / (ms * 1e-3) / 1e12, "jnp x + 1"
 
 
 # --------------------------------------------------------------------------------------------- big pools
@@ -295,20 +232,18 @@ def stage_xla(low, high, page_table, high_table, kv_lens, layer=0, *, first_n, l
 def ours_fn(mode, cfg, b, npg):
     if not cfg:     # the kernel's own defaults (block_k, num_warps, splits, v_late chosen per shape class)
         splits = None
-        kw = dict(num_stages=3, interpret=INTERPRET)
+        kw = dict(config=TritonConfig(num_stages=3), interpret=INTERPRET)
         if mode == "mixed":
             return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
                 q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), None, ht, geom=CFG.twin, **kw)[0]), splits
         return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, kernel_arrays(plain),
                                                                           **kw)[0]), splits
     blocks = max(1, npg // max(1, cfg["block_k"] // PAGE))
-    splits = max(1, min(blocks, int(default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
-    kw = dict(block_k=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
-              precise=cfg.get("precise"), num_splits=splits, interpret=INTERPRET)
-    if mode == "mixed" and "dequant" in cfg:
-        kw["dequant"] = cfg["dequant"]
-    if "keys_major" in cfg:
-        kw["keys_major"] = cfg["keys_major"]
+    splits = max(1, min(blocks, int(triton_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
+    config = TritonConfig(block_k=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
+                          precise=cfg.get("precise"), num_splits=splits, keys_major=cfg.get("keys_major", False),
+                          dequant=cfg.get("dequant") if mode == "mixed" else None)
+    kw = dict(config=config, interpret=INTERPRET)
     if mode == "mixed":
         return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
             q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), None, ht, geom=CFG.twin,
@@ -318,11 +253,12 @@ def ours_fn(mode, cfg, b, npg):
 
 
 def mgpu_fn(cfg, b, npg):
-    blocks = max(1, npg * PAGE // decode_mgpu.BLOCK_K)
-    splits = max(1, min(blocks, int(decode_mgpu.default_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
-    return jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
+    blocks = max(1, npg * PAGE // mosaic_sm90.BLOCK_K)
+    splits = max(1, min(blocks, int(mosaic_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
+    config = MosaicConfig(num_splits=splits, stages=cfg["stages"])
+    return jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.paged_decode_attention(
         q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), ht, geom=CFG.twin,
-        num_splits=splits, stages=cfg["stages"], interpret=INTERPRET)[0])
+        config=config, interpret=INTERPRET)[0])
 
 
 def mgpu_name(c):
@@ -397,14 +333,14 @@ def check_correctness(torch):
     out["mixed_kernel_vs_bf16_staging"] = rel(o)
     low, high = kernel_arrays(st.pools[0].low), kernel_arrays(st.pools[0].high)
     o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, low, high, None, st.high_table, geom=CFG.twin,
-                                  dequant="jnp", interpret=INTERPRET)
+                                  config=TritonConfig(dequant="jnp"), interpret=INTERPRET)
     out["mixed_kernel_jnp_dequant"] = rel32(o)
     o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, low, high, None, st.high_table,
-                                  geom=CFG.twin, precise=True,
+                                  geom=CFG.twin, config=TritonConfig(precise=True),
                                   out_dtype=jnp.float32, interpret=INTERPRET)
     out["mixed_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
     if USE_MGPU:    # (f) against the same float32 oracle
-        o, lse = decode_mgpu.paged_decode_attention_mgpu(
+        o, lse = mosaic_sm90.paged_decode_attention(
             q, st.page_table, st.kv_lens, 0, low, high, st.high_table, geom=CFG.twin,
             out_dtype=jnp.float32, interpret=INTERPRET)
         out["mgpu_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
@@ -484,7 +420,7 @@ def run_shape(b, ctx, bw, torch_ms, quick, first_shape_best=None):
     row["mixed_ms"], row["mixed_cfg"], row["mixed_all"] = best_of("mixed", cand)
 
     # (f) Mosaic GPU kernel on the same pools, checked against (a)'s output
-    if USE_MGPU and decode_mgpu.supported(head_dim=D, page=PAGE, tq=1, group=HQ // H, high_dtype=high.rows.dtype):
+    if USE_MGPU and mosaic_sm90.supported(head_dim=D, page=PAGE, tq=1, group=HQ // H, high_dtype=high.rows.dtype):
         def mg(cfg):
             fn = mgpu_fn(cfg, b, npg)
             out = np.asarray(fn(q4, pt, lens, ht, low, high), np.float32)
@@ -622,22 +558,6 @@ def best_lines(rows):
     return "\n".join(out)
 
 
-def versions(torch):
-    v = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
-    try:
-        import jaxlib
-        v["jaxlib"] = jaxlib.__version__
-    except Exception:
-        pass
-    try:
-        import triton
-        v["triton"] = triton.__version__
-    except Exception:
-        v["triton"] = "n/a"
-    v["torch"] = torch.__version__ if torch is not None else "n/a"
-    return v
-
-
 # --------------------------------------------------------------------------------------------- --grid
 GRID_JAX_PA_SPLITS = {1: 16, 16: 4, 64: 1}   # jax paged_attention k_splits per batch (best of earlier sweeps)
 
@@ -705,7 +625,7 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
     fns = dict(mixed=fn)
 
     def mgpu():
-        mg = jax.jit(lambda q, pt, lens, ht, low, high: decode_mgpu.paged_decode_attention_mgpu(
+        mg = jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.paged_decode_attention(
             q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), ht, geom=CFG.twin, interpret=INTERPRET)[0])
         got = np.asarray(mg(q, pt, lens, ht, low, high), np.float32)
         rel = float(np.linalg.norm(got - out) / max(np.linalg.norm(out), 1e-30))
@@ -715,11 +635,11 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
         row["mgpu_gpu_ms"] = gpu_busy_ms(mg, q, pt, lens, ht, low, high)
         fns["mgpu"] = mg
         return ms
-    if USE_MGPU and decode_mgpu.supported(head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=high.rows.dtype):
+    if USE_MGPU and mosaic_sm90.supported(head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=high.rows.dtype):
         _method(row, "mgpu", mgpu)
-    # what `jm.decode_attention` runs here: the Mosaic GPU kernel where `decode_mgpu.preferred` picks it
-    use_mgpu = row.get("mgpu_ms") is not None and decode_mgpu.preferred(
-        head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=jnp.bfloat16, interpret=INTERPRET)
+    # what `jm.decode_attention` runs here: the Mosaic GPU kernel where `choose_backend` picks it
+    use_mgpu = row.get("mgpu_ms") is not None and choose_backend(
+        head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=jnp.bfloat16, interpret=INTERPRET) == "mosaic"
     row["default"] = "mgpu" if use_mgpu else "mixed"
     try:        # a failure here (e.g. memory for the loop) must not lose the row's other timings
         row["default_step_ms"] = time_in_step(fns[row["default"]], q, pt, lens, ht, low, high)
@@ -957,8 +877,9 @@ def grid_main(args, torch, bw, bw_how, info):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--contexts", default="4096,32768,131072")
+    batches, contexts, geos = grid_args()
+    ap.add_argument("--batches", default=batches)
+    ap.add_argument("--contexts", default=contexts)
     ap.add_argument("--quick", action="store_true",
                     help="sweep MIXED/PLAIN_CONFIGS on the first shape only, then its TOP_K; fewer jax_pa configs")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes in interpret mode (script check)")
@@ -970,7 +891,7 @@ def main(argv=None):
     ap.add_argument("--mem-gib", type=float, default=120.0, help="skip shapes needing more device memory")
     ap.add_argument("--grid", action="store_true",
                     help="the issue-18 grid: x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only")
-    ap.add_argument("--geos", default="4/16/1,4/16/4,4/64/1,4/64/4,8/16/1,8/16/4,8/64/1,8/64/4",
+    ap.add_argument("--geos", default=geos,
                     help="--grid geometries GQA/page/Tq, in the order they run")
     ap.add_argument("--shard", default=None,
                     help="--grid: run rows k with k %% N == I (I/N), e.g. one process per GPU: "
@@ -1073,7 +994,7 @@ def append_results_md(md, result, text):
                 f"{FIRST_N} last_n={LAST_N}. Times in ms (median); (a) fused kernel on mixed pools, (b) same kernel on "
                 f"bf16 pages, (c) jax.experimental.pallas.ops.gpu.paged_attention bf16 (best config), (d) stage (XLA) "
                 f"+ paged attention, (e) torch SDPA best of flash/cuDNN, (f) Pallas Mosaic GPU kernel on the mixed "
-                f"pools (pallas_kernels/decode_mgpu.py); floors = K+V bytes / copy bandwidth. "
+                f"pools (pallas_kernels/decode/mosaic_sm90.py); floors = K+V bytes / copy bandwidth. "
                 f"Correctness on GPU: {'OK' if result['correctness_ok'] else 'FAILED'} {json.dumps(result['correctness'])}."
                 f"\n{goal}\n```\n{text}\n```\n")
         if result["skipped"]:

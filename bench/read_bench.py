@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -33,20 +32,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jmixedkv import checks, gather, staging  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
+from common import time_each  # noqa: E402
 from jmixedkv.config import KVCacheConfig  # noqa: E402
 from jmixedkv.pools import GroupPools, LowPool, RowPool  # noqa: E402
 from jmixedkv.state import GroupSpec, init_state  # noqa: E402
 
 
 def timeit(fn, *args, warmup=3, iters=20):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of blocked calls (`common.time_each`)."""
+    return time_each(fn, *args, warmup=warmup, iters=iters) / 1e3
 
 
 def copy_bandwidth(nbytes=2 << 30):

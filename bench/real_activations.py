@@ -114,7 +114,7 @@ def evaluate(q, k, v, page_size: int, caches):
     import numpy as np
 
     sys.path.insert(0, str(HERE.parent))
-    from jmixedkv.cli import parse_cache_spec
+    from jmixedkv_demo.specs import parse_cache_spec
     layers, t, h, d = k.shape
     scale = d ** -0.5
     attend = jax.jit(jax.vmap(lambda q_, k_, v_: full_attention(q_, k_, v_, t, scale)))
@@ -138,7 +138,7 @@ def evaluate(q, k, v, page_size: int, caches):
 
 
 def plot(rows, info, path):
-    from jmixedkv.cli import two_panel_plot
+    from jmixedkv_demo.plots import two_panel_plot
 
     def draw(a, b):
         for r in rows:

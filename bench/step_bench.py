@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import nvfp4  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
+from common import copy_bandwidth_tbs, gpu_kernel_profile  # noqa: E402
 
 L, B, CTX, H, HQ, D, PAGE, FIRST_N, LAST_N = 32, 64, 8192, 8, 32, 128, 16, 64, 64
 STEPS = 12            # timed steps (each appends one token per sequence)
@@ -118,52 +119,6 @@ def time_steps(step, carry, args_fn, steps):
     return float(np.median(ts)), (time.perf_counter() - t0) * 1e3 / steps, carry, out
 
 
-def gpu_kernel_profile(run, n, log_dir, top=25, between_us=300.0):
-    """Device-side breakdown of ``run(i)`` (one blocking step) for ``i < n``: a jax profiler trace, then GPU kernel
-    time summed by kernel name from its Chrome-trace export. Returns ``{busy_us_per_step, idle_inside_us_per_step,
-    idle_between_us_per_step, kernel_launches_per_step, kernels: [{name, us per step, calls per step}],
-    gpu_processes}`` (empty kernels if the trace holds no GPU rows). Idle gaps between kernels of at least
-    ``between_us`` count as between steps (host sync + the next dispatch), shorter ones as inside a step."""
-    import glob
-    import gzip
-    jax.profiler.start_trace(log_dir)
-    for i in range(n):
-        jax.block_until_ready(run(i))
-    jax.profiler.stop_trace()
-    path = max(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
-    with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {pid for pid, nm in names.items() if "GPU" in nm or "gpu" in nm}
-    per, calls, busy = {}, {}, 0.0
-    spans = []
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
-            per[e["name"]] = per.get(e["name"], 0.0) + e["dur"]
-            calls[e["name"]] = calls.get(e["name"], 0) + 1
-            busy += e["dur"]
-            spans.append((float(e["ts"]), float(e["ts"]) + e["dur"]))
-    # idle time between kernels: gaps >= `between_us` separate steps (host: sync + dispatch of the next step), the
-    # shorter ones are inside a step (launch gaps)
-    spans.sort()
-    inside = between = 0.0
-    end = spans[0][1] if spans else 0.0
-    for t0, t1 in spans[1:]:
-        gap = t0 - end
-        if gap > 0:
-            if gap >= between_us:
-                between += gap
-            else:
-                inside += gap
-        end = max(end, t1)
-    kernels = sorted(per, key=per.get, reverse=True)[:top]
-    return dict(busy_us_per_step=busy / n, idle_inside_us_per_step=inside / n,
-                idle_between_us_per_step=between / max(n - 1, 1), kernel_launches_per_step=len(spans) / n,
-                gpu_processes=sorted(names[p] for p in gpu) or sorted(names.values()),
-                kernels=[dict(name=k[:160], us=per[k] / n, calls=calls[k] / n) for k in kernels])
-
-
 def _print_profile(label, prof):
     print(f"{label}: GPU busy {prof['busy_us_per_step'] / 1e3:.3f} ms per step, idle inside a step "
           f"{prof['idle_inside_us_per_step'] / 1e3:.3f} ms, between steps {prof['idle_between_us_per_step'] / 1e3:.3f} "
@@ -173,10 +128,7 @@ def _print_profile(label, prof):
 
 
 def copy_bw():
-    """Device copy bandwidth (read + write), TB/s: torch ``copy_`` of 2 GiB as in decode_bench (a jitted jnp
-    ``x * c`` measured 1.18 TB/s here on the H200, against 4.24 with torch)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode_bench import copy_bandwidth_tbs
+    """Device copy bandwidth (read + write), TB/s (`common.copy_bandwidth_tbs`, with torch where it has CUDA)."""
     try:
         import torch
         torch = torch if torch.cuda.is_available() else None

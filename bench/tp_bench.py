@@ -9,7 +9,7 @@ its heads), then times both with the fused NVFP4 decode kernel and reports the s
 The headline rows are throughput as a serving loop sees it: calls pipelined (dispatched back-to-back, one block at
 the end) with q already head-sharded (as it leaves a tensor-parallel QKV projection). Timing one blocked call at a
 time adds ~0.3-0.5 ms of host dispatch and sync per call to both sides, and leaving q on device 0 adds a P2P
-transfer per call: the first H200 run (2026-11-29) measured 1.35x that way, while the GPUs' busy time per call
+transfer per call: an H200 run measured 1.35x that way, while the GPUs' busy time per call
 (profiler) scaled 1.99x.
 The state is filled with random NVFP4 bytes directly (no append), so set-up is quick at 32k contexts.
 
@@ -73,7 +73,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import layout, sharding  # noqa: E402
 from jmixedkv.decode import decode_attention  # noqa: E402
-from pallas_kernels.decode_attention import DEFAULT_BLOCK_K, default_num_splits, pages_per_block  # noqa: E402
+from pallas_kernels.decode.common import pages_per_block  # noqa: E402
+from pallas_kernels.decode.config import TRITON_BLOCK_K, triton_num_splits as default_num_splits  # noqa: E402
 from read_bench import timeit as _median_s  # noqa: E402  (warm-up + median wall time, seconds)
 
 HQ, HKV, D = 32, 8, 128
@@ -182,7 +183,7 @@ def head_cols(out, lo, hi):
 
 def max_blocks(ctx, page):
     """Page blocks of one sequence as the kernel counts them (for `default_num_splits`)."""
-    nb = pages_per_block(DEFAULT_BLOCK_K["nvfp4"], page)
+    nb = pages_per_block(TRITON_BLOCK_K["nvfp4"], page)
     pages = -(-ctx // page)
     return max(1, -(-pages // nb))
 

@@ -65,7 +65,7 @@ from jmixedkv.pools import kernel_arrays  # noqa: E402
 from jmixedkv.allocator import allocate_mask  # noqa: E402
 from jmixedkv.state import GroupSpec, write_slots  # noqa: E402
 from pallas_kernels import write as W  # noqa: E402
-from decode_bench import copy_bandwidth_tbs  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+from common import copy_bandwidth_tbs  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 
 def _torch_cuda():
@@ -202,7 +202,7 @@ def time_fn(fn, state, args, iters, reps=10, inner=1):
     ``inner > 1`` runs ``inner`` calls inside one jitted ``fori_loop`` per dispatch and divides by it: device time
     per call. The decode write (19 MB) takes less device time than the host needs to dispatch one jitted call with
     the pools pytree (~50-90 us), so without it the decode rows time the host (run-to-run spread 55-137 us on the H200,
-    bench/data/write_ab-2026-11-30.txt)."""
+    bench/RESULTS.md)."""
     if inner > 1:
         step = fn
         fn = jax.jit(lambda s, *a: jax.lax.fori_loop(0, inner, lambda i, s_: step(s_, *a), s), donate_argnums=0)

@@ -45,6 +45,7 @@ Example (copy-paste; runs on CPU)::
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Optional
 
 import numpy as np
@@ -70,18 +71,21 @@ DECODE_MODES = ("stage", "fused")
 
 
 class JMixedLayer(CacheLayerMixin):
-    """One decoder layer's view of the shared `TorchKVCache` (layer ``layer_idx``); state lives in the owner."""
+    """One decoder layer's view of the shared `TorchKVCache` (layer ``layer_idx``); state lives in the owner.
+
+    ``is_sliding`` / ``sliding_window`` come from the model's config (``layer_types`` / ``sliding_window``): the
+    attention of a sliding layer sees its window (the mask on staged steps, the kernel's ``sliding_window`` on
+    fused ones). Its pages are not reclaimed behind the window: every layer of a sequence shares one page table."""
 
     is_compileable = False
-    is_sliding = False
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, owner: "JMixedKVCache", layer_idx: int):
+    def __init__(self, owner: "JMixedKVCache", layer_idx: int, sliding_window: Optional[int] = None):
         super().__init__()
         self.owner, self.layer_idx = owner, layer_idx
+        self.is_sliding, self.sliding_window = sliding_window is not None, sliding_window
         self.seen = 0                      # padded length transformers sees (includes left padding)
-        self.lens = None                   # i64[B] real (stored) rows per batch row
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -89,8 +93,8 @@ class JMixedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states, value_states [B, H, T, D]`` (the step's new rows); returns what attention reads:
-        ``[B, H, seen, D]`` staged K/V aligned with the mask, or, on a fused decode step, empty placeholders that
-        `jmixedkv_attention` recognises."""
+        ``[B, H, seen, D]`` K/V aligned with the mask, or, on a fused decode step, empty placeholders that
+        `jmixedkv_attention` recognises (it appends and attends in one program)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self.owner._update(self, key_states, value_states, _position_ids(args, kwargs))
@@ -105,13 +109,24 @@ class JMixedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.seen, self.lens, self.is_initialized = 0, None, False
+        self.seen, self.is_initialized = 0, False
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("crop the whole JMixedKVCache (cache.crop(-n)): its layers share one TorchKVCache")
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("reorder the whole JMixedKVCache (cache.reorder_cache(beam_idx))")
+
+
+class _Step:
+    """The forward pass in flight: its tokens checked and accounted for once (`TorchKVCache.plan_step`), shared
+    by every layer. ``start``: the padded length before it; ``t``: its tokens per row; ``before`` / ``new``:
+    i64[B] stored rows before it and its real (non-padding) tokens per row."""
+
+    __slots__ = ("start", "t", "plan", "before", "new")
+
+    def __init__(self, start, t, plan, before, new):
+        self.start, self.t, self.plan, self.before, self.new = start, t, plan, before, new
 
 
 class JMixedKVCache(Cache):
@@ -121,8 +136,8 @@ class JMixedKVCache(Cache):
       cache: the `TorchKVCache` (group 0 holds the model's layers: ``num_layers`` = the model's decoder layers,
         its KV heads and head_dim); its device must be the model's.
       decode: ``"stage"`` | ``"fused"``.
-      config: the model's ``PretrainedConfig`` (optional): checks the shape, and for ``decode="fused"`` that
-        ``config._attn_implementation == "jmixedkv"``.
+      config: the model's ``PretrainedConfig`` (optional): checks the shape, marks sliding layers, and for
+        ``decode="fused"`` checks that ``config._attn_implementation == "jmixedkv"``.
 
     ``reset()`` releases the slots. One `TorchKVCache` slot per batch row: ``max_seqs`` >= the batch (beam
     search: batch x beams; ``batch_repeat_interleave`` needs the repeated batch).
@@ -136,23 +151,29 @@ class JMixedKVCache(Cache):
         spec = cache.groups[0]
         if spec.kv_factor != 2:
             raise ValueError("JMixedKVCache needs a K/V group (kv_factor=2), not an MLA latent")
+        windows = [None] * spec.num_layers
         if config is not None:
             _check_config(config, spec, decode)
+            windows = _sliding_windows(config, spec.num_layers)
         self.cache, self.decode, self.spec = cache, decode, spec
         self.slots: Optional[np.ndarray] = None            # i32[B] slot of each batch row
+        self.lens: Optional[np.ndarray] = None             # i64[B] real (stored) rows per batch row
+        self._step: Optional[_Step] = None
         self._pos_memo = (None, None)
         self._pending = None                               # layer of a fused step whose attention has not run
-        super().__init__(layers=[JMixedLayer(self, i) for i in range(spec.num_layers)])
+        super().__init__(layers=[JMixedLayer(self, i, windows[i]) for i in range(spec.num_layers)])
 
     @classmethod
     def for_model(cls, model, kv_config: KVCacheConfig, *, max_batch_size: int, max_cache_len: int,
                   decode: str = "stage", backend: str = "auto", spare_slots: int = 0, **kwargs) -> "JMixedKVCache":
         """A cache sized for ``model`` (a transformers causal LM): ``max_batch_size`` rows (+ ``spare_slots`` for
-        ``batch_repeat_interleave``) of up to ``max_cache_len`` real tokens each; ``kwargs`` go to `TorchKVCache`."""
+        ``batch_repeat_interleave``) of up to ``max_cache_len`` real tokens each; ``kwargs`` go to `TorchKVCache`
+        (default ``sync="stream"``: the hot loop stays on torch's current stream, `interop.dlpack`)."""
         cfg, head_dim = _text_config(model.config)
         pages = -(-max_cache_len // kv_config.page_size)
         seqs = max_batch_size + spare_slots
         device = next(model.parameters()).device
+        kwargs.setdefault("sync", "stream")
         tkv = TorchKVCache(kv_config, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                            num_pages=seqs * pages, max_seqs=seqs, max_pages_per_seq=pages, device=device,
                            backend=backend, **kwargs)
@@ -174,25 +195,24 @@ class JMixedKVCache(Cache):
 
     def reset(self) -> None:
         """Release every slot; the cache is empty and can take a new batch."""
-        self._pending = None
+        self._pending, self._step = None, None
         if self.slots is not None:
             for s in self.slots.tolist():
                 self.cache.release(s)
-        self.slots = None
+        self.slots, self.lens = None, None
         for layer in self.layers:
             layer.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-n)``: drop the last ``n`` tokens of every row (`TorchKVCache.correct_kv_lens`: at most
-        ``max_draft_len`` behind the furthest row written; the twin's ring holds exactly that much slack). ``crop(0)`` does nothing; a positive value raises (as ``DynamicLayer.crop``)."""
+        ``max_draft_len`` behind the furthest row written; the twin's ring holds exactly that much slack).
+        ``crop(0)`` does nothing; a positive value raises (as ``DynamicLayer.crop``)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
         n = -tokens_to_remove
-        seen = self.layers[0].seen
         if n == 0 or self.slots is None:
             return
-        if any(layer.seen != seen for layer in self.layers):
-            raise ValueError("crop: layers hold different lengths (crop between whole forward passes only)")
+        self._between_passes("crop")
         try:
             self.cache.correct_kv_lens(np.full(self.slots.shape, -n, np.int32), self.slots)
         except ValueError as e:
@@ -201,7 +221,8 @@ class JMixedKVCache(Cache):
                              f"KVCacheConfig with a larger max_draft_len); {e}") from None
         for layer in self.layers:
             layer.seen -= n
-            layer.lens = layer.lens - n
+        self.lens = self.lens - n
+        self._step = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: new row ``b`` continues old row ``beam_idx[b]`` (forks; old rows no one uses are freed)."""
@@ -215,6 +236,10 @@ class JMixedKVCache(Cache):
             self._remap(np.repeat(np.arange(self.slots.shape[0]), repeats))
 
     # ------------------------------------------------------------------ internals
+    def _between_passes(self, what: str) -> None:
+        if any(layer.seen != self.layers[0].seen for layer in self.layers):
+            raise ValueError(f"{what}: layers hold different lengths ({what} between whole forward passes only)")
+
     def _remap(self, src_rows) -> None:
         if self.slots is None:
             return
@@ -224,8 +249,7 @@ class JMixedKVCache(Cache):
         b = self.slots.shape[0]
         if src_rows.size and (src_rows.min() < 0 or src_rows.max() >= b):
             raise ValueError(f"reorder: row indices {src_rows.tolist()} out of range [0, {b})")
-        if any(layer.seen != self.layers[0].seen for layer in self.layers):
-            raise ValueError("reorder: layers hold different lengths (reorder between whole forward passes only)")
+        self._between_passes("reorder")
         used = set(src_rows.tolist())
         for r in range(b):                                   # free rows no one continues first (slots, pages)
             if r not in used:
@@ -238,9 +262,9 @@ class JMixedKVCache(Cache):
             else:
                 new_slots.append(self.cache.fork(int(self.slots[r])))
         self.slots = np.asarray(new_slots, np.int32)
-        for layer in self.layers:
-            if layer.lens is not None:
-                layer.lens = layer.lens[src_rows]
+        if self.lens is not None:
+            self.lens = self.lens[src_rows]
+        self._step = None
 
     def _admit(self, batch: int) -> None:
         free = self.cache.manager.free_slots()
@@ -248,11 +272,12 @@ class JMixedKVCache(Cache):
             raise CacheCapacityError(f"JMixedKVCache: batch of {batch} rows but only {len(free)} free slots "
                                      f"(TorchKVCache max_seqs={self.cache.max_seqs})")
         self.slots = np.asarray([self.cache.admit() for _ in range(batch)], np.int32)
+        self.lens = np.zeros(batch, np.int64)
 
-    def _new_rows(self, layer: JMixedLayer, batch: int, t: int, position_ids) -> np.ndarray:
+    def _new_rows(self, batch: int, t: int, position_ids) -> np.ndarray:
         """Per batch row, how many of the step's ``t`` tokens are real (the trailing ones; the rest is left
-        padding), from ``position_ids [B or 1, t]`` (memoized per step: every layer passes the same tensor)."""
-        lens = layer.lens
+        padding), from ``position_ids [B or 1, t]`` (checked once per step, vectorized)."""
+        lens = self.lens
         if position_ids is None:
             return np.full(batch, t, np.int64)
         memo_key, pos = self._pos_memo
@@ -263,15 +288,39 @@ class JMixedKVCache(Cache):
         if pos.shape[1] != t:
             raise ValueError(f"JMixedKVCache: position_ids has {pos.shape[1]} tokens, the step has {t}")
         new = pos[:, -1] + 1 - lens                           # real tokens of this step per row
-        for b in range(batch):
-            r = int(new[b])
-            ok = (0 <= r <= t and (pos[b, t - r:] == lens[b] + np.arange(r)).all()
-                  and len(set(pos[b, :t - r].tolist())) <= 1)      # padding: one repeated position (0 or 1)
-            if not ok:
-                raise ValueError(f"JMixedKVCache: row {b} has position_ids {pos[b].tolist()} after {int(lens[b])} "
-                                 f"stored tokens; expected left padding followed by positions {int(lens[b])}, "
-                                 f"{int(lens[b]) + 1}, ... (right padding is not supported)")
+        j = np.arange(t)[None, :]
+        real = j >= t - new[:, None]                          # [B, t]
+        want = lens[:, None] + j - (t - new[:, None])
+        pad_one = np.where(real, pos[:, :1], pos) == pos[:, :1]    # padding: one repeated position (0 or 1)
+        ok = (new >= 0) & (new <= t) & np.where(real, pos == want, pad_one).all(axis=1)
+        if not ok.all():
+            b = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"JMixedKVCache: row {b} has position_ids {pos[b].tolist()} after {int(lens[b])} "
+                             f"stored tokens; expected left padding followed by positions {int(lens[b])}, "
+                             f"{int(lens[b]) + 1}, ... (right padding is not supported)")
         return new
+
+    def _step_for(self, layer: JMixedLayer, batch: int, t: int, position_ids) -> _Step:
+        """The step ``layer`` takes part in: the open one, or (the first layer of a forward pass) a new one whose
+        tokens are checked and accounted for once."""
+        step = self._step
+        if step is not None and layer.seen == step.start and t == step.t:
+            return step
+        if any(other.seen not in (layer.seen, layer.seen + (step.t if step else 0)) for other in self.layers) \
+                or (step is not None and layer.seen != step.start + step.t):
+            raise ValueError(f"JMixedKVCache: layer {layer.layer_idx} holds {layer.seen} tokens but the pass in "
+                             f"flight started at {None if step is None else step.start} (layers must be updated "
+                             f"once per forward pass, in any order)")
+        new = self._new_rows(batch, t, position_ids)
+        before = self.lens
+        j = np.arange(t)[None, :]
+        real = j >= t - new[:, None]
+        seq = np.where(real, self.slots[:, None], -1).astype(np.int32).reshape(-1)     # token b * t + j
+        pos = np.where(real, before[:, None] + j - (t - new[:, None]), 0).astype(np.int32).reshape(-1)
+        plan = self.cache.plan_step(seq, pos, self.slots)
+        self.lens = before + new
+        self._step = _Step(layer.seen, t, plan, before, new)
+        return self._step
 
     def _update(self, layer: JMixedLayer, k: torch.Tensor, v: torch.Tensor, position_ids):
         batch, heads, t, dim = k.shape
@@ -282,57 +331,62 @@ class JMixedKVCache(Cache):
         if k.requires_grad or v.requires_grad:
             raise ValueError("JMixedKVCache is inference-only (no gradient flows through the cache): run the model "
                              "under torch.no_grad() or torch.inference_mode() (generate() does)")
-        if heads != self.spec.num_kv_heads or dim != self.spec.head_dim:
-            raise ValueError(f"JMixedKVCache: layer {layer.layer_idx} K/V have {heads} heads x {dim}, the cache "
-                             f"holds {self.spec.num_kv_heads} x {self.spec.head_dim}")
+        if heads != self.spec.num_kv_heads or dim != self.spec.head_dim or v.shape != k.shape:
+            raise ValueError(f"JMixedKVCache: layer {layer.layer_idx} K/V have shapes {list(k.shape)} / "
+                             f"{list(v.shape)}, the cache holds {self.spec.num_kv_heads} heads x {self.spec.head_dim}")
         if self.slots is None:
             self._admit(batch)
         elif batch != self.slots.shape[0]:
             raise ValueError(f"JMixedKVCache: batch of {batch} rows, the cache holds {self.slots.shape[0]}")
-        if layer.lens is None:
-            layer.lens = np.zeros(batch, np.int64)
-        new = self._new_rows(layer, batch, t, position_ids)
-        kt, vt = k.transpose(1, 2), v.transpose(1, 2)                              # [B, T, H, D]
-        if (new == t).all():
-            rows, cols = np.repeat(np.arange(batch), t), np.tile(np.arange(t), batch)
-            ks, vs = kt.reshape(batch * t, heads, dim), vt.reshape(batch * t, heads, dim)
-        else:
-            rows = np.concatenate([np.full(int(r), b) for b, r in enumerate(new)]).astype(np.int64)
-            cols = np.concatenate([np.arange(t - int(r), t) for r in new]).astype(np.int64)
-            ri, ci = torch.from_numpy(rows).to(k.device), torch.from_numpy(cols).to(k.device)
-            ks, vs = kt[ri, ci], vt[ri, ci]
-        if rows.size:
-            pos = (layer.lens[rows] + cols - (t - new[rows])).astype(np.int32)
-            self.cache.append(layer.layer_idx, ks.contiguous(), vs.contiguous(), self.slots[rows], pos)
-        layer.lens = layer.lens + new
+        step = self._step_for(layer, batch, t, position_ids)
+        k0, v0 = k, v
+        k, v = _attention_dtype(k, self.cache), _attention_dtype(v, self.cache)
         layer.seen += t
         if self.decode == "fused" and 1 <= t <= self.cache.config.max_draft_len + 1:
             marker = k.new_empty((batch, heads, 0, dim))
-            marker._jmixedkv = (self, layer.layer_idx)     # read by jmixedkv_attention
+            marker._jmixedkv = (self, layer.layer_idx, k, v, step.plan)   # read by jmixedkv_attention
             self._pending = layer.layer_idx
             return marker, marker
-        return self._staged(layer, k.dtype)
+        kv = torch.cat([k, v], dim=1)                  # one crossing for K and V
+        if not step.before.any():                      # nothing stored before: attention reads the step's own rows
+            self.cache.step_append(layer.layer_idx, kv, None, step.plan)
+            return k0, v0
+        kd, vd = self.cache.step_dense(layer.layer_idx, kv, None, step.plan)
+        return _align(kd, k.dtype, layer.seen, self.lens), _align(vd, k.dtype, layer.seen, self.lens)
 
-    def _staged(self, layer: JMixedLayer, dtype):
-        kd, vd = self.cache.stage(layer.layer_idx, self.slots).dense()                  # [B, H, S, D]
-        seen, lens = layer.seen, layer.lens
-        if (lens == seen).all() and seen <= kd.shape[2]:
-            return kd[:, :, :seen].to(dtype), vd[:, :, :seen].to(dtype)
-        pads = torch.from_numpy(seen - lens).to(kd.device)                             # [B]
-        j = torch.arange(seen, device=kd.device)[None, :] - pads[:, None]                # [B, seen]
-        ok = (j >= 0)[:, None, :, None]
-        idx = j.clamp(0, kd.shape[2] - 1)[:, None, :, None].expand(-1, kd.shape[1], -1, kd.shape[3])
-        zero = torch.zeros((), dtype=kd.dtype, device=kd.device)
-        return (torch.where(ok, kd.gather(2, idx), zero).to(dtype), torch.where(ok, vd.gather(2, idx), zero).to(dtype))
-
-    def _fused(self, layer_idx: int, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
-        """``query [B, Hq, Tq, D]`` -> ``[B, Tq, Hq, D]`` via `TorchKVCache.decode_attention` (no staging)."""
+    def _fused(self, marker, query: torch.Tensor, scaling: Optional[float], sliding_window, softcap, sinks):
+        """``query [B, Hq, Tq, D]`` -> ``[B, Tq, Hq, D]``: append the layer's rows and attend over the cache in one
+        program (`TorchKVCache.step_attend`; no staging)."""
+        _, layer_idx, k, v, plan = marker
         self._pending = None
-        q = query.transpose(1, 2).contiguous()
-        if q.dtype != self.cache.attention_dtype:
-            q = q.to(self.cache.attention_dtype)
-        out, _ = self.cache.decode_attention(layer_idx, q, self.slots, sm_scale=scaling)
+        if query.shape[2] != k.shape[2]:
+            raise ValueError(f"jmixedkv attention: {query.shape[2]} query tokens for a step of {k.shape[2]}")
+        kvq = torch.cat([k, v, _attention_dtype(query, self.cache)], dim=1)    # one crossing for K, V and Q
+        out, _ = self.cache.step_attend(layer_idx, kvq, None, None, plan, sm_scale=scaling,
+                                        sliding_window=_int_or_none(sliding_window),
+                                        soft_cap=None if softcap is None else float(softcap), sinks=sinks,
+                                        return_lse=False)
         return out.to(query.dtype)
+
+
+def _attention_dtype(x: torch.Tensor, cache: TorchKVCache) -> torch.Tensor:
+    return x if x.dtype == cache.attention_dtype else x.to(cache.attention_dtype)
+
+
+def _int_or_none(x):
+    return None if x is None else int(x)
+
+
+def _align(dense: torch.Tensor, dtype, seen: int, lens: np.ndarray) -> torch.Tensor:
+    """Staged ``dense [B, H, S, D]`` (row ``b``'s real rows at ``[0, lens[b])``) as ``[B, H, seen, D]`` aligned
+    with transformers' left-padded mask: row ``b``'s real rows at ``[seen - lens[b], seen)``, zeros before."""
+    if (lens == seen).all() and seen <= dense.shape[2]:
+        return dense[:, :, :seen].to(dtype)
+    pads = torch.from_numpy(seen - lens).to(dense.device)                             # [B]
+    j = torch.arange(seen, device=dense.device)[None, :] - pads[:, None]               # [B, seen]
+    ok = (j >= 0)[:, None, :, None]
+    idx = j.clamp(0, dense.shape[2] - 1)[:, None, :, None].expand(-1, dense.shape[1], -1, dense.shape[3])
+    return torch.where(ok, dense.gather(2, idx), torch.zeros((), dtype=dense.dtype, device=dense.device)).to(dtype)
 
 
 def _position_ids(args, kwargs):
@@ -361,19 +415,48 @@ def _check_config(config, spec, decode):
                          f"load it with attn_implementation='jmixedkv' (import interop.hf registers it)")
 
 
+def _sliding_windows(config, num_layers: int) -> list:
+    """Per layer, its sliding window (None = full attention), from ``layer_types`` (Gemma-2/3, Qwen2, gpt-oss:
+    ``"sliding_attention"``) or, without them, a config-wide ``sliding_window`` (Mistral: every layer)."""
+    cfg, _ = _text_config(config)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not window:
+        return [None] * num_layers
+    if types is None:
+        return [int(window)] * num_layers
+    return [int(window) if types[i] == "sliding_attention" else None for i in range(num_layers)]
+
+
 def jmixedkv_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                       scaling: Optional[float] = None, **kwargs):
+                       scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                       softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None, **kwargs):
     """transformers attention function ``attn_implementation="jmixedkv"``: ``query [B, Hq, Tq, D]`` ->
-    ``(out [B, Tq, Hq, D], None)``. On a fused decode step of a `JMixedKVCache` (``key`` is its marker) runs
-    `TorchKVCache.decode_attention` on the cache; otherwise (prefill, staged decode, no cache) it is ``sdpa``."""
+    ``(out [B, Tq, Hq, D], None)``.
+
+    On a fused decode step of a `JMixedKVCache` (``key`` is its marker) it appends the layer's rows and attends
+    over the cache in one program (`TorchKVCache.step_attend`) with the options the model passes: ``scaling``,
+    ``sliding_window``, ``softcap`` (Gemma-2) and ``s_aux`` attention sinks (gpt-oss). Otherwise (prefill, staged
+    decode, no cache) it is ``sdpa``, or the model's own eager attention when the model passes soft-capping or
+    sinks (which ``sdpa`` does not implement)."""
     marker = getattr(key, "_jmixedkv", None)
     if marker is not None:
-        owner, layer_idx = marker
-        return owner._fused(layer_idx, query, scaling), None
+        return marker[0]._fused(marker, query, scaling, sliding_window, softcap, s_aux), None
     if key.shape[-2] == 0 and query.shape[-2] > 0:
         raise RuntimeError("jmixedkv attention: empty keys without a JMixedKVCache marker")
+    if softcap is not None or s_aux is not None:
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise NotImplementedError(f"jmixedkv attention: {type(module).__name__} passes "
+                                      f"{'softcap' if softcap is not None else 's_aux (sinks)'}, which sdpa does not "
+                                      f"implement, and its module has no eager_attention_forward")
+        extra = {"softcap": softcap} if softcap is not None else {"s_aux": s_aux}
+        if attention_mask is not None and attention_mask.dtype == torch.bool:    # our mask is sdpa's (boolean)
+            attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     sliding_window=sliding_window, **extra, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+                                  sliding_window=sliding_window, **kwargs)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, jmixedkv_attention)

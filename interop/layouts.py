@@ -12,9 +12,12 @@ vLLM's metadata, NumPy only with ``as_numpy=True``; `csr_to_torch` converts. ``s
   `flashinfer_csr_padded` is the jittable fixed-shape twin (``kv_indices`` padded to ``B * max_pages`` with -1,
   CUDA-graph friendly); `seq_lens_from_csr` inverts the form.
 * **vLLM block tables** (`block_table`): ``i32[B, max_pages]`` with ``pad`` past each sequence's last used page
-  (default -1 here; vLLM pads with 0 and reserves block 0 as its null block: ``pad=0``, and
-  ``TorchKVCache(reserve_null_page=True)`` keeps page 0 out of the allocator), plus ``seq_lens i32[B]``; **slot mappings** (`slot_mapping`): ``slot = page_id * page + pos % page`` per token,
-  -1 (vLLM's ``PAD_SLOT_ID``) for padding or unheld rows; int64 by default as in vLLM.
+  (`BLOCK_TABLE_PAD` = 0 by default, in every block-table export: vLLM pads with 0 and reserves block 0 as its
+  null block, MaxText's ``page_map`` is zero-filled, and JAX's Pallas paged kernels load whole blocks of page ids,
+  so a padded id must be a valid page; ``TorchKVCache(reserve_null_page=True)`` keeps page 0 out of the
+  allocator; ``pad=-1`` on request), plus ``seq_lens i32[B]``; **slot mappings** (`slot_mapping`): ``slot =
+  page_id * page + pos % page`` per token, -1 (vLLM's ``PAD_SLOT_ID``) for padding or unheld rows; int64 by default
+  as in vLLM; `positions_from_slots` inverts it into the ``(seq_slots, positions)`` that ``append`` takes.
 
 Pool page views (`page_view`): our row pools are ``rows[L, P, kv, H, page, D]`` (HND inside a page), so per
 layer the pool *is* FlashInfer's 5-D HND paged cache ``[P, 2, H, page, D]`` (K/V axis at dim 1), and per layer
@@ -35,8 +38,16 @@ with ``D/16`` (linear, one per 16 elements along head_dim; ``scales_as_uint8=Tru
 global scales ``k_scale = gs[layer, 0]``, ``v_scale = gs[layer, 1]`` (float32, ``x = e2m1 * scale * gs``).
 Not applied: trtllm-gen's 4-token-interleaved V-scale layout (only the linear layout is exported). Pass the cache's
 ``config=`` and ``NVFP4Pages.kv_transform`` says whether K/V are rotated (``rotation="hadamard"``: rotate q before
-attention, multiply the output by the Hadamard matrix after it) or K-shifted (`interop.dlpack.kv_transform`);
-the same holds for every row pool and staged page exported from such a cache.
+attention, multiply the output by the Hadamard matrix after it) or K-shifted (`interop.dlpack.kv_transform`).
+
+Levers and what each export holds. Pool exports (`nvfp4_pages`, `page_view` of a twin / plain row pool, and the
+CSR / block tables over them) are the rows **as stored**: an exporter cannot un-rotate NVFP4 bytes in place, so a
+consumer of a rotated cache must follow ``kv_transform`` (`jmixedkv.levers.hadamard`). **Staged** pages
+(``jmixedkv.staging.stage``, `interop.torch_cache.TorchStaged` and their CSR / block tables) follow stage's
+default: model space, the rotation already undone (float32, one rounding to the attention dtype), so FlashInfer /
+vLLM attend over them with the model's own q; ``stage(..., as_stored=True)`` keeps the stored basis and names it
+in ``StagedCache.rotation``. K smoothing needs nothing from any consumer (the output is unchanged; the LSE is that
+of the shifted keys).
 """
 from __future__ import annotations
 
@@ -48,9 +59,11 @@ import numpy as np
 import torch
 
 __all__ = ["FlashInferCSR", "flashinfer_csr", "flashinfer_csr_padded", "seq_lens_from_csr", "block_table",
-           "slot_mapping", "page_view", "nvfp4_pages", "NVFP4Pages", "csr_to_torch", "to_device"]
+           "slot_mapping", "positions_from_slots", "BLOCK_TABLE_PAD", "page_view", "nvfp4_pages", "NVFP4Pages", "csr_to_torch", "to_device"]
 
 LAYOUTS = ("HND", "NHD")
+#: padding of every block-table export (vLLM's null block; module docstring)
+BLOCK_TABLE_PAD = 0
 
 
 class FlashInferCSR(NamedTuple):
@@ -144,9 +157,9 @@ def seq_lens_from_csr(kv_indptr, kv_last_page_len, page_size: int) -> np.ndarray
     return (np.maximum(np.diff(indptr) - 1, 0) * page_size + last).astype(np.int32)
 
 
-def block_table(page_table, kv_lens, seq_slots, page_size: int, *, pad: int = -1):
+def block_table(page_table, kv_lens, seq_slots, page_size: int, *, pad: int = BLOCK_TABLE_PAD):
     """vLLM-style ``(block_table i32[B, max_pages], seq_lens i32[B])``: page ids of the used pages, ``pad`` after
-    (-1 by default; vLLM's convention is 0, its reserved null block)."""
+    (`BLOCK_TABLE_PAD` = 0 by default, vLLM's reserved null block; -1 on request)."""
     if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or pad < -1:
         raise ValueError(f"block_table: pad must be an integer >= -1, got {pad!r}")
     rows, n, _, used = _rows(page_table, kv_lens, seq_slots, page_size, "block_table")
@@ -168,6 +181,35 @@ def slot_mapping(page_table, seq, positions, page_size: int, dtype=np.int64) -> 
     page = table[np.clip(seq, 0, None), np.clip(q, 0, table.shape[1] - 1)]
     ok &= page >= 0
     return np.where(ok, page * page_size + pos % page_size, -1).astype(dtype)
+
+
+def positions_from_slots(slots, page_table, page_size: int):
+    """Inverse of `slot_mapping` (the write side of a vLLM-style engine): ``(seq_slots i32[T], positions i32[T])``
+    for ``append`` from per-token ``slots`` (``page_id * page + offset``; negative = padding -> ``(-1, 0)``).
+
+    Each page id must be held by exactly one sequence of ``page_table i32[S, max_pages]`` (a page shared by a fork
+    or a prefix is read-only: writing it is refused, as is a slot whose page no sequence holds)."""
+    _check_page_size(page_size)
+    table, slots = _host(page_table, "page_table"), _host(slots, "slots")
+    if table.ndim != 2 or slots.ndim != 1:
+        raise ValueError(f"positions_from_slots: page_table must be [S, max_pages] and slots [T]; got "
+                         f"{table.shape}, {slots.shape}")
+    held = table >= 0
+    owners = {}
+    for s, j in zip(*np.nonzero(held)):
+        owners.setdefault(int(table[s, j]), []).append((int(s), int(j)))
+    seq, pos = np.full(slots.shape, -1, np.int32), np.zeros(slots.shape, np.int32)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        who = owners.get(int(slot // page_size), [])
+        if len(who) != 1:
+            raise ValueError(f"positions_from_slots: slot {int(slot)} (token {t}) is in page {int(slot // page_size)}"
+                             f", held by {len(who)} sequences {[s for s, _ in who]}; a written page must be held by "
+                             f"exactly one")
+        s, j = who[0]
+        seq[t], pos[t] = s, j * page_size + slot % page_size
+    return seq, pos
 
 
 def page_view(rows, layer: int, kv: Optional[int] = None, layout: str = "HND"):
@@ -208,7 +250,8 @@ def nvfp4_pages(low, layer: int, layout: str = "HND", *, scales_as_uint8: bool =
 
     ``as_torch=True``: zero-copy torch views of the pool (read-only; drop them before the next donated append).
     ``config``: the cache's `KVCacheConfig`; its levers go into ``kv_transform`` (with ``rotated`` True, a consumer
-    must rotate q by ``jmixedkv.levers.hadamard(D)`` before attention and the output after it)."""
+    must rotate q by ``jmixedkv.levers.hadamard(D)`` before attention and the output after it: these are the
+    stored bytes, unlike the model-space staged pages of ``jmixedkv.staging.stage``)."""
     from .dlpack import kv_transform, to_torch
     if low.data.shape[2] != 2:
         raise ValueError(f"nvfp4_pages: expected a K/V pool (kv=2), got kv={low.data.shape[2]}")

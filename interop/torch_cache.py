@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jmixedkv import checks, gather, staging
+from jmixedkv import checks, gather, staging, step
+from jmixedkv.checks import CacheError, describe_error
 from jmixedkv.allocator import Allocator
 from jmixedkv.decode import decode_attention as _jax_decode_attention
 from jmixedkv.config import KVCacheConfig
@@ -60,7 +61,7 @@ from jmixedkv.state import GroupSpec
 from . import layouts
 from .dlpack import from_torch, to_torch, torch_device_of, torch_dtype
 
-__all__ = ["TorchKVCache", "TorchStaged", "CacheCapacityError", "cache_from_handle", "lse_to_base2",
+__all__ = ["TorchKVCache", "TorchStaged", "StepPlan", "CacheCapacityError", "cache_from_handle", "lse_to_base2",
            "lse_from_base2"]
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
@@ -84,6 +85,18 @@ def lse_from_base2(lse2):
     """Base-2 LSE (FlashInfer's default) -> natural-log LSE (ours, `jmixedkv.decode.merge_attention`):
     ``lse2 / log2(e)``; -inf stays -inf."""
     return lse2 / LOG2_E
+
+
+class StepPlan(NamedTuple):
+    """One engine step's tokens, checked and accounted for once (`TorchKVCache.plan_step`), on the device:
+    ``seq`` / ``pos`` i32[T] (slot -1 = padding token), ``rows`` i32[B] the batch rows' slots, ``width`` the
+    pages per row that cover the longest row after the step (a power of two: one program per bucket), ``group``."""
+
+    seq: jax.Array
+    pos: jax.Array
+    rows: jax.Array
+    width: int
+    group: int
 
 
 class TorchStaged(NamedTuple):
@@ -192,12 +205,16 @@ class TorchKVCache:
         self.reserve_null_page, self.token_buckets = bool(reserve_null_page), token_buckets
         self.handle = next(_HANDLE_IDS)          # for the torch.library ops (see the end of this module)
         _HANDLES[self.handle] = weakref.ref(self)
+        self._layer_ids: dict = {}             # (group, layer) -> device i32 scalar (`_layer_id`)
         jax_dev = next(iter(self.manager.state.kv_lens.devices()))     # CacheManager committed the state there
         self.device = torch_device_of(jax_dev)
         if device is not None and not _same_device(torch.device(device), self.device):
             raise ValueError(f"TorchKVCache: device {device} does not match the JAX device {jax_dev} the cache "
                              f"lives on (torch {self.device}); set JAX's default device or pass device={self.device}")
         if self.reserve_null_page:
+            if num_pages < 2:
+                raise ValueError(f"TorchKVCache: reserve_null_page=True takes page 0 out of num_pages={num_pages}, "
+                                 f"leaving no usable page (need num_pages >= 2)")
             self.manager.replace_state(_reserve_page_zero(self.manager.state))
 
     # ------------------------------------------------------------------ properties / queries
@@ -328,6 +345,95 @@ class TorchKVCache:
         out, lse = to_torch(out, sync=sync), to_torch(lse, sync=sync)
         return (out[:, 0], lse[:, 0]) if squeeze else (out, lse)
 
+    # ------------------------------------------------------------------ the engine step (one program per layer)
+    def plan_step(self, seq_slots, positions, rows, *, group: int = 0) -> "StepPlan":
+        """Check one engine step's tokens once on the host and account for them (pages, lengths), for the
+        per-layer `step_append` / `step_dense` / `step_attend` calls of that step (every layer appends the same
+        tokens). ``seq_slots`` / ``positions`` int ``[T]`` (slot -1 = padding token), ``rows`` int ``[B]`` the slot
+        of each batch row the step reads (-1 = padding row). Refusals are those of `append` (`ValueError` naming
+        the value, `CacheCapacityError`), raised before anything changes. A refusal the device met inside an
+        earlier step's program (it changed nothing) is raised here as a `CacheError`."""
+        self._raise_device_error("plan_step")
+        checks.check_group(self.state, group, "plan_step")
+        seq, pos = self._index_pair(seq_slots, positions, "plan_step")
+        rows = self._slots(rows, "plan_step")
+        seq, pos = self.manager.reserve_append(seq, pos)
+        longest = max([self.manager.kv_len(int(r)) for r in rows if r >= 0] or [0])
+        width = min(max(1, page_bucket(-(-longest // self.page_size))), self.state.max_pages_per_seq)
+        dev = next(iter(self.state.kv_lens.devices()))
+        seq_j, pos_j, rows_j = jax.device_put((seq, pos, rows), dev)
+        return StepPlan(seq_j, pos_j, rows_j, width, group)
+
+    def step_append(self, layer: int, k: torch.Tensor, v: Optional[torch.Tensor], plan: "StepPlan", *,
+                    sync: Union[bool, str, None] = None) -> None:
+        """Append one layer's rows of a planned step: ``k, v [B, H, T, D]`` (transformers' layout; token ``(b, t)``
+        is the plan's token ``b * T + t``) or ``[T, H, D]``; ``v=None``: ``k`` is ``[B, 2 H, T, D]``, K and V
+        packed along the head axis (one crossing). One donated program, no host round trip."""
+        kj, vj = self._step_kv(k, v, sync)
+        self.manager.install(step.append_only(self.state, self._layer_id(layer, plan), kj, vj, plan.seq, plan.pos,
+                                              group=plan.group, backend=self.backend, packed=vj is None))
+
+    def step_dense(self, layer: int, k: torch.Tensor, v: Optional[torch.Tensor], plan: "StepPlan", *,
+                   sync: Union[bool, str, None] = None):
+        """`step_append`, then the dense cache of the plan's rows as ``(k, v)`` each ``[B, H, width * page, D]``
+        in the attention dtype (`jmixedkv.step.append_dense`; zero past each row's length), in one program."""
+        kj, vj = self._step_kv(k, v, sync)
+        state, kd, vd = step.append_dense(self.state, self._layer_id(layer, plan), kj, vj, plan.seq, plan.pos,
+                                          plan.rows, width=plan.width, group=plan.group, backend=self.backend,
+                                          packed=vj is None)
+        self.manager.install(state)
+        sync = self._sync(sync, "step_dense")
+        return to_torch(kd, sync=sync, check=False), to_torch(vd, sync=sync, check=False)   # (zero-copy: tested)
+
+    def step_attend(self, layer: int, k: torch.Tensor, v: Optional[torch.Tensor], q: Optional[torch.Tensor],
+                    plan: "StepPlan", *, sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
+                    soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                    sync: Union[bool, str, None] = None, return_lse: bool = True):
+        """`step_append`, then decode attention of ``q [B, Hq, Tq, D]`` (transformers' layout, the attention
+        dtype) for the plan's rows, in one program (`jmixedkv.step.append_attend`). ``v=None, q=None``: ``k`` is
+        ``[B, 2 H + Hq, T, D]``, K, V and Q packed along the head axis (one crossing instead of three). Returns
+        ``(out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])`` (natural-log LSE; None unless
+        ``return_lse``). ``sinks`` ``[Hq]``: per-head attention-sink logits (gpt-oss)."""
+        sync = self._sync(sync, "step_attend")
+        opts = dict(group=plan.group, backend=self.backend, sm_scale=sm_scale, sliding_window=sliding_window,
+                    soft_cap=soft_cap)
+        sj = None if sinks is None else from_torch(sinks.detach().float().contiguous(), copy=None, sync=sync)
+        layer_id = self._layer_id(layer, plan)
+        if v is None and q is None:
+            state, out, lse = step.append_attend_packed(
+                self.state, layer_id, from_torch(k, copy=None, sync=sync), plan.seq, plan.pos, plan.rows, sj,
+                num_kv_heads=self.state.groups[plan.group].num_kv_heads, **opts)
+        else:
+            kj, vj = self._step_kv(k, v, sync)
+            state, out, lse = step.append_attend(self.state, layer_id, kj, vj, plan.seq, plan.pos,
+                                                 from_torch(q, copy=None, sync=sync), plan.rows, sj, **opts)
+        self.manager.install(state)
+        return (to_torch(out, sync=sync, check=False),
+                to_torch(lse, sync=sync, check=False) if return_lse else None)
+
+    def _step_kv(self, k, v, sync):
+        sync = self._sync(sync, "step")
+        return from_torch(k, copy=None, sync=sync), None if v is None else from_torch(v, copy=None, sync=sync)
+
+    def _layer_id(self, layer: int, plan: "StepPlan"):
+        """``layer`` as a device int32 scalar, made once per (group, layer): a host scalar argument would cost a
+        host-to-device copy in every call (measured on the H200: ~170 us of a ~450 us call)."""
+        key = (plan.group, layer)
+        got = self._layer_ids.get(key)
+        if got is None:
+            spec = self.state.groups[plan.group]
+            self._layer(layer, spec, "step")
+            got = self._layer_ids[key] = jax.device_put(np.int32(layer), next(iter(self.state.kv_lens.devices())))
+        return got
+
+    def _raise_device_error(self, what):
+        """Raise (once) a refusal the device recorded inside a program this cache ran without a host check."""
+        code = int(self.state.error)
+        if code:
+            self.manager.replace_state(dataclasses.replace(self.state, error=jnp.zeros_like(self.state.error)))
+            raise CacheError(f"{what}: the device refused an earlier step ({describe_error(code)}); that step "
+                             f"changed nothing")
+
     # ------------------------------------------------------------------ speculative decoding / beams
     def correct_kv_lens(self, offsets, seq_slots=None) -> None:
         """Add non-positive ``offsets`` to the lengths (rewind rejected drafts): ``kv_lens += offsets``.
@@ -421,8 +527,13 @@ class TorchKVCache:
             seq = self._slots(seq_slots, what)
             if seq.shape != off.shape:
                 raise ValueError(f"{what}: seq_slots {seq.shape} and offsets {off.shape} must have the same length")
+            live = seq[seq >= 0]
+            vals, counts = np.unique(live, return_counts=True)
+            dup = vals[counts > 1]
+            if dup.size:
+                raise ValueError(f"{what}: seq_slots lists slots {dup.tolist()} more than once")
             full = np.zeros(self.max_seqs, np.int32)
-            np.add.at(full, seq[seq >= 0], off[seq >= 0])
+            full[live] = off[seq >= 0]
         return full        # the range rule (written - max_draft_len <= kv_len + offset) is checked by speculative
 
     def _check_float(self, x, name, shape, what):

@@ -32,7 +32,8 @@ from .config import DTYPES, KVCacheConfig
 
 __all__ = ["config_label", "MODEL_SHAPES", "ModelShape", "parse_model_shape", "parse_bytes", "format_bytes",
            "row_bytes", "bytes_per_token", "twin_bytes_per_sequence", "Capacity", "capacity", "capacity_table",
-           "format_table", "shape_from_hf_config", "dense_params", "WEIGHT_BYTES", "KVBudget", "kv_budget"]
+           "format_table", "format_ratio", "shape_from_hf_config", "dense_params", "WEIGHT_BYTES", "KVBudget",
+           "kv_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +111,17 @@ def shape_from_hf_config(config, name: Optional[str] = None) -> ModelShape:
             raise ValueError(f"model shape {path!r}: cannot read a Hugging Face config.json ({e})") from None
         name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     cfg = config.get("text_config", config)
-    try:
-        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"model shape {name!r}: config lacks {e} (need num_hidden_layers, num_attention_heads, "
-                         f"hidden_size)") from None
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"model shape {name!r}: config lacks {missing} (need num_hidden_layers, "
+                         f"num_attention_heads, hidden_size)")
+    count = lambda key, default=None, low=1: _config_count(cfg, key, name, default, low)  # noqa: E731
+    layers, heads, hidden = count("num_hidden_layers"), count("num_attention_heads"), count("hidden_size")
+    kv_heads = count("num_key_value_heads", heads)
+    head_dim = count("head_dim", hidden // heads)
     moe = any(cfg.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
-    if cfg.get("kv_lora_rank"):                                       # MLA: one latent row per token and layer
-        dim = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+    if cfg.get("kv_lora_rank") is not None:                           # MLA: one latent row per token and layer
+        dim = count("kv_lora_rank") + count("qk_rope_head_dim", 0, low=0)
         return ModelShape(layers, 1, dim, kv_factor=1, name=name or "hf-config")
     params = None
     if not moe and cfg.get("vocab_size") and cfg.get("intermediate_size"):
@@ -128,6 +129,16 @@ def shape_from_hf_config(config, name: Optional[str] = None) -> ModelShape:
                               kv_heads, head_dim, bool(cfg.get("tie_word_embeddings", False)),
                               bool(cfg.get("attention_bias", False)))
     return ModelShape(layers, kv_heads, head_dim, name=name or "hf-config", num_params=params)
+
+
+def _config_count(cfg: dict, key: str, name, default=None, low: int = 1) -> int:
+    """``cfg[key]`` as an integer >= ``low`` (``default`` when absent or null); ValueError naming the key."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"model shape {name!r}: config.json {key}={value!r}, expected an integer >= {low}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +157,8 @@ class KVBudget:
             return f"KV budget {format_bytes(self.bytes)} (--kv-budget; model weights not considered)"
         if self.weight_bytes is None:
             return (f"KV budget {format_bytes(self.bytes)} = all of --gpu-mem: the parameter count of "
-                    f"{shape.name} is unknown, so its weights are NOT subtracted (pass a config.json or "
-                    f"--kv-budget)")
+                    f"{shape.name} is unknown, so its weights are NOT subtracted (pass --kv-budget, or a config.json "
+                    f"with transformers installed)")
         return (f"KV budget {format_bytes(self.bytes)} = --gpu-mem {format_bytes(self.gpu_mem)} - {shape.name} "
                 f"{self.weights_dtype} weights {format_bytes(self.weight_bytes)} ({shape.num_params / 1e9:.2f}B "
                 f"params; activations and workspace not counted)")
@@ -252,7 +263,8 @@ class Capacity:
 
     ``bytes_per_sequence`` = ``ceil(seq_len / page) * page * bytes_per_token + twin_bytes_per_sequence``;
     ``sequences`` = ``budget // bytes_per_sequence``; ``tokens`` = ``sequences * seq_len``;
-    ``ratio_vs_bf16`` = tokens / tokens of a bf16 cache at the same page size."""
+    ``ratio_vs_bf16`` = tokens / tokens of a bf16 cache at the same page size; None where the budget holds no
+    bf16 sequence (the ratio is undefined: 0 / 0, or x / 0)."""
 
     label: str
     seq_len: int
@@ -261,7 +273,7 @@ class Capacity:
     bytes_per_sequence: int
     sequences: int
     tokens: int
-    ratio_vs_bf16: float
+    ratio_vs_bf16: Optional[float]
 
     @property
     def effective_bytes_per_token(self) -> float:
@@ -289,7 +301,7 @@ def capacity(config: KVCacheConfig, budget_bytes: int, shape: ModelShape, seq_le
     seqs = int(budget_bytes // per_seq)
     bf16 = KVCacheConfig("bf16", page_size=config.page_size)
     bf16_seqs = int(budget_bytes // (pages * config.page_size * bytes_per_token(bf16, *geo)))
-    ratio = (seqs / bf16_seqs) if bf16_seqs else float("inf") if seqs else 1.0
+    ratio = seqs / bf16_seqs if bf16_seqs else None
     return Capacity(config_label(config), seq_len, per_tok, twin, per_seq, seqs, seqs * seq_len, ratio)
 
 
@@ -303,8 +315,13 @@ def capacity_table(configs: Iterable[KVCacheConfig], budget_bytes: int, shape: M
         rows.append([c.label, f"{c.bytes_per_token:,}", f"{c.effective_bytes_per_token:,.0f}",
                      format_bytes(c.twin_bytes_per_sequence), format_bytes(c.bytes_per_sequence),
                      f"{c.sequences:,}", f"{c.tokens:,}",
-                     f"{c.ratio_vs_bf16:.2f}"])
+                     format_ratio(c.ratio_vs_bf16)])
     return headers, rows
+
+
+def format_ratio(ratio: Optional[float]) -> str:
+    """``"1.78"``, or ``"-"`` where the ratio is undefined (no bf16 sequence fits)."""
+    return "-" if ratio is None else f"{ratio:.2f}"
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -35,8 +35,12 @@ Anything else (a gap past ``n``, a rewrite that stops short of ``n - 1``, a dupl
 refused: such a write would land in twin ring rows that now hold other positions of the last-N window. A rewrite
 changes the low row and, where the position is retained (first-N page or in the ring window), the twin row: both
 stores are written by the same call, so readers never see a mix. Speculative rewinds (`correct_kv_lens`,
-`accept`) may lower ``kv_lens`` to no less than ``written - max_draft_len`` (rewinds do not accumulate past the
-ring's slack), so every retained row of the window is still in the ring.
+`accept`) may lower ``kv_lens`` to no less than ``state.floor = max(written - max_draft_len, 0)`` (rewinds do not
+accumulate past the ring's slack, so every retained row of the window is still in the ring), never below a reused
+prefix (`admit_with_prefix` sets the floor to its length), and not while a group wrote the open append step only
+in part (between two layers' appends of one verify step). `accept` with ``num_drafts = k`` rewinds only right
+after a verify block of exactly ``k + 1`` rows. Copy-on-write follows the same bound: `fork` shares only the pages
+wholly below the floor (`jmixedkv.state.fork_shares`), so a legal rewind and re-append never meets a shared page.
 """
 from __future__ import annotations
 
@@ -50,8 +54,9 @@ import numpy as np
 __all__ = ["ERR_LOW_OOM", "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER",
            "ERR_BAD_POSITION", "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "ERROR_NAMES", "describe_error", "is_traced",
            "is_jax", "host_int", "index_array", "check_slot_arg", "check_layer_arg", "slot_in_range",
-           "layer_in_range", "append_position_errors", "page_ids_ok", "write_dst_errors", "INT32_MAX", "CacheError",
-           "CacheCapacityError", "validate_read", "maybe_validate_read", "bad_read_rows", "nan_like"]
+           "layer_in_range", "position_rule", "append_position_errors", "page_ids_ok", "write_dst_errors", "INT32_MAX", "CacheError",
+           "CacheCapacityError", "validate_read", "maybe_validate_read", "bad_read_rows", "unadmitted_rows",
+           "nan_like"]
 
 ERR_LOW_OOM = 1
 ERR_HIGH_OOM = 2
@@ -68,8 +73,9 @@ ERROR_NAMES = {
     ERR_HIGH_OOM: "out of high pages",
     ERR_TOO_LONG: "position past max_pages_per_seq * page_size",
     ERR_BAD_SLOT: "sequence slot out of range, not admitted (or admitted twice)",
-    ERR_BAD_CORRECTION: "bad speculative length correction (positive offset, rewind below written - max_draft_len "
-                        "or 0, or an idle slot)",
+    ERR_BAD_CORRECTION: "bad speculative length correction (positive offset, rewind below the floor: written - "
+                        "max_draft_len, 0 or a reused prefix; an idle slot; an accept no verify block justifies; a "
+                        "rewind between two layers' appends of one step)",
     ERR_BAD_LAYER: "layer index out of range",
     ERR_BAD_POSITION: "illegal positions (gap, duplicate, negative, or a rewrite that does not reach kv_len)",
     ERR_SHARED_PAGE: "write into a shared page (fork / prefix): refused, copy-on-write happens at fork / admit",
@@ -195,24 +201,44 @@ def layer_in_range(layer, num_layers: int):
     return jnp.clip(layer, 0, num_layers - 1), (layer >= 0) & (layer < num_layers)
 
 
-def append_position_errors(seq, pos, kv_lens, num_seqs: int):
-    """Position rule of one append call (see the module docstring), inside jit.
+def _segment(xp, op: str, num: int, idx, vals, init):
+    """``out[i] = op(init, vals[idx == i])`` for ``i < num`` (entries with ``idx >= num`` dropped): NumPy's
+    ``ufunc.at`` on the host, ``.at[].min / max`` inside jit."""
+    if xp is np:
+        out = np.full((num,), init, vals.dtype)
+        keep = idx < num
+        (np.minimum if op == "min" else np.maximum).at(out, idx[keep], vals[keep])
+        return out
+    out = jnp.full((num,), init, vals.dtype).at[idx]
+    return (out.min if op == "min" else out.max)(vals, mode="drop")
 
-    Args: ``seq`` i32[T] slots (already known in range or -1), ``pos`` i32[T], ``kv_lens`` i32[S].
-    Returns ``(bad bool[], first i32[S], last i32[S])``: whether any slot's positions are illegal, and each
-    slot's smallest / largest position in the call (``INT32_MAX`` / -1 when the slot has no token)."""
-    valid = seq >= 0
-    key = jnp.where(valid, seq, num_seqs)
-    skey, spos = jax.lax.sort((key, pos), num_keys=2)
-    same = (skey[1:] == skey[:-1]) & (skey[1:] < num_seqs)
-    gap = jnp.any(same & (spos[1:] != spos[:-1] + 1))
-    drop = jnp.where(valid, seq, num_seqs)
-    first = jnp.full((num_seqs,), INT32_MAX, jnp.int32).at[drop].min(pos, mode="drop")
-    last = jnp.full((num_seqs,), -1, jnp.int32).at[drop].max(pos, mode="drop")
-    has = last >= 0
-    neg = jnp.any(valid & (pos < 0))
-    off = has & ((first > kv_lens) | (last + 1 < kv_lens))
-    return gap | neg | jnp.any(off), first, last
+
+def position_rule(seq, pos, kv_lens, num_seqs: int, xp=jnp):
+    """The legal-position rule of one append call (module docstring), written once for the host (``xp=np``,
+    `CacheManager.check_append`) and inside jit (``xp=jnp``, `append_position_errors`).
+
+    Args: ``seq`` int[T] slots (in range, or -1 = padding), ``pos`` int[T], ``kv_lens`` int[S].
+    Returns per slot ``(broken bool[S], off bool[S], first int[S], last int[S])``: positions not distinct and
+    contiguous; a range ``[first, last]`` that does not satisfy ``first <= kv_len <= last + 1``; the smallest /
+    largest position (``INT32_MAX`` / -1 for a slot without tokens). Negative positions are the caller's check."""
+    seq, pos = xp.asarray(seq), xp.asarray(pos)
+    key = xp.where(seq >= 0, seq, num_seqs)
+    order = xp.lexsort((pos, key))
+    skey, spos = key[order], pos[order]
+    gap = ((skey[1:] == skey[:-1]) & (spos[1:] != spos[:-1] + 1)).astype(xp.int32)
+    broken = _segment(xp, "max", num_seqs, skey[1:], gap, 0) > 0
+    first = _segment(xp, "min", num_seqs, key, pos.astype(xp.int32), INT32_MAX)
+    last = _segment(xp, "max", num_seqs, key, pos.astype(xp.int32), -1)
+    off = (last >= 0) & ((first > kv_lens) | (last + 1 < kv_lens))
+    return broken, off, first, last
+
+
+def append_position_errors(seq, pos, kv_lens, num_seqs: int):
+    """`position_rule` inside jit, reduced: ``(bad bool[], first i32[S], last i32[S])`` -- whether any slot's
+    positions are illegal (negative positions included), and each slot's smallest / largest position."""
+    broken, off, first, last = position_rule(seq, pos, kv_lens, num_seqs)
+    neg = jnp.any((seq >= 0) & (pos < 0))
+    return jnp.any(broken) | neg | jnp.any(off), first, last
 
 
 def page_ids_ok(ids, num_pages: int):
@@ -235,13 +261,19 @@ def write_dst_errors(alloc, dst):
 
 # ----------------------------------------------------------------------------------------------- readers
 def bad_read_rows(state, layer, seq, lens, group):
-    """Inside jit, for a reader: (bool flagged batch rows, clipped layer): slot outside [-1, S), length outside
-    [0, W * page], or a bad layer (every row)."""
+    """Inside jit, for a reader: (bool flagged batch rows, clipped layer): slot outside [-1, S) or not admitted
+    (`unadmitted_rows`), length outside [0, W * page], or a bad layer (every row)."""
     layer, layer_ok = layer_in_range(layer, state.groups[group].num_layers)
     n = lens[jnp.clip(seq, 0, state.max_seqs - 1)]
-    bad = ((seq < -1) | (seq >= state.max_seqs)
+    bad = ((seq < -1) | (seq >= state.max_seqs) | unadmitted_rows(state, seq)
            | ((seq >= 0) & ((n < 0) | (n > state.max_pages_per_seq * state.page_size))) | ~layer_ok)
     return bad, layer
+
+
+def unadmitted_rows(state, seq):
+    """bool[B]: batch rows naming a slot in ``[0, S)`` that is not admitted (a reader flags them, as it flags an
+    out-of-range slot: an idle slot is no empty sequence)."""
+    return (seq >= 0) & (seq < state.max_seqs) & ~state.active[jnp.clip(seq, 0, state.max_seqs - 1)]
 
 
 def nan_like(x):
@@ -262,6 +294,11 @@ def validate_read(state, layer, seq_slots, indices=None, *, group: int = 0, kv_l
     bad = np.nonzero((seq < -1) | (seq >= num_seqs))[0]
     if bad.size:
         raise ValueError(f"{op}: seq_slots[{bad[0]}]={seq[bad[0]]} out of range [-1, {num_seqs})")
+    active = np.asarray(state.active)
+    idle = np.nonzero((seq >= 0) & ~active[np.clip(seq, 0, num_seqs - 1)])[0]
+    if idle.size:
+        raise ValueError(f"{op}: seq_slots[{idle[0]}]={seq[idle[0]]} is not admitted (an idle slot holds no "
+                         f"sequence)")
     lens = np.asarray(state.kv_lens if kv_lens is None else kv_lens)
     pt, ht = np.asarray(state.page_table), np.asarray(state.high_table)
     pools = state.pools[group]

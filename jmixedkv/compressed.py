@@ -18,6 +18,12 @@ The twin's write takes a row mask (`twin_row_mask`): a row is written only if th
 page (``-1`` entry, e.g. a ring page given back) or a column past the table's width means "not held", never the
 table's last column. Readers take a twin row only where it is retained *and* held, else the dequantized NVFP4 row.
 
+Levers: the rotation lever (``KVCacheConfig.rotation``) does not apply to compressed groups -- their write
+(`write_compressed_reference`) stores the compressor's rows as given and their readers return them as stored, so
+a reader sees the rows the caller wrote whatever the config (no ``as_stored`` choice to make). Nor does
+``block_scale`` (NVFP4 rows are written with the default ``"max6"``); K smoothing is the caller's, as for the
+raw-token groups.
+
 State is a pytree (`CompressedCache`); every function is pure (cache in, cache out). Tables are set by the caller
 (`with_tables`, `release_twin_page`): page allocation for these groups belongs to the cache manager.
 
@@ -437,7 +443,7 @@ def _gather_compressed_pallas(cache, ratio, layer, seq, indices, kv_lens, *, int
         bad_rows = bad_rows | ((idx_k >= 0) & ((hpage < -1) | (hpage >= n_twin)))
         twin_table = jnp.where((twin_table >= 0) & (twin_table < n_twin), twin_table, -1)
     out = gather_rows(layer_c.reshape(1), seq_k, n_c, page_table, twin_table, idx_k,
-                      jnp.ones(seq.shape, jnp.float32), lv.low.data, lv.low.scales, lv.low.gs,
-                      None if twin is None else twin.rows, None if twin is None else twin.scale, geom=geom,
+                      jnp.ones(seq.shape, jnp.float32), low=(lv.low.data, lv.low.scales, lv.low.gs),
+                      high=None if twin is None else (twin.rows, twin.scale), geom=geom,
                       att_dtype=cache.config.attention_dtype, fp8=False, interpret=interpret)
     return jnp.where(bad_rows[..., None, None, None], jnp.asarray(jnp.nan, out.dtype), out)

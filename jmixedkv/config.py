@@ -75,7 +75,7 @@ class KVCacheConfig:
       rotation: accuracy lever (`jmixedkv.levers`): ``None`` or ``"hadamard"`` - stored K/V rows are rotated
         along head_dim after RoPE (``append`` does it); readers rotate q and un-rotate the output.
       k_smoothing: accuracy lever: the caller subtracts a per-channel K mean frozen from the prefill before
-        ``append`` (`jmixedkv.model` does it); the cache stores ``k - mean``.
+        ``append`` (`jmixedkv_demo.model` does it); the cache stores ``k - mean``.
       block_scale: NVFP4 block scaling on write (`jmixedkv.nvfp4.BLOCK_SCALES`): ``"max6"`` (default, the pinned
         order) or ``"4over6"`` (per block, the block max mapped to 6 or to 4, whichever dequantizes with the lower
         squared error). Same bytes and decoder: readers and exporters are unchanged.
@@ -135,6 +135,9 @@ class KVCacheConfig:
         if not self.is_mixed and (self.first_n or self.last_n):
             raise ValueError(f"KVCacheConfig: first_n={self.first_n}, last_n={self.last_n} need a mixed dtype "
                              f"(mixed_nvfp4_*), but dtype={self.dtype!r} keeps no high-precision twin")
+        if self.block_scale != "max6" and not self.has_low:
+            raise ValueError(f"KVCacheConfig: block_scale={self.block_scale!r} scales NVFP4 blocks, but "
+                             f"dtype={self.dtype!r} has no NVFP4 pool")
         if not isinstance(self.k_smoothing, bool):
             raise ValueError(f"KVCacheConfig.k_smoothing must be a bool, got {self.k_smoothing!r}")
         if self.sparse_algorithm is not None and not isinstance(self.sparse_algorithm, str):
@@ -208,3 +211,21 @@ class KVCacheConfig:
 
     def replace(self, **changes: Any) -> "KVCacheConfig":
         return KVCacheConfig(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
+
+    # ------------------------------------------------------------------ engine names
+    @classmethod
+    def from_vllm(cls, cache_dtype: str = "auto", block_size: int = 16, *, model_dtype=None,
+                  **rest: Any) -> "KVCacheConfig":
+        """From vLLM's ``cache_dtype`` / ``block_size`` (``"auto"`` needs ``model_dtype=``); other vLLM
+        ``CacheConfig`` fields are accepted at vLLM's default or refused by name; ``first_n`` etc. pass through
+        (`jmixedkv.engine_configs`)."""
+        from .engine_configs import vllm_kwargs
+        return cls(**vllm_kwargs(cache_dtype, block_size, model_dtype=model_dtype, **rest))
+
+    @classmethod
+    def from_trtllm(cls, kv_cache_config=None, *, model_dtype=None, **fields: Any) -> "KVCacheConfig":
+        """From a TensorRT-LLM ``KvCacheConfig`` (object, mapping or keyword fields): ``dtype``,
+        ``tokens_per_block`` (power of two > 1), ``mixed_precision_first_n`` / ``_last_n`` mapped; runtime fields
+        accepted at TensorRT-LLM's default or refused by name (`jmixedkv.engine_configs`)."""
+        from .engine_configs import trtllm_kwargs
+        return cls(**trtllm_kwargs(kv_cache_config, model_dtype=model_dtype, **fields))

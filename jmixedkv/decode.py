@@ -10,6 +10,17 @@
 * `merge_attention(o1, lse1, o2, lse2)`: combine two attentions over disjoint key sets (e.g. cache + a chunk).
 
 `decode_attention` and `merge_attention` return the output in the attention dtype and the natural-log LSE in float32.
+
+Levers (`jmixedkv.levers`): `decode_attention` takes model-space queries and returns model-space outputs whatever
+the cache's levers. With ``rotation="hadamard"`` the stored K/V are ``k Hd``, ``v Hd``; it rotates q (``q Hd``,
+float32 math, one rounding to the attention dtype: the kernels take q in that dtype), runs the kernel on the
+stored rows, and un-rotates the output (``Hd`` is its own inverse; float32 math, one more rounding), all in one
+jitted program. The LSE is unchanged (``(q Hd) . (k Hd) = q . k``). Against the same attention without rotation
+the output differs by the rounding of the rotated q (relative ``2^-8`` per element for bf16) and of the rotated
+output, i.e. within the attention dtype's rounding. With ``k_smoothing`` the stored keys are ``k - mean``: every
+logit of a query shifts by ``-sm_scale * q . mean``, so the softmax and the output are the model's, while the
+LSE is that of the smoothed keys (shifted by the same constant); a ``soft_cap`` does not commute with the shift
+and is refused on such a cache.
 """
 from __future__ import annotations
 
@@ -19,7 +30,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from . import checks
+from . import checks, levers
 from .backend import dispatch
 from .pools import kernel_arrays
 from .staging import stage_reference
@@ -56,6 +67,9 @@ def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_
         raise ValueError(f"decode_attention: sliding_window must be an int >= 1 or None, got {sliding_window!r}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"decode_attention: soft_cap must be > 0 or None, got {soft_cap!r}")
+    if soft_cap is not None and cfg.k_smoothing:
+        raise ValueError(f"decode_attention: soft_cap={soft_cap!r} on a cache with k_smoothing=True: the cap does not "
+                         f"commute with the per-query logit shift q . mean, so the output would not be the model's")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"decode_attention: num_splits must be an int >= 1 or None, got {num_splits!r}")
 
@@ -68,7 +82,8 @@ def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Op
     Args:
       state: `CacheState`.
       layer: layer index within ``group`` (int or traced i32).
-      q: ``[B, Tq, Hq, D]`` in the attention dtype; token ``t`` of row ``b`` sits at position
+      q: ``[B, Tq, Hq, D]`` in the attention dtype, model space (never rotated by the caller: a rotation lever
+        is applied here, module docstring); token ``t`` of row ``b`` sits at position
         ``kv_lens[seq_slots[b]] - Tq + t`` (its K/V already appended) and sees keys ``p <=`` its position.
       seq_slots: i32[B] sequence slots (-1 = padding row: output zeros, LSE -inf).
       sm_scale: logit scale (default ``D ** -0.5``); sliding_window: keys ``pos - window < p <= pos``;
@@ -76,7 +91,7 @@ def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Op
       backend: ``"auto"`` | ``"pallas"`` | ``"reference"``.
 
     Returns:
-      ``(out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])``.
+      ``(out [B, Tq, Hq, D] attention dtype, model space; lse f32[B, Tq, Hq])``.
 
     Bad input (`jmixedkv.checks`): host values (Python / NumPy slots, an int layer) out of range raise
     `ValueError`; inside jit a batch row whose slot is outside ``[-1, max_seqs)`` -- every row when the layer is
@@ -86,13 +101,24 @@ def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Op
     """
     _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits)
     seq = checks.index_array(seq_slots, "seq_slots", "decode_attention")
+    return _attend(state, layer, q, seq, group=group, sm_scale=sm_scale, sliding_window=sliding_window,
+                   soft_cap=soft_cap, num_splits=num_splits, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap", "num_splits",
+                                             "backend"))
+def _attend(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits, backend):
+    """The body of `decode_attention` (validated arguments): one program with the rotation lever around the kernel."""
+    rotation = state.config.rotation
+    q = levers.unrotate(q, rotation, q.dtype)                     # q Hd: the basis of the stored keys
     spec = state.groups[group]
     layer_c, layer_ok = checks.layer_in_range(layer, spec.num_layers)
-    bad = (seq < -1) | (seq >= state.max_seqs) | ~layer_ok
+    bad = (seq < -1) | (seq >= state.max_seqs) | checks.unadmitted_rows(state, seq) | ~layer_ok
     seq = jnp.where(bad, -1, seq)
     out, lse = dispatch(backend, _reference, _pallas)(state, layer_c, q, seq, group=group, sm_scale=sm_scale,
                                                       sliding_window=sliding_window, soft_cap=soft_cap,
                                                       num_splits=num_splits)
+    out = levers.unrotate(out, rotation, out.dtype)               # (p @ V Hd) Hd = p @ V: model space
     # a query that must see at least its own key but reports "no key" (lse = -inf) met a NaN logit: flag it
     tq = q.shape[1]
     qpos = _lens(state, seq)[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None, :]
@@ -111,7 +137,7 @@ def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_ca
     del num_splits                                                          # a kernel tuning knob
     # NVFP4 groups: the decoded values exactly (float32 staging), as the fused kernel reads them
     exact = jnp.float32 if state.kinds[group] != "plain" else None
-    staged = stage_reference(state, layer, seq, group, dtype=exact)         # [B, kv, H, S, D]
+    staged = stage_reference(state, layer, seq, group, dtype=exact, as_stored=True)    # [B, kv, H, S, D] stored
     k, v = staged[:, 0], staged[:, -1]
     lens = _lens(state, seq)
     out, lse = attention_reference(q, k, v, lens, sm_scale=sm_scale, sliding_window=sliding_window,
@@ -124,7 +150,7 @@ def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_ca
 @functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap", "num_splits",
                                              "interpret"))
 def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits, interpret):
-    from pallas_kernels.decode_attention import paged_decode_attention
+    from pallas_kernels.decode import paged_decode_attention   # picks the backend (`choose_backend`)
     cfg, kind, pools = state.config, state.kinds[group], state.pools[group]
     s = jnp.clip(seq, 0, state.max_seqs - 1)
     page_table = state.page_table[s]
@@ -133,14 +159,6 @@ def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
     twin, ht = (cfg.twin, state.high_table[s]) if mixed else (None, None)
     low, plain = kernel_arrays(pools.low), kernel_arrays(pools.plain)          # the kernels take raw arrays
     high = kernel_arrays(pools.high) if mixed else None
-    from pallas_kernels import decode_mgpu   # Mosaic GPU kernel: by `preferred` (JMIXEDKV_DECODE_KERNEL)
-    if low is not None and decode_mgpu.preferred(
-            head_dim=q.shape[-1], page=low[0].shape[4], tq=q.shape[1], group=q.shape[2] // low[0].shape[3],
-            high_dtype=high[0].dtype if mixed else None, sliding_window=sliding_window, soft_cap=soft_cap,
-            interpret=interpret):
-        return decode_mgpu.paged_decode_attention_mgpu(
-            q, page_table, lens, layer, low, high, ht, geom=twin, sm_scale=sm_scale, num_splits=num_splits,
-            interpret=interpret, out_dtype=cfg.attention_dtype)
     return paged_decode_attention(
         q, page_table, lens, layer, low=low, high=high, plain=plain, high_table=ht, geom=twin,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,

@@ -8,6 +8,14 @@ selected valid rows (the largest magnitude those rows can dequantize to; NaN blo
 nonzero). The scratch is ``e4m3(clip(f32(x) / scale, ±448))`` of the attention-dtype row ``x`` (retained high rows
 included: a high row above the NVFP4 ceiling saturates at ±448 * scale).
 
+Rotation lever (``KVCacheConfig.rotation``, `jmixedkv.levers`): every reader here returns **model-space** rows by
+default -- the stored rows multiplied back by the Hadamard matrix (float32, one rounding to the attention dtype),
+so a consumer never needs to know the lever; ``as_stored=True`` returns the rows as stored (rotated) and the
+consumer applies ``jmixedkv.levers.unrotate(rows, state.config.rotation)`` itself (or rotates its queries). With a
+rotation, a model-space FP8 scratch takes its scale from the un-rotated rows (``2^e >= max|x| / 448``, the NVFP4
+block ceiling bounds the stored basis only), and `overlay_retained_rows` runs its jnp path (no in-place kernel:
+the twin's rows are un-rotated first). Without a rotation ``as_stored`` changes nothing.
+
 Validation (`jmixedkv.checks`): concrete inputs are checked on the host (`checks.validate_read`); inside jit a batch
 row whose slot, length or layer is bad, or an index outside ``[-1, kv_len)``, gives NaN rows. Nothing ever reads
 another sequence's data; -1 entries (padding) stay zero.
@@ -20,7 +28,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from . import checks
+from . import checks, levers
 from .backend import dispatch
 from .numerics import E4M3_MAX, e4m3_saturate
 from .pools import read_low_rows, read_row_pool
@@ -28,17 +36,20 @@ from .pools import read_low_rows, read_row_pool
 __all__ = ["gather_rows", "overlay_retained_rows", "rows_reference", "fp8_scratch_scale", "encode_fp8_scratch"]
 
 
-def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=None):
+def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=None, as_stored: bool = False):
     """Rows a reader sees at tokens ``(seq[...], pos[...])`` -> ``[..., kv, H, D]`` in ``dtype`` (default: the
     attention dtype; ``float32`` gives the decoded values before any rounding to it): the high row where the
     position is retained (``p < first_n`` or ``n - last_n <= p < n``), else the dequantized NVFP4 row (or the plain
-    row for plain groups). Never imports a kernel.
+    row for plain groups). Never imports a kernel. Model space (the rotation lever undone, module docstring)
+    unless ``as_stored``.
 
     Positions outside ``[0, n)``, padding (``seq == -1``) and rows whose page is not held read as zero. A bad
     slot (outside ``[-1, max_seqs)``), a bad layer (outside ``[0, num_layers)``, traced) or a length outside
     ``[0, max_pages * page]`` reads as NaN: never another sequence's rows (`jmixedkv.checks`)."""
     cfg, kind, pools, spec = state.config, state.kinds[group], state.pools[group], state.groups[group]
     dtype = cfg.attention_dtype if dtype is None else jnp.dtype(dtype)
+    rotation = None if as_stored else cfg.rotation
+    out_dtype, dtype = dtype, (dtype if rotation is None else jnp.dtype(jnp.float32))   # un-rotate in float32
     kv_lens = state.kv_lens if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
     page = cfg.page_size
     layer = checks.check_layer_arg(layer, spec.num_layers, "rows_reference", spec.name)
@@ -59,8 +70,9 @@ def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=N
         keep = cfg.twin.is_retained(pos, n) & held & valid
         high = read_row_pool(pools.high, layer, jnp.maximum(hpage, 0), row, dtype)
         out = jnp.where(keep[..., None, None, None], high, out)
-    out = jnp.where(valid[..., None, None, None], out, jnp.zeros((), dtype))
-    return jnp.where(bad[..., None, None, None], jnp.array(jnp.nan, dtype), out)
+    out = levers.unrotate(out, rotation, out_dtype)
+    out = jnp.where(valid[..., None, None, None], out, jnp.zeros((), out_dtype))
+    return jnp.where(bad[..., None, None, None], jnp.array(jnp.nan, out_dtype), out)
 
 
 def _pow2_ceil(r):
@@ -103,7 +115,7 @@ def encode_fp8_scratch(rows, scale):
 
 
 def gather_rows(state, layer, seq_slots, indices, *, group: int = 0, scratch_dtype=None, backend: str = "auto",
-                kv_lens=None, overlay: bool = True, validate: Optional[bool] = None):
+                kv_lens=None, overlay: bool = True, validate: Optional[bool] = None, as_stored: bool = False):
     """Dequantize the rows a top-k indexer selected, then overlay the retained rows from the twin.
 
     Args:
@@ -113,6 +125,7 @@ def gather_rows(state, layer, seq_slots, indices, *, group: int = 0, scratch_dty
       scratch_dtype: None (attention dtype) or ``"fp8"`` (E4M3 with a per-row power-of-two scale).
       overlay: False skips the twin (rows as the NVFP4 pool holds them; `overlay_retained_rows` adds them later).
       validate: host checks (None = when the inputs are concrete).
+      as_stored: rows as stored (rotated under ``rotation="hadamard"``); default model space (module docstring).
 
     Returns:
       ``(scratch [B, K, kv, H, D], scale f32[B])`` (scale is 1.0 for an attention-dtype scratch).
@@ -125,11 +138,27 @@ def gather_rows(state, layer, seq_slots, indices, *, group: int = 0, scratch_dty
     checks.maybe_validate_read(validate, state, layer, seq, indices, group, kv_lens, "gather_rows")
     lens = state.kv_lens if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
     flag, layer, seq = _flag_selection(state, layer, seq, indices, lens, group)
-    scale = (fp8_scratch_scale(state, layer, seq, indices, group=group, kv_lens=lens) if fp8
-             else jnp.ones(seq.shape, jnp.float32))
-    out = dispatch("reference" if state.kinds[group] == "plain" else backend, _gather_reference, _gather_pallas)(
-        state, layer, seq, indices, lens, group, scale, fp8, overlay)
+    impl = dispatch("reference" if state.kinds[group] == "plain" else backend, _gather_reference, _gather_pallas)
+    rotation = None if as_stored else state.config.rotation
+    if rotation is not None:            # model space: float32 rows, un-rotated, then one rounding / FP8 encode
+        ones = jnp.ones(seq.shape, jnp.float32)
+        rows = levers.rotate(impl(state, layer, seq, indices, lens, group, ones, False, overlay, jnp.float32),
+                             rotation)
+        scale = _rows_scale(rows) if fp8 else ones
+        out = rows.astype(state.config.attention_dtype)
+        out = encode_fp8_scratch(out, scale) if fp8 else out
+    else:
+        scale = (fp8_scratch_scale(state, layer, seq, indices, group=group, kv_lens=lens) if fp8
+                 else jnp.ones(seq.shape, jnp.float32))
+        out = impl(state, layer, seq, indices, lens, group, scale, fp8, overlay)
     return jnp.where(flag[..., None, None, None], checks.nan_like(out), out), scale
+
+
+def _rows_scale(rows):
+    """f32[B] power-of-two FP8 scale of model-space rows ``f32[B, K, kv, H, D]``: ``2^e >= max|x| / 448`` over
+    the row's non-NaN entries (1.0 when all are zero)."""
+    mag = jnp.max(jnp.where(jnp.isnan(rows), 0.0, jnp.abs(rows)), axis=(1, 2, 3, 4))
+    return jnp.where(mag > 0, _pow2_ceil(mag / jnp.float32(E4M3_MAX)), jnp.float32(1.0))
 
 
 def _flag_selection(state, layer, seq, indices, lens, group):
@@ -141,32 +170,36 @@ def _flag_selection(state, layer, seq, indices, lens, group):
     return flag, layer, jnp.where(bad, -1, seq)
 
 
-def _gather_reference(state, layer, seq, indices, lens, group, scale, fp8, overlay):
+def _gather_reference(state, layer, seq, indices, lens, group, scale, fp8, overlay, dtype=None):
+    """Rows as stored (the rotation, if any, is undone by `gather_rows`), in ``dtype`` (default attention)."""
     if not overlay:                                          # NVFP4 / plain rows only: the state without its twin
         pools = state.pools[group]
         state = dataclasses.replace(state, pools=state.pools[:group] + (dataclasses.replace(pools, high=None),)
                                     + state.pools[group + 1:])
-    rows = rows_reference(state, layer, seq[:, None], indices, group, lens)
+    rows = rows_reference(state, layer, seq[:, None], indices, group, lens, dtype, as_stored=True)
     return encode_fp8_scratch(rows, scale) if fp8 else rows
 
 
-def _gather_pallas(state, layer, seq, indices, lens, group, scale, fp8, overlay, *, interpret):
+def _gather_pallas(state, layer, seq, indices, lens, group, scale, fp8, overlay, dtype=None, *, interpret):
     from pallas_kernels.gather import gather_rows as kernel
     pools = state.pools[group]
     high = pools.high if (state.kinds[group] == "mixed" and overlay) else None
     return kernel(jnp.asarray(layer, jnp.int32).reshape(1), seq, lens, state.page_table, state.high_table, indices,
-                  scale, pools.low.data, pools.low.scales, pools.low.gs, None if high is None else high.rows,
-                  None if high is None else high.scale, geom=state.config.twin,
-                  att_dtype=state.config.attention_dtype, fp8=fp8, interpret=interpret)
+                  scale, low=(pools.low.data, pools.low.scales, pools.low.gs),
+                  high=None if high is None else (high.rows, high.scale), geom=state.config.twin,
+                  att_dtype=state.config.attention_dtype if dtype is None else dtype, fp8=fp8, interpret=interpret)
 
 
 def overlay_retained_rows(state, layer, scratch, seq_slots, indices, *, scale=None, group: int = 0,
-                          backend: str = "auto", kv_lens=None, validate: Optional[bool] = None):
+                          backend: str = "auto", kv_lens=None, validate: Optional[bool] = None,
+                          as_stored: bool = False):
     """Copy the twin's rows over ``scratch[B, K, kv, H, D]`` where the selected position is retained.
 
     ``scratch`` in the attention dtype, or float8_e4m3fn with ``scale f32[B]`` (high rows are encoded with it).
     Other rows are returned unchanged. The Pallas kernel aliases the scratch: inside a jit that donates it the update
-    is in place."""
+    is in place. The twin's rows go in model space (the scratch of ``gather_rows(..., overlay=False)``) unless
+    ``as_stored`` (a scratch gathered with ``as_stored=True``); a rotated cache's model-space overlay runs the jnp
+    path for either backend (module docstring)."""
     seq = checks.index_array(seq_slots, "seq_slots", "overlay_retained_rows", ndim=1)
     indices = checks.index_array(indices, "indices", "overlay_retained_rows", ndim=2)
     fp8 = scratch.dtype == jnp.dtype(jnp.float8_e4m3fn)
@@ -180,24 +213,29 @@ def overlay_retained_rows(state, layer, scratch, seq_slots, indices, *, scale=No
     out = scratch
     if state.kinds[group] == "mixed" and state.pools[group].high is not None:
         scale = jnp.ones(seq.shape, jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
-        out = dispatch(backend, _overlay_reference, _overlay_pallas)(scratch, state, layer, seq, indices, scale, group,
-                                                                     lens, fp8)
+        rotation = None if as_stored else state.config.rotation
+        impl = _overlay_reference if rotation is not None else dispatch(backend, _overlay_reference, _overlay_pallas)
+        out = impl(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation)
     return jnp.where(flag[..., None, None, None], checks.nan_like(out), out)
 
 
-def _overlay_reference(scratch, state, layer, seq, indices, scale, group, lens, fp8):
+def _overlay_reference(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation=None):
     twin = state.config.twin
     _, row, valid, n = _selected(state, seq, indices, lens)
     hp, held = twin.twin_page(state.high_table, jnp.maximum(seq, 0)[:, None], twin.high_column(jnp.maximum(indices, 0)))
     keep = valid & twin.is_retained(indices, n) & held
-    high = read_row_pool(state.pools[group].high, layer, jnp.maximum(hp, 0), row, state.config.attention_dtype)
+    att = state.config.attention_dtype
+    high = read_row_pool(state.pools[group].high, layer, jnp.maximum(hp, 0), row,
+                         att if rotation is None else jnp.float32)
+    high = levers.unrotate(high, rotation, att)
     high = encode_fp8_scratch(high, scale) if fp8 else high.astype(scratch.dtype)
     return jnp.where(keep[..., None, None, None], high, scratch)
 
 
-def _overlay_pallas(scratch, state, layer, seq, indices, scale, group, lens, fp8, *, interpret):
+def _overlay_pallas(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation=None, *, interpret):
+    del rotation                                     # None here: a model-space rotated overlay runs the jnp path
     from pallas_kernels.gather import overlay_rows
     high = state.pools[group].high
     return overlay_rows(scratch, jnp.asarray(layer, jnp.int32).reshape(1), seq, lens, state.page_table,
-                        state.high_table, indices, scale, high.rows, high.scale, geom=state.config.twin,
+                        state.high_table, indices, scale, high=(high.rows, high.scale), geom=state.config.twin,
                         att_dtype=state.config.attention_dtype, interpret=interpret)

@@ -26,8 +26,9 @@ Speculative rollback -- the contract between `recurrent_forward` and `accept_hyb
 * `accept_hybrid(slots, num_accepted=a, num_drafts=k)` rewinds each listed sequence by ``r = k - a`` tokens,
   exactly like the attention side's ``kv_len += a - k``: ``r = 0`` keeps the current state bit for bit (a prefill
   chunk listed with ``num_drafts = 0`` keeps its full state, however long the chunk), ``r > 0`` restores
-  ``snap[r]`` and needs ``r < snap_tokens`` (the verified token of a block is never undone; a rewind with no
-  block to rewind into is refused). Each block is accepted at most once: listed slots get ``snap_tokens = 0``.
+  ``snap[r]`` and needs ``snap_tokens == k + 1`` (the last block is the verify block of ``k`` drafts: a prefill
+  chunk's tokens are never undone, nor a block's verified token; a rewind with no block is refused). Each block
+  is accepted at most once: listed slots get ``snap_tokens = 0``.
   Sequences that are not listed keep everything.
 
 Why snapshots: the SSM update ``h' = exp(dt A) h + dt x B`` is not invertible in finite precision (decays
@@ -477,7 +478,7 @@ def rollback(state: HybridState, seq_slots, num_accepted, num_drafts) -> HybridS
     Args: ``seq_slots`` i32[B] distinct (-1 = padding); ``num_accepted`` / ``num_drafts`` i32[B] or scalars with
     ``0 <= num_accepted <= num_drafts <= max_draft_len``.
     Refused (all or nothing, error bit): a bad / repeated / idle slot (``ERR_BAD_SLOT``), bad counts or
-    ``r >= snap_tokens`` in some layer (``ERR_BAD_CORRECTION``). Host (Python / NumPy) bad slots or counts raise
+    ``snap_tokens != k + 1`` for a rewind (``r > 0``) in some layer (``ERR_BAD_CORRECTION``). Host (Python / NumPy) bad slots or counts raise
     `ValueError`."""
     seq, a, k = _accept_args(state, seq_slots, num_accepted, num_drafts, "rollback")
     s_max, n_snap = state.max_seqs, state.conv_snap.shape[1]
@@ -485,7 +486,9 @@ def rollback(state: HybridState, seq_slots, num_accepted, num_drafts) -> HybridS
     r = k - a
     counts_ok = ~live | ((a >= 0) & (a <= k) & (k < n_snap))
     need = live & (r > 0)
-    rewind_ok = ~need | jnp.all(r[:, None] < state.snap_tokens[safe], axis=1)
+    # a rewind undoes drafts of a verify block: the last block must be exactly the k + 1 verify tokens (a prefill
+    # chunk, or a block already accepted, justifies no rewind)
+    rewind_ok = ~need | jnp.all(state.snap_tokens[safe] == (k + 1)[:, None], axis=1)
     slots_ok = jnp.all(row_ok) & ~dup
     good = jnp.all(counts_ok & rewind_ok)
     ok = slots_ok & good

@@ -9,20 +9,28 @@ the config say so (`interop.dlpack.kv_transform`, docs/DESIGN.md §11). The thir
 * **Hadamard rotation** (``rotation="hadamard"``): every stored K and V row (after RoPE) is multiplied by the
   orthonormal Sylvester-Hadamard matrix ``Hd = H_D / sqrt(D)`` (symmetric, ``Hd @ Hd = I``). Scores are unchanged
   when queries are rotated the same way (``(q Hd) . (k Hd) = q . k``) and the attention output comes out rotated
-  (``p @ (V Hd) = (p @ V) Hd``), so a reader rotates q before attention and the output after it
+  (``p @ (V Hd) = (p @ V) Hd``), so attention over rotated rows rotates q before and the output after it
   (`rotate` twice = identity). The rotation spreads a channel outlier over the whole row, so each 16-element
   NVFP4 block sees a flatter distribution. `jmixedkv.state.append` applies it on write (after RoPE, so RoPE in the
-  write path composes: RoPE first, then the rotation, then the store with ``rope=None``); `jmixedkv.model` rotates
-  q and un-rotates the output around the attention call (also around the fused decode kernel).
+  write path composes: RoPE first, then the rotation, then the store with ``rope=None``). **Readers undo it**:
+  `jmixedkv.decode.decode_attention` rotates q and un-rotates its output inside one program, and `stage`,
+  `stage_reference`, `gather_rows`, `overlay_retained_rows` and `rows_reference` return model-space rows
+  (`unrotate`, float32 math, one rounding to the attention dtype) unless asked for ``as_stored=True`` -- so a
+  caller never needs to know the lever. Exports of the pools themselves (`interop.layouts.nvfp4_pages`, row-pool
+  views) are the stored rows and say so (``kv_transform``). Compressed groups (`jmixedkv.compressed`) are never
+  rotated: the lever applies to the raw-token groups' write path only.
 * **K smoothing** (``k_smoothing=True``): a per-(layer, KV head, channel) mean of K, taken over the prefill of each
   sequence (post-RoPE, post-rotation) and frozen for later tokens, is subtracted from every stored key, twin
   included. Every score of one query shifts by the same ``q . mean``, so softmax and the output are unchanged
-  and nothing is undone on read. The mean lives with the caller (the model's generation loop carries it per
+  and nothing is undone on read. Two things do change: the LSE a reader returns is that of the smoothed keys
+  (``lse - sm_scale * q . mean``), so merging it with attention over other keys (`merge_attention`) needs those
+  keys smoothed by the same mean; and a logit soft-cap does not commute with the shift, so `decode_attention`
+  refuses ``soft_cap`` on a K-smoothed cache. The mean lives with the caller (the model's generation loop carries it per
   sequence): the cache stores only ``k - mean``. Speculative rollback is unaffected (the mean is frozen before any
   draft token), but prefix reuse is not: a forked / prefix-shared sequence must reuse the owner's mean, since the
   shared pages hold keys shifted by it. Deliberately *not* moved into the cache state / write path (yet): on SmolLM2
   it lowers KL in 9 of 12 mixed-cache cases but its effect changes sign with the text and the other levers (with
-  the rotation alone it raises code KL by up to 1.44x; bench/RESULTS.md, 2026-11-30), and a cache-side mean needs
+  the rotation alone it raises code KL by up to 1.44x; bench/RESULTS.md, 'accuracy levers'), and a cache-side mean needs
   a rule for chunked prefill (which tokens define it) and per-sequence state that `fork` / prefix reuse must copy;
   so it stays an experimental model-side option, off by default.
 
@@ -36,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ROTATIONS", "hadamard", "rotate", "rotate_rows", "k_mean", "smooth_k"]
+__all__ = ["ROTATIONS", "hadamard", "rotate", "unrotate", "rotate_rows", "k_mean", "smooth_k"]
 
 ROTATIONS = (None, "hadamard")
 
@@ -64,6 +72,18 @@ def rotate(x, rotation=None):
         raise ValueError(f"rotation must be one of {ROTATIONS}, got {rotation!r}")
     return jnp.einsum("...d,de->...e", x.astype(jnp.float32), hadamard(x.shape[-1]),
                       precision=jax.lax.Precision.HIGHEST)
+
+
+def unrotate(x, rotation=None, dtype=None):
+    """Stored rows / rotated-space outputs ``x[..., D]`` back to model space, in ``dtype`` (default ``x``'s):
+    `rotate` in float32 (self-inverse), one rounding to ``dtype``; ``x`` cast to ``dtype`` when ``rotation`` is
+    None. Exact up to that rounding plus float32 error (~1e-7 relative). Not bit-exact for a row rotated on
+    write: a row ``x`` stored as ``bf16(x Hd)`` comes back as ``x + e Hd`` rounded once more, with ``e`` the
+    write's rounding (``|e_i| <= 2^-8 |(x Hd)_i|``, bf16's unit roundoff), so the error before the final rounding
+    is at most ``2^-8 ||x||_2`` per element and about ``2^-8 rms(x) / sqrt(3)`` typically (the rotation keeps
+    the error's norm and spreads it over the row)."""
+    dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+    return rotate(x, rotation).astype(dtype)
 
 
 def k_mean(k, valid=None):

@@ -161,10 +161,11 @@ class CacheManager:
             worst = int(pos[seq >= 0].max())
             raise CacheCapacityError(f"append: position {worst} is past the page table's width "
                                      f"({self.state.max_pages_per_seq} pages x {self.config.page_size} = {limit} tokens)")
+        broken, off, _, _ = checks.position_rule(seq, pos, self._lens, self.max_seqs, np)   # the one rule
         for s in np.unique(seq[seq >= 0]):
             p = np.sort(pos[seq == s])
             n = int(self._lens[s])
-            if (np.diff(p) != 1).any():
+            if broken[s]:
                 raise ValueError(f"append: slot {s}: positions must be distinct and contiguous, got "
                                  f"{p[:16].tolist()}{'...' if p.size > 16 else ''}")
             cfg = self.config
@@ -175,7 +176,7 @@ class CacheManager:
                 raise ValueError(f"append: slot {s}: positions [{p[0]}, {p[-1]}] write into a page shared with "
                                  f"another sequence or the prefix index (fork / prefix reuse); shared pages are "
                                  f"never written (copy-on-write happens at fork / admit)")
-            if not p[0] <= n <= p[-1] + 1:
+            if off[s]:
                 raise ValueError(f"append: slot {s} has kv_len {n}; positions [{p[0]}, {p[-1]}] must start at or "
                                  f"before it and reach it (extend from kv_len, or rewrite a suffix ending at "
                                  f"kv_len - 1 or later)")
@@ -198,13 +199,34 @@ class CacheManager:
         layer_arg = None if layer is None else np.int32(layer)
         self.state = st.append(self.state, layer_arg, k, v, seq, pos, group=group,
                                rope=rope, backend=self.backend, donate=True)
+        self._account_append(seq, pos, need)
+
+    def reserve_append(self, seq_slots, positions):
+        """Check an append of tokens ``(seq_slots, positions)`` as `append` does (`ValueError` /
+        `CacheCapacityError`, nothing changed) and account for it in the host mirror, for an engine that runs the
+        transition itself in its own jitted program, for every layer of a step (`jmixedkv.step`), and installs the
+        result with `install`. Returns the host ``(seq, pos)`` int32 vectors."""
+        need = self.check_append(seq_slots, positions)
+        seq, pos = self.host_tokens(seq_slots, positions, "append")
+        self._account_append(seq, pos, need)
+        return seq, pos
+
+    def install(self, state: st.CacheState) -> None:
+        """Install the result of a transition `reserve_append` accounted for (no host re-read, no sync)."""
+        self.state = state
+
+    def _account_append(self, seq, pos, need) -> None:
         for s, n in need.items():
             self._pages_held[s] += n
             self._free_low -= n
-        for s in np.unique(seq[seq >= 0]):
-            last = int(pos[seq == s].max()) + 1
-            self._lens[s] = last
-            self._written[s] = max(self._written[s], last)
+        live = seq >= 0
+        if live.any():                                   # one past the last position per slot, vectorized
+            last = np.zeros(self.max_seqs, np.int64)
+            np.maximum.at(last, seq[live], pos[live].astype(np.int64) + 1)
+            hit = np.zeros(self.max_seqs, bool)
+            hit[seq[live]] = True
+            self._lens[hit] = last[hit]
+            self._written[hit] = np.maximum(self._written[hit], last[hit])
 
     def set_lengths(self, lens=None) -> None:
         """Host mirror update after a device-side length change (speculative accept / correction): re-reads the
@@ -241,7 +263,8 @@ class CacheManager:
 
     def fork(self, src: int, dst: Optional[int] = None) -> int:
         """Copy sequence ``src`` into the free slot ``dst`` (default: the first free one), `jmixedkv.state.fork`:
-        full pages shared, the partial page and the twin copied. Returns ``dst``."""
+        pages wholly below the rewind floor shared, every page a legal rewind can write and the ring copied
+        (`jmixedkv.state.fork_pages_needed` pages; `CacheCapacityError` if they are not free). Returns ``dst``."""
         src = checks.host_int(src, "src", "fork", 0, self.max_seqs)
         if not self._active[src]:
             raise ValueError(f"fork: source slot {src} is not admitted")

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["BLOCK", "E2M1_MAX", "E4M3_MAX", "SIXTH", "keep", "opaque_zero", "launder", "is_fp8", "e4m3_saturate",
-           "encode_rows", "decode_rows", "inv_freq", "rope_cos_sin"]
+           "encode_rows", "decode_rows", "inv_freq", "rope_cos_sin", "next_pow2"]
 
 #: NVFP4 block length (elements per E4M3 block scale) along the last axis
 BLOCK = 16
@@ -101,3 +101,8 @@ def rope_cos_sin(positions, rotary_dim: int, theta: float):
     """``(cos, sin)`` f32[..., rotary_dim/2] of the angles ``f32(positions) * inv_freq`` for integer ``positions``."""
     ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(rotary_dim, theta))
     return jnp.cos(ang), jnp.sin(ang)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for ``n <= 1``): the padded sizes of kernels and page buckets."""
+    return 1 << max(0, int(n) - 1).bit_length()

@@ -46,7 +46,7 @@ import numpy as np
 from .backend import dispatch
 from .numerics import BLOCK, E2M1_MAX, E4M3_MAX, SIXTH, keep
 
-__all__ = ["quantize", "dequantize", "quantize_reference", "dequantize_reference", "global_scale_from_amax",
+__all__ = ["quantize", "dequantize", "check_global_scale", "quantize_reference", "dequantize_reference", "global_scale_from_amax",
            "pack_nibbles", "unpack_nibbles", "e2m1_codes", "e2m1_values", "e4m3_values", "block_sq_error", "BLOCK",
            "BLOCK_SCALES", "E4M3_MAX",
            "E2M1_MAX", "E2M1_TABLE"]
@@ -192,13 +192,28 @@ def _flat_gs(global_scale, lead):
     return gs.reshape(-1)
 
 
+def check_global_scale(global_scale, op: str) -> None:
+    """`ValueError` naming the value unless a concrete ``global_scale`` is finite and > 0 everywhere (0 decodes
+    every row to 0 and makes ``1 / gs`` infinite; NaN / inf / negative give NaN or sign-flipped rows). A traced
+    scale (inside jit) cannot be checked: it is the caller's contract."""
+    if isinstance(global_scale, jax.core.Tracer):
+        return
+    a = np.asarray(global_scale, np.float64)
+    bad = ~(np.isfinite(a) & (a > 0))
+    if bad.any():
+        raise ValueError(f"NVFP4 {op}: global_scale must be finite and > 0, got "
+                         f"{np.ravel(a[bad])[:4].tolist()} (of {a.size} value(s))")
+
+
 def quantize(x, global_scale=1.0, *, backend: str = "auto", block_scale: str = "max6", **kernel_kwargs):
     """`quantize_reference` (``backend="reference"``, or ``"auto"`` without a GPU) or the Pallas kernel, same bits.
     ``x[..., D]`` is viewed as ``[prod(...), D]`` for the kernel; ``**kernel_kwargs``: tiling knobs of
-    `pallas_kernels.nvfp4.quantize` (``block_rows``, ``sub_rows``, ``num_warps``, ``num_stages``, ``width``)."""
+    `pallas_kernels.nvfp4.quantize` (``block_rows``, ``sub_rows``, ``num_warps``, ``num_stages``, ``width``).
+    ``global_scale`` must be finite and > 0 (`check_global_scale`: concrete values raise `ValueError`)."""
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError(f"NVFP4 quantize: x must have at least one dimension, got shape {x.shape}")
+    check_global_scale(global_scale, "quantize")
     return dispatch(backend, quantize_reference, functools.partial(_quantize_pallas, **kernel_kwargs))(
         x, global_scale, block_scale)
 
@@ -212,7 +227,9 @@ def _quantize_pallas(x, global_scale, block_scale, *, interpret, **kernel_kwargs
 
 
 def dequantize(packed, scales, global_scale=1.0, dtype=jnp.bfloat16, *, backend: str = "auto", **kernel_kwargs):
-    """`dequantize_reference` or the Pallas kernel (``backend`` and ``**kernel_kwargs`` as in `quantize`)."""
+    """`dequantize_reference` or the Pallas kernel (``backend``, ``**kernel_kwargs`` and the ``global_scale``
+    rule as in `quantize`)."""
+    check_global_scale(global_scale, "dequantize")
     packed, scales = jnp.asarray(packed), jnp.asarray(scales)
     if packed.ndim == 0 or scales.ndim != packed.ndim or scales.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"NVFP4 dequantize: packed {packed.shape} and scales {scales.shape} must share their "

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .numerics import next_pow2
+
 __all__ = ["gather_pages", "scatter_pages", "HostPage", "HostTier", "select_victims", "payload_to_host",
            "host_to_payload", "page_bucket", "MIN_PRIORITY", "MAX_PRIORITY", "DEFAULT_PRIORITY"]
 
@@ -33,7 +35,7 @@ _FIELDS = (("low", "data", "low"), ("low", "scales", "low"), ("plain", "rows", "
 
 def page_bucket(count: int) -> int:
     """Padded page count (power of two >= 1) so page copies compile once per bucket, not once per count."""
-    return 1 << max(0, int(count - 1).bit_length()) if count > 1 else 1
+    return next_pow2(count)
 
 
 def gather_pages(state, low_ids, high_ids):
@@ -145,8 +147,9 @@ class HostTier:
     the owner (`PrefixCache` drops the least valuable host leaves and forgets their index entries)."""
 
     def __init__(self, capacity_pages: Optional[int] = None):
-        if capacity_pages is not None and capacity_pages < 0:
-            raise ValueError(f"HostTier capacity_pages must be >= 0 or None, got {capacity_pages}")
+        if capacity_pages is not None and (isinstance(capacity_pages, bool) or capacity_pages < 0
+                                           or not isinstance(capacity_pages, (int, np.integer))):
+            raise ValueError(f"HostTier capacity_pages must be an integer >= 0 or None, got {capacity_pages!r}")
         self.capacity_pages = capacity_pages
         self._pages: Dict[bytes, HostPage] = {}
 

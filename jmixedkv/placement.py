@@ -22,7 +22,8 @@ def state_specs(state):
     """PartitionSpec pytree for a `CacheState`: pool arrays on the head axis, everything else replicated."""
     pools = jax.tree.map(_pool_leaf_spec, state.pools)
     rest = {f: jax.tree.map(lambda _: P(), getattr(state, f))
-            for f in ("page_table", "high_table", "kv_lens", "active", "written", "alloc", "high_alloc", "error")}
+            for f in ("page_table", "high_table", "kv_lens", "active", "written", "floor", "step_lo",
+                      "step_layers", "alloc", "high_alloc", "error")}
     return dataclasses.replace(state, pools=pools, **rest)
 
 

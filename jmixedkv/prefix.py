@@ -17,8 +17,10 @@ What is shared and what is not:
   carry at least ``min(last_n, n - matched)`` tokens (the whole tail in one call is always fine), because the
   window of any shorter length would reach into the shared prefix, whose high rows a new ring does not hold
   (`PrefixCache.append` enforces this);
-* the partial last page (and partially filled fixed high pages and the whole ring) of a `fork` source: copied
-  into fresh pages on the device (copy-on-write at fork time: the two sequences then append independently).
+* the pages of a `fork` source that a legal rewind can rewrite (every page not wholly below its rewind floor
+  ``max(written - max_draft_len, reused prefix)``, the partial last page included), its partially filled fixed
+  high pages and its whole ring: copied into fresh pages on the device (copy-on-write at fork time: the two
+  sequences then append and rewind independently; `jmixedkv.state.fork_shares`).
 
 Pages a sequence may still write (its partial last page, its ring) are therefore always exclusively owned.
 Committed pages must be final (accepted tokens only): commit after speculative verification.
@@ -41,7 +43,8 @@ from . import checks, offload
 from .allocator import allocate_mask, release_pages, retain_pages
 from .checks import CacheCapacityError, CacheError
 from .manager import CacheManager
-from .state import ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, CacheState, _tables, describe_error
+from .state import (ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, CacheState, _fresh_steps, _tables, describe_error,
+                    fork_pages_needed)
 
 __all__ = ["page_keys", "admit_with_prefix", "copy_pages", "Entry", "PrefixCache"]
 
@@ -95,7 +98,8 @@ def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, 
         (refcount >= 1) and listed once.
       high_fixed_pages: i32[F] first-N fixed high pages to share (-1 = allocate a fresh page); a shared one must be
         allocated and cover a full page of the prefix (``(j + 1) * page <= length``).
-      length: i32 scalar in ``[0, max_pages * page]``, the new ``kv_lens`` (and ``written``).
+      length: i32 scalar in ``[0, max_pages * page]``, the new ``kv_lens`` (and ``written`` and the rewind
+        ``floor``: the shared prefix is never rewound into, `correct_kv_lens` / `accept` refuse it).
     The R ring pages (and unshared fixed pages) are allocated fresh. Errors: ``ERR_BAD_SLOT`` (slot active or out
     of range), ``ERR_BAD_PAGE`` (ids / length inconsistent), ``ERR_HIGH_OOM``; on error nothing changes but
     ``state.error``. Host values breaking these rules raise `ValueError`.
@@ -135,8 +139,8 @@ def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, 
     out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
                   page_table=state.page_table.at[slot].set(low_pages),
                   high_table=state.high_table.at[slot].set(jnp.where(need, ids, shared_high)),
-                  kv_lens=state.kv_lens.at[slot].set(length), written=state.written.at[slot].set(length),
-                  active=state.active.at[slot].set(True))
+                  kv_lens=state.kv_lens.at[slot].set(length), active=state.active.at[slot].set(True),
+                  **_fresh_steps(state, slot, length))
     return dataclasses.replace(out, error=state.error | err)
 
 
@@ -206,6 +210,7 @@ class PrefixCache:
         self.children: Dict[bytes, set] = {}
         self._tick = 0
         self._pending: Dict[int, int] = {}    # slot -> length its first append after a reuse admit must reach
+        self._tokens: Dict[int, np.ndarray] = {}   # slot -> the prompt token ids it was admitted with
         self._stats = dict(query_tokens=0, hit_tokens=0, pages_saved=0, evicted_pages=0, restored_pages=0,
                            dropped_pages=0, committed_pages=0)
 
@@ -398,6 +403,7 @@ class PrefixCache:
                 fixed[e.j] = e.high
             e.last_used = self._touch()
         m = len(entries) * self.page
+        self._tokens[slot] = np.asarray(tokens, np.int64).reshape(-1).copy()
         self.state = _admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m))
         self._check("admit")
         if m:
@@ -431,6 +437,7 @@ class PrefixCache:
         slot = self._slot(slot, True, "commit")
         if not offload.MIN_PRIORITY <= priority <= offload.MAX_PRIORITY:
             raise ValueError(f"PrefixCache.commit: priority must be in [0, 100], got {priority}")
+        self._check_tokens(slot, tokens)
         n = min(int(np.asarray(self.state.kv_lens)[slot]), len(tokens))
         row = np.asarray(self.state.page_table)[slot]
         hrow = np.asarray(self.state.high_table)[slot]
@@ -458,19 +465,35 @@ class PrefixCache:
         self._stats["committed_pages"] += len(new_low)
         return len(new_low)
 
+    def _check_tokens(self, slot: int, tokens) -> None:
+        """`ValueError` naming the first position where ``tokens`` differ from the prompt ``slot`` was admitted
+        with (a commit under the wrong ids would index pages under another prompt's keys)."""
+        have = self._tokens.get(slot)
+        if have is None:
+            return
+        toks = np.asarray(tokens, np.int64).reshape(-1)
+        n = min(have.size, toks.size)
+        diff = np.flatnonzero(toks[:n] != have[:n])
+        if diff.size:
+            i = int(diff[0])
+            raise ValueError(f"PrefixCache.commit: slot {slot}: tokens[{i}]={int(toks[i])} differs from the token "
+                             f"{int(have[i])} the slot was admitted with (its cached rows are of those tokens)")
+
     def fork(self, src: int, dst: int) -> None:
         """Fork live ``src`` into empty ``dst`` (shares full pages, copies the partial last page and the ring)."""
         src = self._slot(src, True, "fork")
         dst = self._slot(dst, False, "fork")
-        n, page, nf = int(np.asarray(self.state.kv_lens)[src]), self.page, self.config.num_fixed_pages
-        # new pages: the partial last page, and every twin page but the full fixed ones (shared)
-        self.ensure_free(int(n % page != 0), self.state.high_table.shape[1] - min(n // page, nf))
+        # new pages: every page a legal rewind can rewrite, and every twin page but the shared fixed ones
+        self.ensure_free(*fork_pages_needed(self.state, src))
         self.manager.fork(src, dst)
+        if src in self._tokens:
+            self._tokens[dst] = self._tokens[src]
 
     def release(self, slot: int) -> None:
         """Release ``slot``: its references go; committed pages stay held by the index."""
         slot = self._slot(slot, True, "release")
         self._pending.pop(slot, None)
+        self._tokens.pop(slot, None)
         self.manager.release(slot)
 
     # ------------------------------------------------------------------ statistics

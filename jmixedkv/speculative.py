@@ -17,9 +17,11 @@ stage / gather / fused-decode kernels, the last-N window (retained set ``[n - la
 in the pools past ``n``; nobody reads them, and the next append overwrites them (low pool by page id, twin by ring
 slot). The twin's ring has ``R = ceil((last_n + max_draft_len) / page) + 1`` pages indexed by ``(p // page) mod R``,
 so a rewind of up to ``max_draft_len`` never loses a retained row: the oldest row a later writer can clobber is
-``R * page > last_n + max_draft_len`` positions behind it. The state enforces this: ``state.written`` (one past
-the highest row written since admit) bounds every correction, ``kv_len >= written - max_draft_len``, so rewinds
-never accumulate past the ring's slack (`jmixedkv.checks`).
+``R * page > last_n + max_draft_len`` positions behind it. The state enforces this: ``state.floor``
+(``max(written - max_draft_len, 0)``, ``written`` one past the highest row written since admit, never below a
+reused prefix) bounds every correction, so rewinds never accumulate past the ring's slack; a rewind waits until
+every layer of a group wrote the open step, and `accept` rewinds only right after a verify block of exactly
+``k + 1`` rows (``state.step_lo`` / ``step_layers``; `jmixedkv.checks`).
 
 Pages: `accept` / `correct_kv_lens` **keep** low pages allocated for rejected drafts past a page boundary (the
 next step writes there again, and under the overlap scheduler the host has already staged page tables assuming
@@ -134,37 +136,46 @@ def offset_positions(positions, seq_slots, offsets):
 def correct_kv_lens(state: CacheState, offsets) -> CacheState:
     """Add per-slot offsets ``offsets i32[S] <= 0`` to the device lengths (overlap-scheduler correction).
 
-    Valid offsets keep ``kv_len + offset >= max(written - max_draft_len, 0)`` (``written``: one past the highest
-    row written since admit, so rewinds never accumulate past the twin ring's slack) and are 0 on idle slots.
-    Concrete (non-traced) offsets outside that range raise `ValueError`; traced ones set ``ERR_BAD_CORRECTION``
-    and change nothing (all-or-nothing). Pages are kept (see `trim`)."""
+    Valid offsets keep ``kv_len + offset >= state.floor`` (``max(written - max_draft_len, 0)``, never below a
+    reused prefix: rewinds never accumulate past the twin ring's slack nor drop rows no step wrote), are 0 on idle
+    slots, and rewind (offset < 0) only a slot whose open append step every layer of a group wrote or none did
+    (not between two layers' appends of one verify step). A rewind closes the slot's open step.
+    Concrete (non-traced) offsets breaking these rules raise `ValueError` naming the slot; traced ones set
+    ``ERR_BAD_CORRECTION`` and change nothing (all-or-nothing). Pages are kept (see `trim`)."""
     check_linear_drafts(state.config, what="correct_kv_lens")
     off = _checks.index_array(offsets, "offsets", "correct_kv_lens")
     if off.shape != state.kv_lens.shape:
         raise ValueError(f"correct_kv_lens: offsets must be i32[{state.max_seqs}] (one per slot), got {off.shape}")
-    if _is_concrete(offsets, state.kv_lens, state.active, state.written):
+    if _is_concrete(offsets, state.kv_lens, state.active, state.floor, state.step_lo, state.step_layers):
         o, lens = np.asarray(off), np.asarray(state.kv_lens)
-        lo = np.asarray(_floor(state.config.max_draft_len, state.kv_lens, state.active, state.written)) - lens
+        lo = np.asarray(_floor(state.kv_lens, state.active, state.floor)) - lens
         bad = np.flatnonzero((o > 0) | (o < lo))
         if bad.size:
             detail = ", ".join(f"slot {s}: offset {o[s]} (allowed [{lo[s]}, 0])" for s in bad[:8])
             raise ValueError(f"correct_kv_lens: offsets must be <= 0, keep kv_len >= written - max_draft_len "
-                             f"({state.config.max_draft_len}) and >= 0, and be 0 on idle slots; {detail}")
-    kv_lens, error = _apply_offsets(state.config.max_draft_len, state.kv_lens, state.active, state.written,
-                                    state.error, off)
-    return dataclasses.replace(state, kv_lens=kv_lens, error=error)
+                             f"({state.config.max_draft_len}), >= 0 and >= a reused prefix's length, and be 0 on "
+                             f"idle slots; {detail}")
+        part = np.flatnonzero((o < 0) & ~np.asarray(_state.step_complete(state)))
+        if part.size:
+            raise ValueError(f"correct_kv_lens: slots {part[:8].tolist()} are between two layers' appends of one "
+                             f"step (some layers of a group wrote rows [step_lo, kv_len), others not): rewind "
+                             f"after every layer appended the step")
+    kv_lens, step_lo, error = _apply_offsets(state.kv_lens, state.active, state.floor, state.step_lo,
+                                             _state.step_complete(state), state.error, off)
+    return dataclasses.replace(state, kv_lens=kv_lens, step_lo=step_lo, error=error)
 
 
-def _floor(max_draft_len, kv_lens, active, written):
-    """Smallest legal corrected length per slot: ``max(written - max_draft_len, 0)`` (active), ``kv_len`` (idle)."""
-    return jnp.where(active, jnp.maximum(written - max_draft_len, 0), kv_lens)
+def _floor(kv_lens, active, floor):
+    """Smallest legal corrected length per slot: ``state.floor`` (active), ``kv_len`` (idle)."""
+    return jnp.where(active, floor, kv_lens)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _apply_offsets(max_draft_len, kv_lens, active, written, error, off):
+@jax.jit
+def _apply_offsets(kv_lens, active, floor, step_lo, complete, error, off):
     new = kv_lens + off
-    bad = jnp.any((off > 0) | (new < _floor(max_draft_len, kv_lens, active, written)))
-    return jnp.where(bad, kv_lens, new), error | jnp.where(bad, ERR_BAD_CORRECTION, 0)
+    bad = jnp.any((off > 0) | (new < _floor(kv_lens, active, floor)) | ((off < 0) & ~complete))
+    step_lo = jnp.where(bad | (off == 0), step_lo, -1)
+    return jnp.where(bad, kv_lens, new), step_lo, error | jnp.where(bad, ERR_BAD_CORRECTION, 0)
 
 
 def accept(state: CacheState, seq_slots, num_accepted, num_drafts, draft_tree=None) -> CacheState:
@@ -177,8 +188,12 @@ def accept(state: CacheState, seq_slots, num_accepted, num_drafts, draft_tree=No
         listed, or listed with ``num_drafts = 0``). Slots must be distinct.
       num_accepted: i32[B] or scalar, ``0 <= num_accepted <= num_drafts``.
       num_drafts: int or i32[B], ``k <= max_draft_len``.
-    Bad counts or slots raise `ValueError` when concrete; traced ones set ``ERR_BAD_CORRECTION`` (counts) /
-    ``ERR_BAD_SLOT`` (slot out of range or repeated) and change nothing.
+    A rewind (``num_accepted < num_drafts``) must be justified by the state: the slot's open append step is the
+    verify block, exactly ``k + 1`` rows ``[kv_len - k - 1, kv_len)``, written by every layer of each group that
+    wrote it (not a prefill chunk, not between two layers' appends, not accepted already), and the rules of
+    `correct_kv_lens` hold. Bad counts, slots or unjustified rewinds raise `ValueError` when concrete; traced ones
+    set ``ERR_BAD_CORRECTION`` (counts, unjustified rewinds) / ``ERR_BAD_SLOT`` (slot out of range or repeated)
+    and change nothing.
     """
     check_linear_drafts(state.config, draft_tree, what="accept")
     seq = _checks.index_array(seq_slots, "seq_slots", "accept")
@@ -194,11 +209,39 @@ def accept(state: CacheState, seq_slots, num_accepted, num_drafts, draft_tree=No
                 or (s_ < -1).any()):
             raise ValueError(f"accept: seq_slots must be distinct slots in [0, {state.max_seqs}) or -1, "
                              f"got {s_.tolist()}")
+        if _is_concrete(state.kv_lens, state.step_lo):
+            _check_accept_step(state, s_, np.asarray(a), np.asarray(k))
     offsets, bad, bad_slot = _accept_offsets(state.max_seqs, state.config.max_draft_len, seq, a, k)
+    bad = bad | ~_steps_justify(state, offsets, seq, k)
     offsets = jnp.where(bad | bad_slot, 0, offsets)
     out = correct_kv_lens(state, offsets)
     return dataclasses.replace(out, error=out.error | jnp.where(bad, ERR_BAD_CORRECTION, 0)
                                | jnp.where(bad_slot, _checks.ERR_BAD_SLOT, 0))
+
+
+def _steps_justify(state: CacheState, offsets, seq, k):
+    """bool[]: every listed slot that rewinds (offset < 0) has an open step of exactly ``k + 1`` rows ending at
+    its length (its verify block)."""
+    num_seqs = state.max_seqs
+    live = (seq >= 0) & (seq < num_seqs)
+    s = jnp.clip(seq, 0, num_seqs - 1)
+    rewinds = live & (offsets[s] < 0)
+    block = (state.step_lo[s] >= 0) & (state.kv_lens[s] - state.step_lo[s] == k + 1)
+    return ~jnp.any(rewinds & ~block)
+
+
+def _check_accept_step(state: CacheState, seq, a, k) -> None:
+    """Host form of `_steps_justify`: `ValueError` naming the first slot whose rewind no verify block justifies."""
+    lens, lo = np.asarray(state.kv_lens), np.asarray(state.step_lo)
+    for s, a_, k_ in zip(seq.tolist(), a.tolist(), k.tolist()):
+        if s < 0 or a_ >= k_:
+            continue
+        if lo[s] < 0 or lens[s] - lo[s] != k_ + 1:
+            have = "no open append step (admitted, rewound or accepted since)" if lo[s] < 0 else \
+                f"the last append step wrote {lens[s] - lo[s]} rows [{lo[s]}, {lens[s]})"
+            raise ValueError(f"accept: slot {s}: num_drafts={k_} needs a verify block of {k_ + 1} rows ending at "
+                             f"kv_len {lens[s]}, but {have}; rejected drafts can only be dropped right after "
+                             f"their verify append")
 
 
 def _check_accept_counts(seq_slots, num_accepted, num_drafts, max_draft_len: int, what: str) -> None:

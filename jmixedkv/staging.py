@@ -16,6 +16,16 @@ Rows at or past ``kv_len`` inside a staged page are zero; staged pages past the 
 ``kv_last_page_len = kv_lens - (ceil(kv_lens / page) - 1) * page`` (0 for empty rows); HND pages of a K/V group
 are FlashInfer's ``[num_pages, 2, H, page, D]`` HND cache as is, and ``pages.swapaxes(-3, -2)`` gives NHD.
 
+Rotation lever (``KVCacheConfig.rotation``, `jmixedkv.levers`): staged pages are **model space** by default --
+the stored rows multiplied back by the Hadamard matrix in float32 and rounded once to the attention dtype -- so a
+generic backend (FlashInfer / vLLM over the staged pages, `interop.hf`'s staged decode) attends with the model's
+own q and needs nothing else (``StagedCache.rotation`` is None). ``stage(..., as_stored=True)`` stages the rows as
+stored; ``StagedCache.rotation`` then names the rotation still applied to them (rotate q by
+``jmixedkv.levers.hadamard(D)`` before attention and the output after it, or un-rotate the pages). Accuracy: a
+bf16 twin row comes back within one bf16 rounding of the row written plus the write's rounding of the rotated row
+(`jmixedkv.levers.unrotate`), so an all-high rotated cache is not bit-exact but within bf16 rounding. The Pallas
+path stages rotated pages in float32 first (twice the staging buffer, transiently).
+
 Validation (`jmixedkv.checks`): concrete inputs are checked on the host (`checks.validate_read`); inside jit a batch
 row whose slot, length or layer is bad gets one staged page of NaN (``kv_lens = page_size``) and reads nothing.
 """
@@ -27,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks
+from . import checks, levers
 from .backend import dispatch
 from .gather import rows_reference
 from .pools import pytree
@@ -35,13 +45,15 @@ from .pools import pytree
 __all__ = ["StagedCache", "stage", "stage_reference", "staged_page_table"]
 
 
-@pytree()
+@pytree("rotation")
 class StagedCache:
-    """A plain paged cache in the attention dtype (see the module docstring for the layout)."""
+    """A plain paged cache in the attention dtype (see the module docstring for the layout). ``rotation``: None
+    for model-space pages (the default of `stage`), else the rotation the pages are still stored in."""
 
     pages: jax.Array
     page_table: jax.Array
     kv_lens: jax.Array
+    rotation: Optional[str] = None
 
     @property
     def page_size(self) -> int:
@@ -83,26 +95,35 @@ def staged_page_table(batch_lens, width: int, page: int):
     return jnp.where(j < npages[:, None], start[:, None] + j, -1).astype(jnp.int32)
 
 
-def stage_reference(state, layer, seq_slots, group: int = 0, kv_lens=None, dtype=None):
+def stage_reference(state, layer, seq_slots, group: int = 0, kv_lens=None, dtype=None, width: Optional[int] = None,
+                    as_stored: bool = False):
     """Dense cache a reader must see (`jmixedkv.gather.rows_reference` at every position): ``[B, kv, H,
     max_pages * page, D]``; ``seq_slots`` i32[B] (-1 = padding row, all zeros); ``kv_lens`` overrides the lengths.
     ``dtype``: default the attention dtype; ``float32`` keeps the decoded NVFP4 / FP8 values exact (``(e2m1 * s) *
-    gs`` in float32): the oracle of the fused decode kernel, which never rounds them."""
+    gs`` in float32): the oracle of the fused decode kernel, which never rounds them. Model space unless
+    ``as_stored`` (module docstring)."""
     seq = jnp.asarray(seq_slots, jnp.int32)
-    pos = jnp.arange(state.max_pages_per_seq * state.page_size, dtype=jnp.int32)
-    rows = rows_reference(state, layer, seq[:, None], pos[None, :], group, kv_lens, dtype)  # [B, S, kv, H, D]
+    width = state.max_pages_per_seq if width is None else width             # pages per row read
+    pos = jnp.arange(width * state.page_size, dtype=jnp.int32)
+    rows = rows_reference(state, layer, seq[:, None], pos[None, :], group, kv_lens, dtype,
+                          as_stored=as_stored)                                             # [B, S, kv, H, D]
     return jnp.transpose(rows, (0, 2, 3, 1, 4))
 
 
 def stage(state, layer, seq_slots, *, group: int = 0, backend: str = "auto", kv_lens=None,
-          num_staged_pages: Optional[int] = None, validate: Optional[bool] = None) -> StagedCache:
+          num_staged_pages: Optional[int] = None, validate: Optional[bool] = None,
+          width: Optional[int] = None, as_stored: bool = False) -> StagedCache:
     """Materialize a plain paged cache in the attention dtype for batch rows ``seq_slots`` (i32[B], -1 = padding).
 
     Args:
       layer: layer index within the group (int, may be traced) or None for every layer.
       kv_lens: optional corrected lengths i32[S] (default ``state.kv_lens``).
-      num_staged_pages: static number of staged pages (default ``B * max_pages_per_seq``, always enough).
+      num_staged_pages: static number of staged pages (default ``B * width``, always enough).
+      width: static page-table width of the result (default the state's ``max_pages_per_seq``); a smaller one
+        stages only each row's first ``width`` pages (for callers that know ``ceil(kv_len / page) <= width``).
       validate: host checks (None = when the inputs are concrete).
+      as_stored: stage the rows as stored (rotated under ``rotation="hadamard"``, named by
+        ``StagedCache.rotation``); default model space (module docstring).
 
     Returns:
       `StagedCache` (pages ``[N, kv, H, page, D]`` or ``[L, N, kv, H, page, D]``).
@@ -114,23 +135,26 @@ def stage(state, layer, seq_slots, *, group: int = 0, backend: str = "auto", kv_
     batch_lens = jnp.where(seq >= 0, lens[jnp.maximum(seq, 0)], 0)
     seq = jnp.where(bad, -1, seq)                    # flagged rows read nothing ...
     batch_lens = jnp.where(bad, state.page_size, batch_lens)   # ... and stage one page of NaN (below)
-    width = state.max_pages_per_seq
+    width = state.max_pages_per_seq if width is None else width
     num_staged = seq.shape[0] * width if num_staged_pages is None else num_staged_pages
     table = staged_page_table(batch_lens, width, state.page_size)
     table = jnp.where(table < num_staged, table, -1)
+    rotation = None if as_stored else state.config.rotation
     out = dispatch("reference" if state.kinds[group] == "plain" else backend,   # plain rows: already a row dtype
-                   _stage_reference_pages, _stage_pallas)(state, layer, seq, group, lens, table, num_staged)
+                   _stage_reference_pages, _stage_pallas)(state, layer, seq, group, lens, table, num_staged, rotation)
     poison = jnp.where(bad, table[:, 0], num_staged)
     poison = jnp.where(poison >= 0, poison, num_staged)
     out = (out.at[:, poison] if layer is None else out.at[poison]).set(checks.nan_like(out), mode="drop")
-    return StagedCache(out, table, batch_lens)
+    return StagedCache(out, table, batch_lens, state.config.rotation if as_stored else None)
 
 
-def _stage_reference_pages(state, layer, seq, group, lens, table, num_staged):
+def _stage_reference_pages(state, layer, seq, group, lens, table, num_staged, rotation):
+    """Staged pages in the attention dtype, un-rotated when ``rotation`` (model space)."""
     if layer is None:
-        return jnp.stack([_stage_reference_pages(state, i, seq, group, lens, table, num_staged)
+        return jnp.stack([_stage_reference_pages(state, i, seq, group, lens, table, num_staged, rotation)
                           for i in range(state.groups[group].num_layers)])
-    dense = stage_reference(state, layer, seq, group, lens)                  # [B, kv, H, W*page, D]
+    dense = stage_reference(state, layer, seq, group, lens, width=table.shape[1],
+                            as_stored=rotation is None)                      # [B, kv, H, W*page, D]
     b, kv, h, s_max, d = dense.shape
     page, w = state.page_size, table.shape[1]
     per_page = jnp.transpose(dense.reshape(b, kv, h, w, page, d), (0, 3, 1, 2, 4, 5)).reshape(b * w, kv, h, page, d)
@@ -139,14 +163,17 @@ def _stage_reference_pages(state, layer, seq, group, lens, table, num_staged):
     return out.at[dst].set(per_page, mode="drop")
 
 
-def _stage_pallas(state, layer, seq, group, lens, table, num_staged, *, interpret):
+def _stage_pallas(state, layer, seq, group, lens, table, num_staged, rotation, *, interpret):
+    """Staged pages from the kernel; with ``rotation`` it stages float32 pages and un-rotates them (model space)."""
     from pallas_kernels.stage import stage_pages
     kind, pools, spec = state.kinds[group], state.pools[group], state.groups[group]
     layers = (jnp.arange(spec.num_layers, dtype=jnp.int32) if layer is None
               else jnp.asarray(layer, jnp.int32).reshape(1))
     high = pools.high if kind == "mixed" else None
-    pages = stage_pages(layers, seq, lens, state.page_table, state.high_table, table, pools.low.data,
-                        pools.low.scales, pools.low.gs, None if high is None else high.rows,
-                        None if high is None else high.scale, geom=state.config.twin,
-                        num_staged_pages=num_staged, out_dtype=state.config.attention_dtype, interpret=interpret)
+    pages = stage_pages(layers, seq, lens, state.page_table, state.high_table, table,
+                        low=(pools.low.data, pools.low.scales, pools.low.gs),
+                        high=None if high is None else (high.rows, high.scale), geom=state.config.twin,
+                        num_staged_pages=num_staged, interpret=interpret,
+                        out_dtype=state.config.attention_dtype if rotation is None else jnp.float32)
+    pages = levers.unrotate(pages, rotation, state.config.attention_dtype)
     return pages if layer is None else pages[0]

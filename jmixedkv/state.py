@@ -29,7 +29,8 @@ from .checks import (ERR_BAD_CORRECTION, ERR_BAD_LAYER, ERR_BAD_PAGE, ERR_BAD_PO
 from .rope import RopeSpec
 from .write import write_rows
 
-__all__ = ["GroupSpec", "CacheState", "init_state", "admit", "release", "append", "fork", "ERR_LOW_OOM",
+__all__ = ["GroupSpec", "CacheState", "init_state", "admit", "release", "append", "fork", "fork_shares",
+           "fork_pages_needed", "step_complete", "ERR_LOW_OOM",
            "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER", "ERR_BAD_POSITION",
            "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "describe_error"]
 
@@ -54,8 +55,9 @@ class GroupSpec:
 
     def __post_init__(self):
         for f in ("num_layers", "num_kv_heads", "head_dim"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"GroupSpec.{f} must be >= 1, got {getattr(self, f)}")
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"GroupSpec.{f} must be an integer >= 1, got {value!r}")
         if self.kv_factor not in (1, 2):
             raise ValueError(f"GroupSpec.kv_factor must be 1 (MLA latent) or 2 (K, V), got {self.kv_factor}")
         if self.kind is not None and self.kind not in GROUP_KINDS:
@@ -89,8 +91,16 @@ class CacheState:
       kv_lens: i32[S] corrected lengths.
       active: bool[S] admitted slots.
       written: i32[S] one past the highest position written since admit (``kv_lens <= written <=
-        kv_lens + max_draft_len``; rows in ``[kv_lens, written)`` are rejected drafts). It bounds speculative
-        rewinds (`jmixedkv.checks`).
+        kv_lens + max_draft_len``; rows in ``[kv_lens, written)`` are rejected drafts).
+      floor: i32[S] the lowest length a speculative rewind may reach: ``max(written - max_draft_len, 0)``, and
+        never below a reused prefix's length (`jmixedkv.prefix.admit_with_prefix`). Pages wholly below it are
+        never written again, so only they may be shared (`fork_shares`; `jmixedkv.checks`).
+      step_lo: i32[S] first position of the open append step (the last call that wrote new rows; a verify block
+        or a prefill chunk), -1 when none is open (after admit, `accept` or a rewind). Its rows are
+        ``[step_lo, kv_lens)``.
+      step_layers: bool[S, sum of num_layers] the layers (groups in order) that wrote the whole open step.
+        `jmixedkv.speculative.accept` / `correct_kv_lens` refuse a rewind while a group wrote the step only in
+        part (an accept between two layers' appends of one verify step).
       alloc / high_alloc: `Allocator` for the low and high pools.
       error: i32[] sticky error bits (``ERR_*``).
     """
@@ -104,6 +114,9 @@ class CacheState:
     kv_lens: jax.Array
     active: jax.Array
     written: jax.Array
+    floor: jax.Array
+    step_lo: jax.Array
+    step_layers: jax.Array
     alloc: Allocator
     high_alloc: Allocator
     error: jax.Array
@@ -119,6 +132,38 @@ class CacheState:
     @property
     def page_size(self) -> int:
         return self.config.page_size
+
+    @property
+    def layer_offsets(self) -> tuple:
+        """Static first column of each group in ``step_layers`` (and the total, last)."""
+        return layer_offsets(self.groups)
+
+
+def layer_offsets(groups) -> tuple:
+    """``(0, L_0, L_0 + L_1, ...)``: the column of each group's first layer in ``step_layers``, then the total."""
+    out = [0]
+    for g in groups:
+        out.append(out[-1] + g.num_layers)
+    return tuple(out)
+
+
+def step_complete(state: CacheState):
+    """bool[S]: no group wrote the open step only in part (every group's layers all or none in ``step_layers``)."""
+    offs = state.layer_offsets
+    ok = jnp.ones((state.max_seqs,), bool)
+    for a, b in zip(offs[:-1], offs[1:]):
+        cols = state.step_layers[:, a:b]
+        ok = ok & (jnp.all(cols, axis=1) | ~jnp.any(cols, axis=1))
+    return ok | (state.step_lo < 0)
+
+
+def fork_shares(floor, page: int, num_cols: int, xp=jnp):
+    """bool[..., num_cols]: page column ``j`` may be shared (by `fork`, or a reused prefix) iff it lies wholly
+    below the rewind floor, ``(j + 1) * page <= floor``: every position a legal rewind can rewrite is
+    ``>= floor``, so every other page a sequence holds gets its own copy. ``floor`` int[...] (NumPy on the host
+    with ``xp=np``, jnp inside jit)."""
+    cols = xp.arange(num_cols)
+    return (cols + 1) * page <= xp.asarray(floor)[..., None]
 
 
 def _pool_pages(num_pages, spec: GroupSpec, page, width, dtype, shards):
@@ -180,6 +225,7 @@ def init_state(config: KVCacheConfig, groups: Union[GroupSpec, Sequence[GroupSpe
     hp_per_seq = config.num_high_pages_per_seq
     num_high_pages = max_seqs * hp_per_seq if num_high_pages is None else num_high_pages
     num_high_pages = checks.host_int(num_high_pages, "num_high_pages", "init_state", 0)
+    _check_groups(config, groups, num_high_pages)
     _check_init_scales(gs, high_scale, groups)
     _check_order(page_order, num_pages, "page_order")
     _check_order(high_page_order, max(num_high_pages, 1), "high_page_order")
@@ -200,13 +246,29 @@ def init_state(config: KVCacheConfig, groups: Union[GroupSpec, Sequence[GroupSpe
         page_table=jnp.full((max_seqs, max_pages_per_seq), -1, jnp.int32),
         high_table=jnp.full((max_seqs, hp_per_seq), -1, jnp.int32),
         kv_lens=jnp.zeros((max_seqs,), jnp.int32), active=jnp.zeros((max_seqs,), bool),
-        written=jnp.zeros((max_seqs,), jnp.int32),
+        written=jnp.zeros((max_seqs,), jnp.int32), floor=jnp.zeros((max_seqs,), jnp.int32),
+        step_lo=jnp.full((max_seqs,), -1, jnp.int32),
+        step_layers=jnp.zeros((max_seqs, layer_offsets(groups)[-1]), bool),
         alloc=new_allocator(num_pages, page_order), high_alloc=new_allocator(max(num_high_pages, 1), high_page_order),
         error=_order_error(page_order, num_pages) | _order_error(high_page_order, max(num_high_pages, 1)))
     if mesh is not None:
         from .placement import shard_state
         state = shard_state(state, mesh)
     return state
+
+
+def _check_groups(config: KVCacheConfig, groups, num_high_pages: int) -> None:
+    """Refuse at construction what the first append would: a Hadamard rotation of a head_dim that is not a power
+    of two, and a mixed group with no twin page to admit a sequence into."""
+    for g in groups:
+        if config.rotation == "hadamard" and g.head_dim & (g.head_dim - 1):
+            raise ValueError(f"init_state: rotation='hadamard' needs a power-of-two head_dim; group {g.name!r} has "
+                             f"head_dim={g.head_dim}")
+        if (g.resolved_kind(config) == "mixed" and config.num_high_pages_per_seq
+                and num_high_pages < config.num_high_pages_per_seq):
+            raise ValueError(f"init_state: num_high_pages={num_high_pages} cannot hold one sequence's twin "
+                             f"({config.num_high_pages_per_seq} pages: first_n / last_n window) for mixed group "
+                             f"{g.name!r}")
 
 
 def _check_init_scales(gs, high_scale, groups):
@@ -260,6 +322,13 @@ def _slot(state: CacheState, seq_slot, op: str = "transition"):
     return checks.slot_in_range(slot, state.max_seqs)
 
 
+def _fresh_steps(state: CacheState, slot, length=0) -> dict:
+    """The rewind bookkeeping of a slot that holds ``length`` rows no rewind may drop: ``written = floor =
+    length``, no open step."""
+    return dict(written=state.written.at[slot].set(length), floor=state.floor.at[slot].set(length),
+                step_lo=state.step_lo.at[slot].set(-1), step_layers=state.step_layers.at[slot].set(False))
+
+
 def admit(state: CacheState, seq_slot) -> CacheState:
     """Admit an empty sequence into ``seq_slot`` (traced int; -1 = no-op): allocates its F + R high pages.
 
@@ -274,7 +343,7 @@ def admit(state: CacheState, seq_slot) -> CacheState:
     new = dataclasses.replace(
         state, high_table=state.high_table.at[slot].set(ids), kv_lens=state.kv_lens.at[slot].set(0),
         page_table=state.page_table.at[slot].set(-1), active=state.active.at[slot].set(True),
-        written=state.written.at[slot].set(0), high_alloc=high_alloc)
+        high_alloc=high_alloc, **_fresh_steps(state, slot))
     out = _select(ok, new, state)
     return dataclasses.replace(out, error=state.error | err)
 
@@ -290,7 +359,7 @@ def release(state: CacheState, seq_slot) -> CacheState:
         high_alloc=release_pages(state.high_alloc, state.high_table[slot]),
         page_table=state.page_table.at[slot].set(-1), high_table=state.high_table.at[slot].set(-1),
         kv_lens=state.kv_lens.at[slot].set(0), active=state.active.at[slot].set(False),
-        written=state.written.at[slot].set(0))
+        **_fresh_steps(state, slot))
     out = _select(ok, new, state)
     return dataclasses.replace(out, error=state.error | jnp.where(ok | none, 0, ERR_BAD_SLOT))
 
@@ -358,6 +427,8 @@ def _check_v(k, v, spec: GroupSpec):
     if spec.kv_factor == 2 and (v is None or v.shape != k.shape):
         raise ValueError(f"group {spec.name!r} needs v with k's shape {k.shape}, got "
                          f"{None if v is None else v.shape}")
+    if v is not None and not jnp.issubdtype(v.dtype, jnp.floating):
+        raise ValueError(f"append: v must be a float array, got {v.dtype}")
 
 
 def _check_rows(k, spec: GroupSpec, layer, num_tokens):
@@ -426,12 +497,40 @@ def _append(state: CacheState, layer, k, v, seq, pos, group, rope, backend) -> C
     has = ok & (last >= 0)
     kv_lens = jnp.where(has, last + 1, state.kv_lens)
     written = jnp.where(has, jnp.maximum(state.written, last + 1), state.written)
+    floor = jnp.where(has, jnp.maximum(state.floor, last + 1 - state.config.max_draft_len), state.floor)
+    step_lo, step_layers = _track_step(state, group, layer_c, has, first, last)
     new_pools = state.pools[:group] + (pools,) + state.pools[group + 1:]
-    return dataclasses.replace(state, pools=new_pools, kv_lens=kv_lens, written=written, error=state.error | err)
+    return dataclasses.replace(state, pools=new_pools, kv_lens=kv_lens, written=written, floor=floor,
+                               step_lo=step_lo, step_layers=step_layers, error=state.error | err)
+
+
+def _track_step(state: CacheState, group: int, layer, has, first, last):
+    """(step_lo i32[S], step_layers bool[S, L]) after an append of rows ``[first, last]`` per slot (``has``).
+
+    A call that writes rows past ``kv_len`` opens a new step ``[first, last + 1)`` held by this call's layers; a
+    rewrite covering the open step (``first <= step_lo``, ``last + 1 == kv_len``) adds its layers; any other
+    rewrite changes nothing."""
+    offs = state.layer_offsets
+    cols = jnp.arange(offs[-1])
+    lo, hi = offs[group], offs[group + 1]
+    mine = (cols >= lo) & (cols < hi) if layer is None else cols == lo + jnp.asarray(layer, jnp.int32)
+    opens = has & (last + 1 > state.kv_lens)
+    covers = has & ~opens & (state.step_lo >= 0) & (first <= state.step_lo)
+    step_lo = jnp.where(opens, first, state.step_lo)
+    step_layers = jnp.where(opens[:, None], mine[None, :],
+                            state.step_layers | (covers[:, None] & mine[None, :]))
+    return step_lo, step_layers
 
 
 _append_jit = jax.jit(_append, static_argnames=("group", "rope", "backend"))
 _append_donated = jax.jit(_append, static_argnames=("group", "rope", "backend"), donate_argnums=0)
+
+
+def append_traced(state: CacheState, layer, k, v, seq, pos, *, group: int = 0, rope: Optional[RopeSpec] = None,
+                  backend: str = "auto") -> CacheState:
+    """`append`'s transition without its host checks, for a caller's own jitted program (`jmixedkv.step`):
+    ``layer`` / ``seq`` / ``pos`` may be traced; bad values set ``state.error`` with every sequence unchanged."""
+    return _append(state, layer, k, v, seq, pos, group, rope, backend)
 
 
 def _tables(state, ok, **new):
@@ -443,11 +542,14 @@ def _tables(state, ok, **new):
 def fork(state: CacheState, src, dst) -> CacheState:
     """Fork sequence ``src`` into the empty slot ``dst`` (beam search / parallel sampling).
 
-    Shares the full low pages and the full fixed high pages by reference; copies the partial last low page, the
-    partially filled / empty fixed high pages and every ring page into fresh pages. ``dst`` gets ``src``'s
-    length and reads exactly what ``src`` reads. -1 for either slot is a no-op. Errors: ``ERR_BAD_SLOT`` (a slot
-    out of range, src not active, dst active or equal), ``ERR_LOW_OOM`` / ``ERR_HIGH_OOM``; on error nothing
-    changes but ``state.error``. Host slots outside [-1, max_seqs) raise `ValueError`."""
+    Copy-on-write is tied to the rewind bound: the low pages and fixed high pages wholly below ``src``'s rewind
+    floor (`fork_shares`: no legal rewind of either sequence writes them again) are shared by reference; every
+    other low page holding rows ``< kv_len`` (the partial last page, and the pages a rewind of up to
+    ``max_draft_len`` can rewrite), every other held fixed high page and every ring page are copied into fresh
+    pages. ``dst`` gets ``src``'s length, rewind bookkeeping and reads exactly what ``src`` reads. -1 for either
+    slot is a no-op. Errors: ``ERR_BAD_SLOT`` (a slot out of range, src not active, dst active or equal),
+    ``ERR_LOW_OOM`` / ``ERR_HIGH_OOM``; on error nothing changes but ``state.error``. Host slots outside
+    [-1, max_seqs) raise `ValueError`."""
     cfg, page = state.config, state.page_size
     nf, width = cfg.num_fixed_pages, state.high_table.shape[1]
     src, src_in, src_none = checks.slot_in_range(checks.check_slot_arg(src, state.max_seqs, "src", "fork"),
@@ -457,33 +559,44 @@ def fork(state: CacheState, src, dst) -> CacheState:
     none = src_none | dst_none
     ok_slots = src_in & dst_in & state.active[src] & ~state.active[dst] & (src != dst) & ~none
     n = state.kv_lens[src]
-    full = n // page
     row = state.page_table[src]
     cols = jnp.arange(state.max_pages_per_seq, dtype=jnp.int32)
-    share_low = (cols < full) & (row >= 0)
-    cow_src = jnp.where(full < state.max_pages_per_seq, row[jnp.minimum(full, state.max_pages_per_seq - 1)], -1)
-    alloc, cow_dst, ok_low = allocate_mask(state.alloc, (cow_src >= 0)[None] & ok_slots)
+    share_low = fork_shares(state.floor[src], page, state.max_pages_per_seq) & (row >= 0)
+    copy_low = ~share_low & (row >= 0) & (cols * page < n)
+    alloc, new_low, ok_low = allocate_mask(state.alloc, copy_low & ok_slots)
     hrow = state.high_table[src]
     hcols = jnp.arange(width, dtype=jnp.int32)
-    share_high = (hcols < nf) & ((hcols + 1) * page <= n) & (hrow >= 0)
+    share_high = fork_shares(state.floor[src], page, width) & (hcols < nf) & (hrow >= 0)
     copy_high = ~share_high & (hrow >= 0)
     high_alloc, new_high, ok_high = allocate_mask(state.high_alloc, copy_high & ok_slots)
     ok = ok_slots & ok_low & ok_high
     alloc = retain_pages(alloc, jnp.where(share_low & ok, row, -1))
     high_alloc = retain_pages(high_alloc, jnp.where(share_high & ok, hrow, -1))
-    dst_row = jnp.where(share_low, row, -1)
-    dst_row = jnp.where((cols == full) & (cow_src >= 0), cow_dst[0], dst_row)
+    dst_row = jnp.where(share_low, row, jnp.where(copy_low, new_low, -1))
     dst_hrow = jnp.where(share_high, hrow, jnp.where(copy_high, new_high, -1))
     err = jnp.where(none, 0, jnp.where(ok_slots, jnp.where(ok_low, 0, ERR_LOW_OOM)
                                        | jnp.where(ok_high, 0, ERR_HIGH_OOM), ERR_BAD_SLOT))
+    copy = {f: getattr(state, f).at[dst].set(getattr(state, f)[src])
+            for f in ("kv_lens", "written", "floor", "step_lo", "step_layers")}
     out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
                   page_table=state.page_table.at[dst].set(dst_row),
                   high_table=state.high_table.at[dst].set(dst_hrow),
-                  kv_lens=state.kv_lens.at[dst].set(n), written=state.written.at[dst].set(state.written[src]),
-                  active=state.active.at[dst].set(True))
+                  active=state.active.at[dst].set(True), **copy)
     # the fresh destination pages are held once (allocated above): copy_pages' checks pass whenever ok
-    src_l, dst_l = jnp.where(ok, cow_src, -1)[None], jnp.where(ok, cow_dst, -1)
+    src_l, dst_l = jnp.where(copy_low & ok, row, -1), jnp.where(copy_low & ok, new_low, -1)
     src_h, dst_h = jnp.where(copy_high & ok, hrow, -1), jnp.where(copy_high & ok, new_high, -1)
     payload = gather_pages(out, src_l, src_h)
     out = scatter_pages(out, dst_l, dst_h, payload)
     return dataclasses.replace(out, error=state.error | err)
+
+
+def fork_pages_needed(state: CacheState, src: int) -> tuple:
+    """Host mirror of `fork`'s allocation: ``(low, high)`` fresh pages a fork of ``src`` takes (host int slot)."""
+    page, nf = state.page_size, state.config.num_fixed_pages
+    row, hrow = np.asarray(state.page_table[src]), np.asarray(state.high_table[src])
+    floor, n = int(np.asarray(state.floor[src])), int(np.asarray(state.kv_lens[src]))
+    cols = np.arange(row.shape[0])
+    share = fork_shares(floor, page, row.shape[0], np)
+    low = int(np.sum(~share & (row >= 0) & (cols * page < n)))
+    hshare = fork_shares(floor, page, hrow.shape[0], np) & (np.arange(hrow.shape[0]) < nf)
+    return low, int(np.sum(~hshare & (hrow >= 0)))

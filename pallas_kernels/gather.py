@@ -131,20 +131,22 @@ def _pad_indices(indices, tk):
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "att_dtype", "fp8", "interpret", "num_warps"))
-def gather_rows(layer, seq, kv_lens, page_table, high_table, indices, fp8_scale, data, scales, gs, high_rows,
-                high_scale, *, geom: TwinGeometry, att_dtype, fp8: bool = False, interpret: bool = False,
-                num_warps: int = 4):
+def gather_rows(layer, seq, kv_lens, page_table, high_table, indices, fp8_scale, *, low, high=None,
+                geom: TwinGeometry, att_dtype, fp8: bool = False, interpret: bool = False, num_warps: int = 4):
     """Gather + dequantize + overlay the selected rows.
 
     Args:
       layer: i32[1] layer index.  seq: i32[B] slots (-1 = padding).  kv_lens: i32[S].
       page_table: i32[S, W]; high_table: i32[S, F + R] (or None); indices: i32[B, K] positions (-1 = padding).
       fp8_scale: f32[B] power-of-two scratch scale (used when ``fp8``; the kernel multiplies by its exact inverse).
-      data / scales / gs: low pool; high_rows / high_scale: twin (or None: no overlay).
+      low: ``(data, scales, gs)``, the low pool (`jmixedkv.pools.kernel_arrays` of a `LowPool`).
+      high: ``(rows, scale)``, the twin (of a `RowPool`), or None: no overlay.
 
     Returns:
       ``[B, K, kv, H, D]`` in ``att_dtype``, or float8_e4m3fn when ``fp8``.
     """
+    data, scales, gs = low
+    high_rows, high_scale = (None, None) if high is None else high
     _, _, kv, heads, _, half = data.shape
     d = half * 2
     has_high = high_rows is not None
@@ -169,12 +171,15 @@ def gather_rows(layer, seq, kv_lens, page_table, high_table, indices, fp8_scale,
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "att_dtype", "interpret", "num_warps"))
-def overlay_rows(scratch, layer, seq, kv_lens, page_table, high_table, indices, fp8_scale, high_rows, high_scale,
-                 *, geom: TwinGeometry, att_dtype, interpret: bool = False, num_warps: int = 4):
+def overlay_rows(scratch, layer, seq, kv_lens, page_table, high_table, indices, fp8_scale, *, high,
+                 geom: TwinGeometry, att_dtype, interpret: bool = False, num_warps: int = 4):
     """Copy the twin's rows over ``scratch[B, K, kv, H, D]`` where the selected position is retained.
 
     The kernel aliases ``scratch`` to its output: it updates in place when the caller's jit donates the scratch
-    (otherwise XLA copies it first). fp8 scratches (float8_e4m3fn) encode the high rows with ``fp8_scale[b]``."""
+    (otherwise XLA copies it first). fp8 scratches (float8_e4m3fn) encode the high rows with ``fp8_scale[b]``.
+    ``high``: ``(rows [L,Ph,kv,H,page,D], scale f32[L,kv])``, the twin (`jmixedkv.pools.kernel_arrays` of a
+    `RowPool`)."""
+    high_rows, high_scale = high
     _, _, kv, heads, _, d = high_rows.shape
     batch, k = indices.shape
     tk = block_rows(k)

@@ -29,7 +29,7 @@ How the kernels are laid out:
   work, `nvfp4_ops.e2m1_magic_bits`), **exact division** by inline PTX ``div.rn.f32`` on the GPU (Triton's float32
   ``/`` is the approximate ``div.full.f32``), block maxima as **int32 maxima over the float bits** (NaN-safe on both
   backends). Scales leave the kernel as uint8 and are bit-cast in the wrapper. On the H200 the kernel is bound by
-  the integer / logic (ALU) pipe (ncu, 2026-12-01 sixth: ALU 79% busy, issue 81%, 89 registers).
+  the integer / logic (ALU) pipe (ncu: ALU 79% busy, issue 81%, 89 registers).
 
 Bit-exactness holds for every input ``x`` (NaN, Inf, zeros, subnormals) as long as ``gs`` is a finite
 positive float in ``[2^-100, 2^100]`` (any calibrated ``amax / 2688`` is): then no product of the pinned
@@ -46,7 +46,7 @@ from jax import lax
 
 from jmixedkv.compat import pl, triton_params
 from jmixedkv.layout import offset_safe_count
-from jmixedkv.numerics import BLOCK
+from jmixedkv.numerics import BLOCK, next_pow2
 
 from .nvfp4_ops import as_bits, bf16_pair_halves, dequant_tile, e4m3_decode, f32_halves, quantize_halves
 
@@ -55,7 +55,7 @@ __all__ = ["quantize", "dequantize", "kernel_width", "QUANT_DEFAULTS", "DEQUANT_
 
 #: kernel tiling defaults (kernel rows are ``W`` wide, see `kernel_width`; W = 128 for D = 128): the fastest
 #: bit-exact tiling measured on the H200 (bench/nvfp4_bench.py; figures in bench/RESULTS.md): quantize, 1 GiB bf16
-#: with the three-line E2M1 encoder (2026-12-01, sixth): 32 / 16 rows ahead of 32 / 32, 64 / 16 (2 stages), 16 / 16
+#: with the three-line E2M1 encoder: 32 / 16 rows ahead of 32 / 32, 64 / 16 (2 stages), 16 / 16
 #: (2 warps), 128+ rows and 8 warps
 QUANT_DEFAULTS = dict(block_rows=32, sub_rows=16, num_warps=4, num_stages=1)
 DEQUANT_DEFAULTS = dict(block_rows=512, sub_rows=32, num_warps=4, num_stages=2)
@@ -67,10 +67,6 @@ _MAX_W = 512
 def kernel_width(d: int) -> int:
     """Kernel row width ``W`` for a last dimension ``d``: largest power of two dividing ``d``, <= 512."""
     return min(d & -d, _MAX_W)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _is_pow2(n) -> bool:
@@ -97,7 +93,7 @@ def row_tiling(n: int, block_rows: int, sub_rows: int, w: int):
     for name, v in (("block_rows", block_rows), ("sub_rows", sub_rows)):
         if not _is_pow2(v):
             raise ValueError(f"NVFP4 kernel: {name} must be a power of two >= 1, got {v!r}")
-    br = min(block_rows, _next_pow2(n))
+    br = min(block_rows, next_pow2(n))
     sr = min(sub_rows, br)
     n_pad = -(-n // br) * br
     for per_row in (w // 2, w // BLOCK):

@@ -96,9 +96,8 @@ def _stage_kernel(layers_ref, seq_ref, lens_ref, pt_ref, ht_ref, ot_ref, data_re
 
 
 @functools.partial(jax.jit, static_argnames=("geom", "num_staged_pages", "out_dtype", "interpret", "num_warps"))
-def stage_pages(layers, seq, kv_lens, page_table, high_table, out_table, data, scales, gs, high_rows, high_scale,
-                *, geom: TwinGeometry, num_staged_pages: int, out_dtype, interpret: bool = False,
-                num_warps: int = 4):
+def stage_pages(layers, seq, kv_lens, page_table, high_table, out_table, *, low, high=None, geom: TwinGeometry,
+                num_staged_pages: int, out_dtype, interpret: bool = False, num_warps: int = 4):
     """Stage pages of ``layers`` for batch rows ``seq`` into ``out_dtype[NL, num_staged_pages, kv, H, page, D]``.
 
     Args:
@@ -106,13 +105,17 @@ def stage_pages(layers, seq, kv_lens, page_table, high_table, out_table, data, s
       seq: i32[B] sequence slots (-1 = padding, nothing staged).
       kv_lens: i32[S]; page_table: i32[S, W] low page ids; high_table: i32[S, F + R] twin page ids.
       out_table: i32[B, W] staged page id of each ``(b, j)`` (-1 = not staged).
-      data / scales / gs: the low pool (`jmixedkv.pools.LowPool` fields).
-      high_rows / high_scale: the twin (`RowPool` fields), or None for a group without a twin.
+      low: ``(data u8[L,P,kv,H,page,D/2], scales e4m3[L,P,kv,H,page,D/16], gs f32[L,kv])``, the low pool
+        (`jmixedkv.pools.kernel_arrays` of a `LowPool`).
+      high: ``(rows [L,Ph,kv,H,page,D], scale f32[L,kv])``, the twin (of a `RowPool`), or None for a group without
+        a twin.
       geom: the twin's static `TwinGeometry` (``geom.page`` = the pools' page size).
 
     Staged pages not named by ``out_table`` are left unwritten (unspecified contents).
     """
     num_layers = layers.shape[0]
+    data, scales, gs = low
+    high_rows, high_scale = (None, None) if high is None else high
     _, _, kv, heads, page, half = data.shape
     d = half * 2
     has_high = high_rows is not None

@@ -63,7 +63,7 @@ import numpy as np
 
 from jmixedkv.compat import on_gpu, pl, pltriton, triton_params
 from jmixedkv.layout import check_offsets
-from jmixedkv.numerics import BLOCK, encode_rows, launder, opaque_zero, rope_cos_sin
+from jmixedkv.numerics import BLOCK, encode_rows, launder, next_pow2, opaque_zero, rope_cos_sin
 
 from .nvfp4_ops import as_bits, div_rn, f32_halves, ptx_f32, quantize_halves
 
@@ -181,16 +181,12 @@ class _Plan:
                 self.heads // self.heads_per_program)
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _default_blocks(num_tokens: int, dp: int):
     """(block_t, heads_per_program): at most 16 tokens x 256 columns per program, one head per program.
 
     The fastest in the H200 sweep of `bench/write_bench.py` (32 layers x 8 heads x 128; figures in
     bench/RESULTS.md), for the prefill chunk and the decode step alike."""
-    return max(1, min(_pow2_ceil(num_tokens), max(1, 4096 // dp), 16)), 1
+    return max(1, min(next_pow2(num_tokens), max(1, 4096 // dp), 16)), 1
 
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -374,7 +370,7 @@ def plan_for(k, v, layer, *, low=None, high=None, plain=None, rope_style: Option
     """The static plan `write_rows` would use (shapes only; for benches and tests)."""
     num_layers, kv, heads, page, d = _geometry(low, high, plain)
     num_tokens = k.shape[-3]
-    dp = _pow2_ceil(d)
+    dp = next_pow2(d)
     bt0, hb0 = _default_blocks(num_tokens, dp)
     block_t = bt0 if block_t is None else block_t
     hb = hb0 if heads_per_program is None else heads_per_program

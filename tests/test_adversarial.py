@@ -1,4 +1,4 @@
-"""Bad input never touches another sequence (issue 17): every public transition and reader, fed out-of-range
+"""Bad input never touches another sequence: every public transition and reader, fed out-of-range
 slots, layers, page ids and positions, either raises `ValueError` (host values) or sets its error bit / returns a
 flagged (NaN) result inside jit -- and every other sequence stays bitwise unchanged (raw table / pool bytes and
 staged bytes compared), on the reference and the Pallas (interpret mode on CPU) backends.
@@ -622,3 +622,65 @@ def test_bad_group_raises_naming_it_in_every_entry_point(group):
     with pytest.raises(ValueError, match=r"append: " + want):
         mgr.append(0, k, k, np.array([0], np.int32), np.array([0], np.int32), group=group)
     assert_trees_bit_equal(jax.device_get(mgr.state), before, "a refused append leaves the state unchanged")
+
+
+# ------------------------------------------------------------------------------------------------ idle slots
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_readers_flag_a_never_admitted_slot(backend):
+    """Slot 3 was never admitted: decode_attention and stage give it the flagged NaN row an out-of-range slot
+    gets (not an empty sequence: zeros, LSE -inf); the other rows are bitwise those of a batch without it."""
+    state = filled()
+    q = _q(3)
+    fn = jax.jit(functools.partial(jm.decode_attention, backend=backend))
+    good_out, good_lse = fn(state, jnp.int32(0), q, jnp.array([0, 1, 2], jnp.int32))
+    out, lse = fn(state, jnp.int32(0), q, jnp.array([0, 3, 2], jnp.int32))
+    assert np.isnan(np.asarray(out[1], np.float32)).all() and np.isnan(np.asarray(lse[1])).all()
+    for b in (0, 2):
+        np.testing.assert_array_equal(bits(out[b]), bits(good_out[b]))
+        np.testing.assert_array_equal(bits(lse[b]), bits(good_lse[b]))
+    sfn = jax.jit(functools.partial(jm.stage, backend=backend, validate=False))
+    good = sfn(state, jnp.int32(0), jnp.array([0, 2], jnp.int32))
+    got = sfn(state, jnp.int32(0), jnp.array([0, 3, 2], jnp.int32))
+    assert np.isnan(np.asarray(got.pages[got.page_table[1, 0]], np.float32)).all()
+    for b_good, b_got in ((0, 0), (1, 2)):
+        n = int(good.kv_lens[b_good])
+        assert int(got.kv_lens[b_got]) == n
+        for j in range(-(-n // CFG.page_size)):
+            np.testing.assert_array_equal(bits(got.pages[got.page_table[b_got, j]]),
+                                          bits(good.pages[good.page_table[b_good, j]]))
+    with pytest.raises(ValueError, match=r"seq_slots\[1\]=3 is not admitted"):
+        jm.stage(state, 0, np.array([0, 3, 2], np.int32), backend=backend)
+
+
+# ------------------------------------------------------------------------------------------------ construction
+@pytest.mark.parametrize("make,match", [
+    (lambda: jm.KVCacheConfig("bf16", block_scale="4over6"), "no NVFP4 pool"),
+    (lambda: jm.GroupSpec(num_layers=2.5, num_kv_heads=1, head_dim=16), r"num_layers must be an integer >= 1, got 2.5"),
+    (lambda: jm.GroupSpec(num_layers=True, num_kv_heads=1, head_dim=16), "num_layers must be an integer"),
+    (lambda: jm.init_state(CFG, jm.GroupSpec(L, H, D), num_pages=8, max_seqs=2, num_high_pages=0),
+     "num_high_pages=0 cannot hold one sequence's twin"),
+    (lambda: jm.init_state(jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=2, page_size=4,
+                                            rotation="hadamard"), jm.GroupSpec(1, 1, 48), num_pages=8, max_seqs=2),
+     "power-of-two head_dim; group 'attn' has head_dim=48"),
+    (lambda: offload.HostTier(1.5), "capacity_pages must be an integer >= 0 or None, got 1.5"),
+])
+def test_construction_refuses(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_append_refuses_integer_v():
+    state = filled()
+    k = jnp.ones((L, 1, H, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="v must be a float array, got int32"):
+        jm.append(state, None, k, jnp.ones((L, 1, H, D), jnp.int32), np.array([3], np.int32), np.array([0]))
+
+
+@pytest.mark.parametrize("gs", [0.0, -1.0, float("nan"), float("inf"), [1.0, 0.0]])
+def test_nvfp4_codec_refuses_bad_global_scale(gs):
+    x = jnp.ones((2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="global_scale must be finite and > 0"):
+        jm.nvfp4.quantize(x, gs, backend="reference")
+    packed, scales = jm.nvfp4.quantize(x, 1.0, backend="reference")
+    with pytest.raises(ValueError, match="global_scale must be finite and > 0"):
+        jm.nvfp4.dequantize(packed, scales, jnp.asarray(gs, jnp.float32), backend="reference")

@@ -56,6 +56,13 @@ def test_capacity_page_rounding_and_twin():
     assert mixed.effective_bytes_per_token == pytest.approx(per_seq / 8192)
     tiny = capacity(KVCacheConfig("bf16", page_size=32), 1000, shape, 1)
     assert tiny.sequences == 0 and tiny.tokens == 0
+    assert tiny.ratio_vs_bf16 is None            # 0 / 0 is undefined (it used to read 1.00)
+    # nvfp4 fits where bf16 does not: x / 0 is undefined too, and the table prints '-'
+    budget = 8192 * 36864 + 1
+    assert capacity(KVCacheConfig("nvfp4", page_size=32), budget, shape, 8192).ratio_vs_bf16 is None
+    _, rows = capacity_table([KVCacheConfig("bf16", page_size=32), KVCacheConfig("nvfp4", page_size=32)], budget,
+                             shape, 8192)
+    assert [r[-3:] for r in rows] == [["0", "0", "-"], ["1", "8,192", "-"]]
 
 
 def test_table_and_parsers():
@@ -81,7 +88,7 @@ def test_table_and_parsers():
 # ---------------------------------------------------------------------------------------------- budgets
 import json  # noqa: E402
 
-from jmixedkv import cli  # noqa: E402
+from jmixedkv_demo import cli  # noqa: E402
 from jmixedkv.capacity import MODEL_SHAPES, dense_params, kv_budget, shape_from_hf_config  # noqa: E402
 
 LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -116,6 +123,12 @@ def test_shape_from_hf_config(tmp_path):
     assert (mla.num_layers, mla.num_kv_heads, mla.head_dim, mla.kv_factor) == (61, 1, 576, 1)
     with pytest.raises(ValueError, match="num_hidden_layers"):
         shape_from_hf_config({"hidden_size": 8}, name="bad")
+    # zero / negative / non-integer counts are refused naming the key (num_key_value_heads 0 used to mean 32)
+    for key, value in (("num_key_value_heads", 0), ("num_hidden_layers", 0), ("head_dim", -64),
+                       ("num_attention_heads", 32.5), ("num_key_value_heads", "8"), ("hidden_size", True)):
+        with pytest.raises(ValueError, match=f"config.json {key}={value!r}, expected an integer >= 1"):
+            shape_from_hf_config(dict(LLAMA3_8B_CONFIG, **{key: value}), name="bad")
+    assert shape_from_hf_config(dict(LLAMA3_8B_CONFIG, num_key_value_heads=None), name="n").num_kv_heads == 32
     with pytest.raises(ValueError, match="cannot read"):
         parse_model_shape(str(tmp_path / "missing.json"))
 
@@ -169,14 +182,55 @@ def test_capacity_cli_reads_hf_config(tmp_path, capsys):
     path.write_text(json.dumps(LLAMA3_8B_CONFIG))
     assert cli.main(["capacity", "--model-shape", str(path), "--kv-budget", "8GiB", "--seq-len", "1024"]) == 0
     out = capsys.readouterr().out
-    assert "L=32, H_kv=8, D=128" in out and "--kv-budget" in out
+    assert "L=32, H_kv=8, D=128" in out and "--kv-budget" in out and "sliding window" not in out
+    # a sliding-window model: the table charges every token (the cache evicts nothing) and says so
+    path.write_text(json.dumps(dict(LLAMA3_8B_CONFIG, sliding_window=4096)))
+    assert cli.main(["capacity", "--model-shape", str(path), "--kv-budget", "8GiB", "--seq-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "sliding window 4096: every layer is charged the whole sequence" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:8]}
+    assert rows["bf16"][-3] == "8"                                # 8 GiB / (8192 tokens * 128 KiB per token)
 
 
-def test_bench_help_and_installed_wheel(monkeypatch, tmp_path, capsys):
-    help_text = cli.build_parser().format_help()
-    assert "jmixedkv bench decode_bench" in help_text and "decode_bench" in cli._benches()
-    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path / "site-packages" / "bench")      # as installed from a wheel
-    for argv in (["bench"], ["bench", "--list"], ["bench", "decode_bench"]):
-        assert cli.main(argv) == 2
-        err = capsys.readouterr().err
-        assert "needs a source checkout" in err
+def test_capacity_cli_refuses_degenerate_budgets_and_outputs(tmp_path, capsys):
+    """Nothing fits -> exit 2 saying so (it used to print a table of zeros with 'x bf16 1.00'); --json into a
+    missing folder -> exit 2 before any work; a config.json with num_key_value_heads 0 -> exit 2 naming the key."""
+    assert cli.main(["capacity", "--kv-budget", "1MiB", "--seq-len", "8192"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jmixedkv: error: nothing fits: one sequence of 8192 tokens of llama3-8b needs at least")
+    assert "(nvfp4), more than the KV budget of 1.00 MiB" in err
+    # bf16 does not fit one sequence, nvfp4 does: the table says so, and x bf16 is '-'
+    assert cli.main(["capacity", "--kv-budget", f"{8192 * 36864 + 1}", "--seq-len", "8192", "--page-size", "32"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:8]}
+    assert rows["bf16"][-3:] == ["0", "0", "-"] and rows["nvfp4"][-3:] == ["1", "8,192", "-"]
+    assert "bf16: no sequence of 8192 tokens fits" in out
+    assert cli.main(["capacity", "--json", str(tmp_path / "missing" / "cap.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(LLAMA3_8B_CONFIG, num_key_value_heads=0)))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["capacity", "--model-shape", str(path)])
+    assert e.value.code == 2 and "num_key_value_heads=0, expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_capacity_cli_counts_moe_weights_with_transformers(tmp_path, capsys):
+    """A mixture-of-experts config.json (here a tiny Mixtral) gets its exact parameter count from transformers'
+    meta-device model (the dense formula knows no experts: it used to leave the weights unsubtracted)."""
+    import transformers  # noqa: F401  (the test extra installs it; a missing one fails here, never skips)
+    v, h, ffn, layers, heads, kv, experts = 1000, 64, 96, 2, 4, 2, 4
+    config = {"model_type": "mixtral", "vocab_size": v, "hidden_size": h, "intermediate_size": ffn,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "num_local_experts": experts, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    head_dim = h // heads
+    per_layer = (h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h    # q, k, v, o
+                 + h * experts + experts * 3 * h * ffn + 2 * h)                          # router, experts, 2 norms
+    want = 2 * v * h + layers * per_layer + h                                            # embed, lm_head, final norm
+    path = tmp_path / "mixtral" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    assert shape_from_hf_config(str(path)).num_params is None                   # the library's formula: unknown
+    assert cli.main(["capacity", "--model-shape", str(path), "--gpu-mem", "1GiB", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["weight_bytes"] == 2 * want and data["kv_budget_bytes"] == 2 ** 30 - 2 * want
+    assert data["params_source"].startswith("transformers ") and "MixtralForCausalLM" in data["params_source"]

@@ -1,14 +1,13 @@
-"""The ``jmixedkv`` command line: demo (quick size), capacity, bench on CPU, help, bad arguments -> exit 2."""
+"""The ``jmixedkv`` command line (`jmixedkv_demo.cli`): demo (quick size), capacity, help, bad arguments -> exit 2."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from jmixedkv import cli
 from jmixedkv.capacity import MODEL_SHAPES, parse_bytes
+from jmixedkv_demo import cli, demo, specs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,9 +41,10 @@ def test_demo_quick_prints_table_json_and_plot(tmp_path, capsys):
 
 def test_demo_output_paths_fail_fast(tmp_path, capsys, monkeypatch):
     """--plot / --json into a missing folder, or --plot without matplotlib: exit 2 before any model work."""
-    import jmixedkv.model as model_mod
+    import jmixedkv_demo.model as model_mod
     monkeypatch.setattr(model_mod, "evaluate_caches", lambda *a, **k: pytest.fail("ran the model"))
     monkeypatch.setattr(cli, "run_demo", lambda *a, **k: pytest.fail("ran the model"))
+    monkeypatch.setattr(cli, "run_smollm_demo", lambda *a, **k: pytest.fail("ran the model"))
     for argv in (["--plot", str(tmp_path / "missing" / "x.png")], ["--json", str(tmp_path / "nope" / "x.json")],
                  ["--model", "random", "--plot", str(tmp_path / "missing" / "x.png")]):
         assert cli.main(["demo", "--no-progress"] + argv) == 2
@@ -58,17 +58,33 @@ def test_demo_output_paths_fail_fast(tmp_path, capsys, monkeypatch):
 
 
 def test_cache_spec_levers():
-    label, cfg = cli.parse_cache_spec("mixed:4:64+rot+smooth", 100, 16)
+    label, cfg = specs.parse_cache_spec("mixed:4:64+rot+smooth", 100, 16)
     assert label == "mixed(4,64)+rot+smooth" and cfg.rotation == "hadamard" and cfg.k_smoothing
-    assert cli.parse_cache_spec("nvfp4+rot", 100, 16)[1].rotation == "hadamard"
-    with pytest.raises(cli.CliError, match="unknown lever"):
-        cli.parse_cache_spec("nvfp4+magic", 100, 16)
+    assert specs.parse_cache_spec("nvfp4+rot", 100, 16)[1].rotation == "hadamard"
+    with pytest.raises(specs.UsageError, match="unknown lever"):
+        specs.parse_cache_spec("nvfp4+magic", 100, 16)
+
+
+@pytest.mark.parametrize("text,needle", [("", "no cache spec given"), ("  ", "no cache spec given"),
+                                         (",", "empty entry"), ("bf16,,nvfp4", "empty entry")])
+def test_empty_cache_lists_refused(text, needle, monkeypatch, capsys):
+    """``--caches ''`` (or an empty entry) is refused for both models, before any model work (it used to run the
+    default set)."""
+    with pytest.raises(specs.UsageError, match=needle):
+        specs.cache_list(text, 100, 16, lambda c: True)
+    import jmixedkv_demo.gguf as gguf_mod
+    monkeypatch.setattr(gguf_mod, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("ran the model"))
+    for model in ("smollm2", "random"):
+        assert cli.main(["demo", "--model", model, "--no-progress", "--caches", text]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("jmixedkv: error: --caches") and needle in err
 
 
 @pytest.mark.slow
 def test_demo_smollm2_quick(tmp_path, capsys):
     """The default model: SmolLM2 generates through each cache and is scored teacher-forced (quick sizes)."""
-    from jmixedkv.gguf import smollm2_path
+    from jmixedkv_demo.gguf import smollm2_path
     smollm2_path()          # raises ModelUnavailable (with the install command) when the 'model' extra is missing
     js = tmp_path / "d.json"
     rc = cli.main(["demo", "--quick", "--no-progress", "--caches", "bf16,nvfp4,mixed:4:64", "--eval-tokens", "512",
@@ -115,7 +131,9 @@ def test_capacity_command(capsys):
     (["demo", "--caches", "nvfp4:4:4"], "need a mixed dtype", False),
     (["demo", "--caches", "mixed:4"], "NAME:FIRST_N:LAST_N", False),
     (["capacity", "--page-size", "24"], "power of two", False),
-    (["bench", "no_such_bench"], "unknown bench 'no_such_bench'", False),
+    (["bench"], "invalid choice: 'bench'", True),                  # the benches are scripts of the source tree
+    (["demo", "--budget", "80GiB"], "unrecognized arguments: --budget", True),     # one meaning: --gpu-mem
+    (["demo", "--model", "random", "--gpu-mem", "1GiB"], "do not fit in --gpu-mem", False),
 ])
 def test_bad_input_exits_2_with_message(argv, needle, usage, capsys):
     """Usage errors: argparse's ``SystemExit(2)``; bad values: ``main`` returns 2 after a "jmixedkv: error:" line."""
@@ -129,56 +147,32 @@ def test_bad_input_exits_2_with_message(argv, needle, usage, capsys):
     assert needle in err and (usage or err.startswith("jmixedkv: error:"))
 
 
-def test_bench_without_gpu_says_so(capsys):
-    gpu_benches = [n for n in cli._benches() if n not in cli.CPU_BENCHES]
-    argv = ["bench"] + gpu_benches[:1]
-    assert cli.main(argv) == cli.EXIT_NO_GPU
-    assert "no GPU" in capsys.readouterr().err
-    assert cli.main(["bench", "--list"]) == 0
-
-
 def test_python_dash_m_entry_point():
-    r = subprocess.run([sys.executable, "-m", "jmixedkv", "--help"], capture_output=True, text=True, cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "jmixedkv_demo", "--help"], capture_output=True, text=True, cwd=REPO,
                        timeout=120)
-    assert r.returncode == 0 and "demo" in r.stdout and "capacity" in r.stdout and "bench" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "jmixedkv", "capacity", "--gpu-mem", "lots"], capture_output=True,
+    assert r.returncode == 0 and "demo" in r.stdout and "capacity" in r.stdout and "bench" not in r.stdout
+    r = subprocess.run([sys.executable, "-m", "jmixedkv_demo", "capacity", "--gpu-mem", "lots"], capture_output=True,
                        text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "memory size 'lots'" in r.stderr
 
 
-def _capture_calls(monkeypatch, gpu=True):
-    """Record the bench processes `cmd_bench` would start (and pretend a GPU is there when ``gpu``)."""
-    import jmixedkv.compat as compat
-    calls = []
-    monkeypatch.setattr(compat, "on_gpu", lambda: gpu)
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env=None: calls.append(cmd) or 0)
-    return calls
-
-
-def test_bench_passes_arguments_after_the_name(monkeypatch):
-    calls = _capture_calls(monkeypatch)
-    assert cli.main(["bench", "decode_bench", "--grid", "--shard", "0/4", "--out", "s0"]) == 0
-    (cmd,) = calls
-    assert cmd[1].endswith("decode_bench.py") and cmd[2:] == ["--out", "s0", "--grid", "--shard", "0/4"]
-
-
-def test_bench_all_skips_the_tools_and_tools_run_anywhere(monkeypatch):
-    calls = _capture_calls(monkeypatch)
-    assert cli.main(["bench"]) == 0
-    ran = {os.path.basename(c[1])[:-3] for c in calls}
-    assert ran and not ran & set(cli.BENCH_TOOLS) and "decode_bench" in ran
-    assert all(c[2:] == ["--out", "bench/out"] for c in calls)
-    calls = _capture_calls(monkeypatch, gpu=False)                    # a tool needs no GPU and gets no --out
-    assert cli.main(["bench", "sass_mix", "k.csv", "--units", "4"]) == 0
-    assert calls[0][1].endswith("sass_mix.py") and calls[0][2:] == ["k.csv", "--units", "4"]
-    assert cli.main(["bench", "plot_decode", "--json-dir", "d", "--out", "o"]) == 0
-    assert calls[1][2:] == ["--json-dir", "d", "--out", "o"]
-
-
-def test_unknown_arguments_refused_outside_bench(monkeypatch, capsys):
-    _capture_calls(monkeypatch)
+def test_unknown_arguments_refused(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["capacity", "--frobnicate"])
     assert e.value.code == 2 and "unrecognized arguments: --frobnicate" in capsys.readouterr().err
-    assert cli.main(["bench", "--grid"]) == 2
-    assert "need its name" in capsys.readouterr().err
+
+
+def test_demo_memory_columns_use_the_gpu_mem_and_kv_budget_meanings(capsys, monkeypatch):
+    """``demo``'s memory columns take --gpu-mem as GPU memory (weights subtracted) and --kv-budget as the KV cache's
+    own memory, as ``capacity`` does (``--gpu-mem`` used to mean the KV budget in ``demo``)."""
+    seen = []
+    model = dict(num_layers=1, d_model=16, num_heads=1, num_kv_heads=1, head_dim=16, vocab_size=2)
+    monkeypatch.setattr(cli, "run_demo", lambda s, progress: {"model": model, "device": "cpu", "results": []})
+    monkeypatch.setattr(cli, "demo_table", lambda report, shape, budget, seq_len: seen.append(budget) or ([], []))
+    monkeypatch.setattr(cli, "_write_outputs", lambda *a: None)
+    weights = 2 * MODEL_SHAPES["llama3-8b"].num_params
+    assert cli.main(["demo", "--model", "random", "--gpu-mem", "80GiB"]) == 0
+    assert cli.main(["demo", "--model", "random", "--kv-budget", "10GiB"]) == 0
+    assert seen == [80 * 2 ** 30 - weights, 10 * 2 ** 30]
+    out = capsys.readouterr().out
+    assert "= --gpu-mem 80.00 GiB - llama3-8b bf16 weights" in out and "(--kv-budget; model weights not" in out

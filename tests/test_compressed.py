@@ -170,7 +170,7 @@ def test_compressed_gather_on_gpu_bitexact():
     assert_bits_equal(got, ref)
 
 
-# ---------------------------------------------------------------------------------------------- bad input (issue 17)
+# ---------------------------------------------------------------------------------------------- bad input
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 

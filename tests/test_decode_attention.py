@@ -1,4 +1,4 @@
-"""Fused paged decode attention (`pallas_kernels.decode_attention`, `jmixedkv.decode`) against float32
+"""Fused paged decode attention (`pallas_kernels.decode.triton`, `jmixedkv.decode`) against float32
 `attention_reference` over `stage_reference` (the cache a reader must see).
 
 States are `helpers.decode_state` (`helpers.poisoned_state`: permuted page ids, one ragged reference `append`), so
@@ -8,6 +8,8 @@ are cross-lowered for CUDA, and run for real under the ``gpu`` marker.
 Error metric: relative L2 of the kernel's output against the float32 reference rounded to the output dtype
 (< 1e-3), plus the float32-output kernel against the unrounded reference (< 1e-4) and LSE (abs < 1e-4).
 """
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,9 +19,24 @@ from jmixedkv.decode import decode_attention, merge_attention
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.layout import TwinGeometry
 from jmixedkv.pools import kernel_arrays
-from pallas_kernels.decode_attention import default_num_splits, merge_partials, paged_decode_attention
+from pallas_kernels.decode import triton as tk
+from pallas_kernels.decode.common import merge_partials, num_sms
+from pallas_kernels.decode.config import TritonConfig, triton_num_splits as default_num_splits
 from helpers import check_kernel, rel_l2
 from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(TritonConfig)}
+
+
+def paged_decode_attention(*args, partials_only=False, skip_interior=False, **kw):
+    """The Triton backend with the tuning fields of ``kw`` as its `TritonConfig`; ``partials_only``: its split
+    partials (`paged_decode_partials`, ``skip_interior`` there)."""
+    config = TritonConfig(**{k: kw.pop(k) for k in list(kw) if k in _CONFIG_FIELDS})
+    if partials_only:
+        return tk.paged_decode_partials(*args, config=config, skip_interior=skip_interior, **kw)
+    assert not skip_interior
+    return tk.paged_decode_attention(*args, config=config, **kw)
+
 
 def _decode(st, layer, q, seq, **kw):
     return decode_attention(st, layer, q, seq, backend="pallas", **kw)
@@ -72,9 +89,10 @@ def test_default_tuning_rules():
     """Which default the kernel takes: the wide-grid tunings only for NVFP4 pages <= 32 tokens with batch x KV heads
     >= NUM_SMS / 2, `WIDE_GRID_TUNING` only with <= 8 real query rows (column groups), `VERIFY_GRID_TUNING` with
     17..32; everything else the format's default."""
-    from pallas_kernels.decode_attention import (DEFAULT_BLOCK_K, DEFAULT_NUM_WARPS, NUM_SMS, VERIFY_GRID_TUNING,
-                                                 WIDE_GRID_TUNING, default_tuning)
-    wide_b = -(-(NUM_SMS // 2) // 8)                       # batch with batch x 8 heads >= NUM_SMS / 2
+    from pallas_kernels.decode.config import (TRITON_BLOCK_K as DEFAULT_BLOCK_K, TRITON_NUM_WARPS as
+                                              DEFAULT_NUM_WARPS, VERIFY_GRID_TUNING, WIDE_GRID_TUNING,
+                                              triton_tuning as default_tuning)
+    wide_b = -(-(num_sms() // 2) // 8)                       # batch with batch x 8 heads >= NUM_SMS / 2
     base = (DEFAULT_BLOCK_K["nvfp4"], DEFAULT_NUM_WARPS["nvfp4"], 4)
     assert default_tuning("nvfp4", wide_b, 8, 16, 16, 4) == _tuple(WIDE_GRID_TUNING)
     assert default_tuning("nvfp4", wide_b, 8, 32, 16, 8) == _tuple(WIDE_GRID_TUNING)
@@ -92,9 +110,8 @@ def test_default_tuning_rules():
 def test_wide_grid_tuning_batch9_heads8():
     """batch x KV heads >= NUM_SMS / 2 with page 16: the kernel's wide-grid defaults (32-token steps, ~4 programs
     per SM, V read after the softmax; 1 warp with one query row per head, 2 warps with Tq 4 x GQA 8 = 32 rows)."""
-    from pallas_kernels.decode_attention import NUM_SMS
     lens = (1, 15, 16, 17, 33, 2, 31, 48, 9)
-    assert len(lens) * 8 >= NUM_SMS // 2
+    assert len(lens) * 8 >= num_sms() // 2
     st = make_state(lens=lens, heads=8, d=32, layers=1, first_n=3, last_n=9, max_draft_len=3)
     check(st, tq=1, hq=8, layer=0)
     check(st, tq=4, hq=64, layer=0)
@@ -154,7 +171,8 @@ def test_edge_blocks_of_twin_rows_only(dtype, tq, hq, block_k, splits, kw):
     blocks that mix twin and NVFP4 rows, in one call: causal verify rows, uneven splits, NaN-poisoned rows past n
     and outside the retained set, bf16 / FP8 twins, window + soft cap; float32 output against the float32
     reference. (A twin-only branch for such blocks was tried: 10-15% faster at small pools, 33-36% slower with
-    model-sized ones, bench/RESULTS.md 2026-12-01 sixth; not kept. This test stays for the case.)"""
+    model-sized ones, bench/RESULTS.md, 'Edge blocks that hold only twin rows'; not kept. This test stays for the
+    case.)"""
     lens = (1, 31, 32, 33, 64, 65, 100, 150)
     st = make_state(dtype, first_n=32, last_n=32, lens=lens, max_draft_len=3)
     n_twin, n_past = _all_twin_blocks(lens, 32, 32, block_k)
@@ -249,22 +267,21 @@ def test_edge_kernel_split_row_loads_equal_strided_loads(dtype, tq, hq, d, group
     split in registers when its steps hold >= 32 tokens (`split_row_loads`); its split partials are bitwise those of
     the two loads at stride 2 (the form everywhere else), over poisoned pages, first-N / last-N edges, causal verify
     rows, uneven splits, bf16 / FP8 twins and V's column groups."""
-    import pallas_kernels.decode_attention as da
-    assert da.split_row_loads(True, 32) and da.split_row_loads(True, 128)
-    assert not da.split_row_loads(True, 16) and not da.split_row_loads(False, 64)
+    assert tk.split_row_loads(True, 32) and tk.split_row_loads(True, 128)
+    assert not tk.split_row_loads(True, 16) and not tk.split_row_loads(False, 64)
     st = make_state(dtype, first_n=5, last_n=9, lens=(1, 15, 16, 17, 70, 150), d=d)
     q = queries(st, tq, hq)
     pools = st.pools[0]
 
     def run(split):
-        monkeypatch.setattr(da, "split_row_loads", lambda skip, k_tok: split)
-        da.paged_decode_attention.clear_cache()
-        return da.paged_decode_attention(
+        monkeypatch.setattr(tk, "split_row_loads", lambda skip, k_tok: split)
+        tk.paged_decode_partials.clear_cache()
+        return paged_decode_attention(
             q, st.page_table, st.kv_lens, 1, kernel_arrays(pools.low), kernel_arrays(pools.high), None,
             st.high_table, geom=st.config.twin, num_splits=3, block_k=32, num_warps=1, col_groups=groups,
             skip_interior=True, interpret=True, out_dtype=jnp.float32, partials_only=True)
     split, strided = run(True), run(False)
-    da.paged_decode_attention.clear_cache()
+    tk.paged_decode_partials.clear_cache()
     o = np.asarray(split[0])
     assert np.isfinite(o).all() and np.abs(o).max() > 0
     for a, b in zip(split, strided):

@@ -1,4 +1,4 @@
-"""Mosaic GPU decode attention (`pallas_kernels.decode_mgpu`) against float32 `attention_reference` over
+"""Mosaic GPU decode attention (`pallas_kernels.decode.mosaic_sm90`) against float32 `attention_reference` over
 `stage_reference` (the cache a reader must see), on the poisoned caches of `helpers.decode_state`.
 
 What CPU CI checks: the kernel body's semantics in the Mosaic GPU interpreter (``interpret=True``: TMA ring,
@@ -7,6 +7,8 @@ edge path, out-of-bounds reads raise) with the dequantization in jnp, and that t
 dequantization, register-A wgmma, swizzled tiles) lowers for CUDA. What it cannot check: ptxas, TMA descriptors and
 runtime faults, the inline PTX's arithmetic, timing; those run under the ``gpu`` marker on the H200.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,9 +18,11 @@ from jmixedkv.decode import decode_attention
 from jmixedkv.compat import cross_lower_cuda, on_gpu
 from jmixedkv.layout import TwinGeometry
 from jmixedkv.pools import kernel_arrays
-from pallas_kernels import decode_mgpu
-from pallas_kernels.decode_attention import f16_queries
-from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu, preferred, supported
+from pallas_kernels import decode as dispatch
+from pallas_kernels.decode import common, config as dcfg, mosaic_sm90 as mosaic
+from pallas_kernels.decode.common import f16_queries
+from pallas_kernels.decode.config import MosaicConfig
+from pallas_kernels.decode.mosaic_sm90 import supported
 from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state
 from helpers import rel_l2
 
@@ -30,6 +34,25 @@ def _lse_close(lse, ref_lse, atol=1e-4):
     with np.errstate(invalid="ignore"):
         close = np.abs(lse - ref_lse) <= atol + 1e-5 * np.abs(ref_lse)
     assert np.all(same_inf | close), (lse, ref_lse)
+
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(MosaicConfig)}
+
+
+def paged_decode_attention_mgpu(*args, partials_only=False, edge_splits=None, edge_block_k=None, edge_warps=None,
+                                **kw):
+    """The Mosaic GPU backend with the tuning fields of ``kw`` as its `MosaicConfig` (``edge_*``: its edge
+    `TritonConfig`'s ``num_splits``, ``block_k``, ``num_warps``); ``partials_only``: the kernel's raw partials
+    (`kernel_partials`)."""
+    edge = dataclasses.replace(MosaicConfig().edge, num_splits=edge_splits, **{
+        k: v for k, v in (("block_k", edge_block_k), ("num_warps", edge_warps)) if v is not None})
+    config = MosaicConfig(edge=edge, **{k: kw.pop(k) for k in list(kw) if k in _CONFIG_FIELDS})
+    return (mosaic.kernel_partials if partials_only else mosaic.paged_decode_attention)(*args, config=config, **kw)
+
+
+def preferred(**kw):
+    """Whether the entry point without a config runs the Mosaic GPU kernel (`choose_backend`)."""
+    return dispatch.choose_backend(**kw) == "mosaic"
 
 
 def _run(st, q, layer, **kw):
@@ -223,17 +246,16 @@ def test_interpret_keys_on_m_ring_wraps(stages):
 def test_interpret_through_public_entry_nvfp4_verify(monkeypatch):
     """``JMIXEDKV_DECODE_KERNEL=mgpu`` routes `decode_attention` to this kernel: plain NVFP4 pages (no twin),
     Tq = 2 (causal among the new tokens, handled on the edge path), GQA 8, lengths 1 < Tq..., page +- 1."""
-    import jmixedkv.decode as decode_mod
-    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "mgpu")
+    monkeypatch.setenv(dispatch.KERNEL_ENV, "mgpu")
     calls = []
-    real = decode_mgpu.paged_decode_attention_mgpu
-    monkeypatch.setattr(decode_mgpu, "paged_decode_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    decode_mod._pallas.clear_cache()      # the kernel choice is made at trace time
+    real = mosaic.paged_decode_attention
+    monkeypatch.setattr(mosaic, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    jax.clear_caches()                    # the kernel choice is made at trace time
     st = make_state("nvfp4", first_n=0, last_n=0, lens=(1, 15, 17, 100), page=16, d=128, heads=1, max_draft_len=1)
     q = queries(st, 2, 8)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     out, lse = decode_attention(st, 0, q, seq, backend="pallas", num_splits=2)
-    decode_mod._pallas.clear_cache()
+    jax.clear_caches()
     assert calls, "decode_attention did not run the Mosaic GPU kernel"
     ref_o, ref_lse = reference(st, 0, q, seq)
     assert out.dtype == st.config.attention_dtype and out.shape == q.shape
@@ -254,27 +276,27 @@ def test_supported_and_dispatch_choice(monkeypatch):
     assert not supported(head_dim=128, page=16, tq=1, group=4, sliding_window=128)
     assert not supported(head_dim=128, page=16, tq=1, group=4, soft_cap=30.0)
     # the edge blocks' Triton kernel: 2 splits while one program per (row, KV head) leaves SMs idle
-    assert [decode_mgpu.default_edge_splits(b, 8) for b in (1, 16, 17, 64)] == [2, 2, 1, 1]
+    assert [dcfg.mosaic_edge_splits(b, 8) for b in (1, 16, 17, 64)] == [2, 2, 1, 1]
     # split-K: ~4 CTAs per SM, at most MAX_SPLIT_BLOCKS (128) 64-token blocks per CTA (64 x 32k: 4, 16 x 128k: 16)
-    assert [decode_mgpu.default_num_splits(b, 8, blocks) for b, blocks in
+    assert [dcfg.mosaic_num_splits(b, 8, blocks) for b, blocks in
             ((1, 2048), (16, 512), (64, 128), (64, 512), (16, 2048), (64, 2048), (1, 8))] == [64, 8, 2, 4, 16, 16, 8]
     # auto (the default): this kernel on Hopper wherever supported, compiled
-    monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
+    monkeypatch.delenv(dispatch.KERNEL_ENV, raising=False)
     assert not preferred(head_dim=128, page=16, tq=4, group=8)           # not on a Hopper GPU here
-    monkeypatch.setattr(decode_mgpu, "on_hopper", lambda: True)
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: True)
     assert preferred(head_dim=128, page=16, tq=1, group=4)
     assert preferred(head_dim=128, page=16, tq=1, group=16)
     assert preferred(head_dim=128, page=16, tq=4, group=8, high_dtype=jnp.bfloat16)
     assert not preferred(head_dim=128, page=16, tq=4, group=8, interpret=True)
     assert preferred(head_dim=128, page=64, tq=4, group=8)
     assert not preferred(head_dim=128, page=8, tq=4, group=8)            # unsupported: Triton
-    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "triton")
+    monkeypatch.setenv(dispatch.KERNEL_ENV, "triton")
     assert not preferred(head_dim=128, page=16, tq=4, group=8)
-    monkeypatch.setattr(decode_mgpu, "on_hopper", lambda: False)
-    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "mgpu")                   # wherever supported, interpret too
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: False)
+    monkeypatch.setenv(dispatch.KERNEL_ENV, "mgpu")                   # wherever supported, interpret too
     assert preferred(head_dim=128, page=16, tq=1, group=4, interpret=True)
     assert not preferred(head_dim=128, page=16, tq=1, group=4, soft_cap=5.0)
-    monkeypatch.setenv(decode_mgpu.KERNEL_ENV, "cuda")
+    monkeypatch.setenv(dispatch.KERNEL_ENV, "cuda")
     with pytest.raises(ValueError, match="JMIXEDKV_DECODE_KERNEL='cuda'"):
         preferred(head_dim=128, page=16, tq=1, group=4)
 
@@ -288,24 +310,25 @@ def test_default_form_by_query_rows(tq, hq, km):
     st = make_state(lens=(3, 40), first_n=4, last_n=8, d=128, heads=1, max_draft_len=3)
     q = queries(st, tq, hq)
     o, _, _ = jax.eval_shape(lambda q: _run(st, q, 1, num_splits=1, interpret=True, partials_only=True), q)
-    assert decode_mgpu.MIN_KM_ROWS == 8
+    assert dcfg.MIN_KM_ROWS == 8
     rows = max(8, 1 << (tq * hq - 1).bit_length())
     assert o.shape[1:] == ((rows, 2, 64) if km else (64, 2, 64))
-    assert (tq * hq <= decode_mgpu.KEYS_ON_M_ROWS) == km
+    assert (tq * hq <= dcfg.KEYS_ON_M_ROWS) == km
 
 
 def test_edge_steps_default_and_16(monkeypatch):
     """The edge kernel runs `EDGE_BLOCK_K` (32) token steps by default at every shape, where its programs (B x H)
-    outnumber the SMs too (the 16-token rule went with the twin's split loads, bench/RESULTS.md 2026-12-03
-    twentieth); ``edge_block_k=16`` runs 16-token steps (the kernel's name carries its step, ``_k16_``). Both float32
-    outputs against the reference, with `NUM_SMS` lowered to 4 so that a batch of 6 has more programs than SMs."""
-    assert decode_mgpu.EDGE_BLOCK_K == 32
-    monkeypatch.setattr(decode_mgpu, "NUM_SMS", 4)
+    outnumber the SMs too (the 16-token rule went with the twin's split loads, bench/RESULTS.md, '32-token edge
+    steps everywhere'); ``edge_block_k=16`` runs 16-token steps (the kernel's name carries its step, ``_k16_``).
+    Both float32 outputs against the reference, with `common.num_sms` lowered to 4 so that a batch of 6 has more
+    programs than SMs."""
+    assert dcfg.EDGE_BLOCK_K == 32
+    monkeypatch.setattr(common, "num_sms", lambda: 4)
     st = make_state(lens=(0, 1, 15, 17, 40, 150), first_n=5, last_n=20, d=128, heads=1, max_draft_len=2)
     q = queries(st, 1, 4)
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
-    jax.clear_caches()                   # (traces hold `NUM_SMS`-dependent defaults: none made here may leak out)
+    jax.clear_caches()                   # (traces hold `num_sms`-dependent defaults: none made here may leak out)
     try:
         for step, name in ((None, "_k32_"), (16, "_k16_")):
             call = lambda q, step=step: _run(st, q, 1, interpret=True, out_dtype=jnp.float32,  # noqa: E731
@@ -321,16 +344,16 @@ def test_edge_steps_default_and_16(monkeypatch):
 def test_wide_column_order():
     """`to_wide` is the `WIDE_COLUMNS` gather (a thread's WGMMA columns ``2 (lane % 4) + 8 j + e`` <- its 16 contiguous
     bytes ``16 (lane % 4) + 2 j + e``) and `from_wide` its inverse."""
-    cols = decode_mgpu.WIDE_COLUMNS
+    cols = mosaic.WIDE_COLUMNS
     assert sorted(cols) == list(range(64))
     for lane in range(32):
         quad = lane % 4
         held = [2 * quad + 8 * j + e for j in range(8) for e in range(2)]
         assert sorted(cols[held]) == list(range(16 * quad, 16 * quad + 16))
     x = jnp.arange(3 * 64).reshape(3, 64)
-    np.testing.assert_array_equal(decode_mgpu.to_wide(x), np.asarray(x)[:, cols])
-    np.testing.assert_array_equal(decode_mgpu.from_wide(decode_mgpu.to_wide(x)), x)
-    np.testing.assert_array_equal(decode_mgpu.to_wide(x, gather=True), np.asarray(x)[:, cols])
+    np.testing.assert_array_equal(mosaic.to_wide(x), np.asarray(x)[:, cols])
+    np.testing.assert_array_equal(mosaic.from_wide(mosaic.to_wide(x)), x)
+    np.testing.assert_array_equal(mosaic.to_wide(x, gather=True), np.asarray(x)[:, cols])
 
 
 @pytest.mark.parametrize("splits,edge_splits,rows,r_pad", [(1, 1, 1, 8), (3, 2, 5, 8), (8, 1, 32, 32), (2, 2, 6, 64)])
@@ -359,12 +382,12 @@ def test_merge_with_edge_matches_float64(splits, edge_splits, rows, r_pad):
     for a in (m2, l, me, le):
         a[..., rows:] = np.nan
     vmul = np.float32(0.37 * 2 ** -7)
-    out, lse = decode_mgpu._merge_with_edge(jnp.asarray(o), jnp.asarray(m2), jnp.asarray(l), jnp.asarray(oe),
+    out, lse = mosaic._merge_with_edge(jnp.asarray(o), jnp.asarray(m2), jnp.asarray(l), jnp.asarray(oe),
                                             jnp.asarray(me), jnp.asarray(le), rows=rows, vmul=vmul)
     # float64 reference: natural columns (byte t of half c is column 2 t + c), natural log, one concatenated merge
     nat = np.zeros((splits, b, h, rows, d))
-    nat[..., 2 * decode_mgpu.WIDE_COLUMNS] = o[:, :, :, :rows, 0].astype(np.float64)
-    nat[..., 2 * decode_mgpu.WIDE_COLUMNS + 1] = o[:, :, :, :rows, 1].astype(np.float64)
+    nat[..., 2 * mosaic.WIDE_COLUMNS] = o[:, :, :, :rows, 0].astype(np.float64)
+    nat[..., 2 * mosaic.WIDE_COLUMNS + 1] = o[:, :, :, :rows, 1].astype(np.float64)
     all_o = np.concatenate([nat * np.float64(vmul), oe[..., :rows, :]], 0)
     all_m = np.concatenate([m2[..., :rows] / np.log2(np.e), me[..., :rows]], 0).astype(np.float64)
     all_l = np.concatenate([l[..., :rows], le[..., :rows]], 0).astype(np.float64)
@@ -385,7 +408,7 @@ def test_refuses_unsupported_configuration():
     with pytest.raises(ValueError, match="D=64"):
         _run(st, q, 0)
     st = make_state(lens=(3, 9), d=128, heads=1)
-    with pytest.raises(ValueError, match="min_km_rows must be 8 or 16, got 12"):
+    with pytest.raises(ValueError, match="min_km_rows=12 must be 8 or 16"):
         _run(st, queries(st, 1, 2), 0, interpret=True, min_km_rows=12)
 
 
@@ -479,8 +502,8 @@ def test_keys_on_m_cross_lowers_for_cuda(tq, hq, min_rows, in_turn, page):
                                               (16, 16, False), (8, 16, False), (64, 16, True)])
 def test_default_qk_in_turn(n_rows, page, want):
     """`default_qk_in_turn`: K's halves in turn at >= `IN_TURN_ROWS` (32) query rows and pages <= `IN_TURN_MAX_PAGE`
-    (32), where ptxas then fit 4 CTAs per SM on the H200 (bench/RESULTS.md, 2026-12-02 sixteenth)."""
-    assert decode_mgpu.default_qk_in_turn(n_rows, page) is want
+    (32), where ptxas then fit 4 CTAs per SM on the H200 (bench/RESULTS.md, 'N = 32 form ... register-bound')."""
+    assert dcfg.mosaic_qk_in_turn(n_rows, page) is want
 
 
 # ------------------------------------------------------------------------------------------ GPU (H200)
@@ -517,9 +540,9 @@ def test_gpu_matches_reference(dtype, tq, hq, page):
     ("mixed_nvfp4_bf16", 1, 32, 8), ("mixed_nvfp4_bf16", 2, 32, 8), ("nvfp4", 1, 64, 8)])
 def test_gpu_keys_on_m_matches_reference(dtype, tq, hq, min_rows):
     """The keys-on-M form on the H200: output in the attention dtype against the reference rounded to it (< 1e-3),
-    LSE within 1e-3; default and 8 splits (the checks of bench/data/decode_mgpu_keys_on_m-2026-12-01.json). With
-    ``min_km_rows`` = 8 (N = 8: the transposed store of P) also bitwise equal to the 16-row form (same products in
-    the same order)."""
+    LSE within 1e-3; default and 8 splits (the checks of bench/RESULTS.md, 'The keys-on-M form of the Mosaic GPU
+    kernel'). With ``min_km_rows`` = 8 (N = 8: the transposed store of P) also bitwise equal to the 16-row form (same
+    products in the same order)."""
     assert on_gpu(), "gpu tests need a GPU"
     mixed = dtype.startswith("mixed")
     st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=16,
@@ -537,7 +560,7 @@ def test_gpu_keys_on_m_matches_reference(dtype, tq, hq, min_rows):
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(o16, np.float32))
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse16))
     # K's halves dequantized in turn or together (`default_qk_in_turn`; on at N = 32): the same products in order
-    turn = decode_mgpu.default_qk_in_turn(max(min_rows, 1 << (tq * hq // 8 - 1).bit_length()), 16)
+    turn = dcfg.mosaic_qk_in_turn(max(min_rows, 1 << (tq * hq // 8 - 1).bit_length()), 16)
     o_t, lse_t = _run(st, q, 1, num_splits=8, keys_on_m=True, min_km_rows=min_rows, qk_in_turn=not turn)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(o_t, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_t))
@@ -570,7 +593,7 @@ def test_gpu_pages_32_to_128(page):
 @pytest.mark.parametrize("page", [16, 32])
 def test_gpu_edge_steps_at_batch_24(page):
     """Edge steps of 16 and 32 tokens on the H200 at 24 rows x 8 KV heads (192 edge programs > 132 SMs, where
-    the fourteenth session's rule picked 16): Tq 1 x GQA 4, Tq 2 x GQA 8 and Tq 4 x GQA 8; each step's float32 output
+    a rule by program count would pick 16): Tq 1 x GQA 4, Tq 2 x GQA 8 and Tq 4 x GQA 8; each step's float32 output
     against the float32 reference, and the default call bitwise equal to `EDGE_BLOCK_K`-token steps. (At page 32 a step
     is whole pages, `pages_per_block`: both requests run 32-token steps there.)"""
     assert on_gpu(), "gpu tests need a GPU"
@@ -585,7 +608,7 @@ def test_gpu_edge_steps_at_batch_24(page):
             outs[step] = _run(st, q, 1, out_dtype=jnp.float32, edge_block_k=step)
             assert rel_l2(outs[step][0], ref_o) < 1e-4, (tq, hq, step)
             _lse_close(outs[step][1], ref_lse)
-        pick = decode_mgpu.EDGE_BLOCK_K
+        pick = dcfg.EDGE_BLOCK_K
         out, lse = _run(st, q, 1, out_dtype=jnp.float32)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[pick][0]))
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(outs[pick][1]))
@@ -618,23 +641,22 @@ def test_gpu_public_entry_auto_dispatch(monkeypatch):
     """With `KERNEL_ENV` unset, `decode_attention` runs this kernel on the H200 for a verify step (Tq 4 x GQA 8 = 32
     query rows) and a decode step (Tq 1 x GQA 4), bf16 twin, at pages of 16 and 64, and the Triton kernel for an
     FP8 twin (not `supported`); all match the reference."""
-    import jmixedkv.decode as decode_mod
     assert on_gpu(), "gpu tests need a GPU"
-    monkeypatch.delenv(decode_mgpu.KERNEL_ENV, raising=False)
+    monkeypatch.delenv(dispatch.KERNEL_ENV, raising=False)
     calls = []
-    real = decode_mgpu.paged_decode_attention_mgpu
-    monkeypatch.setattr(decode_mgpu, "paged_decode_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = mosaic.paged_decode_attention
+    monkeypatch.setattr(mosaic, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     for dtype, page, tq, hq, want in (("mixed_nvfp4_bf16", 16, 4, 64, 1), ("mixed_nvfp4_bf16", 16, 1, 32, 1),
                                       ("mixed_nvfp4_bf16", 64, 1, 32, 1), ("mixed_nvfp4_fp8", 16, 1, 32, 0)):
         st = make_state(dtype, first_n=64, last_n=64, page=page, lens=(1, 15, 17, 300, 4096), heads=8,
                         d=128, layers=2, max_draft_len=3, gs=0.01)
         seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
         calls.clear()
-        decode_mod._pallas.clear_cache()
+        jax.clear_caches()
         q = queries(st, tq, hq)
         out, lse = decode_attention(st, 1, q, seq, backend="pallas")
         assert len(calls) == want, (page, tq, hq, calls)
         ref_o, ref_lse = reference(st, 1, q, seq)
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
-    decode_mod._pallas.clear_cache()
+    jax.clear_caches()

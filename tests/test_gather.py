@@ -164,13 +164,14 @@ def test_gather_kernels_cross_lower_for_cuda(head_dim, kv, fp8):
     seqs, idx, pools = _args(state)
     lay, scale = jnp.zeros((1,), jnp.int32), jnp.ones((2,), jnp.float32)
     text = cross_lower_cuda(
-        lambda *a: gk.gather_rows(*a, geom=geom, att_dtype=jnp.bfloat16, fp8=fp8, interpret=False),
+        lambda *a: gk.gather_rows(*a[:7], low=a[7:10], high=a[10:], geom=geom, att_dtype=jnp.bfloat16, fp8=fp8,
+                                  interpret=False),
         lay, seqs, state.kv_lens, state.page_table, state.high_table, idx, scale, pools.low.data, pools.low.scales,
         pools.low.gs, pools.high.rows, pools.high.scale)
     assert "triton" in text.lower()
     scratch = jnp.zeros((2, 32, kv, 2, head_dim), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     text = cross_lower_cuda(
-        lambda *a: gk.overlay_rows(*a, geom=geom, att_dtype=jnp.bfloat16, interpret=False),
+        lambda *a: gk.overlay_rows(*a[:8], high=a[8:], geom=geom, att_dtype=jnp.bfloat16, interpret=False),
         scratch, lay, seqs, state.kv_lens, state.page_table, state.high_table, idx, scale, pools.high.rows,
         pools.high.scale)
     assert "triton" in text.lower()

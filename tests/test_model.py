@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jmixedkv import KVCacheConfig, stage_reference
-from jmixedkv.model import DenseSession, Decoder, ModelConfig, build_generate, generate, init_params
+from jmixedkv_demo.model import DenseSession, Decoder, ModelConfig, build_generate, generate, init_params
 from helpers import assert_trees_bit_equal
 
 CFG = ModelConfig.tiny(seed=3)
@@ -173,7 +173,7 @@ def test_tied_embeddings_and_rms_eps():
 
 
 def test_builtin_texts_and_high_fraction():
-    from jmixedkv.model import builtin_text, high_fraction
+    from jmixedkv_demo.model import builtin_text, high_fraction
     for name in ("prose", "code"):
         assert len(builtin_text(name)) > 20000
     with pytest.raises(ValueError, match="available"):
@@ -184,7 +184,7 @@ def test_builtin_texts_and_high_fraction():
 
 
 def test_evaluate_caches_on_the_tiny_model():
-    from jmixedkv.model import evaluate_caches
+    from jmixedkv_demo.model import evaluate_caches
     toks = jax.random.randint(jax.random.PRNGKey(3), (40,), 0, CFG.vocab_size)
     caches = [("bf16", KVCacheConfig("bf16", page_size=PAGE)), ("nvfp4", KVCacheConfig("nvfp4", page_size=PAGE)),
               ("all", KVCacheConfig("mixed_nvfp4_bf16", first_n=0, last_n=40, page_size=PAGE))]

@@ -116,9 +116,10 @@ def test_kernels_refuse_hand_built_operands_in_the_hole():
     data = s((1, 163840, 2, 8, 16, 64), jnp.uint8)                  # 2.68 GB
     scales = s((1, 163840, 2, 8, 16, 8), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"operand 'data' \(1, 163840, 2, 8, 16, 64\) uint8 is 2684354560 bytes"):
-        jax.eval_shape(lambda *a: stage_kernel.stage_pages(*a, geom=geom, num_staged_pages=1, out_dtype=jnp.bfloat16),
+        jax.eval_shape(lambda *a: stage_kernel.stage_pages(*a[:6], low=a[6:], geom=geom, num_staged_pages=1,
+                                                           out_dtype=jnp.bfloat16),
                        s((1,), i32), s((1,), i32), s((4,), i32), s((4, 8), i32), s((4, 1), i32), s((1, 8), i32),
-                       data, scales, s((1, 2), jnp.float32), None, None)
+                       data, scales, s((1, 2), jnp.float32))
 
 
 def test_check_offsets_message_names_operand():

@@ -438,3 +438,81 @@ def test_readers_follow_corrected_lengths(backend="pallas"):
     (oa, la), (ob, lb) = (decode_attention(s, 0, q, seq, backend=backend) for s in (sp, ref))
     assert_bits_equal(oa, ob)
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+
+
+# ------------------------------------------------------------------------------------------- unjustified rewinds
+# accept / correct_kv_lens must be justified by the state: a verify block of exactly k + 1 rows that every layer
+# wrote, not a prefill chunk, not between two layers' appends, not accepted already.
+CFG_J = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=4, max_draft_len=2)
+
+
+def _two_layers(chunk=5, layers=(0, 1)):
+    """Slot 0: a prefill chunk of ``chunk`` rows on both layers, then a verify block [chunk, chunk + 2] (k = 2)
+    written by ``layers``; slot 1: 3 rows (the bystander)."""
+    state = init_state(CFG_J, GroupSpec(2, 1, D_HEAD), num_pages=16, max_seqs=2)
+    state = admit(admit(state, 0), 1)
+    k = jnp.ones((2, chunk, 1, D_HEAD), jnp.float32)
+    state = append(state, None, k, k, np.zeros(chunk, np.int32), np.arange(chunk))
+    state = append(state, None, k[:, :3], k[:, :3], np.ones(3, np.int32), np.arange(3))
+    for layer in layers:
+        kk = jnp.full((3, 1, D_HEAD), 2.0 + layer, jnp.float32)
+        state = append(state, layer, kk, kk, np.zeros(3, np.int32), chunk + np.arange(3))
+    assert int(state.error) == 0
+    return state
+
+
+def _refused(state, fn, match):
+    """Host values: `ValueError` matching ``match``; traced: ERR_BAD_CORRECTION and every other leaf unchanged."""
+    with pytest.raises(ValueError, match=match):
+        fn(state, host=True)
+    out = fn(state, host=False)
+    assert int(out.error) == spec.ERR_BAD_CORRECTION
+    assert_trees_bit_equal(dataclasses.replace(out, error=state.error), state)
+
+
+def _accept_fn(k, a):
+    return lambda s, host: (spec.accept(s, np.array([0]), np.array([a]), np.array([k])) if host else
+                            _accept(s, jnp.array([0]), jnp.array([a]), jnp.array([k])))
+
+
+def _correct_fn(off):
+    return lambda s, host: (spec.correct_kv_lens(s, np.array([off, 0], np.int32)) if host else
+                            _correct(s, jnp.array([off, 0], jnp.int32)))
+
+
+def test_accept_between_two_layers_of_one_verify_step_is_refused():
+    state = _two_layers(layers=(0,))                     # layer 1 has not appended the verify block yet
+    _refused(state, _accept_fn(2, 0), "between two layers")
+    _refused(state, _correct_fn(-1), "between two layers")
+    done = append(state, 1, jnp.ones((3, 1, D_HEAD)), jnp.ones((3, 1, D_HEAD)), np.zeros(3, np.int32),
+                  5 + np.arange(3))
+    out = spec.accept(done, np.array([0]), np.array([0]), np.array([2]))
+    assert int(out.error) == 0 and np.asarray(out.kv_lens).tolist() == [6, 3]
+
+
+def test_accept_right_after_a_prefill_chunk_is_refused():
+    state = _two_layers(layers=())                       # the last step of slot 0 is its 5-row prefill chunk
+    _refused(state, _accept_fn(2, 0), "verify block of 3 rows")
+    assert int(spec.accept(state, np.array([0]), np.array([2]), np.array([2])).error) == 0   # no rewind: fine
+
+
+def test_accept_twice_is_refused():
+    state = spec.accept(_two_layers(), np.array([0]), np.array([1]), np.array([2]))
+    assert int(state.error) == 0 and int(state.kv_lens[0]) == 7
+    _refused(state, _accept_fn(2, 0), "no open append step")
+
+
+def test_rewinds_within_the_floor_still_work_after_accept():
+    """A rewind the floor allows (written - max_draft_len) stays legal after accept: HF's crop, a fork's rewind."""
+    state = spec.accept(_two_layers(), np.array([0]), np.array([2]), np.array([2]))     # kv_len 8, written 8
+    out = spec.correct_kv_lens(state, np.array([-2, 0], np.int32))
+    assert int(out.error) == 0 and int(out.kv_lens[0]) == 6
+    _refused(state, _correct_fn(-3), "offset -3")
+
+
+def test_torch_correct_kv_lens_refuses_duplicate_slots():
+    pytest.importorskip("torch")
+    from interop.torch_cache import TorchKVCache
+    cache = TorchKVCache(CFG_J, 1, 1, D_HEAD, num_pages=8, max_seqs=2, backend="reference")
+    with pytest.raises(ValueError, match=r"slots \[1\] more than once"):
+        cache.correct_kv_lens(np.array([-1, -1]), np.array([1, 1]))

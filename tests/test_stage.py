@@ -167,8 +167,8 @@ def test_stage_kernel_cross_lowers_for_cuda(head_dim, kv):
     state = init_state(CFG, spec, num_pages=8, max_seqs=2, max_pages_per_seq=4)
     geom = CFG.twin
     for layers in ([1], [0, 1]):
-        text = cross_lower_cuda(lambda *a: stage_pages(*a, geom=geom, num_staged_pages=8,
-                                                       out_dtype=jnp.bfloat16, interpret=False),
+        text = cross_lower_cuda(lambda *a: stage_pages(*a[:6], low=a[6:9], high=a[9:], geom=geom,
+                                                       num_staged_pages=8, out_dtype=jnp.bfloat16, interpret=False),
                                 *_kernel_args(state, [0, 1], layers))
         assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
 

@@ -393,7 +393,7 @@ def test_retained_set_is_exact(n, first_n, last_n, page, draft):
 
 
 # ------------------------------------------------------------------------------------------------ adversarial machine
-# Issue 17: the machine also draws out-of-range slots and layers, backwards / gapped / duplicate positions, forks
+# Bad input: the machine also draws out-of-range slots and layers, backwards / gapped / duplicate positions, forks
 # and speculative rewinds. After every step it checks (1) the exact error code a host model of the rule in
 # `jmixedkv.checks` predicts, and (2) that a refused step changed no leaf but ``error`` and an accepted one changed
 # no other sequence (table rows, lengths and staged bytes compared). Tiny shapes, reference backend, one compile per
@@ -409,10 +409,12 @@ ADV_CONFIGS = [dict(dtype="mixed_nvfp4_bf16", first_n=2, last_n=3, page_size=4, 
 ADV_PAGES, ADV_MAX_PAGES = 10, 4
 _adv_fork = jax.jit(jm.fork)
 _adv_correct = jax.jit(spec_mod.correct_kv_lens)
+_adv_accept = jax.jit(spec_mod.accept)
 _adv_trim = jax.jit(spec_mod.trim)
 _adv_stage = jax.jit(lambda st: jnp.stack([jm.stage_reference(st, l, jnp.arange(AS, dtype=jnp.int32))
                                            for l in range(AL)]))
 ADV_STEPS = [0, 0]          # steps, refused steps
+ADV_DONE = {}               # accepted steps per kind: forks, rewinds, accepts that drop drafts, appends after a rewind
 
 
 class AdversarialMachine(RuleBasedStateMachine):
@@ -424,6 +426,17 @@ class AdversarialMachine(RuleBasedStateMachine):
         nh = AS * self.cfg.num_high_pages_per_seq
         self.state = jm.init_state(self.cfg, jm.GroupSpec(AL, AH, AD), ADV_PAGES, AS, ADV_MAX_PAGES, poison=True,
                                    page_order=rng.permutation(ADV_PAGES), high_page_order=rng.permutation(max(nh, 1)))
+        # host model of the rewind bookkeeping (independent of the state's fields): the rewind floor, the open
+        # append step's first row (-1 = none) and the layers that wrote all of it
+        self.floor = [0] * AS
+        self.step = [(-1, frozenset())] * AS
+
+    def _done(self, kind):
+        ADV_DONE[kind] = ADV_DONE.get(kind, 0) + 1
+
+    def _step_complete(self, s):
+        lo, layers = self.step[s]
+        return lo < 0 or not layers or layers == frozenset(range(AL))
 
     # --------------------------------------------------------------- host model of the rule (from the pre-state)
     def _h(self, name):
@@ -461,6 +474,8 @@ class AdversarialMachine(RuleBasedStateMachine):
             exp = 0
         after = (_admit if admit else _release)(before, jnp.int32(slot))
         self._check(before, after, exp, {slot})
+        if not exp and slot >= 0:
+            self.floor[slot], self.step[slot] = 0, (-1, frozenset())
 
     @rule(data=st.data())
     def append(self, data):
@@ -481,8 +496,17 @@ class AdversarialMachine(RuleBasedStateMachine):
             pos = list(range(p0, p0 + c)) if mode != "dup" else [p0] * c
             seqs += [slot] * c
             poss += pos
-        t = len(seqs)
         layer = data.draw(st.sampled_from([None] * 4 + [0, 1] * 2 + [-1, AL, 5]))
+        self._do_append(seqs, poss, layer)
+
+    def _do_append(self, seqs, poss, layer):
+        """One append, its expected code from the model, and the model's update; returns the code."""
+        before, cfg = self.state, self.cfg
+        page = cfg.page_size
+        lens, active, table = self._h("kv_lens"), self._h("active"), self._h("page_table")
+        refc = np.asarray(before.alloc.refcount)
+        hrefc, htable = np.asarray(before.high_alloc.refcount), self._h("high_table")
+        t = len(seqs)
         # expected code (jmixedkv.checks / state._write_errors), computed from the pre-state
         pad = [s == -1 for s in seqs]
         bad_slot = any(not p and not (0 <= s < AS and active[s]) for s, p in zip(seqs, pad))
@@ -521,9 +545,26 @@ class AdversarialMachine(RuleBasedStateMachine):
         else:
             after = jm.append(before, jnp.int32(layer), x[0], x[0], seq_a, pos_a, backend="reference")
         self._check(before, after, exp, {s for s, _ in live})
+        if not exp:
+            mine = frozenset(range(AL)) if layer is None else frozenset([layer])
+            for s in {s for s, _ in live}:
+                if int(before.written[s]) > lens[s]:
+                    self._done("re-append over rewound rows")
+                ps = [p for s_, p in live if s_ == s]
+                first, last = min(ps), max(ps)
+                self.floor[s] = max(self.floor[s], last + 1 - cfg.max_draft_len)
+                lo, layers = self.step[s]
+                if last + 1 > lens[s]:
+                    self.step[s] = (first, mine)
+                elif lo >= 0 and first <= lo:
+                    self.step[s] = (lo, layers | mine)
+        return exp
 
     @rule(src=st.sampled_from([-2, -1, 0, 1, 2, AS, AS + 1]), dst=st.sampled_from([-2, -1, 0, 1, 2, AS]))
     def fork(self, src, dst):
+        self._do_fork(src, dst)
+
+    def _do_fork(self, src, dst):
         before = self.state
         active, lens = self._h("active"), self._h("kv_lens")
         if src == -1 or dst == -1:
@@ -531,30 +572,103 @@ class AdversarialMachine(RuleBasedStateMachine):
         elif not (0 <= src < AS and 0 <= dst < AS) or not active[src] or active[dst] or src == dst:
             exp = ERR_BAD_SLOT
         else:
-            n, page = int(lens[src]), self.cfg.page_size
-            full = n // page
+            # copy-on-write covers every page a legal rewind can write: only pages wholly below the floor are shared
+            n, page, floor = int(lens[src]), self.cfg.page_size, self.floor[src]
             row, hrow = self._h("page_table")[src], self._h("high_table")[src]
-            need_low = int(full < ADV_MAX_PAGES and row[min(full, ADV_MAX_PAGES - 1)] >= 0)
+            need_low = sum(1 for j in range(ADV_MAX_PAGES) if row[j] >= 0 and (j + 1) * page > floor and j * page < n)
             nf = self.cfg.num_fixed_pages
-            share_high = [(j < nf) and ((j + 1) * page <= n) and hrow[j] >= 0 for j in range(len(hrow))]
+            share_high = [(j < nf) and ((j + 1) * page <= floor) and hrow[j] >= 0 for j in range(len(hrow))]
             need_high = sum(1 for j in range(len(hrow)) if hrow[j] >= 0 and not share_high[j])
             exp = ((ERR_LOW_OOM if need_low > int(before.alloc.num_free) else 0)
                    | (ERR_HIGH_OOM if need_high > int(before.high_alloc.num_free) else 0))
         after = _adv_fork(before, jnp.int32(src), jnp.int32(dst))
         self._check(before, after, exp, {dst})
+        if not exp and src >= 0 and dst >= 0:
+            self._done("fork")
+            self.floor[dst], self.step[dst] = self.floor[src], self.step[src]
+            staged_ = np.asarray(_adv_stage(after)).view(np.uint8)           # dst reads exactly what src reads
+            np.testing.assert_array_equal(staged_[:, dst], staged_[:, src])
+        return exp
 
     @rule(slot=st.integers(0, AS - 1), off=st.sampled_from([-4, -2, -1, -1, 0, 0, 1]), trim=st.booleans())
     def rewind(self, slot, off, trim):
+        self._do_rewind(slot, off, trim)
+
+    def _do_rewind(self, slot, off, trim=False):
         before = self.state
         active, lens, written = self._h("active"), self._h("kv_lens"), self._h("written")
         offs = np.zeros(AS, np.int32)
         offs[slot] = off
-        floor = max(int(written[slot]) - self.cfg.max_draft_len, 0) if active[slot] else int(lens[slot])
-        exp = ERR_BAD_CORRECTION if off > 0 or lens[slot] + off < floor else 0
+        floor = self.floor[slot] if active[slot] else int(lens[slot])
+        assert floor >= int(written[slot]) - self.cfg.max_draft_len
+        bad = off > 0 or lens[slot] + off < floor or (off < 0 and not self._step_complete(slot))
+        exp = ERR_BAD_CORRECTION if bad else 0
         after = _adv_correct(before, jnp.asarray(offs))
         if trim and not exp:
             after = _adv_trim(after, jnp.asarray([slot, -1], jnp.int32))
         self._check(before, after, exp, {slot})
+        if not exp and off:
+            self._done("rewind")
+            self.step[slot] = (-1, frozenset())
+        return exp
+
+    @rule(slot=st.integers(0, AS - 1), k=st.integers(0, 3), a=st.integers(0, 3))
+    def accept(self, slot, k, a):
+        self._do_accept(slot, k, a)
+
+    def _do_accept(self, slot, k, a):
+        """accept is justified only right after a complete verify block of exactly k + 1 rows."""
+        before = self.state
+        active, lens = self._h("active"), self._h("kv_lens")
+        lo, _ = self.step[slot]
+        n = int(lens[slot])
+        if a > k or k > self.cfg.max_draft_len:
+            bad = True
+        elif a == k:
+            bad = False
+        else:
+            floor = self.floor[slot] if active[slot] else n
+            bad = (lo < 0 or n - lo != k + 1 or not self._step_complete(slot) or n + a - k < floor)
+        exp = ERR_BAD_CORRECTION if bad else 0
+        after = _adv_accept(before, jnp.asarray([slot], jnp.int32), jnp.asarray([a], jnp.int32),
+                            jnp.asarray([k], jnp.int32))
+        self._check(before, after, exp, {slot})
+        if not exp and a < k:
+            self._done("accept dropping drafts")
+            self.step[slot] = (-1, frozenset())
+        return exp
+
+    @rule(data=st.data())
+    def speculative_story(self, data):
+        """Valid work, so it is exercised often: a verify block written layer by layer (an accept drawn between
+        the layers is refused), accept, fork, a legal rewind of either copy and its re-append; every step goes
+        through the same model as the random rules above."""
+        active, lens = self._h("active"), self._h("kv_lens")
+        live = [s for s in range(AS) if active[s]]
+        free = [s for s in range(AS) if not active[s]]
+        if not live:
+            if free:
+                self.admit_release(free[0], True)
+            return
+        src = data.draw(st.sampled_from(live))
+        n, mdl = int(lens[src]), self.cfg.max_draft_len
+        k = data.draw(st.integers(0, mdl))
+        seqs, poss = [src] * (k + 1), list(range(n, n + k + 1))
+        per_layer = data.draw(st.booleans())
+        if self._do_append(seqs, poss, 0 if per_layer else None):
+            return
+        if per_layer:
+            if data.draw(st.booleans()) and k:
+                self._do_accept(src, k, 0)                    # between the layers: refused by the model
+            self._do_append(seqs, poss, 1)
+        self._do_accept(src, k, data.draw(st.integers(0, k)))
+        if free and data.draw(st.booleans()):
+            self._do_fork(src, free[0])
+        pick = data.draw(st.sampled_from([src] + ([free[0]] if free and self._h("active")[free[0]] else [])))
+        r = data.draw(st.integers(1, max(mdl, 1)))
+        if not self._do_rewind(pick, -r):
+            m = int(self._h("kv_lens")[pick])
+            self._do_append([pick] * r, list(range(m, m + r)), None)
 
     @invariant()
     def allocator_consistent(self):
@@ -573,10 +687,38 @@ class AdversarialMachine(RuleBasedStateMachine):
 def test_adversarial_state_machine_2000_steps():
     import time
     ADV_STEPS[:] = [0, 0]
+    ADV_DONE.clear()
     t0 = time.perf_counter()
     run_state_machine_as_test(AdversarialMachine, settings=settings(
         max_examples=130, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)))
     elapsed = time.perf_counter() - t0
-    print(f"adversarial machine: {ADV_STEPS[0]} steps ({ADV_STEPS[1]} refused) in {elapsed:.1f}s")
+    print(f"adversarial machine: {ADV_STEPS[0]} steps ({ADV_STEPS[1]} refused) in {elapsed:.1f}s; {ADV_DONE}")
     assert ADV_STEPS[0] >= 2000, ADV_STEPS[0]
+    for kind in ("fork", "rewind", "accept dropping drafts", "re-append over rewound rows"):
+        assert ADV_DONE.get(kind, 0) >= 20, ADV_DONE                  # valid forks / rewinds / re-appends ran
     assert 0.2 < ADV_STEPS[1] / ADV_STEPS[0] < 0.85, ADV_STEPS     # both refusals and accepted steps exercised
+
+
+# ------------------------------------------------------------------------------------------------ the position rule
+from jmixedkv import checks as checks_mod  # noqa: E402
+
+_jit_rule = jax.jit(lambda s, p, n: checks_mod.position_rule(s, p, n, 3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(toks=st.lists(st.tuples(st.integers(-1, 2), st.integers(0, 9)), min_size=1, max_size=7),
+       lens=st.lists(st.integers(0, 9), min_size=3, max_size=3))
+def test_position_rule_one_definition_host_and_jit(toks, lens):
+    """`checks.position_rule` is the rule for both the host mirror (NumPy) and the jitted append (jnp): the two
+    agree with each other and with a plain per-slot reading of the rule."""
+    seq = np.array([t[0] for t in toks], np.int32)
+    pos = np.array([t[1] for t in toks], np.int32)
+    n = np.array(lens, np.int32)
+    host = checks_mod.position_rule(seq, pos, n, 3, np)
+    dev = _jit_rule(jnp.asarray(seq), jnp.asarray(pos), jnp.asarray(n))
+    for h, d in zip(host, dev):
+        np.testing.assert_array_equal(h, np.asarray(d))
+    for s in range(3):
+        p = np.sort(pos[seq == s])
+        assert host[0][s] == bool(p.size and (np.diff(p) != 1).any())
+        assert host[1][s] == bool(p.size and not p[0] <= n[s] <= p[-1] + 1)

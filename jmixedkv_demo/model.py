@@ -32,13 +32,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from . import levers, numerics
-from .config import KVCacheConfig
-from .decode import attention_reference
-from .staging import stage_reference
-from .pools import pytree
-from .rope import RopeSpec, apply_rope
-from .state import GroupSpec, admit, append, init_state
+from jmixedkv import levers, numerics
+from jmixedkv.config import KVCacheConfig
+from jmixedkv.decode import attention_reference
+from jmixedkv.staging import stage_reference
+from jmixedkv.pools import pytree
+from jmixedkv.rope import RopeSpec, apply_rope
+from jmixedkv.state import GroupSpec, admit, append, init_state
 
 __all__ = ["ModelConfig", "Decoder", "init_params", "GenerationResult", "build_generate", "generate",
            "cache_shape", "exact_prefill", "score_decode", "sim_knobs", "calibrate",
@@ -116,16 +116,20 @@ class CacheSession:
         self.state = append(self.state, layer, k.reshape(b * t, h, d), v.reshape(b * t, h, d), seq,
                             positions.reshape(-1))     # rotation (lever) is applied by append
         dtype = cfg.attention_dtype
-        # readers take queries in the attention dtype (as the fused kernel does); rotated like the stored K
-        q = levers.rotate(q, cfg.rotation).astype(dtype)
+        # readers take queries in the attention dtype (as the fused kernel does)
         if t == 1 and self.attention != "reference":
-            from .decode import decode_attention
+            from jmixedkv.decode import decode_attention
             backend = "pallas" if self.attention == "fused" else "auto"
-            out, _ = decode_attention(self.state, layer, q, self.seq_slots, backend=backend)
+            # model-space q and output: a rotation lever is applied and undone inside `decode_attention`
+            out, _ = decode_attention(self.state, layer, q.astype(dtype), self.seq_slots, backend=backend)
+            out = out.astype(dtype).astype(jnp.float32)
         else:
-            staged = stage_reference(self.state, layer, self.seq_slots)     # [B, kv, H, S, D]
+            # the rows as stored (rotated by a rotation lever): q rotated like the stored K, the output un-rotated
+            # (the Hadamard is its own inverse), as `SimulatedDecodeSession` computes
+            q = levers.rotate(q, cfg.rotation).astype(dtype)
+            staged = stage_reference(self.state, layer, self.seq_slots, as_stored=True)     # [B, kv, H, S, D]
             out, _ = attention_reference(q, staged[:, 0], staged[:, 1], self.state.kv_lens[self.seq_slots])
-        out = levers.rotate(out.astype(dtype).astype(jnp.float32), cfg.rotation)     # un-rotate (self-inverse)
+            out = levers.rotate(out.astype(dtype).astype(jnp.float32), cfg.rotation)
         self.outputs.append(out)
         return out
 
@@ -243,7 +247,7 @@ def with_scales(state, scales):
     """``state`` with traced per-layer K/V scales in its pools (``init_state`` takes only concrete ones):
     ``scales["gs"] f32[L, 2]`` -> NVFP4 decode global scale, ``scales["high"] f32[L, 2]`` -> FP8 twin / plain
     scale (ignored by bf16 / fp16 pools). Call it before anything is appended."""
-    from .pools import GroupPools
+    from jmixedkv.pools import GroupPools
     rep_ = lambda pool, f, x: None if pool is None else dataclasses.replace(  # noqa: E731
         pool, **{f: jnp.broadcast_to(jnp.asarray(x, jnp.float32), getattr(pool, f).shape)})
     return dataclasses.replace(state, pools=tuple(
@@ -453,8 +457,8 @@ def sim_knobs(cache_cfg: KVCacheConfig, model_cfg: ModelConfig) -> dict:
 
 def _views(rows, high_dtype, attn_dtype, gs, hs, block_scale="max6"):
     """(low view, high view) of rows ``f32[..., 2, H, D]`` as the cache serves them (attention dtype)."""
-    from . import nvfp4
-    from .pools import decode_rows, encode_rows
+    from jmixedkv import nvfp4
+    from jmixedkv.pools import decode_rows, encode_rows
     data, sc = nvfp4.quantize_reference(rows, gs[:, None], block_scale)
     low = nvfp4.dequantize_reference(data, sc, gs[:, None], attn_dtype)
     high = decode_rows(encode_rows(rows, high_dtype, hs), hs, attn_dtype)
@@ -464,7 +468,7 @@ def _views(rows, high_dtype, attn_dtype, gs, hs, block_scale="max6"):
 def calibrate(prefix, knobs):
     """Per-layer K/V scales from the prefix rows after the levers: ``{"gs": f32[L, 2], "high": f32[L, 2]}``
     (NVFP4 decode global scale ``amax / 2688``, FP8 scale ``amax / 448``; 1.0 where amax is 0)."""
-    from . import nvfp4
+    from jmixedkv import nvfp4
     k = prefix["k"] - knobs["smooth"] * jnp.mean(prefix["k"], axis=2, keepdims=True)
     rot = knobs["rot"]
     hi = jax.lax.Precision.HIGHEST
@@ -555,13 +559,13 @@ def token_metrics(logits, ref_logits, targets) -> dict:
 
 
 def builtin_text(name: str) -> str:
-    """A text shipped with the package (``jmixedkv/data/NAME.txt``): ``"prose"`` (English prose paragraphs of the
-    Python Language Reference, from CPython's ``pydoc_data``) or ``"code"`` (a snapshot of this package's Python
+    """A text shipped with the package (``jmixedkv_demo/data/NAME.txt``): ``"prose"`` (English prose paragraphs of the
+    Python Language Reference, from CPython's ``pydoc_data``) or ``"code"`` (a snapshot of the jmixedkv library's Python
     source). Nothing is downloaded."""
     from importlib import resources
-    path = resources.files("jmixedkv").joinpath("data", f"{name}.txt")
+    path = resources.files("jmixedkv_demo").joinpath("data", f"{name}.txt")
     if not path.is_file():
-        avail = sorted(p.name[:-4] for p in resources.files("jmixedkv").joinpath("data").iterdir()
+        avail = sorted(p.name[:-4] for p in resources.files("jmixedkv_demo").joinpath("data").iterdir()
                        if p.name.endswith(".txt"))
         raise ValueError(f"unknown built-in text {name!r}; available: {avail}")
     return path.read_text(encoding="utf-8")

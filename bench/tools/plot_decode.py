@@ -3,7 +3,7 @@
 Reads every ``decode_bench*.json`` under ``--json-dir`` (written by `bench/decode_bench.py`; rows of several runs
 are merged, the latest run wins for a repeated shape) and writes ``decode_attention.png`` under ``--out``.
 
-Usage: ``python3 bench/plot_decode.py --json-dir DIR [--out DIR]``
+Usage: ``python3 bench/tools/plot_decode.py --json-dir DIR [--out DIR]``
 """
 from __future__ import annotations
 

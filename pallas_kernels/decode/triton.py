@@ -1,4 +1,4 @@
-"""Fused paged decode attention over NVFP4 pages with in-kernel retained rows (Pallas Triton).
+"""Fused paged decode attention over NVFP4 pages with in-kernel retained rows: the Pallas Triton backend.
 
 One kernel family, three page formats chosen statically by which pools are given:
 
@@ -22,10 +22,11 @@ masks, rows ``>= n`` zeroed in V, so NaN-poisoned rows are never multiplied, wha
 *interior* blocks run a step with no branch, no mask and no twin load, so the loop body is straight-line code that
 Triton can software-pipeline (``num_stages``).
 
-Column groups (``col_groups``; NVFP4 K / V pages with ``Tq * G <= 8`` real rows of the 16): the padding rows of the
-MMA hold replicas of the real query rows, and replica ``j`` accumulates only V's column group ``j`` (its P rows
-masked to zero for the other groups), so the f32 output accumulator shrinks by ``col_groups`` at the same MMA work;
-the wrapper reassembles the columns and takes ``m`` / ``l`` from replica 0 (all replicas compute identical logits).
+Column groups (`TritonConfig.col_groups`; NVFP4 K / V pages with ``Tq * G <= 8`` real rows of the 16): the padding
+rows of the MMA hold replicas of the real query rows, and replica ``j`` accumulates only V's column group ``j`` (its P
+rows masked to zero for the other groups), so the f32 output accumulator shrinks by ``col_groups`` at the same MMA
+work; the wrapper reassembles the columns and takes ``m`` / ``l`` from replica 0 (all replicas compute identical
+logits).
 
 NVFP4 pages never interleave nibbles: the low nibbles of a row are its even columns, the high nibbles its odd
 columns (``QK^T = q_e K_e^T + q_o K_o^T``; ``PV`` gives the even and odd output columns separately). A program
@@ -36,10 +37,12 @@ exact) with 4 integer ops per element, one f16 -> f32 convert, one multiply by t
 ``f32(s) * (2^14 * gs)`` (a ``[tokens, D/16]`` tile broadcast over 8 bytes), one cast to the attention dtype. This
 equals `jmixedkv.nvfp4.dequantize_reference`'s ``(e2m1 * f32(s)) * gs`` except for a rare double rounding of
 ``s * gs`` (<= 1 f32 ulp before the cast).
-``precise=True`` splits the probabilities into two attention-dtype halves for the P @ V product, so the output
+`TritonConfig.precise` splits the probabilities into two attention-dtype halves for the P @ V product, so the output
 error is dominated by the final rounding (``precise=False`` is ~1e-3 relative L2 from the rounded reference).
 
-Entry: `paged_decode_attention` (raw arrays; used by `jmixedkv.decode.decode_attention` and the bench).
+Entries (raw arrays, one `TritonConfig`): `paged_decode_attention` (merged output and LSE) and
+`paged_decode_partials` (the split partials; with ``skip_interior`` the edge blocks only, for the Mosaic GPU
+backend, `pallas_kernels.decode.mosaic_sm90`). The public entry point is `pallas_kernels.decode.paged_decode_attention`.
 """
 from __future__ import annotations
 
@@ -52,80 +55,17 @@ from jax import lax
 
 from jmixedkv.compat import pl, pltriton, triton_params
 from jmixedkv.layout import TwinGeometry, check_offsets
+from pallas_kernels.decode.common import (LOW_DOMAIN, M_INIT, f16_queries, group_queries, interior_blocks,
+                                          merge_partials, next_pow2, pages_per_block, ungroup_rows)
+from pallas_kernels.decode.config import TritonConfig, triton_num_splits, triton_tuning
 from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
-__all__ = ["paged_decode_attention", "merge_partials", "normalize_merged", "group_queries", "ungroup_rows",
-           "f16_queries", "default_num_splits", "default_tuning", "NUM_SMS", "DEFAULT_BLOCK_K", "DEFAULT_NUM_WARPS",
-           "WIDE_GRID_TUNING", "VERIFY_GRID_TUNING", "interior_blocks", "pages_per_block"]
+__all__ = ["paged_decode_attention", "paged_decode_partials", "split_row_loads"]
 
-NUM_SMS = 132          # H200
-_M_INIT = -1e30        # finite running-max start: fully masked rows keep l == 0 and never produce NaN
 _dot = getattr(pltriton, "dot", None) or pl.dot
-# tokens per inner step and warps per program when block_k / num_warps are None: the fastest in the H200 sweeps of
-# bench/decode_bench.py (NVFP4 pages 64 tokens / 2 warps / 3 stages; plain bf16 pages 128 / 4 / 3; figures in
-# bench/RESULTS.md)
-DEFAULT_BLOCK_K = {"nvfp4": 64, "plain": 128}
-DEFAULT_NUM_WARPS = {"nvfp4": 2, "plain": 4}
-# NVFP4 pages with many (row, head) programs (batch x kv heads >= NUM_SMS / 2), pages <= 32 and at most 8 real query
-# rows in the MMA's 16 (Tq * G <= 8, so column groups put the padding rows to work): 32-token steps, one warp per
-# program, V read late, ~4 programs per SM rounded up to a power of two of splits (about one resident wave: every
-# configuration compiles to 255 registers per thread, 8 warps per SM), so splits are long and column groups apply
-# from 1024 tokens per split. In the bench/decode_sweep.py runs of 2026-11-30 (fifth session) this beat 16 programs
-# per SM at 16 x 4k, 16 x 32k (GQA 4 and 8), 64 x 4k and 64 x 8k and tied at 64 x 32k; batch 1 keeps 64 / 2.
-# With 16 real rows (Tq 4 x GQA 4: no padding rows) it lost to 64 / 2 at 16 x 32k (2026-12-01; bench/RESULTS.md).
-WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=4)
-# Same grid, 32 query rows per program (Tq * G in 17..32, e.g. Tq 4 x GQA 8 verify steps): 32-token steps, two
-# warps, faster than 64 / 2 at 16 x 32k (bench/decode_sweep.py, 2026-12-01; timings in bench/RESULTS.md).
-VERIFY_GRID_TUNING = dict(block_k=32, num_warps=2, per_sm=4)
-
-
-def default_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int, rows: Optional[int] = None):
-    """``(block_k, num_warps, programs per SM)`` the kernel uses when the caller leaves them out: `fmt_key`
-    ``"nvfp4"`` | ``"plain"``, ``m_rows`` = query rows per program (``Tq * G`` padded to a power of two >= 16),
-    ``rows`` = the real ones, ``Tq * G`` (default ``m_rows``)."""
-    rows = m_rows if rows is None else rows
-    wide = fmt_key == "nvfp4" and batch * num_kv_heads >= NUM_SMS // 2 and page <= 32
-    t = (WIDE_GRID_TUNING if (wide and m_rows == 16 and rows <= 8) else
-         VERIFY_GRID_TUNING if (wide and m_rows == 32) else None)
-    if t is not None:
-        return t["block_k"], t["num_warps"], t["per_sm"]
-    return DEFAULT_BLOCK_K[fmt_key], DEFAULT_NUM_WARPS[fmt_key], 4
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_sm: int = 4) -> int:
-    """Splits so that the grid has ~``per_sm`` programs per SM, never more than the page blocks of the longest
-    sequence (and at most 64)."""
-    programs = max(1, batch * num_kv_heads)
-    want = max(1, -(-per_sm * NUM_SMS // programs))
-    return int(max(1, min(_next_pow2(want), max_blocks, 64)))
-
-
-def pages_per_block(block_k: int, page: int) -> int:
-    """Pages per kernel step for a requested ``block_k`` (tokens): whole pages, at least one and at least 16 tokens
-    (the smallest dot); the step is ``pages_per_block(block_k, page) * page`` tokens."""
-    return max(1, block_k // page, -(-16 // page))
-
-
-def interior_blocks(n, k_tok: int, tq: int, geom: Optional[TwinGeometry] = None, window: Optional[int] = None):
-    """The *clean* blocks ``[i0, i1)`` (``k_tok`` tokens each) of a sequence of length ``n`` (int32 scalar or array):
-    every key visible to every one of the ``Tq`` queries, no retained row (first_n / last_n of ``geom``, the twin's
-    geometry when one is read), no row at or past ``n``. Empty when ``i1 <= i0``. The kernel runs the other blocks
-    (the *edge* blocks) with masks and the twin overlay; `pallas_kernels.decode_mgpu` attends ``[i0, i1)`` itself."""
-    c_lo = geom.first_n if geom is not None else 0
-    if window is not None:
-        c_lo = jnp.maximum(c_lo, n - window)
-    c_hi = jnp.minimum(n - (geom.last_n if geom is not None else 0), n - tq + 1)
-    return (jnp.maximum(c_lo, 0) + k_tok - 1) // k_tok, jnp.maximum(c_hi, 0) // k_tok
 
 
 # --------------------------------------------------------------------------------------------- in-kernel helpers
-LOW_DOMAIN = 128.0     # low rows dequantize to x / (gs * 2^7) in f16 (e2m1 * 2^-14 times e4m3 * 2^7: exact)
-
-
 def _dequant_low(data_ref, scales_ref, layer, ids, kvi, k_tok, d, use_asm: bool, group: int = 0, groups: int = 1):
     """NVFP4 rows of pages ``ids`` -> ``(even, odd)`` columns, each f16 ``[k_tok, d/2/groups]``, in the *low domain*
     ``x / (gs * 2^7)`` (``gs`` is applied by the caller: folded into the logit scale for K and the output scale
@@ -180,7 +120,7 @@ def split_row_loads(skip_interior: bool, k_tok: int) -> bool:
     """Whether the kernel reads row-pool (twin) tiles with one contiguous load split in registers (`_load_rows`'
     ``split``) rather than two loads at stride 2: only in the edge-only kernel (``skip_interior``) with steps of at
     least 32 tokens, where the H200 measured it faster; slower with 16-token steps and in the whole Triton kernel
-    (bench/RESULTS.md, 2026-12-03 nineteenth)."""
+    (bench/RESULTS.md)."""
     return skip_interior and k_tok >= 32
 
 
@@ -341,9 +281,9 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     edge_body = lambda i, carry: step(i, carry, True)    # noqa: E731
     clean_body = lambda i, carry: step(i, carry, False)  # noqa: E731
     init = (tuple(jnp.zeros((dp, m_rows) if keys_major else (m_rows, dp // groups), jnp.float32) for _ in range(parts)),
-            jnp.full((m_rows,), _M_INIT, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
+            jnp.full((m_rows,), M_INIT, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
     carry = lax.fori_loop(start, a, edge_body, init)          # head: first_n / window edge
-    if not skip_interior:     # (skipped: another kernel attends the interior, `paged_decode_attention_mgpu`)
+    if not skip_interior:     # (skipped: another kernel attends the interior, `mosaic_sm90`)
         carry = lax.fori_loop(a, c, clean_body, carry)        # interior: no masks, no twin, pipelined loads
     o, m, l = lax.fori_loop(c, e, edge_body, carry)           # tail: last_n window, causal, rows past n
     for p in range(parts):
@@ -355,134 +295,16 @@ def _kernel(layer_ref, q_ref, qlow_ref, rowmul_ref, pt_ref, len_ref, ht_ref, low
     m_ref[...] = m
     l_ref[...] = l
 
-
 # --------------------------------------------------------------------------------------------------- wrapper
-def group_queries(q, num_kv_heads: int):
-    """``q [B, Tq, Hq, D]`` -> ``[B, H, Tq * G, D]`` (``G = Hq / H``): each KV head's query rows, row ``t * G + g``."""
-    b, tq, hq, d = q.shape
-    g = hq // num_kv_heads
-    return q.reshape(b, tq, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, tq * g, d)
-
-
-def ungroup_rows(out, lse, tq: int, group: int):
-    """Inverse of `group_queries` for merged rows ``out [B, H, >= Tq * G, D]``, ``lse [B, H, >= Tq * G]`` (padding
-    rows dropped) -> ``(out [B, Tq, Hq, D], lse [B, Tq, Hq])``."""
-    b, h, _, d = out.shape
-    n = tq * group
-    out = out[:, :, :n].reshape(b, h, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, h * group, d)
-    lse = lse[:, :, :n].reshape(b, h, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, h * group)
-    return out, lse
-
-
-def f16_queries(qf, rows_share_shift: bool = False):
-    """float32 query rows ``[..., D]`` -> ``(rows * 2^shift in f16, shift i32[...])``: each row scaled by a power of
-    two into ``[2^7, 2^8)`` (exact) for the f16 dot with low-domain NVFP4 rows; the caller applies ``2^-shift`` to
-    the float32 logits. ``rows_share_shift``: one shift for all rows of ``qf[..., R, D]`` (the largest row's), so
-    that the logits' multiplier is one number per ``[R, D]`` group (a row 2^k smaller than the largest then has 2^k
-    less room above f16's subnormals: its elements below about 2^(k - 21) of its own largest lose bits, against
-    2^-21 with a shift of its own). The shared shift is taken over the finite rows only: a row holding inf / NaN
-    stays non-finite itself and does not push the other rows past f16's range."""
-    amax = jnp.max(jnp.abs(qf), axis=-1)
-    if rows_share_shift:
-        # the barrier keeps XLA from fusing the rows' reduction into the shared one: fused, XLA's GPU emitter ran
-        # both as one slow kernel at 8 rows per KV head (bench/RESULTS.md 2026-12-03 eighteenth)
-        amax = lax.optimization_barrier(amax)
-        finite = jnp.where(jnp.isfinite(amax), amax, 0.0)
-        amax = jnp.broadcast_to(jnp.max(finite, axis=-1, keepdims=True), amax.shape)
-    _, ex = jnp.frexp(amax)
-    shift = 8 - ex
-    return jnp.ldexp(qf, shift[..., None]).astype(jnp.float16), shift
-
-
-def merge_partials(o, m, l):
-    """Merge split partials ``o f32[S,...,D]`` (unnormalized), ``m, l f32[S,...]`` -> ``(out f32[...,D], lse)``.
-
-    Rows that saw no key give ``out = 0`` and ``lse = -inf``."""
-    m_g = m.max(axis=0)
-    w = jnp.exp(m - m_g[None])
-    return normalize_merged((w[..., None] * o).sum(axis=0), m_g, (w * l).sum(axis=0))
-
-
-def normalize_merged(o_g, m_g, l_g):
-    """Merged sums -> ``(out, lse)``: ``out = o_g / l_g``, ``lse = m_g + log(l_g)``; rows with ``l_g == 0`` (no key
-    seen) give ``out = 0`` and ``lse = -inf``. ``o_g f32[..., D]``, ``m_g, l_g f32[...]``."""
-    ok = l_g > 0
-    out = jnp.where(ok[..., None], o_g / jnp.where(ok, l_g, 1.0)[..., None], 0.0)
-    lse = jnp.where(ok, m_g + jnp.log(jnp.where(ok, l_g, 1.0)), -jnp.inf)
-    return out, lse
-
-
 def _pad_cols(x, multiple, fill):
     pad = -x.shape[1] % multiple
     return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "geom", "sm_scale", "sliding_window", "soft_cap", "num_splits",
-    "block_k", "num_warps", "num_stages", "precise", "interpret", "out_dtype", "dequant", "keys_major", "v_late",
-    "col_groups", "skip_interior", "partials_only", "interior_tokens"))
-def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
-                           geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
-                           sliding_window: Optional[int] = None,
-                           soft_cap: Optional[float] = None, num_splits: Optional[int] = None,
-                           block_k: Optional[int] = None,
-                           num_warps: Optional[int] = None, num_stages: int = 3, precise: Optional[bool] = None,
-                           interpret: bool = False, out_dtype=None, dequant: Optional[str] = None,
-                           keys_major: bool = False, v_late: Optional[bool] = None,
-                           col_groups: Optional[int] = None, skip_interior: bool = False,
-                           partials_only: bool = False, interior_tokens: Optional[int] = None):
-    """Paged decode / verify attention over raw pool arrays (one layer).
-
-    Args:
-      q: ``[B, Tq, Hq, D]`` queries in the attention dtype (bf16 / fp16); ``Hq % H == 0``.
-      page_table: i32[B, max_pages] low (or plain) page id of each batch row's page ``j`` (-1 = none).
-      kv_lens: i32[B] lengths ``n`` (0 for padding rows).
-      layer: layer index into the pools' leading axis (int or traced i32).
-      low: ``(data u8[L,P,kv,H,page,D/2], scales e4m3[L,P,kv,H,page,D/16], gs f32[L,kv])``; None for plain
-        pages (`jmixedkv.pools.kernel_arrays` of a `LowPool`).
-      high: ``(rows dtype[L,Ph,kv,H,page,D], scale f32[L,kv])``: the retained twin (optional).
-      plain: ``(rows, scale)``: plain pages (exclusive with ``low``).
-      high_table: i32[B, F + R] high page ids (needed with ``high``).
-      geom: the twin's static `jmixedkv.layout.TwinGeometry` (`KVCacheConfig.twin`; needed with ``high``).
-      num_splits: split-K programs per (row, head); None = `default_num_splits` (~4 programs per SM, rounded up
-        to a power of two of splits).
-      block_k: tokens per inner step (``max(1, block_k // page)`` pages, at least 16 tokens); None =
-        `DEFAULT_BLOCK_K` of the format (64 for NVFP4 pages, 128 for plain row pages), or 32 for NVFP4 pages
-        <= 32 tokens and batch x kv heads >= 66 with ``Tq * G <= 8`` (`WIDE_GRID_TUNING`) or ``Tq * G`` in
-        17..32 (`VERIFY_GRID_TUNING`): `default_tuning`.
-      num_warps: Triton warps per program; None = `DEFAULT_NUM_WARPS` of the format (2 NVFP4, 4 plain; 1 with
-        `WIDE_GRID_TUNING`, 2 with `VERIFY_GRID_TUNING`).
-      num_stages: software-pipelining depth of the interior loop.
-      precise: P @ V with P split into two halves of the MMA dtype (f16 for NVFP4 pages, the attention dtype for
-        plain pages), so the output error is that of float32 accumulation. None (default): True for a float32
-        ``out_dtype`` or bf16 plain pages, else False (f16 P leaves ~1e-4 relative error, well below a bf16 / fp16
-        output's rounding; bf16 P would leave ~1e-3).
-      out_dtype: output dtype (default ``q.dtype``).
-      dequant: NVFP4 dequantization form, ``"asm"`` (packed inline PTX; the default when compiled) or ``"jnp"``
-        (the same arithmetic in plain ops; the only form in interpret mode).
-      keys_major: compute the scores transposed, ``[keys, M] = K q^T`` and ``o^T = V^T P^T``, so the key tiles
-        are the MMA's A operand (the query rows its N side) instead of its B operand.
-      v_late: read and dequantize V after the softmax of each step instead of beside K (fewer live registers,
-        fewer spills); None = True for NVFP4 pages (measured faster on the H200), False for plain pages.
-      col_groups: put the padding rows of the MMA to work: with ``Tq * G`` (rounded up to a power of two, ``r``)
-        <= 8 of the 16 query rows real, the rows hold ``col_groups`` replicas of the ``r`` query rows and replica
-        ``j`` accumulates only V's column group ``j`` (``D / 2 / col_groups`` even and odd columns), so the output
-        accumulator is ``col_groups`` times smaller at the same MMA work. None = the largest power of two with
-        ``col_groups * r <= 16`` and ``>= 16`` columns per group for NVFP4 K / V pages with 32-token steps, one
-        warp (`WIDE_GRID_TUNING`) and >= 1024 tokens per split (there it is faster on the H200; with 64-token steps
-        or short splits it is slower), else 1.
-      skip_interior: attend only the *edge* blocks of each sequence (those before and after `interior_blocks`'
-        range; each split skips its part of that range, so over all splits exactly that range is skipped), for a
-        caller that attends the interior with another kernel and merges (`pallas_kernels.decode_mgpu`).
-      interior_tokens: with ``skip_interior``, the block size (tokens) in which the other kernel counts the
-        interior (`interior_blocks` with that block; a multiple of this kernel's block); None = this kernel's block.
-      partials_only: return the unnormalized split partials ``(o f32[S, B, H, R, D], m, l f32[S, B, H, R])``
-        (natural-log ``m``; rows ``t * G + g`` of each KV head, ``R >= Tq * G``) instead of the merged result.
-
-    Returns:
-      ``(out [B, Tq, Hq, D] out_dtype, lse f32[B, Tq, Hq])``: natural-log LSE of the scaled (capped) logits;
-      rows with no visible key give zeros and ``-inf``.
-    """
+def _partials(q, page_table, kv_lens, layer, low, high, plain, high_table, *, geom, sm_scale, sliding_window,
+              soft_cap, interpret, out_dtype, config: TritonConfig, skip_interior: bool, interior_tokens):
+    """The kernel call: ``(o f32[S, B, H, R, D], m, l f32[S, B, H, R])`` (see `paged_decode_partials`)."""
+    config = TritonConfig() if config is None else config
     low, high, plain = (None if x is None else tuple(x) for x in (low, high, plain))
     if (low is None) == (plain is None):
         raise ValueError("paged_decode_attention: pass exactly one of low= (NVFP4 pages) or plain= (row pages)")
@@ -493,47 +315,47 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     dtype = jnp.dtype(q.dtype)
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     fmt_key = "nvfp4" if low is not None else "plain"
-    m_rows = _next_pow2(max(16, tq * group))
-    tuned_k, tuned_w, per_sm = default_tuning(fmt_key, b, h, page, m_rows, tq * group)
-    block_k = tuned_k if block_k is None else block_k
-    num_warps = tuned_w if num_warps is None else num_warps
-    v_late = low is not None if v_late is None else bool(v_late)
-    if block_k < 1 or num_warps < 1 or num_stages < 1:
-        raise ValueError(f"paged_decode_attention: block_k={block_k}, num_warps={num_warps}, "
-                         f"num_stages={num_stages} must be >= 1")
+    m_rows = next_pow2(max(16, tq * group))
+    tuned_k, tuned_w, per_sm = triton_tuning(fmt_key, b, h, page, m_rows, tq * group)
+    block_k = tuned_k if config.block_k is None else config.block_k
+    num_warps = tuned_w if config.num_warps is None else config.num_warps
+    num_stages, keys_major = config.num_stages, config.keys_major
+    v_late = low is not None if config.v_late is None else config.v_late
     nb = pages_per_block(block_k, page)
     k_tok = nb * page
     if interior_tokens is not None and (not skip_interior or interior_tokens % k_tok):
         raise ValueError(f"paged_decode_attention: interior_tokens={interior_tokens} needs skip_interior=True and a "
                          f"multiple of the block ({k_tok} tokens)")
     max_blocks = max(1, -(-page_table.shape[1] // nb))
-    splits = default_num_splits(b, h, max_blocks, per_sm) if num_splits is None else int(num_splits)
+    splits = triton_num_splits(b, h, max_blocks, per_sm) if config.num_splits is None else int(config.num_splits)
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     parts = 2 if low is not None else 1          # NVFP4: even / odd columns (low / high nibbles) kept apart
     dp = d // parts
-    rep = _next_pow2(tq * group)                 # query rows of one replica (column groups)
+    rep = next_pow2(tq * group)                  # query rows of one replica (column groups)
     fit = 1 if (low is None or keys_major or kv_factor != 2) else max(1, min(m_rows // rep, dp // 16))
+    col_groups = config.col_groups
     if col_groups is None:       # measured faster only with one-warp programs of 32-token steps and >= 1024 tokens
         long_splits = max_blocks * k_tok >= 1024 * splits                  # per split (bench/RESULTS.md)
         col_groups = fit if (k_tok == 32 and num_warps == 1 and long_splits) else 1
     col_groups = int(col_groups)
-    if col_groups < 1 or col_groups & (col_groups - 1) or col_groups > fit:
+    if col_groups > fit:
         raise ValueError(f"paged_decode_attention: col_groups={col_groups} must be a power of two <= {fit} here "
                          f"(Tq * G = {tq * group} of {m_rows} rows, head_dim {d}, keys_major={keys_major})")
     rep = rep if col_groups > 1 else m_rows
 
+    precise = config.precise
     if precise is None:       # f16 P (NVFP4 pages) is fine for 16-bit outputs; bf16 P (plain bf16 pages) is not
         precise = out_dtype == jnp.dtype(jnp.float32) or (low is None and dtype == jnp.dtype(jnp.bfloat16))
-    dequant = ("jnp" if interpret else "asm") if dequant is None else dequant
-    if dequant not in ("asm", "jnp") or (dequant == "asm" and interpret):
-        raise ValueError(f"paged_decode_attention: dequant={dequant!r} must be 'asm' (compiled) or 'jnp'")
+    dequant = ("jnp" if interpret else "asm") if config.dequant is None else config.dequant
+    if dequant == "asm" and interpret:
+        raise ValueError("paged_decode_attention: dequant='asm' (inline PTX) needs the compiled kernel; "
+                         "interpret mode runs 'jnp'")
 
     qg = jnp.pad(group_queries(q, h), ((0, 0), (0, 0), (0, rep - tq * group), (0, 0)))   # [B, H, rep, D]
     qg = jnp.tile(qg, (1, 1, col_groups, 1))                                 # column-group replicas
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, m_rows - qg.shape[2]), (0, 0)))   # [B, H, M, D]
     # keys-major programs take q split in parts, ``[B, H, parts, D/p, M]``; the others take ``[B, H, M, D]`` as is
-    # and read each part with a strided load (no XLA split of q: less XLA time per call, bench/RESULTS.md
-    # 2026-12-02 seventeenth)
+    # and read each part with a strided load (no XLA split of q: less XLA time per call)
     split = ((lambda x: x.reshape(b, h, m_rows, dp, parts).transpose(0, 1, 4, 3, 2)) if keys_major  # noqa: E731
              else (lambda x: x))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -574,8 +396,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     qtile = (dp, m_rows) if keys_major else (m_rows, dp)
     otile = (m_rows, dp // col_groups) if col_groups > 1 else qtile
     # one program's output written in natural column order, ``[M, D]`` (the parts interleaved by strided stores),
-    # where no replica / transposed tile needs the XLA re-interleave below (one XLA transpose per call fewer,
-    # bench/RESULTS.md 2026-12-02 seventeenth)
+    # where no replica / transposed tile needs the XLA re-interleave below (one XLA transpose per call fewer)
     interleaved = col_groups == 1 and not keys_major
     o_block = (None, None, None) + ((m_rows, d) if interleaved else (parts,) + otile)
     o_index = (lambda bi, hi, si: (si, bi, hi, 0, 0)) if interleaved else (lambda bi, hi, si: (si, bi, hi, 0, 0, 0))
@@ -630,7 +451,62 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         # rows (replica j, query row i) of column group j -> [S, B, H, rep, groups, D/parts/groups, parts]
         o = o[:, :, :, :, :col_groups * rep].reshape(splits, b, h, parts, col_groups, rep, dp // col_groups)
         o = o.transpose(0, 1, 2, 5, 4, 6, 3).reshape(splits, b, h, rep, d)    # re-interleave the columns
-    if partials_only:
-        return o, m[..., :rep], l[..., :rep]
-    out, lse = ungroup_rows(*merge_partials(o, m[..., :rep], l[..., :rep]), tq, group)
-    return out.astype(out_dtype), lse
+    return o, m[..., :rep], l[..., :rep]
+
+
+_STATIC = ("geom", "sm_scale", "sliding_window", "soft_cap", "interpret", "out_dtype", "config")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
+                           geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
+                           sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                           interpret: bool = False, out_dtype=None, config: Optional[TritonConfig] = None):
+    """Paged decode / verify attention over raw pool arrays (one layer), Pallas Triton kernel.
+
+    Args:
+      q: ``[B, Tq, Hq, D]`` queries in the attention dtype (bf16 / fp16); ``Hq % H == 0``.
+      page_table: i32[B, max_pages] low (or plain) page id of each batch row's page ``j`` (-1 = none).
+      kv_lens: i32[B] lengths ``n`` (0 for padding rows).
+      layer: layer index into the pools' leading axis (int or traced i32).
+      low: ``(data u8[L,P,kv,H,page,D/2], scales e4m3[L,P,kv,H,page,D/16], gs f32[L,kv])``; None for plain
+        pages (`jmixedkv.pools.kernel_arrays` of a `LowPool`).
+      high: ``(rows dtype[L,Ph,kv,H,page,D], scale f32[L,kv])``: the retained twin (optional).
+      plain: ``(rows, scale)``: plain pages (exclusive with ``low``).
+      high_table: i32[B, F + R] high page ids (needed with ``high``).
+      geom: the twin's static `jmixedkv.layout.TwinGeometry` (`KVCacheConfig.twin`; needed with ``high``).
+      sliding_window, soft_cap: optional attention options (a query at ``i`` sees ``i - window < p <= i``;
+        logits ``c * tanh(logits / c)``).
+      out_dtype: output dtype (default ``q.dtype``).
+      config: the `TritonConfig` (None: every default).
+
+    Returns:
+      ``(out [B, Tq, Hq, D] out_dtype, lse f32[B, Tq, Hq])``: natural-log LSE of the scaled (capped) logits;
+      rows with no visible key give zeros and ``-inf``.
+    """
+    o, m, l = _partials(q, page_table, kv_lens, layer, low, high, plain, high_table, geom=geom, sm_scale=sm_scale,
+                        sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
+                        out_dtype=out_dtype, config=config, skip_interior=False, interior_tokens=None)
+    pool = low[0] if low is not None else plain[0]
+    tq, group = q.shape[1], q.shape[2] // pool.shape[3]
+    out, lse = ungroup_rows(*merge_partials(o, m, l), tq, group)
+    return out.astype(q.dtype if out_dtype is None else jnp.dtype(out_dtype)), lse
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("skip_interior", "interior_tokens"))
+def paged_decode_partials(q, page_table, kv_lens, layer=0, low=None, high=None, plain=None, high_table=None, *,
+                          geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None,
+                          sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                          interpret: bool = False, out_dtype=None, config: Optional[TritonConfig] = None,
+                          skip_interior: bool = False, interior_tokens: Optional[int] = None):
+    """`paged_decode_attention`'s split partials before the merge: ``(o f32[S, B, H, R, D], m, l f32[S, B, H,
+    R])``, unnormalized, natural-log ``m``, rows ``t * G + g`` of each KV head (``R >= Tq * G``).
+
+    ``skip_interior``: attend only the *edge* blocks of each sequence (those before and after `interior_blocks`'
+    range; each split skips its part of that range, so over all splits exactly that range is skipped), for a caller
+    that attends the interior with another kernel and merges (`pallas_kernels.decode.mosaic_sm90`).
+    ``interior_tokens``: with ``skip_interior``, the block size (tokens) in which the other kernel counts the
+    interior (a multiple of this kernel's block); None = this kernel's block."""
+    return _partials(q, page_table, kv_lens, layer, low, high, plain, high_table, geom=geom, sm_scale=sm_scale,
+                     sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret, out_dtype=out_dtype,
+                     config=config, skip_interior=skip_interior, interior_tokens=interior_tokens)

@@ -1,19 +1,19 @@
-"""Instruction mix of one kernel from an Nsight Compute source page (SASS), for the decode-kernel work of issue 18.
+"""Instruction mix of one kernel from an Nsight Compute source page (SASS), for the decode-kernel work.
 
 On the GPU machine (ncu is in /usr/local/cuda/bin there)::
 
     ncu --kernel-name regex:mosaic --launch-count 1 --section SourceCounters --section WarpStateStats \\
-        -o $OUT/k -f python3 bench/_mgpu_once.py --batch 16 --context 32768
+        -o $OUT/k -f python3 bench/decode_bench.py --grid --batches 16 --contexts 32768 --geos 4/16/1 --out $OUT
     ncu -i $OUT/k.ncu-rep --page source --print-source sass --csv > $OUT/k_sass.csv
 
 then anywhere (no GPU needed)::
 
-    python bench/sass_mix.py k_sass.csv --units 262144 --unit-name "warp x 64-token block"
+    python bench/tools/sass_mix.py k_sass.csv --units 262144 --unit-name "warp x 64-token block"
 
 prints the executed warp-level instructions by opcode (with modifiers when ``--modifiers``), per ``--units`` (e.g.
 warps x blocks of the kernel's loop), the warp-stall reasons over all sampled instructions, and the most stalled
 instructions. ``--json`` writes the same numbers. Instructions predicated off in every thread still count: they
-take an issue slot (the point of the 2026-12-01 eighth-session finding in bench/RESULTS.md).
+take an issue slot (a finding recorded in bench/RESULTS.md).
 """
 from __future__ import annotations
 

@@ -1,0 +1,134 @@
+"""One layer of an engine's step as ONE jitted, donated program: append the step's K/V, then read the cache.
+
+An engine written around a per-layer ``attention(q, k, v)`` (transformers, a PyTorch engine over
+`interop.TorchKVCache`) calls the cache twice per layer and step: store the new rows, read for attention. Two
+programs per layer cost two dispatches and an intermediate state; these fuse them:
+
+* `append_attend`: `jmixedkv.state.append` then `jmixedkv.decode.decode_attention` (decode / speculative verify,
+  ``1 <= Tq <= max_draft_len + 1``), with the attention options models pass: ``sliding_window``, ``soft_cap`` and
+  per-head attention ``sinks`` (an extra logit per query head that takes softmax mass and gives no value: the
+  output scales by ``sigmoid(lse - sink)``; the returned LSE includes it).
+* `append_dense`: append then the dense K/V a reader sees, ``[B, H, width * page, D]`` for ``width`` pages per row
+  (static; the caller buckets it to the longest row), so the cost follows the tokens held, not the page table's
+  width.
+
+Both are jitted with the state donated (the pools update in place) and ``layer`` traced (every layer of a group
+shares one compilation; a new program per distinct static option or shape only). They do no host checks: the
+caller (`interop.TorchKVCache.plan_step`) validates a step's slots and positions once on the host, and a bad
+value met inside the program sets ``state.error`` with every sequence unchanged (`jmixedkv.state.append`) and
+NaN outputs for the rows it refuses (`decode_attention`), as the unfused ops do.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import state as st
+from .decode import decode_attention
+from .rope import RopeSpec
+from .staging import stage
+
+__all__ = ["append_only", "append_attend", "append_attend_packed", "append_dense", "dense_rows", "apply_sinks"]
+
+
+def _tokens(x):
+    """Rows of a step as tokens: ``[T, H, D]`` as is, or ``[B, H, T, D]`` (transformers' layout) as ``[B * T, H,
+    D]`` (token ``b * T + t``); the transpose is part of the caller's program (no copy outside it)."""
+    if x is None or x.ndim == 3:
+        return x
+    b, h, t, d = x.shape
+    return jnp.swapaxes(x, 1, 2).reshape(b * t, h, d)
+
+
+def _unpack(k, v, packed: bool):
+    """``packed``: ``k`` is ``[B, 2 H, T, D]``, K and V packed along the head axis (one engine buffer; ``v`` None)."""
+    if packed:
+        h = k.shape[1] // 2
+        return k[:, :h], k[:, h:]
+    return k, v
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("group", "rope", "backend", "packed"))
+def append_only(state, layer, k, v, seq, pos, *, group: int = 0, rope: Optional[RopeSpec] = None,
+                backend: str = "auto", packed: bool = False):
+    """`jmixedkv.state.append` of ``k, v`` (``[T, H, D]`` or ``[B, H, T, D]``, see `_tokens`) at ``seq`` / ``pos``
+    i32[T] without host checks (the caller checked them once per step); ``state`` donated. ``packed``: K and V
+    come as one ``[B, 2 H, T, D]`` buffer in ``k`` (``v`` None)."""
+    k, v = _unpack(k, v, packed)
+    return st.append_traced(state, layer, _tokens(k), _tokens(v), seq, pos, group=group, rope=rope, backend=backend)
+
+
+def apply_sinks(out, lse, sinks):
+    """Attention sinks as an LSE term: ``out [B, Tq, Hq, D]``, natural-log ``lse f32[B, Tq, Hq]``, ``sinks
+    [Hq]`` (one logit per query head, already on the scaled-logit scale) -> ``(out * sigmoid(lse - sink), lse')``
+    with ``lse' = logaddexp(lse, sink)``. A row with no visible key (``lse = -inf``) gives zeros."""
+    s = sinks.astype(jnp.float32)[None, None, :]
+    w = jax.nn.sigmoid(lse - s)
+    return (out.astype(jnp.float32) * w[..., None]).astype(out.dtype), jnp.logaddexp(lse, s)
+
+
+_ATTEND_STATIC = ("group", "rope", "backend", "sm_scale", "sliding_window", "soft_cap")
+
+
+def _append_attend(state, layer, k, v, seq, pos, q, rows, sinks=None, *, group: int = 0,
+                   rope: Optional[RopeSpec] = None, backend: str = "auto", sm_scale: Optional[float] = None,
+                   sliding_window: Optional[int] = None, soft_cap: Optional[float] = None):
+    if k.ndim == 4:
+        q = jnp.swapaxes(q, 1, 2)
+    state = st.append_traced(state, layer, _tokens(k), _tokens(v), seq, pos, group=group, rope=rope, backend=backend)
+    out, lse = decode_attention(state, layer, q, rows, group=group, sm_scale=sm_scale,
+                                sliding_window=sliding_window, soft_cap=soft_cap, backend=backend)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    return state, out, lse
+
+
+append_attend = jax.jit(_append_attend, donate_argnums=0, static_argnames=_ATTEND_STATIC)
+append_attend.__doc__ = """Append ``k, v`` (``[T, H, D]`` or ``[B, H, T, D]``) at ``seq`` / ``pos`` i32[T] (slot -1 =
+padding token) to ``layer``, then decode attention of ``q`` (attention dtype; ``[B, Tq, Hq, D]``, or with ``k`` in
+transformers' ``[B, H, T, D]`` layout, ``q [B, Hq, Tq, D]`` too) for batch rows ``rows`` i32[B] (-1 = padding).
+
+Returns ``(state, out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])`` (natural-log LSE; with ``sinks
+f32[Hq]`` the sink is part of both). ``state`` is donated."""
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("num_kv_heads",) + _ATTEND_STATIC)
+def append_attend_packed(state, layer, kvq, seq, pos, rows, sinks=None, *, num_kv_heads: int, **options):
+    """`append_attend` with K, V and Q packed along the head axis, ``kvq [B, 2 H + Hq, T, D]`` (transformers'
+    layout; one buffer crosses from the engine instead of three): ``k = kvq[:, :H]``, ``v = kvq[:, H:2H]``,
+    ``q = kvq[:, 2H:]``."""
+    h = num_kv_heads
+    return _append_attend(state, layer, kvq[:, :h], kvq[:, h:2 * h], seq, pos, kvq[:, 2 * h:], rows, sinks,
+                          **options)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("width", "group", "rope", "backend", "packed"))
+def append_dense(state, layer, k, v, seq, pos, rows, *, width: int, group: int = 0,
+                 rope: Optional[RopeSpec] = None, backend: str = "auto", packed: bool = False):
+    """Append ``k, v`` (``[T, H, D]`` or ``[B, H, T, D]``) at ``seq`` / ``pos`` i32[T] to ``layer``, then the dense
+    cache batch rows ``rows`` i32[B] read: ``(state, k [B, H, width * page, D], v [B, H, width * page, D])`` in the
+    attention dtype (the staged rows: retained rows from the twin, others dequantized NVFP4), zero at rows
+    ``>= kv_len``. ``width`` (static) must cover every row's pages (``ceil(kv_len / page) <= width``)."""
+    k, v = _unpack(k, v, packed)
+    state = st.append_traced(state, layer, _tokens(k), _tokens(v), seq, pos, group=group, rope=rope, backend=backend)
+    return (state,) + dense_rows(state, layer, rows, width=width, group=group, backend=backend)
+
+
+def dense_rows(state, layer, rows, *, width: int, group: int = 0, backend: str = "auto"):
+    """The staged cache of ``rows`` i32[B] as dense ``(k, v)`` each ``[B, H, width * page, D]`` (``v`` is ``k``
+    for an MLA latent), staging only ``B * width`` pages."""
+    b, page = rows.shape[0], state.page_size
+    staged = stage(state, layer, rows, group=group, backend=backend, num_staged_pages=b * width, width=width,
+                   validate=False)
+    table = staged.page_table[:, :width]
+    got = staged.pages[jnp.maximum(table, 0)]                                   # [B, W, kv, H, page, D]
+    got = jnp.transpose(got, (2, 0, 3, 1, 4, 5))
+    kv, h, d = got.shape[0], got.shape[2], got.shape[-1]
+    got = got.reshape(kv, b, h, width * page, d)
+    p = jnp.arange(width * page, dtype=jnp.int32)
+    ok = (table[:, p // page] >= 0) & (p[None, :] < staged.kv_lens[:, None])     # [B, S]
+    got = jnp.where(ok[None, :, None, :, None], got, jnp.zeros((), got.dtype))
+    return got[0], got[-1]

@@ -1,0 +1,192 @@
+"""Tuning of the two decode backends: one frozen config per backend, its fields validated when it is built, and the
+default heuristics that fill the fields left as None (figures behind each choice: bench/RESULTS.md).
+
+* `TritonConfig`: the Pallas Triton kernel (`pallas_kernels.decode.triton`); defaults `triton_tuning`,
+  `triton_num_splits`.
+* `MosaicConfig`: the Pallas Mosaic GPU kernel for Hopper (`pallas_kernels.decode.mosaic_sm90`), with the
+  `TritonConfig` of the Triton kernel that attends its edge blocks; defaults `mosaic_num_splits`,
+  `mosaic_edge_splits`, `mosaic_qk_in_turn`.
+
+A config is hashable (a static argument of the jitted kernel calls); a bench passes one per variant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Optional
+
+from pallas_kernels.decode import common
+from pallas_kernels.decode.common import next_pow2
+
+__all__ = ["TritonConfig", "MosaicConfig", "TRITON_BLOCK_K", "TRITON_NUM_WARPS", "WIDE_GRID_TUNING",
+           "VERIFY_GRID_TUNING", "triton_tuning", "triton_num_splits", "KEYS_ON_M_ROWS", "MIN_KM_ROWS",
+           "MAX_SPLIT_BLOCKS", "EDGE_BLOCK_K", "EDGE_WARPS", "IN_TURN_ROWS", "IN_TURN_MAX_PAGE", "mosaic_num_splits",
+           "mosaic_edge_splits", "mosaic_qk_in_turn"]
+
+
+def _check(cls: str, ok: bool, field: str, value, want: str):
+    if not ok:
+        raise ValueError(f"{cls}: {field}={value!r} must be {want}")
+
+
+def _positive(cls: str, optional: bool, **fields):
+    for name, v in fields.items():
+        ok = (v is None and optional) or (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1)
+        _check(cls, ok, name, v, "an int >= 1" + (" or None" if optional else ""))
+
+
+# --------------------------------------------------------------------------------------------------- Triton
+#: tokens per inner step and warps per program when the config leaves them out: the fastest in the H200 sweeps
+#: (NVFP4 pages 64 tokens / 2 warps / 3 stages; plain bf16 pages 128 / 4 / 3)
+TRITON_BLOCK_K = {"nvfp4": 64, "plain": 128}
+TRITON_NUM_WARPS = {"nvfp4": 2, "plain": 4}
+#: NVFP4 pages with many (row, head) programs (batch x kv heads >= SMs / 2), pages <= 32 and at most 8 real query
+#: rows in the MMA's 16 (Tq * G <= 8, so column groups put the padding rows to work): 32-token steps, one warp per
+#: program, V read late, ~4 programs per SM rounded up to a power of two of splits (about one resident wave), so
+#: splits are long and column groups apply from 1024 tokens per split. Faster than 16 programs per SM at 16 x 4k,
+#: 16 x 32k (GQA 4 and 8), 64 x 4k and 64 x 8k, level at 64 x 32k; with 16 real rows (Tq 4 x GQA 4) slower than
+#: 64 / 2 at 16 x 32k.
+WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=4)
+#: the same grid with 32 query rows per program (Tq * G in 17..32, e.g. Tq 4 x GQA 8 verify steps): 32-token
+#: steps, two warps (faster than 64 / 2 at 16 x 32k)
+VERIFY_GRID_TUNING = dict(block_k=32, num_warps=2, per_sm=4)
+
+
+def triton_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int, rows: Optional[int] = None):
+    """``(block_k, num_warps, programs per SM)`` the Triton kernel uses when the config leaves them out: `fmt_key`
+    ``"nvfp4"`` | ``"plain"``, ``m_rows`` = query rows per program (``Tq * G`` padded to a power of two >= 16),
+    ``rows`` = the real ones, ``Tq * G`` (default ``m_rows``)."""
+    rows = m_rows if rows is None else rows
+    wide = fmt_key == "nvfp4" and batch * num_kv_heads >= common.num_sms() // 2 and page <= 32
+    t = (WIDE_GRID_TUNING if (wide and m_rows == 16 and rows <= 8) else
+         VERIFY_GRID_TUNING if (wide and m_rows == 32) else None)
+    if t is not None:
+        return t["block_k"], t["num_warps"], t["per_sm"]
+    return TRITON_BLOCK_K[fmt_key], TRITON_NUM_WARPS[fmt_key], 4
+
+
+def triton_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_sm: int = 4) -> int:
+    """Splits so that the Triton kernel's grid has ~``per_sm`` programs per SM, never more than the page blocks of
+    the longest sequence (and at most 64)."""
+    programs = max(1, batch * num_kv_heads)
+    want = max(1, -(-per_sm * common.num_sms() // programs))
+    return int(max(1, min(next_pow2(want), max_blocks, 64)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Tuning of the Pallas Triton decode kernel; None fields take the defaults named.
+
+    Attributes:
+      block_k: tokens per inner step (whole pages, at least 16 tokens: `common.pages_per_block`); None =
+        `triton_tuning` (64 for NVFP4 pages, 128 for plain row pages, 32 on the wide grids).
+      num_warps: Triton warps per program; None = `triton_tuning`.
+      num_stages: software-pipelining depth of the interior loop.
+      num_splits: split-K programs per (row, KV head); None = `triton_num_splits` (~4 programs per SM).
+      precise: P @ V with P split into two halves of the MMA dtype (float32-accumulation error); None = True for a
+        float32 output or bf16 plain pages (f16 P leaves ~1e-4 relative error, below a 16-bit output's rounding).
+      dequant: NVFP4 dequantization form, ``"asm"`` (packed inline PTX) or ``"jnp"`` (the same arithmetic in plain
+        ops); None = ``"asm"`` compiled, ``"jnp"`` in interpret mode (its only form).
+      keys_major: scores transposed, ``[keys, M] = K q^T`` and ``o^T = V^T P^T`` (the key tiles the MMA's A operand).
+      v_late: read and dequantize V after the softmax of each step (fewer live registers); None = True for NVFP4
+        pages, False for plain pages.
+      col_groups: the MMA's padding query rows hold replicas of the real rows, replica ``j`` accumulating V's column
+        group ``j`` (a power of two; the kernel checks that the shape fits it); None = the largest that fits with
+        32-token steps, one warp and >= 1024 tokens per split, else 1.
+    """
+    block_k: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: int = 3
+    num_splits: Optional[int] = None
+    precise: Optional[bool] = None
+    dequant: Optional[str] = None
+    keys_major: bool = False
+    v_late: Optional[bool] = None
+    col_groups: Optional[int] = None
+
+    def __post_init__(self):
+        name = "TritonConfig"
+        _positive(name, True, block_k=self.block_k, num_warps=self.num_warps, num_splits=self.num_splits)
+        _positive(name, False, num_stages=self.num_stages)
+        _check(name, self.dequant in (None, "asm", "jnp"), "dequant", self.dequant, "'asm', 'jnp' or None")
+        cg = self.col_groups
+        _check(name, cg is None or (isinstance(cg, int) and cg >= 1 and not cg & (cg - 1)), "col_groups", cg,
+               "a power of two >= 1 or None")
+        for f in ("precise", "v_late"):
+            _check(name, getattr(self, f) in (None, True, False), f, getattr(self, f), "a bool or None")
+        _check(name, self.keys_major in (True, False), "keys_major", self.keys_major, "a bool")
+
+
+# ------------------------------------------------------------------------------------------------ Mosaic GPU
+#: the keys-on-M form (``S^T = K Q^T``, the query rows on wgmma's N side) for ``Tq * G <=`` this many query rows,
+#: queries on M (rows padded to 64) above: the faster form on each side of the line on the H200
+KEYS_ON_M_ROWS = 32
+#: fewest query rows on wgmma's N side in the keys-on-M form: 8 (P stored as ``[N, keys]``, read through a
+#: transposed view) measured faster than 16 at 4-8 rows, outputs bitwise equal
+MIN_KM_ROWS = 8
+#: most 64-token blocks one CTA attends: ~256 blocks per CTA measured slower than ~100-137 at long contexts
+MAX_SPLIT_BLOCKS = 128
+#: tokens per step and warps of the Triton kernel that attends the Mosaic kernel's edge blocks (32 x 4 beat 64 x 2,
+#: L1-bound at 64-token steps; with the twin's split loads 32-token steps beat 16 at every shape measured)
+EDGE_BLOCK_K = 32
+EDGE_WARPS = 4
+#: K's two column halves dequantized in turn (fewer registers live) at this many query rows or more and pages of at
+#: most `IN_TURN_MAX_PAGE` tokens: a fourth CTA per SM at N = 32 and pages 16 / 32; slower elsewhere
+IN_TURN_ROWS = 32
+IN_TURN_MAX_PAGE = 32
+
+
+def mosaic_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
+    """Split-K count of the Mosaic GPU kernel: ~4 CTAs per SM (3-5 are resident at a time), and no split runs more
+    than `MAX_SPLIT_BLOCKS` 64-token blocks (finer CTAs leave a shorter tail at long contexts). 0.5x and 2x these
+    splits, split counts off a power of two, and one full wave of 5 CTAs per SM at N = 8 measured slower or level."""
+    programs = max(1, batch * num_kv_heads)
+    want = max(1, -(-4 * common.num_sms() // programs))
+    splits = max(next_pow2(want), -(-max_blocks // MAX_SPLIT_BLOCKS))
+    return int(max(1, min(splits, max_blocks, 64)))
+
+
+def mosaic_qk_in_turn(n_rows: int, page: int) -> bool:
+    """Whether the keys-on-M form with ``n_rows`` query rows on wgmma's N side dequantizes K's column halves in turn
+    at pages of ``page`` tokens (`IN_TURN_ROWS`, `IN_TURN_MAX_PAGE`)."""
+    return n_rows >= IN_TURN_ROWS and page <= IN_TURN_MAX_PAGE
+
+
+def mosaic_edge_splits(batch: int, num_kv_heads: int) -> int:
+    """Split-K programs of the Triton kernel that attends the edge blocks: its splits cut a sequence's blocks in
+    equal ranges and skip the interior in each, so with 2 the leading edge (first_n) and the trailing one (last_n,
+    the new tokens) run in different programs. 2 while one program per (row, KV head) leaves SMs idle, else 1."""
+    return 2 if batch * num_kv_heads <= common.num_sms() else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tuning of the Pallas Mosaic GPU decode kernel (Hopper); None fields take the defaults named.
+
+    Attributes:
+      num_splits: split-K CTAs per (row, KV head); None = `mosaic_num_splits`.
+      stages: TMA ring depth (64-token blocks in flight; 3 measured slower than 2 with keys on M).
+      keys_on_m: the keys-on-M form; None = for ``Tq * G <=`` `KEYS_ON_M_ROWS` query rows.
+      min_km_rows: fewest query rows on wgmma's N side there, 8 or 16.
+      qk_in_turn: there, K's column halves dequantized in turn (the same products in the same order either way);
+        None = `mosaic_qk_in_turn`.
+      edge: the `TritonConfig` of the edge blocks' kernel (its ``num_splits`` None = `mosaic_edge_splits`; its
+        ``block_k`` a whole number of pages, the interior counted in a common multiple of both kernels' blocks).
+    """
+    num_splits: Optional[int] = None
+    stages: int = 2
+    keys_on_m: Optional[bool] = None
+    min_km_rows: int = MIN_KM_ROWS
+    qk_in_turn: Optional[bool] = None
+    edge: TritonConfig = TritonConfig(block_k=EDGE_BLOCK_K, num_warps=EDGE_WARPS)
+
+    def __post_init__(self):
+        name = "MosaicConfig"
+        _positive(name, True, num_splits=self.num_splits)
+        _positive(name, False, stages=self.stages)
+        _check(name, self.min_km_rows in (8, 16), "min_km_rows", self.min_km_rows, "8 or 16")
+        for f in ("keys_on_m", "qk_in_turn"):
+            _check(name, getattr(self, f) in (None, True, False), f, getattr(self, f), "a bool or None")
+        _check(name, isinstance(self.edge, TritonConfig), "edge", self.edge, "a TritonConfig")
+        _check(name, self.edge.block_k is not None, "edge.block_k", self.edge.block_k,
+               "set (both kernels count the interior in a common multiple of their blocks)")
