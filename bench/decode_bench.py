@@ -27,7 +27,7 @@ Usage: ``PYTHONPATH=. python3 bench/decode_bench.py --out DIR [--batches 1,16,64
 Compiling every config for all nine shapes takes a while: on a 600 s device limit run one batch size per command
 (``--batches 1``, ``--batches 16``, ``--batches 64``) or pass ``--quick``; `bench/tools/plot_decode.py` merges the JSONs.
 
-``--grid`` (issue 18's grid: batch x context x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default kernels only, 72
+``--grid`` (the decode-speed grid: batch x context x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default kernels only, 72
 rows) is more than one 600 s command holds. ``--shard I/N`` runs every N-th row, so one command on a 4-GPU host runs
 it all, one process per GPU, and ``--merge`` joins the shards (it refuses shards from different devices or
 versions)::
@@ -38,7 +38,7 @@ versions)::
 
 (on a 1-GPU machine the shards run in consecutive commands). Each grid row times the default kernel three ways:
 end to end per call (``dflt``, one dispatch per call), per call inside one jitted loop of ten calls as a model step
-runs it (``step``, `time_in_step`), and GPU busy (``dflt GPU``); the run ends with issue 18's targets counted by each
+runs it (``step``, `time_in_step`), and GPU busy (``dflt GPU``); the run ends with the decode-speed targets counted by each
 (`targets_text`).
 """
 from __future__ import annotations
@@ -706,13 +706,13 @@ def grid_table(rows):
     return "\n".join(lines)
 
 
-#: issue 18's targets, by the default's time ``key``: 16 x 32k at <= 1.5x the NVFP4 bytes floor; every row with
+#: the decode-speed targets, by the default's time ``key``: 16 x 32k at <= 1.5x the NVFP4 bytes floor; every row with
 #: >= 512k tokens (batch x context) at <= 1.8x; every row with >= 128k tokens faster than cuDNN SDPA over bf16
 TARGET_16X32K, TARGET_512K, TOKENS_512K, TOKENS_128K = 1.5, 1.8, 512 * 1024, 128 * 1024
 
 
 def grid_targets(rows, key="default_ms"):
-    """Issue 18's three targets counted over grid ``rows`` by the default kernel's ``key`` time (``default_ms`` end
+    """The three decode-speed targets counted over grid ``rows`` by the default kernel's ``key`` time (``default_ms`` end
     to end, ``default_step_ms`` in one executable, ``default_gpu_ms`` GPU busy): ``{"16x32k": (met, of),
     "512k": (met, of), "cudnn_128k": (met, of), "misses": {target: [(batch, context, gqa, page, tq, value)]}}``,
     values the ratio to the floor (16 x 32k, 512k) or cuDNN / default. Rows without the time are not counted."""
@@ -739,7 +739,7 @@ def grid_targets(rows, key="default_ms"):
 
 
 def targets_text(rows):
-    """Lines counting issue 18's targets (`grid_targets`) by end-to-end, in-step and GPU busy time."""
+    """Lines counting the decode-speed targets (`grid_targets`) by end-to-end, in-step and GPU busy time."""
     lines = []
     for key, label in (("default_ms", "end to end"), ("default_step_ms", "in a step"),
                        ("default_gpu_ms", "GPU busy")):
@@ -890,7 +890,7 @@ def main(argv=None):
                     help="stop starting new shapes after this many seconds (the device runs commands for <= 600 s)")
     ap.add_argument("--mem-gib", type=float, default=120.0, help="skip shapes needing more device memory")
     ap.add_argument("--grid", action="store_true",
-                    help="the issue-18 grid: x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only")
+                    help="the decode-speed grid: x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only")
     ap.add_argument("--geos", default=geos,
                     help="--grid geometries GQA/page/Tq, in the order they run")
     ap.add_argument("--shard", default=None,

@@ -1,6 +1,6 @@
 """A whole decode step on the H200: 32 layers of attention + the all-layer append, mixed NVFP4 vs bf16 + cuDNN.
 
-The step a user's model runs per generated token (issue 18), batch 64 x context 8k, 8 KV heads, 32 query heads,
+The step a user's model runs per generated token, batch 64 x context 8k, 8 KV heads, 32 query heads,
 head_dim 128, one query token, everything in one jit with the cache donated (updated in place):
 
   mixed   ``jm.append`` of the 32 layers' new K/V rows (write kernel: NVFP4 + retained twin rows), then 32 x

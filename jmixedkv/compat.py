@@ -9,7 +9,7 @@
   ``-nvptx-prec-divf32=1`` to LLVM; up to 2 ulp off: ``1 / 0.0011160715`` gives 896.0, IEEE 895.99994). The
   returned ``XLA_FLAGS`` add ``--xla_backend_extra_options=-nvptx-prec-divf32=2`` (``div.rn.f32``), so jnp code
   run by XLA on the GPU divides like the CPU. It must be in the environment before jax starts its backends.
-* Pallas Mosaic GPU (`plgpu`, used by `pallas_kernels.decode_mgpu`): `mgpu_transposed` (``ref.transpose`` on 0.11,
+* Pallas Mosaic GPU (`plgpu`, used by `pallas_kernels.decode.mosaic_sm90`): `mgpu_transposed` (``ref.transpose`` on 0.11,
   ``plgpu.transpose_ref`` on 0.10), `mgpu_load` (0.10's ``plgpu.load`` takes an index), `mgpu_interpret_params`.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def cross_lower_cuda(fn, *args, **kwargs):
 silence_triton_deprecation()
 
 
-# --- Pallas Mosaic GPU (pallas_kernels/decode_mgpu.py): names that differ between 0.10.2 and 0.11.2 -----------------
+# --- Pallas Mosaic GPU (pallas_kernels/decode/mosaic_sm90.py): names that differ between 0.10.2 and 0.11.2 -----------------
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
     HAVE_MGPU = True

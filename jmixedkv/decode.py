@@ -2,7 +2,7 @@
 
 * `decode_attention(state, layer, q, seq_slots, ...)`: decode / speculative-verify attention of one layer of one
   group over the cache a reader must see (retained rows from the high twin, NVFP4 elsewhere; plain groups read
-  their row pool). ``backend="pallas"`` runs the fused kernel (`pallas_kernels.decode_attention`; interpret mode
+  their row pool). ``backend="pallas"`` runs the fused kernel (`pallas_kernels.decode`; interpret mode
   without a GPU), ``"reference"`` runs float32 `attention_reference` over `jmixedkv.staging.stage_reference`,
   ``"auto"`` picks the kernel on a GPU.
 * `attention_reference` (dense K/V: GQA, multi-token causal verify, sliding window, soft-cap) and

@@ -236,8 +236,8 @@ def test_natural_and_keys_major_layouts_match_reference(dtype, tq, hq):
 @pytest.mark.parametrize("dtype,tq,hq,d,groups", [("mixed_nvfp4_bf16", 1, 8, 128, 4), ("mixed_nvfp4_fp8", 2, 4, 64, 2),
                                                    ("nvfp4", 1, 4, 64, 2)])
 def test_column_groups_equal_ungrouped_kernel_and_reference(dtype, tq, hq, d, groups):
-    """``col_groups`` (the MMA's padding query rows accumulate V's column groups): bitwise the ungrouped kernel in
-    interpret mode, and the float32 reference, over poisoned pages, edge blocks (first_n / last_n, causal verify,
+    """``col_groups`` (the MMA's padding query rows accumulate V's column groups): the ungrouped kernel in
+    interpret mode (to float32 summation order), and the float32 reference, over poisoned pages, edge blocks (first_n / last_n, causal verify,
     rows past n) and uneven splits; a count that does not fit is refused with the values."""
     mixed = dtype.startswith("mixed")
     st = make_state(dtype, first_n=5 if mixed else 0, last_n=9 if mixed else 0, lens=(1, 15, 16, 17, 70, 150), d=d)
@@ -249,8 +249,10 @@ def test_column_groups_equal_ungrouped_kernel_and_reference(dtype, tq, hq, d, gr
         None, st.high_table if mixed else None, geom=st.config.twin if mixed else None, num_splits=3, block_k=32,
         num_warps=1, col_groups=cg, interpret=True, out_dtype=jnp.float32)
     (o1, l1), (og, lg) = run(1), run(groups)
-    np.testing.assert_array_equal(np.asarray(og), np.asarray(o1))
-    np.testing.assert_array_equal(np.asarray(lg), np.asarray(l1))
+    # interpret mode runs the grouped MMA as a differently shaped XLA CPU dot, whose float32 summation order is
+    # not pinned (seen: up to 7e-7 apart): equal to a few ulps here, not bitwise
+    np.testing.assert_allclose(np.asarray(og), np.asarray(o1), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(lg), np.asarray(l1), rtol=0, atol=2e-6)
     ref_o, ref_lse = reference(st, 1, q, seq)
     assert rel_l2(og, ref_o) < 1e-4
     np.testing.assert_allclose(lg, ref_lse, atol=1e-4, rtol=1e-5)

@@ -581,12 +581,14 @@ class HybridMachine(RuleBasedStateMachine):
             seq[0] = data.draw(st.sampled_from(act))
             a[0], k[0] = data.draw(st.sampled_from([(1, 0), (-1, 0), (0, KV2.max_draft_len + 1)]))
             bits = hy.ERR_BAD_CORRECTION
-        else:                                   # r = k - a at least the block's valid tokens in some layer
-            s = data.draw(st.sampled_from(act))
+        else:       # a rewind the last block does not justify: it is no verify block of k + 1 tokens (a longer or
+            s = data.draw(st.sampled_from(act))          # shorter prefill chunk, or a block accepted already)
             have = int(np.asarray(self.sp.snap_tokens[s]).min())
-            if have > KV2.max_draft_len:
+            ks = [kk for kk in range(1, KV2.max_draft_len + 1) if kk + 1 != have]
+            if not ks:
                 return
-            seq[0], k[0] = s, data.draw(st.integers(max(have, 1), KV2.max_draft_len))
+            seq[0], k[0] = s, data.draw(st.sampled_from(ks))
+            event(f"bad_accept: rewind of k={k[0]} after a block of {have}")
             bits = hy.ERR_BAD_CORRECTION
         event(f"bad_accept: {kind}")
         old = self.sp

@@ -343,7 +343,8 @@ def test_accept_equals_appending_only_accepted_tokens():
     seq0 = torch.zeros(24, dtype=torch.int32)
     a, b = _spec_cache(), _spec_cache()
     a.append(0, k[:20], v[:20], seq0[:20], torch.arange(20, dtype=torch.int32))
-    a.append(0, k[20:], v[20:], seq0[20:], torch.arange(20, 24, dtype=torch.int32))    # verify: 1 + 3 drafts
+    for layer in range(L):          # verify: 1 + 3 drafts, every layer (an accept between layers is refused)
+        a.append(layer, k[20:], v[20:], seq0[20:], torch.arange(20, 24, dtype=torch.int32))
     before = a.state
     a.accept([0, -1], [1, 0], [3, 0])
     assert a.kv_len(0) == 22
