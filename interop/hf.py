@@ -15,17 +15,26 @@ mask hides them). Right padding is refused (`ValueError`).
 
 Semantics, exactly:
 
-* ``decode="stage"`` (default): every step appends the new K/V, stages the layer (retained rows bit-exact from the
-  twin, the rest dequantized NVFP4) and returns it; the model's own attention (``sdpa`` / ``eager``) runs on it.
-  With a plain ``"bf16"`` cache, or a mixed cache whose ``first_n + last_n`` covers every row, the returned K/V
-  are the appended ones bit for bit, so ``generate`` gives the tokens of ``DynamicCache``.
-* ``decode="fused"``: prefill as above; a decode / verify step (``1 <= T <= max_draft_len + 1`` new tokens) skips
-  staging and `jmixedkv_attention` runs `TorchKVCache.decode_attention` (the fused kernel on GPU) on the cache
-  itself. Needs the model's attention to be ``"jmixedkv"`` (``from_pretrained(..., attn_implementation=
-  "jmixedkv")`` or ``model.set_attn_implementation("jmixedkv")``): checked by `for_model` / ``config=``, and a
-  fused step whose attention did not run through it raises `RuntimeError` at the next ``update``. Its float32
-  attention is close to, not bit-equal with, torch's.
-* ``crop(-n)`` rewinds ``n <= max_draft_len`` tokens (`TorchKVCache.correct_kv_lens`; assisted decoding);
+* Hot path: the first layer of a forward pass checks the step's positions and slots once (`_Step`,
+  `TorchKVCache.plan_step`); every layer then runs ONE jitted, donated program (`jmixedkv.step`), its K / V (and Q)
+  crossing DLPack as one packed buffer on torch's current stream (``sync="stream"`` by default).
+* ``decode="stage"`` (default): a first prefill (nothing stored yet) appends and returns the step's own K/V, as
+  engines attend over a fresh chunk; later steps append and stage the layer (retained rows bit-exact from the twin,
+  the rest dequantized NVFP4; ``width`` bucketed to the longest row, so the cost follows the tokens held) in one
+  program, and the model's own attention (``sdpa`` / ``eager``) runs on it. With a plain ``"bf16"`` cache, or a
+  mixed cache whose ``first_n + last_n`` covers every row, the returned K/V are the appended ones bit for bit, so
+  ``generate`` gives the tokens of ``DynamicCache``.
+* ``decode="fused"``: prefill as above; on a decode / verify step (``1 <= T <= max_draft_len + 1`` new tokens)
+  `jmixedkv_attention` appends and runs the fused decode (the Mosaic GPU / Triton kernel on a GPU) on the cache in
+  one program, with the model's ``scaling``, ``sliding_window``, ``softcap`` and ``s_aux`` sinks. Needs the model's
+  attention to be ``"jmixedkv"`` (``from_pretrained(..., attn_implementation="jmixedkv")`` or
+  ``model.set_attn_implementation("jmixedkv")``): checked by `for_model` / ``config=``, and a fused step whose
+  attention did not run through it raises `RuntimeError` at the next ``update``. Its float32 attention is close
+  to, not bit-equal with, torch's.
+* Sliding layers (``layer_types`` / ``sliding_window`` in the config) are marked ``is_sliding``; they attend over
+  their window but keep every page (one page table per sequence for all layers).
+* ``crop(-n)`` rewinds ``n`` tokens within the cache's rewind floor (`TorchKVCache.correct_kv_lens`: at most
+  ``max_draft_len`` behind the furthest row written, never below a reused prefix; assisted decoding);
   ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` remap rows to slots with
   `TorchKVCache.fork` (a slot used once is kept as is; rows that drop out are released first).
 * ``get_mask_sizes(q) = (seen + q, 0)``; ``get_max_length() = -1`` (capacity is pages: `CacheCapacityError`).
