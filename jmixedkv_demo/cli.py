@@ -66,6 +66,20 @@ def _parsed_by(fn):
 
 
 _positive_int, _nonneg_int = _int_at_least(1), _int_at_least(0)
+
+
+def _text_file(path: str) -> str:
+    """``--text-file``: the file's text (UTF-8), refused by name when missing, unreadable, not UTF-8 or blank."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{path!r} holds no text")
+    return text
 _bytes = _parsed_by(cap.parse_bytes)
 
 
@@ -96,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"NAME:FIRST_N:LAST_N, optionally +rot / +smooth / +4o6 (accuracy levers)")
     d.add_argument("--text", choices=("prose", "code"), default="prose",
                    help="smollm2: shipped text for the teacher-forced accuracy run (default prose)")
+    d.add_argument("--text-file", type=_text_file, default=None, metavar="PATH",
+                   help="smollm2: score the caches on this UTF-8 text instead of a shipped one (your own data)")
     d.add_argument("--eval-tokens", type=_positive_int, default=None,
                    help="smollm2: tokens of the text in the accuracy run (default 4096; --quick 1024)")
     d.add_argument("--window", type=_positive_int, default=None,

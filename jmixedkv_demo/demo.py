@@ -138,7 +138,8 @@ def demo_table(report: dict, shape: cap.ModelShape, budget: int, seq_len: int):
 
 
 def run_smollm_demo(args, progress: bool = True) -> dict:
-    """Greedy generation through each cache (jit loop) + teacher-forced accuracy on a shipped text (see `cmd_demo`)."""
+    """Greedy generation through each cache (jit loop) + teacher-forced accuracy on a shipped text or the user's
+    ``--text-file`` (see `cmd_demo`)."""
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
@@ -161,9 +162,12 @@ def run_smollm_demo(args, progress: bool = True) -> dict:
         raise UsageError(f"{e}\n(or run the random-weight model: jmixedkv demo --model random)") from None
     load_s = time.perf_counter() - t0
     params = jax.tree.map(jnp.asarray, model.params)
-    ids = model.encode(builtin_text(args.text))
+    text_file = getattr(args, "text_file", None)
+    source = "--text-file" if text_file is not None else f"the {args.text} text"
+    ids = model.encode(text_file if text_file is not None else builtin_text(args.text))
     if len(ids) < eval_tokens + 1:
-        raise UsageError(f"--eval-tokens {eval_tokens}: the {args.text} text has only {len(ids)} tokens")
+        raise UsageError(f"--eval-tokens {eval_tokens}: {source} has only {len(ids)} tokens (pass a smaller "
+                         f"--eval-tokens or a longer text)")
     ids = ids[:eval_tokens + 1]
     prompt = jnp.asarray([model.encode(model.chat_prompt(args.prompt))], jnp.int32)
     bar = tqdm(total=2 * len(caches) + 1, desc="demo", unit="step", disable=not progress, file=sys.stderr)
@@ -195,7 +199,8 @@ def run_smollm_demo(args, progress: bool = True) -> dict:
         r["bytes_per_element"] = c.bytes_per_sequence / elems
         r["high_fraction"] = high_fraction(r["config"], seq_len)
     return {"model": model.name, "model_cfg": dataclasses.asdict(model.cfg), "device": device_name(),
-            "text": args.text, "eval_tokens": eval_tokens, "prefix_len": acc["prefix_len"], "window": acc["window"],
+            "text": "file" if text_file is not None else args.text, "eval_tokens": eval_tokens,
+            "prefix_len": acc["prefix_len"], "window": acc["window"],
             "seq_len": seq_len, "page_size": page, "prompt": args.prompt, "new_tokens": new_tokens,
             "generations": gens, "results": acc["results"], "load_s": load_s, "eval_s": eval_s}
 

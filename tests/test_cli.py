@@ -176,3 +176,43 @@ def test_demo_memory_columns_use_the_gpu_mem_and_kv_budget_meanings(capsys, monk
     assert seen == [80 * 2 ** 30 - weights, 10 * 2 ** 30]
     out = capsys.readouterr().out
     assert "= --gpu-mem 80.00 GiB - llama3-8b bf16 weights" in out and "(--kv-budget; model weights not" in out
+
+
+@pytest.mark.parametrize("content,needle", [(None, "cannot read"), (b"  \n\t", "holds no text"),
+                                            (b"\xff\xfe\xfa", "not UTF-8")])
+def test_text_file_refused_by_name_before_any_model_work(tmp_path, content, needle, monkeypatch, capsys):
+    """``demo --text-file PATH`` (your own data for the accuracy run): a missing, blank or non-UTF-8 file is refused
+    naming the path, before the model loads."""
+    path = tmp_path / "mine.txt"
+    if content is not None:
+        path.write_bytes(content)
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("ran the model"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--no-progress", "--text-file", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(path) in err
+
+
+def test_text_file_is_the_text_scored(tmp_path, monkeypatch):
+    """The file's text reaches the accuracy run (what the demo encodes), not a shipped text."""
+    path = tmp_path / "mine.txt"
+    path.write_text("Ein Satz, den das Projekt nie gesehen hat.\n", encoding="utf-8")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class FakeModel:
+        params = {}
+
+        def encode(self, text):
+            seen["text"] = text
+            raise Stop
+
+    import jmixedkv_demo.gguf as gguf_mod
+    monkeypatch.setattr(gguf_mod, "load_model", lambda *a, **k: FakeModel())
+    args = cli.build_parser().parse_args(["demo", "--no-progress", "--text-file", str(path)])
+    with pytest.raises(Stop):
+        demo.run_smollm_demo(args, progress=False)
+    assert seen["text"] == path.read_text(encoding="utf-8")
