@@ -315,8 +315,7 @@ class JMixedKVCache(Cache):
         step = self._step
         if step is not None and layer.seen == step.start and t == step.t:
             return step
-        if any(other.seen not in (layer.seen, layer.seen + (step.t if step else 0)) for other in self.layers) \
-                or (step is not None and layer.seen != step.start + step.t):
+        if any(other.seen != layer.seen for other in self.layers):          # a new pass: every layer level
             raise ValueError(f"JMixedKVCache: layer {layer.layer_idx} holds {layer.seen} tokens but the pass in "
                              f"flight started at {None if step is None else step.start} (layers must be updated "
                              f"once per forward pass, in any order)")

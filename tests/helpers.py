@@ -359,3 +359,14 @@ def new_cache(num_pages=11, num_high_pages=13, host_capacity=None, seed=0):
 
 def new_shadow():
     return init_state(CFG, GROUPS, SLOTS * MAX_PAGES, SLOTS, MAX_PAGES)
+
+
+def tiny_llama(vocab_size: int = 256):
+    """A random 2-layer bf16 Llama (4 / 2 heads, head_dim 16, sdpa), seeded: the transformers tests' model."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()

@@ -16,6 +16,8 @@ from jmixedkv import state as st
 from jmixedkv.prefix import PrefixCache
 from jmixedkv.staging import rows_reference
 
+from helpers import tiny_llama
+
 PAGE = 4
 CFG = KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=4, page_size=PAGE, max_draft_len=2)
 SPEC = GroupSpec(num_layers=2, num_kv_heads=1, head_dim=16)
@@ -125,15 +127,10 @@ def test_rewind_into_a_reused_prefix_is_refused():
 
 # ------------------------------------------------------------------------------------------- transformers
 def test_hf_beam_reorder_crop_step_matches_dynamic_cache():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch                                   # the test extra installs torch and transformers
     from transformers import DynamicCache
     from interop.hf import JMixedKVCache
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = tiny_llama(128)
     kv = KVCacheConfig("bf16", page_size=4, max_draft_len=2)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
 

@@ -31,6 +31,8 @@ from jmixedkv import GroupSpec, KVCacheConfig, admit, append, init_state, levers
 from jmixedkv.decode import attention_reference, decode_attention, paged_attention_reference
 from jmixedkv.gather import overlay_retained_rows
 
+from helpers import tiny_llama
+
 U = 2.0 ** -8                                       # bf16 unit roundoff
 PAGE, D, H, HQ, MAX_PAGES = 4, 32, 2, 4, 4
 LENS = (11, 6)
@@ -284,7 +286,7 @@ def test_k_smoothing_output_unchanged_lse_shifted(rotation):
 # ------------------------------------------------------------------------------------------------- interop
 @pytest.mark.parametrize("rotation", [None, "hadamard"])
 def test_torch_cache_readers(rotation):
-    torch = pytest.importorskip("torch")
+    import torch
     from interop.torch_cache import TorchKVCache
     tkv = TorchKVCache(_config(rotation), 1, H, D, num_pages=8, max_seqs=len(LENS), max_pages_per_seq=MAX_PAGES,
                        backend="reference")
@@ -317,13 +319,8 @@ HF_PROMPT, HF_NEW, HF_PAGE, HF_LEN = 7, 6, 16, 32
 
 @functools.lru_cache(maxsize=None)
 def _hf_model():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    import torch                                   # the test extra installs torch and transformers
+    model = tiny_llama(256)
     ids = torch.randint(0, 256, (2, HF_PROMPT), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0                                       # row 1: 3 tokens of left padding

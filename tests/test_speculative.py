@@ -511,7 +511,6 @@ def test_rewinds_within_the_floor_still_work_after_accept():
 
 
 def test_torch_correct_kv_lens_refuses_duplicate_slots():
-    pytest.importorskip("torch")
     from interop.torch_cache import TorchKVCache
     cache = TorchKVCache(CFG_J, 1, 1, D_HEAD, num_pages=8, max_seqs=2, backend="reference")
     with pytest.raises(ValueError, match=r"slots \[1\] more than once"):
@@ -519,7 +518,6 @@ def test_torch_correct_kv_lens_refuses_duplicate_slots():
 
 
 def test_torch_reserve_null_page_needs_a_usable_page():
-    pytest.importorskip("torch")
     from interop.torch_cache import TorchKVCache
     with pytest.raises(ValueError, match="num_pages=1, leaving no usable page"):
         TorchKVCache(CFG_J, 1, 1, D_HEAD, num_pages=1, max_seqs=1, backend="reference", reserve_null_page=True)
