@@ -145,6 +145,16 @@ class TorchStaged(NamedTuple):
         got = torch.where(ok[:, None, None, :, None], got, torch.zeros((), dtype=got.dtype, device=got.device))
         return got[:, 0], (got[:, 1] if got.shape[1] == 2 else None)
 
+    def vllm_kv_cache(self) -> torch.Tensor:
+        """vLLM's contiguous per-layer cache ``[2, N, page, H, D]`` (K/V first, NHD inside a block: the
+        FlashAttention backend's layout) of the staged pages, a copy (`interop.vllm.kv_cache` does the same on the
+        JAX side); index it with `block_table`. A latent (MLA) group has no K/V pair and is refused."""
+        pages = self._one_layer("vllm_kv_cache")
+        if pages.shape[1] != 2:
+            raise ValueError(f"TorchStaged.vllm_kv_cache: a K/V group has kv = 2, got kv = {pages.shape[1]} (MLA "
+                             f"latent: use staged.k_pages.transpose(1, 2))")
+        return pages.permute(1, 0, 3, 2, 4).contiguous()
+
     def flashinfer_csr(self, *, as_numpy: bool = False) -> layouts.FlashInferCSR:
         """FlashInfer ``(kv_indptr i32[B+1], kv_indices i32[nnz], kv_last_page_len i32[B])`` over the **staged**
         pages (mixed semantics): int32 torch tensors on the pages' device (NumPy with ``as_numpy=True``); pass
@@ -478,6 +488,22 @@ class TorchKVCache:
         out = layouts.block_table(np.asarray(self.state.page_table), np.asarray(self.state.kv_lens), seq,
                                   self.page_size, pad=pad)
         return out if as_numpy else tuple(layouts.to_device(a, self.device) for a in out)
+
+    def slot_mapping(self, seq_slots, positions, *, as_numpy: bool = False):
+        """vLLM's ``slot_mapping i64[T]`` (``page_id * page_size + position % page_size``) of tokens already in
+        the cache, one per ``(seq_slots[t], positions[t])``; -1 (vLLM's ``PAD_SLOT_ID``) for padding (slot -1) and
+        for a position whose page is not allocated yet (pages are allocated by ``append``, so export after it).
+        A torch tensor on ``self.device`` (NumPy with ``as_numpy=True``); `positions_from_slots` inverts it."""
+        seq, pos = self._index_pair(seq_slots, positions, "slot_mapping")
+        out = layouts.slot_mapping(np.asarray(self.state.page_table), seq, pos, self.page_size)
+        return out if as_numpy else torch.from_numpy(out).to(self.device)
+
+    def positions_from_slots(self, slots):
+        """``(seq_slots i32[T], positions i32[T])`` for `append` from a vLLM ``slot_mapping`` over this cache's
+        pages (`interop.layouts.positions_from_slots`: each page written must be held by exactly one sequence)."""
+        if isinstance(slots, torch.Tensor):
+            slots = slots.detach().cpu().numpy()
+        return layouts.positions_from_slots(np.asarray(slots), np.asarray(self.state.page_table), self.page_size)
 
     # ------------------------------------------------------------------ validation helpers
     def _read_args(self, what, layer, group, seq_slots, sync, all_layers: bool = False):

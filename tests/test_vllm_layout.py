@@ -107,3 +107,29 @@ def test_positions_from_slots_refuses_shared_and_unheld_pages():
         layouts.positions_from_slots([160], shared, 16)
     with pytest.raises(ValueError, match="page_size must be a positive integer"):
         layouts.positions_from_slots([0], shared, 0)
+
+
+def test_torch_cache_slot_mapping_and_vllm_kv_cache():
+    cache = TorchKVCache(CFG, 1, 2, 32, num_pages=12, max_seqs=3, reserve_null_page=True)
+    a, b = cache.admit(), cache.admit()
+    k, v = (torch.randn(30, 2, 32, generator=torch.Generator().manual_seed(i)) for i in (0, 1))
+    seq = torch.tensor([a] * 21 + [b] * 9, dtype=torch.int32)
+    pos = torch.cat([torch.arange(21), torch.arange(9)]).to(torch.int32)
+    cache.append(0, k, v, seq, pos)
+    slots = cache.slot_mapping([a, b, -1, a], [20, 8, 0, 40])
+    assert slots.dtype == torch.int64 and slots.device == cache.device
+    table = np.asarray(cache.state.page_table)
+    np.testing.assert_array_equal(slots.numpy(), [table[a, 2] * 8 + 4, table[b, 1] * 8 + 0, -1, -1])
+    assert (slots.numpy()[:2] >= 8).all()                          # page 0 is the reserved null block
+    got_seq, got_pos = cache.positions_from_slots(slots[:2])
+    np.testing.assert_array_equal(got_seq, [a, b])
+    np.testing.assert_array_equal(got_pos, [20, 8])
+    with pytest.raises(ValueError, match="seq_slots .* and positions .* must have the same length"):
+        cache.slot_mapping([a, b], [0])
+    staged = cache.stage(0, [a, b])
+    kv = staged.vllm_kv_cache()
+    assert kv.is_contiguous() and kv.shape == (2, staged.pages.shape[0], 8, 2, 32)
+    want = to_torch(vllm.kv_cache(staging.stage(cache.state, 0, jnp.array([a, b], jnp.int32))))
+    torch.testing.assert_close(kv, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="all-layer staging"):
+        cache.stage(None, [a]).vllm_kv_cache()
