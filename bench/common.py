@@ -1,13 +1,19 @@
-"""What every benchmark shares: timers, the device copy bandwidth, a GPU kernel profile, versions, the results file.
+"""What every benchmark shares: one timer set, synthetic caches, the copy bandwidth, a GPU kernel profile, versions,
+the output files.
 
-* `time_jax` (median ms per call of batches of async calls), `time_each` (median ms of blocked calls),
-  `time_torch` (CUDA events), `gpu_kernel_profile` / `gpu_busy_ms` (GPU kernel time from a jax profiler trace).
-* `copy_bandwidth_tbs`: device-to-device copy bandwidth, the denominator of every bytes floor.
-* `versions`: device and library versions for a result's header.
-* `append_results`: append a section to a markdown results file (bench/RESULTS.md by default).
+* Timers (ms): `time_jax` (median per call of batches of async calls), `time_each` (median of blocked calls),
+  `time_threaded` (`time_jax` for a donated state threaded through the calls), `time_torch` (CUDA events),
+  `gpu_kernel_profile` / `gpu_busy_ms` (GPU kernel time from a jax profiler trace).
+* `random_fill`, `random_mixed_state`: full caches of random NVFP4 bytes (no append), built quickly at 32k contexts.
+* `bits_equal`: two pytrees bit for bit.
+* `copy_bandwidth_tbs`: device-to-device copy bandwidth, the denominator of every bytes floor; `torch_cuda`.
+* `versions`, `utc_now`: a result's header; `write_json`, `append_results` (bench/RESULTS.md by default).
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import functools
 import glob
 import gzip
 import json
@@ -20,11 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RESULTS_MD", "time_jax", "time_each", "time_torch", "gpu_kernel_profile", "gpu_busy_ms",
-           "copy_bandwidth_tbs", "versions", "append_results"]
+import jmixedkv as jm
+
+__all__ = ["RESULTS_MD", "time_jax", "time_each", "time_threaded", "time_torch", "gpu_kernel_profile", "gpu_busy_ms",
+           "random_fill", "random_mixed_state", "bits_equal", "copy_bandwidth_tbs", "torch_cuda", "versions",
+           "utc_now", "write_json", "append_results"]
 
 #: the project's results file (sections titled by topic and date)
 RESULTS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+#: random fills generate at most this many elements and tile them (no full-size random temporaries)
+CHUNK = 1 << 26
 
 
 def time_jax(fn, *args, reps=10, trials=15, warmup=2):
@@ -53,6 +64,22 @@ def time_each(fn, *args, warmup=3, iters=20):
     return statistics.median(times) * 1e3
 
 
+def time_threaded(fn, carry, *args, reps=10, trials=15, warmup=2):
+    """`time_jax` for ``carry = fn(carry, *args)`` (``fn`` donates its carry, e.g. a cache state updated in place).
+    Returns ``(median ms per call, the last carry)``; ``reps=1`` times blocked calls."""
+    for _ in range(warmup):
+        carry = fn(carry, *args)
+    jax.block_until_ready(carry)
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            carry = fn(carry, *args)
+        jax.block_until_ready(carry)
+        times.append((time.perf_counter() - t0) / reps * 1e3)
+    return float(np.median(times)), carry
+
+
 def time_torch(torch, fn, reps=10, trials=15, warmup=2):
     """Median ms per call of ``fn()`` (torch CUDA work): ``trials`` batches of ``reps`` calls between CUDA events."""
     for _ in range(warmup):
@@ -68,23 +95,6 @@ def time_torch(torch, fn, reps=10, trials=15, warmup=2):
         b.synchronize()
         times.append(a.elapsed_time(b) / reps)
     return float(np.median(times))
-
-
-def copy_bandwidth_tbs(torch=None):
-    """Device-to-device copy bandwidth (bytes read + written), TB/s, and how it was measured: torch ``copy_`` of
-    2 GiB if torch with CUDA is given, else a jitted jnp ``x + 1`` (which measured well below torch's on the H200)."""
-    nbytes = 1 << 31
-    if torch is not None:
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        ms = time_torch(torch, lambda: dst.copy_(src), reps=5, trials=10)
-        del src, dst
-        torch.cuda.empty_cache()
-        return 2 * nbytes / (ms * 1e-3) / 1e12, "torch copy_"
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)
-    ms = time_jax(f, x, reps=5, trials=10)
-    return 2 * nbytes / (ms * 1e-3) / 1e12, "jnp x + 1"
 
 
 def gpu_kernel_profile(run, n, log_dir, top=25, between_us=300.0):
@@ -103,8 +113,7 @@ def gpu_kernel_profile(run, n, log_dir, top=25, between_us=300.0):
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, nm in names.items() if "GPU" in nm or "gpu" in nm}
-    per, calls, busy = {}, {}, 0.0
-    spans = []
+    per, calls, busy, spans = {}, {}, 0.0, []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
             per[e["name"]] = per.get(e["name"], 0.0) + e["dur"]
@@ -116,11 +125,10 @@ def gpu_kernel_profile(run, n, log_dir, top=25, between_us=300.0):
     end = spans[0][1] if spans else 0.0
     for t0, t1 in spans[1:]:
         gap = t0 - end
-        if gap > 0:
-            if gap >= between_us:
-                between += gap
-            else:
-                inside += gap
+        if gap >= between_us:
+            between += gap
+        elif gap > 0:
+            inside += gap
         end = max(end, t1)
     kernels = sorted(per, key=per.get, reverse=True)[:top]
     return dict(busy_us_per_step=busy / n, idle_inside_us_per_step=inside / n,
@@ -143,6 +151,97 @@ def gpu_busy_ms(fn, *args, steps=5):
     return prof["busy_us_per_step"] / 1e3 if prof["kernels"] else None
 
 
+# ------------------------------------------------------------------------------------------- synthetic caches
+@functools.partial(jax.jit, static_argnames=("shape", "axis"))
+def _tile(x, *, shape, axis):
+    x = jnp.tile(x, tuple(-(-shape[axis] // x.shape[axis]) if i == axis else 1 for i in range(len(shape))))
+    return jax.lax.slice_in_dim(x, 0, shape[axis], axis=axis)
+
+
+def random_fill(seed, shape, kind, axis=1):
+    """Random ``kind`` of ``shape`` on the default device: "u8" (any byte), "e4m3" (E4M3 scales in [0.25, 3.75]:
+    finite, non-zero) or "bf16" (normal). One chunk of at most `CHUNK` elements is drawn on the host (NumPy, seeded
+    by ``seed``) and tiled along ``axis`` on the device (no full-size random temporaries, no RNG to compile)."""
+    per = int(np.prod(shape)) // shape[axis]
+    n = max(1, min(shape[axis], CHUNK // max(per, 1)))
+    cs = shape[:axis] + (n,) + shape[axis + 1:]
+    rng = np.random.default_rng(seed)
+    if kind == "bf16":
+        x = rng.standard_normal(cs, dtype=np.float32).astype(jnp.bfloat16)
+    else:
+        x = rng.integers(0, 256, cs, dtype=np.uint8)
+        x = ((x & 0x1F) + 0x28).view(jnp.float8_e4m3fn) if kind == "e4m3" else x
+    x = jnp.asarray(x)
+    return x if n == shape[axis] else _tile(x, shape=tuple(shape), axis=axis)
+
+
+def _taken(alloc, n):
+    """`jmixedkv.allocator.Allocator` with page ids ``0 .. n-1`` in use (refcount 1), the rest on the free stack."""
+    total = alloc.free.shape[0]
+    free = np.concatenate([np.arange(total - 1, n - 1, -1), np.arange(n)]).astype(np.int32)
+    refcount = (np.arange(total) < n).astype(alloc.refcount.dtype)
+    return dataclasses.replace(alloc, free=jnp.asarray(free), num_free=jnp.asarray(total - n, alloc.num_free.dtype),
+                               refcount=jnp.asarray(refcount))
+
+
+def random_mixed_state(cfg, spec, batch, ctx, *, spare_pages=0, seed=0):
+    """A full cache of one mixed group (`jmixedkv.KVCacheConfig` ``cfg``, `jmixedkv.GroupSpec` ``spec``): ``batch``
+    sequences of ``ctx`` tokens of random NVFP4 bytes (valid E4M3 scales) and random twin rows, the used page ids a
+    random permutation of ``0 .. batch * ceil(ctx / page) - 1``, ``spare_pages`` free pages per sequence on the
+    allocator (so appends past ``ctx`` take new pages). `init_state` pads pools out of the offset hole."""
+    page = cfg.page_size
+    full = -(-ctx // page)
+    ppseq = full + spare_pages
+    st = jm.init_state(cfg, spec, batch * ppseq, batch, ppseq)
+    pool = st.pools[0]
+    low = dataclasses.replace(pool.low, data=random_fill(seed, pool.low.data.shape, "u8"),
+                              scales=random_fill(seed + 1, pool.low.scales.shape, "e4m3"))
+    high = dataclasses.replace(pool.high, rows=random_fill(seed + 2, pool.high.rows.shape, "bf16"))
+    pt = np.full((batch, ppseq), -1, np.int32)
+    pt[:, :full] = np.random.default_rng(seed).permutation(batch * full).astype(np.int32).reshape(batch, full)
+    nh = st.high_table.shape[1]
+    return dataclasses.replace(
+        st, pools=(dataclasses.replace(pool, low=low, high=high),), page_table=jnp.asarray(pt),
+        high_table=jnp.asarray(np.arange(batch * nh, dtype=np.int32).reshape(batch, nh)),
+        kv_lens=jnp.asarray(np.full((batch,), ctx, np.int32)), written=jnp.asarray(np.full((batch,), ctx, np.int32)),
+        active=jnp.asarray(np.ones((batch,), bool)), alloc=_taken(st.alloc, batch * full),
+        high_alloc=_taken(st.high_alloc, batch * nh))
+
+
+def bits_equal(a, b) -> bool:
+    """Whether pytrees ``a`` and ``b`` have the same leaves, shapes and bits (NaN payloads included)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).shape == np.asarray(y).shape
+        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for x, y in zip(la, lb))
+
+
+# ------------------------------------------------------------------------------------------- device and output
+def torch_cuda():
+    """torch when it is installed and sees a CUDA device, else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def copy_bandwidth_tbs(torch=None):
+    """Device-to-device copy bandwidth (bytes read + written), TB/s, and how it was measured: torch ``copy_`` of
+    2 GiB if torch with CUDA is given, else a jitted jnp ``x + 1`` (which measured well below torch's on the H200)."""
+    nbytes = 1 << 31
+    if torch is not None:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ms = time_torch(torch, lambda: dst.copy_(src), reps=5, trials=10)
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * nbytes / (ms * 1e-3) / 1e12, "torch copy_"
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    ms = time_jax(jax.jit(lambda x: x + 1.0), x, reps=5, trials=10)
+    return 2 * nbytes / (ms * 1e-3) / 1e12, "jnp x + 1"
+
+
 def versions(torch=None):
     """``{jax, jaxlib, triton, torch, device}`` of this process (``"n/a"`` where absent)."""
     v = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
@@ -158,6 +257,20 @@ def versions(torch=None):
         v["triton"] = "n/a"
     v["torch"] = torch.__version__ if torch is not None else "n/a"
     return v
+
+
+def utc_now() -> str:
+    """The current time as ``YYYY-MM-DD HH:MM UTC`` (a results section's date)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def write_json(out_dir: str, name: str, obj) -> str:
+    """Write ``obj`` as ``out_dir/name`` (folders created; non-JSON values as ``str``); returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    return path
 
 
 def append_results(text: str, path: str = RESULTS_MD):

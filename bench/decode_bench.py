@@ -1,45 +1,40 @@
-"""Decode-attention benchmark on the H200: fused NVFP4 mixed kernel vs bf16 paged attention vs staging vs SDPA.
+"""Decode-attention benchmark on the H200: the fused NVFP4 kernels against cuDNN / flash SDPA over bf16, grid by grid.
 
-Side by side, one run, batch x context grid (default {1, 16, 64} x {4k, 32k, 128k}), 8 KV heads, 32 query heads,
-head_dim 128, page 16, one query token:
+Every row builds a mixed NVFP4 + bf16-twin pool (random NVFP4 bytes, valid E4M3 scales, permuted page ids, first_n =
+last_n = 64) of one `BenchGeometry` (KV heads, head_dim, GQA group, page) and times the kernels over it; the NVFP4
+bytes floor (packed K + V bytes, E4M3 scales and the retained twin rows, over the copy bandwidth measured in-run) and
+the bf16 floor sit beside each row. Every timed output must be finite, and every other kernel's output must match the
+default's to 1e-2 (correctness against the float32 reference: `tests/test_decode_geometry.py`,
+`tests/test_decode_attention.py`, `tests/test_decode_mgpu.py`).
 
-  (a) ``mixed``   our fused kernel on mixed_nvfp4_bf16 pools (first_n = last_n = 64), best of the sweep
-                  `MIXED_CONFIGS` (block_k x num_warps x num_stages x split multiplier; every config's output is
-                  checked finite and equal to the first config's to 1e-2 before it is timed)
-  (b) ``plain``   the same kernel family over plain bf16 pages (`PLAIN_CONFIGS`)
-  (c) ``jax_pa``  ``jax.experimental.pallas.ops.gpu.paged_attention`` over bf16 pages (best of
-                  pages_per_compute_block x k_splits)
-  (d) ``stage``   "stage (XLA) + paged attention": jnp gather + NVFP4 dequant + retained-row overlay into a bf16
-                  paged cache, then (c)'s best config over it (stage time reported separately too)
-  (e) ``sdpa``    torch SDPA (flash and cuDNN, best) over contiguous bf16 K/V (skipped if torch is missing)
-  (f) ``mgpu``    the Pallas Mosaic GPU kernel (`pallas_kernels.decode.mosaic_sm90`) on the same mixed pools, best of
-                  `MGPU_CONFIGS` (ring stages x split multiplier), output checked against (a) to 1e-2
-                  (``--no-mgpu`` skips it)
-  floors          NVFP4 (+ retained rows) and bf16 K+V bytes / copy bandwidth measured in-run
+Modes (each writes a JSON under ``--out``, rewritten after every row, so a time-budget cut keeps what was measured;
+``--budget-s`` stops starting rows before the device's 600 s command limit):
 
-Correctness is checked on the GPU first (small cache built by `append`, every path vs the float32 reference).
-Big pools are filled with random bytes (valid E4M3 scales) instead of appends. Writes ``decode_bench.json`` under
-``--out`` as ``decode_bench-b<batches>-c<contexts>.json`` (rewritten after every shape, so a timeout keeps what
-was measured; ``--budget-s`` stops starting shapes before the device's 600 s command limit), prints a table and appends a dated section to
-``bench/RESULTS.md``. On a machine without a GPU it prints a message and exits 0.
+* ``--grid`` (``decode_bench-grid.json``): the decode-speed grid `shapes.DECODE_GRID` at head_dim 128, 8 KV heads:
+  batch x context x (GQA, page, Tq), default kernels only. Each row times the Triton kernel (``mixed``), the Mosaic GPU
+  kernel (``mgpu``, where `mosaic_sm90.supported`) and the default one three ways: end to end per call (``dflt``), per
+  call inside one jitted loop of ten calls as a model step runs it (``step``, `time_in_step`), GPU busy (``dflt
+  GPU``); jax's Pallas paged attention over bf16 (Tq 1) and cuDNN / flash SDPA beside; the decode-speed targets counted
+  last (`targets_text`).
+* ``--geometry-grid`` (``decode_bench-geometry.json``): head_dim x GQA group x page x Tq at one batch x context
+  (default 16 x 32k = 512k tokens, 8 KV heads): `GEOMETRY_SUBSET` by default (every head_dim x group at page 16 Tq 1,
+  the page and Tq axes at head_dim 64 and 128), the full product of ``--head-dims / --groups / --pages / --tqs`` when
+  any is given. Each row: what `pallas_kernels.decode.paged_decode_attention` runs by default (``dflt``: its backend,
+  its time per call in a jitted loop of ten, the GPU busy time of that loop per call and the decode kernels' share of
+  it), the Triton kernel in the same loop where the default is the Mosaic one, each ``--variants`` Triton config
+  (`parse_variant`) where the default is Triton, cuDNN / flash SDPA over contiguous bf16; `geometry_text` counts the
+  targets (within 1.5x of the floor; Tq 1 faster than cuDNN).
+* ``--merge A.json B.json ...``: join the shards (``--shard I/N``: rows ``k % N == I``) of one grid run.
+* ``--smoke``: the chosen grid at tiny shapes in interpret mode on the CPU (checks the script; times nothing real).
 
-Usage: ``PYTHONPATH=. python3 bench/decode_bench.py --out DIR [--batches 1,16,64] [--contexts 4096,32768,131072]``
-Compiling every config for all nine shapes takes a while: on a 600 s device limit run one batch size per command
-(``--batches 1``, ``--batches 16``, ``--batches 64``) or pass ``--quick``; `bench/tools/plot_decode.py` merges the JSONs.
+Shards: one process per GPU on a multi-GPU host, or consecutive device calls on one GPU::
 
-``--grid`` (the decode-speed grid: batch x context x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default kernels only, 72
-rows) is more than one 600 s command holds. ``--shard I/N`` runs every N-th row, so one command on a 4-GPU host runs
-it all, one process per GPU, and ``--merge`` joins the shards (it refuses shards from different devices or
-versions)::
-
-    for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i python3 bench/decode_bench.py --grid --shard $i/4 \
+    for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i python3 bench/decode_bench.py --grid --shard $i/4 \\
         --out $OUT/s$i > $OUT/s$i.txt 2>&1 & done; wait
-    python3 bench/decode_bench.py --merge $OUT/s*/decode_bench-grid.json --out $OUT
+    python3 bench/decode_bench.py --grid --merge $OUT/s*/decode_bench-grid.json --out $OUT
 
-(on a 1-GPU machine the shards run in consecutive commands). Each grid row times the default kernel three ways:
-end to end per call (``dflt``, one dispatch per call), per call inside one jitted loop of ten calls as a model step
-runs it (``step``, `time_in_step`), and GPU busy (``dflt GPU``); the run ends with the decode-speed targets counted by each
-(`targets_text`).
+Usage: ``PYTHONPATH=. python3 bench/decode_bench.py --geometry-grid --out DIR [--head-dims 64 --groups 1,3 ...]
+[--variants k64w2,k128w4x2]``. On a machine without a GPU (and no ``--smoke``) it prints a message and exits 0.
 """
 from __future__ import annotations
 
@@ -48,11 +43,15 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -61,53 +60,59 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import layout, nvfp4  # noqa: E402
-from common import copy_bandwidth_tbs, gpu_busy_ms, time_jax, time_torch, versions  # noqa: E402
+from common import copy_bandwidth_tbs, gpu_busy_ms, gpu_kernel_profile, time_jax, time_torch, versions  # noqa: E402
 from shapes import DECODE_GEOMETRY, grid_args  # noqa: E402
-from jmixedkv.decode import decode_attention  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.pools import LowPool, RowPool, kernel_arrays  # noqa: E402
-from pallas_kernels.decode import MosaicConfig, TritonConfig, choose_backend, mosaic_sm90  # noqa: E402
-from pallas_kernels.decode.config import mosaic_num_splits, triton_num_splits  # noqa: E402
-from pallas_kernels.decode.triton import paged_decode_attention  # noqa: E402
+from pallas_kernels import decode as decode_entry  # noqa: E402
+from pallas_kernels.decode import TritonConfig, choose_backend, mosaic_sm90, triton  # noqa: E402
+from pallas_kernels.decode.common import next_pow2, pages_per_block  # noqa: E402
+from pallas_kernels.decode.config import triton_num_splits, triton_tuning  # noqa: E402
 
-H, D, FIRST_N, LAST_N = (DECODE_GEOMETRY[k] for k in ("kv_heads", "head_dim", "first_n", "last_n"))
-HQ, PAGE = 4 * H, 16
-CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
-NF, NR = CFG.num_fixed_pages, CFG.num_ring_pages
-# Kernel variants (block_k tokens per step, num_warps, num_stages, split multiplier vs triton_num_splits,
-# precise P @ V, dequant form). The first shape of a run sweeps them all; later shapes of a --quick run time only
-# the best TOP_K of the first shape (compiles dominate the budget). "-p": P split in two f16 halves (float32-output
-# accuracy); "-jnp": the NVFP4 dequantization in plain jnp ops instead of the packed inline PTX.
-MIXED_CONFIGS = [dict(), dict(block_k=128, num_warps=4, num_stages=3), dict(block_k=128, num_warps=4, num_stages=4),
-                 dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=128, num_warps=2, num_stages=3),
-                 dict(block_k=64, num_warps=2, num_stages=3), dict(block_k=64, num_warps=1, num_stages=3),
-                 dict(block_k=128, num_warps=4, num_stages=3, split_mult=2),
-                 dict(block_k=128, num_warps=4, num_stages=3, precise=True),
-                 dict(block_k=128, num_warps=4, num_stages=3, dequant="jnp"),
-                 dict(block_k=128, num_warps=4, num_stages=3, keys_major=True)]
-PLAIN_CONFIGS = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, num_warps=4, num_stages=3),
-                 dict(block_k=128, num_warps=8, num_stages=3), dict(block_k=256, num_warps=8, num_stages=3)]
-FULL_EXTRA = [dict(block_k=128, num_warps=8, num_stages=3), dict(block_k=64, num_warps=4, num_stages=4), dict(block_k=256, num_warps=4, num_stages=2),
-              dict(block_k=128, num_warps=8, num_stages=4), dict(block_k=64, num_warps=4, num_stages=3, split_mult=2)]
-TOP_K = 3
-# (f) Mosaic GPU kernel variants: TMA ring stages, split multiplier vs `mosaic_num_splits`
-MGPU_CONFIGS = [dict(stages=2), dict(stages=3), dict(stages=2, split_mult=2), dict(stages=2, split_mult=0.5)]
-USE_MGPU = True
-LAYERS = 1           # --layers: pool layers (the kernels read the last one)
-STAGE_MAX_TOKENS = 1 << 22   # (d) materializes f32 dequant temporaries of the whole batch: skip above this
-JAX_PA_CONFIGS = [(ppcb, ks) for ppcb in (8, 16) for ks in (1, 4, 16)]
-INTERPRET = False   # --smoke: tiny shapes in interpret mode on CPU (checks the script, times nothing real)
-CHECK_LENS = (1, 15, 16, 17, 100, 1000, 2047, 4096)
+
+@dataclasses.dataclass(frozen=True)
+class BenchGeometry:
+    """The cache geometry of a benchmark row: KV heads, head_dim, GQA group (query heads per KV head), tokens per
+    page, retained first_n / last_n of the mixed NVFP4 + bf16 twin, pool layers (the kernels read the last)."""
+    kv_heads: int = DECODE_GEOMETRY["kv_heads"]
+    head_dim: int = DECODE_GEOMETRY["head_dim"]
+    gqa: int = 4
+    page: int = 16
+    first_n: int = DECODE_GEOMETRY["first_n"]
+    last_n: int = DECODE_GEOMETRY["last_n"]
+    layers: int = 1
+
+    @property
+    def q_heads(self) -> int:
+        return self.kv_heads * self.gqa
+
+    @property
+    def cache(self) -> jm.KVCacheConfig:
+        return jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=self.first_n, last_n=self.last_n, page_size=self.page)
+
+    @property
+    def twin_pages(self) -> int:
+        """Twin pages per sequence (fixed + ring)."""
+        c = self.cache
+        return c.num_fixed_pages + c.num_ring_pages
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How rows run: ``interpret`` (Pallas interpret mode, `--smoke`), ``mosaic`` (time the Mosaic GPU kernel where
+    supported), ``variants`` (``(name, fields)`` of Triton configs timed beside the default, `parse_variant`)."""
+    interpret: bool = False
+    mosaic: bool = True
+    variants: tuple = ()
 
 
 # --------------------------------------------------------------------------------------------- timing
-def time_in_step(fn, *args, calls=10, lens_arg=2):
-    """Median ms per call of ``fn(*args)`` (-> one output array) run ``calls`` times inside **one** jitted loop, as
-    the layers of a model's decode step run: one executable, no dispatch per call. `time_jax` of a single call
-    also pays the runtime's cost of launching an executable: on the H200 (jax 0.11.2) 23-28 us per call at 16 x 32k
-    and 64 x 4k that ten calls in one loop do not see (5 us per call there; bench/RESULTS.md). Each call's ``kv_lens`` (argument ``lens_arg``) is the previous one's plus ``isnan(out[0])`` (0 for
-    the finite outputs the grid checks), so XLA can neither hoist a call out of the loop nor merge two; the whole
-    output is carried (materialized every call). Adds one 1-element op per call."""
+def step_loop(fn, calls=10, lens_arg=2):
+    """``fn(*args)`` (-> one output array) run ``calls`` times inside **one** jitted loop, as the layers of a model's
+    decode step run it: one executable, no dispatch per call. Each call's ``kv_lens`` (argument ``lens_arg``) is the
+    previous one's plus ``isnan(out[0])`` (0 for the finite outputs checked), so XLA can neither hoist a call out of
+    the loop nor merge two; the whole output is carried (materialized every call). Returns the jitted loop, ``->
+    (lens, last output)``."""
     def loop(*a):
         def body(i, carry):
             a_ = list(a)
@@ -116,15 +121,37 @@ def time_in_step(fn, *args, calls=10, lens_arg=2):
             return carry[0] + jnp.isnan(out.reshape(-1)[0]).astype(carry[0].dtype), out
         out0 = jax.eval_shape(fn, *a)
         return jax.lax.fori_loop(0, calls, body, (a[lens_arg], jnp.zeros(out0.shape, out0.dtype)))
-    return time_jax(jax.jit(loop), *args) / calls
+    return jax.jit(loop)
+
+
+def time_in_step(fn, *args, calls=10, lens_arg=2):
+    """Median ms per call of ``fn(*args)`` in `step_loop`. `time_jax` of a single call also pays the runtime's cost
+    of launching an executable (on the H200, jax 0.11.2: 23-28 us per call at 16 x 32k and 64 x 4k that ten calls
+    in one loop do not see; bench/RESULTS.md)."""
+    return time_jax(step_loop(fn, calls, lens_arg), *args) / calls
+
+
+def step_profile(loop, args, calls=10):
+    """GPU busy time of `step_loop` ``loop`` per call (us) and the decode kernels' share (names with ``decode`` or
+    ``mosaic``), from a profiler trace; ``{}`` off the GPU or when the profiler fails."""
+    if jax.default_backend() != "gpu":
+        return {}
+    try:
+        prof = gpu_kernel_profile(lambda i: loop(*args), 3, tempfile.mkdtemp(prefix="trace_geometry"), top=40)
+    except Exception as e:
+        print(f"    profile failed ({type(e).__name__}: {str(e)[:100]})")
+        return {}
+    kern = sum(k["us"] for k in prof["kernels"] if re.search("decode|mosaic", k["name"], re.I))
+    return dict(gpu_us=prof["busy_us_per_step"] / calls, kernel_us=kern / calls,
+                launches=prof["kernel_launches_per_step"] / calls)
 
 
 # --------------------------------------------------------------------------------------------- big pools
-def tables(key, b, ctx):
-    """Random page permutation: page_table i32[b, ctx/PAGE] over b*ctx/PAGE pages, high_table i32[b, NF+NR]."""
-    npg = ctx // PAGE
+def tables(key, g: BenchGeometry, b, ctx):
+    """Random page permutation: page_table i32[b, ctx/page] over b*ctx/page pages, high_table i32[b, twin pages]."""
+    npg = ctx // g.page
     perm = jax.random.permutation(key, b * npg).astype(jnp.int32)
-    ht = jnp.arange(b * (NF + NR), dtype=jnp.int32).reshape(b, NF + NR)
+    ht = jnp.arange(b * g.twin_pages, dtype=jnp.int32).reshape(b, g.twin_pages)
     return perm.reshape(b, npg), ht
 
 
@@ -163,423 +190,104 @@ def rand_bf16(key, shape, axis=1):
     return _tiled(key, shape=tuple(shape), axis=axis, gen=_bf16_bits)
 
 
-def _pool_pages(pages, width):
-    """Pages of a uint8 pool array, padded out of the Pallas Triton offset hole exactly as `init_state` does."""
-    return layout.offset_safe_count(pages, LAYERS * 2 * H * PAGE * width, 1)
-
-
-def mixed_pools(key, b, ctx):
-    """Random NVFP4 low pool (valid E4M3 scales, gs from amax) + bf16 twin, ``L = LAYERS`` (``--layers``; the
-    kernels read the last layer, the highest offsets of a model-shaped pool)."""
-    pages = b * ctx // PAGE
+def mixed_pools(key, g: BenchGeometry, b, ctx):
+    """Random NVFP4 low pool (valid E4M3 scales, gs from amax) + bf16 twin, ``g.layers`` layers; uint8 pools padded
+    out of the Pallas Triton offset hole exactly as `init_state` does."""
+    pages = b * ctx // g.page
     k1, k2, k3 = jax.random.split(key, 3)
-    data = _tiled(k1, shape=(LAYERS, _pool_pages(pages, D // 2), 2, H, PAGE, D // 2), axis=1, gen=_u8_bits)
-    scales = _tiled(k2, shape=(LAYERS, _pool_pages(pages, D // 16), 2, H, PAGE, D // 16), axis=1, gen=_e4m3_scales)
-    gs = jnp.broadcast_to(nvfp4.global_scale_from_amax(8.0), (LAYERS, 2)).astype(jnp.float32)
-    high = rand_bf16(k3, (LAYERS, b * (NF + NR), 2, H, PAGE, D))
-    return LowPool(data, scales, gs), RowPool(high, jnp.ones((LAYERS, 2), jnp.float32))
+    d, h, page, lay = g.head_dim, g.kv_heads, g.page, g.layers
+    count = lambda width: layout.offset_safe_count(pages, lay * 2 * h * page * width, 1)  # noqa: E731
+    data = _tiled(k1, shape=(lay, count(d // 2), 2, h, page, d // 2), axis=1, gen=_u8_bits)
+    scales = _tiled(k2, shape=(lay, count(d // 16), 2, h, page, d // 16), axis=1, gen=_e4m3_scales)
+    gs = jnp.broadcast_to(nvfp4.global_scale_from_amax(8.0), (lay, 2)).astype(jnp.float32)
+    high = rand_bf16(k3, (lay, b * g.twin_pages, 2, h, page, d))
+    return LowPool(data, scales, gs), RowPool(high, jnp.ones((lay, 2), jnp.float32))
 
 
-def plain_pool(key, b, ctx):
-    rows = rand_bf16(key, (LAYERS, b * ctx // PAGE, 2, H, PAGE, D))
-    return RowPool(rows, jnp.ones((LAYERS, 2), jnp.float32))
-
-
-def jax_layout_pages(key, b, ctx):
-    """k_pages, v_pages bf16[H, pages, PAGE, D] for jax's paged_attention."""
+def jax_layout_pages(key, g: BenchGeometry, b, ctx):
+    """k_pages, v_pages bf16[H, pages, page, D] for jax's paged_attention."""
     k1, k2 = jax.random.split(key)
-    shape = (H, b * ctx // PAGE, PAGE, D)
+    shape = (g.kv_heads, b * ctx // g.page, g.page, g.head_dim)
     return rand_bf16(k1, shape, axis=1), rand_bf16(k2, shape, axis=1)
 
 
-# --------------------------------------------------------------------------------------------- (d) staging
-@functools.partial(jax.jit, static_argnames=("first_n", "last_n", "nf", "nr"))
-def stage_xla(low, high, page_table, high_table, kv_lens, layer=0, *, first_n, last_n, nf, nr):
-    """Materialize the batch's pages as a bf16 paged cache in jax's layout: ``(k, v) bf16[H, B*np, page, D]``
-    (page ``j`` of row ``b`` at ``b * np + j``): gather + dequantize the low pages, overlay the retained rows,
-    rows at or past the length are zero (as `stage_reference`)."""
-    b, npg = page_table.shape
-    page = low.data.shape[4]
-    ids = jnp.maximum(page_table, 0)
-    gs = low.gs[layer]                                                         # [kv]
-    x = nvfp4.dequantize_reference(low.data[layer][ids], low.scales[layer][ids], gs[:, None, None], jnp.bfloat16)
-    pos = jnp.arange(npg)[None, :, None] * page + jnp.arange(page)[None, None, :]
-    x = jnp.where((pos < kv_lens[:, None, None])[:, :, None, None, :, None], x, jnp.zeros((), x.dtype))  # rows >= n: 0
-    # x: [B, np, kv, H, page, D]; overlay fixed pages (positions < first_n) and the ring (last_n window)
-    n = kv_lens[:, None, None]
-    rowpos = lambda j: j[:, :, None] * page + jnp.arange(page)[None, None, :]  # noqa: E731  [B, J, page]
-    keep = lambda pos: ((pos < first_n) | (pos >= n - last_n)) & (pos < n)   # noqa: E731
-    hrows = high.rows[layer]
-    bi = jnp.arange(b)[:, None]
-    if nf:
-        j = jnp.broadcast_to(jnp.arange(nf)[None, :], (b, nf))
-        hp = hrows[jnp.maximum(high_table[:, :nf], 0)]                         # [B, nf, kv, H, page, D]
-        m = (keep(rowpos(j)) & (high_table[:, :nf, None] >= 0))[:, :, None, None, :, None]
-        x = x.at[:, :nf].set(jnp.where(m, hp.astype(x.dtype), x[:, :nf]))
-    if nr:
-        j0 = jnp.maximum(kv_lens - last_n, 0) // page
-        j = jnp.minimum(j0[:, None] + jnp.arange(nr)[None, :], npg - 1)         # [B, nr]
-        col = jnp.where(j < nf, j, nf + j % nr)
-        hid = high_table[bi, col]
-        hp = hrows[jnp.maximum(hid, 0)]
-        m = (keep(rowpos(j)) & (hid[..., None] >= 0) & (j[..., None] >= nf))[:, :, None, None, :, None]
-        x = x.at[bi, j].set(jnp.where(m, hp.astype(x.dtype), x[bi, j]))
-    x = x.reshape(b * npg, 2, x.shape[3], page, x.shape[-1])
-    return jnp.transpose(x[:, 0], (1, 0, 2, 3)), jnp.transpose(x[:, 1], (1, 0, 2, 3))
+def floors(g: BenchGeometry, b, ctx, bw):
+    """``(NVFP4 floor ms, bf16 floor ms)``: packed K + V bytes, E4M3 scales and the retained twin rows (bf16) read
+    once, and bf16 K + V, over ``bw`` TB/s."""
+    tokens, row = b * ctx, g.kv_heads * g.head_dim * 2
+    nvfp4_bytes = tokens * row * (0.5 + 1 / 16) + b * (g.first_n + g.last_n) * row * 2
+    return nvfp4_bytes / bw * 1e-9, tokens * row * 2 / bw * 1e-9
 
 
-# --------------------------------------------------------------------------------------------- runners
-def ours_fn(mode, cfg, b, npg):
-    if not cfg:     # the kernel's own defaults (block_k, num_warps, splits, v_late chosen per shape class)
-        splits = None
-        kw = dict(config=TritonConfig(num_stages=3), interpret=INTERPRET)
-        if mode == "mixed":
-            return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
-                q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), None, ht, geom=CFG.twin, **kw)[0]), splits
-        return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, kernel_arrays(plain),
-                                                                          **kw)[0]), splits
-    blocks = max(1, npg // max(1, cfg["block_k"] // PAGE))
-    splits = max(1, min(blocks, int(triton_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
-    config = TritonConfig(block_k=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2),
-                          precise=cfg.get("precise"), num_splits=splits, keys_major=cfg.get("keys_major", False),
-                          dequant=cfg.get("dequant") if mode == "mixed" else None)
-    kw = dict(config=config, interpret=INTERPRET)
-    if mode == "mixed":
-        return jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
-            q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), None, ht, geom=CFG.twin,
-            **kw)[0]), splits
-    return jax.jit(lambda q, pt, lens, plain: paged_decode_attention(q, pt, lens, LAYERS - 1, None, None, kernel_arrays(plain),
-                                                                      **kw)[0]), splits
-
-
-def mgpu_fn(cfg, b, npg):
-    blocks = max(1, npg * PAGE // mosaic_sm90.BLOCK_K)
-    splits = max(1, min(blocks, int(mosaic_num_splits(b, H, blocks) * cfg.get("split_mult", 1))))
-    config = MosaicConfig(num_splits=splits, stages=cfg["stages"])
-    return jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.paged_decode_attention(
-        q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), ht, geom=CFG.twin,
-        config=config, interpret=INTERPRET)[0])
-
-
-def mgpu_name(c):
-    return f"st{c['stages']}x{c.get('split_mult', 1)}"
-
-
-def jax_pa_fn(ppcb, ks):
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-    return jax.jit(lambda q, k, v, bt, lens: paged_attention(q, k, v, bt, lens, pages_per_compute_block=ppcb,
-                                                             k_splits=ks, interpret=INTERPRET))
-
-
-def cfg_name(c):
-    """``k128w4s3x1`` (+ ``-p`` precise, ``-jnp`` dequant, ``-km`` keys-major): block_k, num_warps, num_stages, split multiplier."""
-    if not c:
-        return "default"
-    name = f"k{c['block_k']}w{c['num_warps']}s{c.get('num_stages', 2)}x{c.get('split_mult', 1)}"
-    return (name + ("-p" if c.get("precise") else "") + (f"-{c['dequant']}" if "dequant" in c else "")
-            + ("-km" if c.get("keys_major") else ""))
-
-
-def best_of(label, candidates):
-    """candidates: list of (name, thunk -> ms). Returns (best_ms, best_name, all)."""
-    results = {}
-    for name, thunk in candidates:
-        t0 = time.time()
-        try:
-            results[name] = thunk()
-            print(f"  {label} {name}: {results[name]:.3f} ms ({time.time() - t0:.0f}s incl. compile)", flush=True)
-        except Exception as e:  # a config that does not compile is reported, not fatal
-            results[name] = None
-            print(f"  {label} {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    ok = {k: v for k, v in results.items() if v is not None}
-    if not ok:
-        return None, None, results
-    name = min(ok, key=ok.get)
-    return ok[name], name, results
-
-
-# --------------------------------------------------------------------------------------------- correctness
-def check_correctness(torch):
-    """Small cache built by append; every path vs float32 attention_reference over stage_reference."""
-    cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
-    lens = CHECK_LENS
-    npg = -(-max(lens) // PAGE)
-    spec = jm.GroupSpec(num_layers=1, num_kv_heads=H, head_dim=D)
-    st = jm.init_state(cfg, spec, num_pages=len(lens) * npg, max_seqs=len(lens), max_pages_per_seq=npg,
-                       poison=True, gs=0.005, page_order=np.random.default_rng(0).permutation(len(lens) * npg))
-    seq = np.concatenate([np.full(n, s) for s, n in enumerate(lens)]).astype(np.int32)
-    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
-    key = jax.random.PRNGKey(0)
-    for s in range(len(lens)):
-        st = jm.admit(st, s)
-    k = jax.random.normal(key, (1, len(seq), H, D)).astype(jnp.bfloat16)
-    v = jax.random.normal(jax.random.fold_in(key, 1), (1, len(seq), H, D)).astype(jnp.bfloat16)
-    st = jm.append(st, None, k, v, seq, pos, backend="reference")
-    q = jax.random.normal(jax.random.fold_in(key, 2), (len(lens), 1, HQ, D)).astype(jnp.bfloat16)
-    slots = jnp.arange(len(lens), dtype=jnp.int32)
-    staged = jm.stage_reference(st, 0, slots)
-    ref, ref_lse = jm.attention_reference(q, staged[:, 0], staged[:, 1], st.kv_lens)
-    rel = lambda a: float(jnp.linalg.norm(a.astype(jnp.float32) - ref.astype(jnp.bfloat16).astype(jnp.float32))  # noqa
-                          / jnp.linalg.norm(ref))
-    out = {}
-    # the fused kernel reads NVFP4 / twin values exactly: its oracle is attention over the float32 staging
-    staged32 = jm.stage_reference(st, 0, slots, dtype=jnp.float32)
-    ref32, ref32_lse = jm.attention_reference(q, staged32[:, 0], staged32[:, 1], st.kv_lens)
-    rel32 = lambda a: float(jnp.linalg.norm(a.astype(jnp.float32) - ref32.astype(jnp.bfloat16).astype(jnp.float32))  # noqa
-                            / jnp.linalg.norm(ref32))
-    o, lse = decode_attention(st, 0, q, slots, backend="pallas")
-    out["mixed_kernel"] = rel32(o)
-    out["mixed_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref32_lse)))
-    out["mixed_kernel_vs_bf16_staging"] = rel(o)
-    low, high = kernel_arrays(st.pools[0].low), kernel_arrays(st.pools[0].high)
-    o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, low, high, None, st.high_table, geom=CFG.twin,
-                                  config=TritonConfig(dequant="jnp"), interpret=INTERPRET)
-    out["mixed_kernel_jnp_dequant"] = rel32(o)
-    o, _ = paged_decode_attention(q, st.page_table, st.kv_lens, 0, low, high, None, st.high_table,
-                                  geom=CFG.twin, config=TritonConfig(precise=True),
-                                  out_dtype=jnp.float32, interpret=INTERPRET)
-    out["mixed_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
-    if USE_MGPU:    # (f) against the same float32 oracle
-        o, lse = mosaic_sm90.paged_decode_attention(
-            q, st.page_table, st.kv_lens, 0, low, high, st.high_table, geom=CFG.twin,
-            out_dtype=jnp.float32, interpret=INTERPRET)
-        out["mgpu_kernel_f32_out_vs_f32"] = float(jnp.linalg.norm(o - ref32) / jnp.linalg.norm(ref32))
-        out["mgpu_kernel_lse_abs"] = float(jnp.max(jnp.abs(lse - ref32_lse)))
-    # plain bf16 pages holding exactly the staged rows
-    pools = st.pools[0]
-    plain_rows = jnp.zeros((1, len(lens) * npg, 2, H, PAGE, D), jnp.bfloat16)
-    pt = st.page_table
-    sr = staged.reshape(len(lens), 2, H, npg, PAGE, D).transpose(0, 3, 1, 2, 4, 5)   # [B, np, kv, H, page, D]
-    plain_rows = plain_rows.at[0, pt.reshape(-1)].set(sr.reshape(-1, 2, H, PAGE, D))
-    plain = RowPool(plain_rows, jnp.ones((1, 2), jnp.float32))
-    o, _ = paged_decode_attention(q, pt, st.kv_lens, 0, None, None, kernel_arrays(plain), interpret=INTERPRET)
-    out["plain_kernel"] = rel(o)
-    ks, vs = stage_xla(pools.low, pools.high, pt, st.high_table, st.kv_lens, first_n=FIRST_N, last_n=LAST_N,
-                       nf=NF, nr=NR)
-    want_k = staged[:, 0].transpose(1, 0, 2, 3).reshape(H, len(lens) * npg, PAGE, D)
-    valid = (jnp.arange(npg * PAGE)[None, :] < st.kv_lens[:, None]).reshape(len(lens) * npg, PAGE)
-    out["stage_xla_bitexact_k"] = bool(jnp.all(jnp.where(valid[None, :, :, None], ks == want_k, True)))
-    bt = jnp.arange(len(lens) * npg, dtype=jnp.int32).reshape(len(lens), npg)
-    q_scaled = (q[:, 0].astype(jnp.float32) * D ** -0.5).astype(jnp.bfloat16)   # jax's kernel does not scale
-    o = jax_pa_fn(8, 1)(q_scaled, ks, vs, bt, st.kv_lens)
-    out["stage_plus_jax_pa"] = rel(o[:, None])
-    if torch is not None:
-        kk = torch.from_dlpack(staged[:, 0]).float()
-        vv = torch.from_dlpack(staged[:, 1]).float()
-        outs = []
-        for bi, n in enumerate(lens):
-            qq = torch.from_dlpack(q[bi, 0].astype(jnp.float32)).view(1, HQ, 1, D)
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                qq, kk[bi:bi + 1, :, :n], vv[bi:bi + 1, :, :n], enable_gqa=True).view(1, 1, HQ, D))
-        o = jnp.asarray(torch.cat(outs).cpu().numpy())
-        out["torch_sdpa_f32"] = rel(o)
-    ok = (out["mixed_kernel"] < 1e-3 and out["plain_kernel"] < 1e-3 and out["stage_xla_bitexact_k"]
-          and out["mixed_kernel_jnp_dequant"] < 1e-3 and out["mixed_kernel_f32_out_vs_f32"] < 1e-4
-          and out["stage_plus_jax_pa"] < 1e-2 and out["mixed_kernel_lse_abs"] < 1e-3
-          and out.get("mgpu_kernel_f32_out_vs_f32", 0.0) < 1e-4 and out.get("mgpu_kernel_lse_abs", 0.0) < 1e-3)
-    return ok, out
-
-
-# --------------------------------------------------------------------------------------------- main
-def run_shape(b, ctx, bw, torch_ms, quick, first_shape_best=None):
-    key = jax.random.PRNGKey(b * 1000 + ctx // 1024)
-    npg = ctx // PAGE
-    tokens = b * ctx
-    row = dict(batch=b, context=ctx)
-    nvfp4_bytes = tokens * H * D * 2 * (0.5 + 1 / 16) + b * (FIRST_N + LAST_N) * H * D * 2 * 2
-    bf16_bytes = tokens * H * D * 2 * 2
-    row["floor_nvfp4_ms"] = nvfp4_bytes / (bw * 1e12) * 1e3
-    row["floor_bf16_ms"] = bf16_bytes / (bw * 1e12) * 1e3
-    q4 = jax.random.normal(key, (b, 1, HQ, D), jnp.bfloat16)
-    lens = jnp.full((b,), ctx, jnp.int32)
-    pt, ht = tables(jax.random.fold_in(key, 1), b, ctx)
-    mixed_cfgs = MIXED_CONFIGS + ([] if quick else FULL_EXTRA)
-    plain_cfgs = PLAIN_CONFIGS + ([] if quick else FULL_EXTRA)
-    if quick and first_shape_best:          # later shapes of a quick run: the first shape's TOP_K only
-        mixed_cfgs = [c for c in mixed_cfgs if cfg_name(c) in first_shape_best.get("mixed", ())]
-        plain_cfgs = [c for c in plain_cfgs if cfg_name(c) in first_shape_best.get("plain", ())]
-
-    # (a) mixed
-    low, high = mixed_pools(jax.random.fold_in(key, 2), b, ctx)
-    jax.block_until_ready((low, high))
-
-    first_out = {}
-
-    def ours(mode, cfg, *args):
-        """Time one config; its output must agree with the mode's first config (same inputs) to 1e-2."""
-        fn, splits = ours_fn(mode, cfg, b, npg)
-        out = np.asarray(fn(*args), np.float32)
-        if not np.isfinite(out).all():
-            raise FloatingPointError(f"{mode} {cfg_name(cfg)}: non-finite output")
-        ref = first_out.setdefault(mode, out)
-        rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-        if rel > 1e-2:
-            raise ValueError(f"{mode} {cfg_name(cfg)}: output differs from the first config by {rel:.2e}")
-        return time_jax(fn, *args)
-    cand = [(cfg_name(c), functools.partial(ours, "mixed", c, q4, pt, lens, ht, low, high)) for c in mixed_cfgs]
-    row["mixed_ms"], row["mixed_cfg"], row["mixed_all"] = best_of("mixed", cand)
-
-    # (f) Mosaic GPU kernel on the same pools, checked against (a)'s output
-    if USE_MGPU and mosaic_sm90.supported(head_dim=D, page=PAGE, tq=1, group=HQ // H, high_dtype=high.rows.dtype):
-        def mg(cfg):
-            fn = mgpu_fn(cfg, b, npg)
-            out = np.asarray(fn(q4, pt, lens, ht, low, high), np.float32)
-            ref = first_out.get("mixed")
-            if not np.isfinite(out).all():
-                raise FloatingPointError(f"mgpu {mgpu_name(cfg)}: non-finite output")
-            if ref is not None:
-                rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-                if rel > 1e-2:
-                    raise ValueError(f"mgpu {mgpu_name(cfg)}: output differs from (a) by {rel:.2e}")
-            return time_jax(fn, q4, pt, lens, ht, low, high)
-        cand = [(mgpu_name(c), functools.partial(mg, c)) for c in MGPU_CONFIGS]
-        row["mgpu_ms"], row["mgpu_cfg"], row["mgpu_all"] = best_of("mgpu", cand)
-
-    # (d) staging path: stage (XLA) + jax paged attention (best config found in (c), filled in below)
-    stage = functools.partial(stage_xla, first_n=FIRST_N, last_n=LAST_N, nf=NF, nr=NR)
-    do_stage = b * ctx <= STAGE_MAX_TOKENS
-    if do_stage:
-        row["stage_only_ms"] = time_jax(lambda *a: stage(*a), low, high, pt, ht, lens, reps=3, trials=7)
-    else:
-        row["stage_skipped"] = (f"(d) skipped: {b}x{ctx} = {b * ctx} tokens > {STAGE_MAX_TOKENS}; staging "
-                                f"materializes the whole batch's dequantized K/V and does not fit")
-        print("  " + row["stage_skipped"])
-    staged_args = (low, high, pt, ht, lens)
-    del high
-
-    # (b) plain bf16 pages, our kernel
-    plain = plain_pool(jax.random.fold_in(key, 3), b, ctx)
-    cand = [(cfg_name(c), functools.partial(ours, "plain", c, q4, pt, lens, plain)) for c in plain_cfgs]
-    row["plain_ms"], row["plain_cfg"], row["plain_all"] = best_of("plain", cand)
-    del plain
-
-    # (c) jax paged_attention over bf16 pages (its own layout)
-    kp, vp = jax_layout_pages(jax.random.fold_in(key, 4), b, ctx)
-    q3 = q4[:, 0]
-    cand = [(f"ppcb{p}ks{k}", functools.partial(lambda p, k: time_jax(jax_pa_fn(p, k), q3, kp, vp, pt, lens), p, k))
-            for p, k in (JAX_PA_CONFIGS[:3] if quick else JAX_PA_CONFIGS) if npg % k == 0 and (npg // k) % p == 0]
-    row["jax_pa_ms"], row["jax_pa_cfg"], row["jax_pa_all"] = best_of("jax_pa", cand)
-    del kp, vp
-
-    # (d) full staging path with (c)'s best config
-    if row["jax_pa_cfg"] is not None and do_stage:
-        p_, k_ = [int(x) for x in row["jax_pa_cfg"].replace("ppcb", "").split("ks")]
-        pa = jax_pa_fn(p_, k_)
-        bt = jnp.arange(b * npg, dtype=jnp.int32).reshape(b, npg)
-
-        @jax.jit
-        def staged_attention(q3, low, high, pt, ht, lens):
-            ks, vs = stage(low, high, pt, ht, lens, LAYERS - 1)
-            return pa(q3, ks, vs, bt, lens)
-        row["stage_ms"] = time_jax(staged_attention, q3, *staged_args, reps=3, trials=7)
-    del low, staged_args
-
-    # (e) torch SDPA (measured earlier, before JAX allocated)
-    row.update(torch_ms.get((b, ctx), {}))
-    if row.get("mgpu_ms"):
-        row["mgpu_vs_nvfp4_floor"] = row["mgpu_ms"] / row["floor_nvfp4_ms"]
-        if row.get("mixed_ms"):
-            row["speedup_mgpu_vs_mixed"] = row["mixed_ms"] / row["mgpu_ms"]
-    a = row.get("mixed_ms")
-    if a:
-        row["mixed_vs_nvfp4_floor"] = a / row["floor_nvfp4_ms"]
-        for other in ("plain_ms", "jax_pa_ms", "stage_ms", "sdpa_ms"):
-            if row.get(other):
-                row[f"speedup_vs_{other[:-3]}"] = row[other] / a
-    return row
-
-
-def top_configs(results, k=None):
-    """Names of the ``k`` (default TOP_K) fastest precise configs in ``{name: ms or None}``."""
-    ok = sorted((v, n) for n, v in results.items() if v is not None)
-    return tuple(n for _, n in ok[:k or TOP_K])
-
-
-def torch_sdpa_all(torch, shapes):
-    """(e) for every shape, before JAX allocates: best of flash / cuDNN SDPA over contiguous bf16 K/V."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    out = {}
-    for b, ctx in shapes:
-        res = {}
-        q = torch.randn(b, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
-        k = torch.randn(b, H, ctx, D, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn_like(k)
-        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-            def f():
-                with sdpa_kernel(be):
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            try:
-                res[f"sdpa_{name}_ms"] = time_torch(torch, f)
-            except Exception as e:  # backend not available for this shape
-                print(f"  sdpa {name} {b}x{ctx}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-        vals = [v_ for v_ in res.values() if v_]
-        if vals:
-            res["sdpa_ms"] = min(vals)
-        out[(b, ctx)] = res
-        del q, k, v
-        torch.cuda.empty_cache()
-    return out
-
-
-def fits(b, ctx, budget_gib):
-    tokens = b * ctx
-    # peak: mixed pools + staged bf16 copy (K+V) during (d); or mixed + jax-layout bf16
-    need = tokens * H * D * 2 * (0.5625 * LAYERS + 2 * max(LAYERS, 2)) * 1.1
+def fits(g: BenchGeometry, b, ctx, budget_gib):
+    """Whether a row's pools (+ the bf16 K / V of the baselines) fit in ``budget_gib``."""
+    need = b * ctx * g.kv_heads * g.head_dim * 2 * (0.5625 * g.layers + 2 * max(g.layers, 2)) * 1.1
     return need / 2 ** 30 < budget_gib
 
 
-def fmt(x, w=8):
-    return f"{x:{w}.3f}" if isinstance(x, (int, float)) and x is not None else f"{'-':>{w}}"
+# --------------------------------------------------------------------------------------------- kernels
+def kernel_fn(g: BenchGeometry, opts: RunOptions, backend: str, config=None):
+    """Jitted ``(q, pt, lens, ht, low, high) -> out`` over the mixed pools: ``backend`` ``"default"`` (the entry
+    point's pick, `choose_backend`), ``"triton"`` or ``"mosaic"``, with ``config`` (None: the backend's defaults)."""
+    layer, twin = g.layers - 1, g.cache.twin
+    if backend == "default":
+        call = functools.partial(decode_entry.paged_decode_attention, config=config)
+        return jax.jit(lambda q, pt, lens, ht, low, high: call(
+            q, pt, lens, layer, kernel_arrays(low), kernel_arrays(high), None, ht, geom=twin,
+            interpret=opts.interpret)[0])
+    if backend == "triton":
+        return jax.jit(lambda q, pt, lens, ht, low, high: triton.paged_decode_attention(
+            q, pt, lens, layer, kernel_arrays(low), kernel_arrays(high), None, ht, geom=twin, config=config,
+            interpret=opts.interpret)[0])
+    return jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.paged_decode_attention(
+        q, pt, lens, layer, kernel_arrays(low), kernel_arrays(high), ht, geom=twin, config=config,
+        interpret=opts.interpret)[0])
 
 
-def table(rows):
-    head = (f"{'B x ctx':>12} {'(a)mixed':>8} {'(b)plain':>8} {'(c)jaxPA':>8} {'(d)stage':>8} {'(e)sdpa':>8} "
-            f"{'(f)mgpu':>8} {'fl.fp4':>8} {'fl.bf16':>8} {'a/fl4':>6} {'f/fl4':>6} {'c/a':>6} {'e/a':>6}")
-    lines = [head]
-    for r in rows:
-        ratio = lambda k: f"{r[k]:6.2f}" if r.get(k) else f"{'-':>6}"  # noqa: E731
-        ctx = f"{r['context'] // 1024}k" if r['context'] >= 1024 else str(r['context'])
-        lines.append(f"{r['batch']:>4} x {ctx:>5} {fmt(r.get('mixed_ms'))} {fmt(r.get('plain_ms'))} "
-                     f"{fmt(r.get('jax_pa_ms'))} {fmt(r.get('stage_ms'))} {fmt(r.get('sdpa_ms'))} "
-                     f"{fmt(r.get('mgpu_ms'))} {fmt(r['floor_nvfp4_ms'])} {fmt(r['floor_bf16_ms'])} "
-                     f"{ratio('mixed_vs_nvfp4_floor')} {ratio('mgpu_vs_nvfp4_floor')} "
-                     f"{ratio('speedup_vs_jax_pa')} {ratio('speedup_vs_sdpa')}")
-    return "\n".join(lines)
+_VARIANT = re.compile(r"^k(\d+)w(\d+)(?:s(\d+))?(?:x([\d.]+))?(?:c(\d+))?$")
 
 
-def best_lines(rows):
-    """One line per shape: the best config of (a) / (b) / (c) and all of (a)'s timings."""
-    out = []
-    for r in rows:
-        allm = " ".join(f"{k}={v:.3f}" for k, v in (r.get("mixed_all") or {}).items() if v is not None)
-        allf = " ".join(f"{k}={v:.3f}" for k, v in (r.get("mgpu_all") or {}).items() if v is not None)
-        out.append(f"{r['batch']} x {r['context']}: best (a) {r.get('mixed_cfg')} (b) {r.get('plain_cfg')} "
-                   f"(c) {r.get('jax_pa_cfg')} (f) {r.get('mgpu_cfg')}; (a) sweep: {allm}; (f) sweep: {allf}")
-    return "\n".join(out)
+def parse_variant(text: str) -> tuple:
+    """``"k{block_k}w{num_warps}[s{num_stages}][x{split multiplier}][c{col_groups}]"`` -> ``(text, fields)``: a
+    Triton config timed beside the default; the multiplier scales `triton_num_splits` of its block (default 1)."""
+    m = _VARIANT.match(text.strip())
+    if not m:
+        raise ValueError(f"--variants: {text!r} is not k<block_k>w<warps>[s<stages>][x<split mult>][c<col groups>]")
+    k, w, s, x, c = m.groups()
+    fields = dict(block_k=int(k), num_warps=int(w), num_stages=int(s or 3), split_mult=float(x or 1))
+    if c:
+        fields["col_groups"] = int(c)
+    return text.strip(), fields
 
 
-# --------------------------------------------------------------------------------------------- --grid
-GRID_JAX_PA_SPLITS = {1: 16, 16: 4, 64: 1}   # jax paged_attention k_splits per batch (best of earlier sweeps)
+def variant_config(fields: dict, g: BenchGeometry, b: int, ctx: int, tq: int) -> TritonConfig:
+    """The `TritonConfig` of a variant at this row: its splits `triton_num_splits` of its block times the multiplier
+    (at least 1, at most the blocks)."""
+    nb = pages_per_block(fields["block_k"], g.page)
+    blocks = max(1, -(-(ctx // g.page) // nb))
+    m_rows = next_pow2(max(16, tq * g.gqa))
+    per_sm = triton_tuning("nvfp4", b, g.kv_heads, g.page, m_rows, tq * g.gqa, g.head_dim)[2]
+    splits = max(1, min(blocks, int(triton_num_splits(b, g.kv_heads, blocks, per_sm) * fields["split_mult"])))
+    kw = {k: v for k, v in fields.items() if k != "split_mult"}
+    return TritonConfig(num_splits=splits, **kw)
 
 
-def set_geometry(gqa, page):
-    """Point the module-level shape constants (used by `tables` / `mixed_pools`) at one grid geometry."""
-    global HQ, PAGE, CFG, NF, NR
-    HQ, PAGE = H * gqa, page
-    CFG = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=FIRST_N, last_n=LAST_N, page_size=PAGE)
-    NF, NR = CFG.num_fixed_pages, CFG.num_ring_pages
+def jax_pa_fn(ppcb, ks, interpret=False):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    return jax.jit(lambda q, k, v, bt, lens: paged_attention(q, k, v, bt, lens, pages_per_compute_block=ppcb,
+                                                             k_splits=ks, interpret=interpret))
 
 
-def torch_sdpa(torch, b, ctx, tq):
-    """cuDNN and flash SDPA over contiguous bf16 K/V ``[b, H, ctx, D]``, ``tq`` query tokens (no mask: the
-    same bytes as the causal verify step), ms each (None where the backend refuses): the better of torch's
-    ``enable_gqa`` and the group folded into the query rows (``q [b, H, tq * G, D]``, what a serving engine does;
-    for Tq > 1 ``enable_gqa`` expands K / V to every query head and reads G x the bytes)."""
+def torch_sdpa(torch, g: BenchGeometry, b, ctx, tq):
+    """cuDNN and flash SDPA over contiguous bf16 K/V ``[b, H, ctx, D]``, ``tq`` query tokens (no mask: the same bytes
+    as the causal verify step), ms each (None where the backend refuses): the better of torch's ``enable_gqa`` and
+    the group folded into the query rows (``q [b, H, tq * G, D]``, what a serving engine does; for Tq > 1
+    ``enable_gqa`` expands K / V to every query head and reads G x the bytes)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    g = HQ // H
-    q = torch.randn(b, HQ, tq, D, dtype=torch.bfloat16, device="cuda")
-    qf = torch.randn(b, H, tq * g, D, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(b, H, ctx, D, dtype=torch.bfloat16, device="cuda")
+    h, d = g.kv_heads, g.head_dim
+    q = torch.randn(b, g.q_heads, tq, d, dtype=torch.bfloat16, device="cuda")
+    qf = torch.randn(b, h, tq * g.gqa, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, h, ctx, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     res = {}
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -598,62 +306,85 @@ def torch_sdpa(torch, b, ctx, tq):
     return res
 
 
-def grid_row(torch, bw, b, ctx, gqa, page, tq):
-    """One grid shape: the default NVFP4 kernel, the Mosaic GPU kernel (where `supported`), cuDNN / flash SDPA
-    over contiguous bf16, jax's Pallas paged attention over bf16 (Tq 1 only: it has no multi-token query), and
-    both bytes floors. Every timed output must be finite; the Mosaic GPU output must match the Triton one."""
-    set_geometry(gqa, page)
-    key = jax.random.PRNGKey(b * 1000 + ctx // 1024 + 7 * gqa + page + tq)
-    row = dict(batch=b, context=ctx, gqa=gqa, page=page, tq=tq, copy_bandwidth_tbs=bw)
-    tokens = b * ctx
-    row["floor_nvfp4_ms"] = (tokens * H * D * 2 * (0.5 + 1 / 16) + b * (FIRST_N + LAST_N) * H * D * 4) / bw * 1e-9
-    row["floor_bf16_ms"] = tokens * H * D * 4 / bw * 1e-9
-    if torch is not None:
-        s = torch_sdpa(torch, b, ctx, tq)
-        row["cudnn_ms"], row["flash_ms"] = s.get("cudnn"), s.get("flash")
-    q = jax.random.normal(key, (b, tq, HQ, D), jnp.bfloat16)
+def _method(row, name, thunk):
+    """``row[name + "_ms"] = thunk()``; a method that fails on this shape is recorded, not fatal for the row."""
+    try:
+        row[f"{name}_ms"] = thunk()
+    except Exception as e:
+        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        print(f"    {name}: {row[f'{name}_error']}")
+
+
+def _row_inputs(g: BenchGeometry, b, ctx, tq, seed):
+    key = jax.random.PRNGKey(seed)
+    q = jax.random.normal(key, (b, tq, g.q_heads, g.head_dim), jnp.bfloat16)
     lens = jnp.full((b,), ctx, jnp.int32)
-    pt, ht = tables(jax.random.fold_in(key, 1), b, ctx)
-    low, high = mixed_pools(jax.random.fold_in(key, 2), b, ctx)
-    fn = jax.jit(lambda q, pt, lens, ht, low, high: paged_decode_attention(
-        q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), None, ht, geom=CFG.twin, interpret=INTERPRET)[0])
-    out = np.asarray(fn(q, pt, lens, ht, low, high), np.float32)
-    if not np.isfinite(out).all():
-        raise FloatingPointError("mixed: non-finite output")
-    row["mixed_ms"] = time_jax(fn, q, pt, lens, ht, low, high)
-    row["mixed_gpu_ms"] = gpu_busy_ms(fn, q, pt, lens, ht, low, high)
+    pt, ht = tables(jax.random.fold_in(key, 1), g, b, ctx)
+    low, high = mixed_pools(jax.random.fold_in(key, 2), g, b, ctx)
+    return key, (q, pt, lens, ht, low, high)
+
+
+def _close(got, want, what):
+    got = np.asarray(got, np.float32)
+    if not np.isfinite(got).all():
+        raise FloatingPointError(f"{what}: non-finite output")
+    if want is not None:
+        rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+        if not rel < 1e-2:
+            raise ValueError(f"{what}: output differs from the default's by {rel:.2e}")
+    return got
+
+
+# --------------------------------------------------------------------------------------------- --grid
+GRID_JAX_PA_SPLITS = {1: 16, 16: 4, 64: 1}   # jax paged_attention k_splits per batch (best of earlier sweeps)
+
+
+def grid_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
+    """One ``--grid`` row: the Triton kernel, the Mosaic GPU kernel (where `supported`), the default one end to end,
+    in a step and GPU busy, cuDNN / flash SDPA over contiguous bf16, jax's Pallas paged attention over bf16 (Tq 1
+    only: it has no multi-token query), and both bytes floors."""
+    row = dict(batch=b, context=ctx, head_dim=g.head_dim, gqa=g.gqa, page=g.page, tq=tq, copy_bandwidth_tbs=bw)
+    row["floor_nvfp4_ms"], row["floor_bf16_ms"] = floors(g, b, ctx, bw)
+    if torch is not None:
+        s = torch_sdpa(torch, g, b, ctx, tq)
+        row["cudnn_ms"], row["flash_ms"] = s.get("cudnn"), s.get("flash")
+    key, args = _row_inputs(g, b, ctx, tq, b * 1000 + ctx // 1024 + 7 * g.gqa + g.page + tq)
+    fn = kernel_fn(g, opts, "triton")
+    out = _close(fn(*args), None, "mixed")
+    row["mixed_ms"] = time_jax(fn, *args)
+    row["mixed_gpu_ms"] = gpu_busy_ms(fn, *args)
     fns = dict(mixed=fn)
 
     def mgpu():
-        mg = jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.paged_decode_attention(
-            q, pt, lens, LAYERS - 1, kernel_arrays(low), kernel_arrays(high), ht, geom=CFG.twin, interpret=INTERPRET)[0])
-        got = np.asarray(mg(q, pt, lens, ht, low, high), np.float32)
-        rel = float(np.linalg.norm(got - out) / max(np.linalg.norm(out), 1e-30))
-        if not rel < 1e-2:
-            raise ValueError(f"mgpu output differs from the Triton kernel's by {rel:.2e}")
-        ms = time_jax(mg, q, pt, lens, ht, low, high)
-        row["mgpu_gpu_ms"] = gpu_busy_ms(mg, q, pt, lens, ht, low, high)
+        mg = kernel_fn(g, opts, "mosaic")
+        _close(mg(*args), out, "mgpu")
+        ms = time_jax(mg, *args)
+        row["mgpu_gpu_ms"] = gpu_busy_ms(mg, *args)
         fns["mgpu"] = mg
         return ms
-    if USE_MGPU and mosaic_sm90.supported(head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=high.rows.dtype):
+    if opts.mosaic and mosaic_sm90.supported(head_dim=g.head_dim, page=g.page, tq=tq, group=g.gqa,
+                                             high_dtype=jnp.bfloat16):
         _method(row, "mgpu", mgpu)
     # what `jm.decode_attention` runs here: the Mosaic GPU kernel where `choose_backend` picks it
     use_mgpu = row.get("mgpu_ms") is not None and choose_backend(
-        head_dim=D, page=PAGE, tq=tq, group=gqa, high_dtype=jnp.bfloat16, interpret=INTERPRET) == "mosaic"
+        head_dim=g.head_dim, page=g.page, tq=tq, group=g.gqa, high_dtype=jnp.bfloat16,
+        interpret=opts.interpret) == "mosaic"
     row["default"] = "mgpu" if use_mgpu else "mixed"
     try:        # a failure here (e.g. memory for the loop) must not lose the row's other timings
-        row["default_step_ms"] = time_in_step(fns[row["default"]], q, pt, lens, ht, low, high)
+        row["default_step_ms"] = time_in_step(fns[row["default"]], *args)
     except Exception as e:
         row["default_step_ms"], row["step_error"] = None, f"{type(e).__name__}: {str(e)[:160]}"
         print(f"    step: {row['step_error']}")
-    del low, high, fns
+    q = args[0]
+    pt, lens = args[1], args[2]
+    del args, fns
 
     def jax_pa():   # 128-token compute blocks: 8 pages of 16 or 2 of 64 (8 x 64 needs 276 KB of shared memory)
-        kp, vp = jax_layout_pages(jax.random.fold_in(key, 4), b, ctx)
-        npg, ppcb, ks = ctx // PAGE, max(1, 128 // PAGE), GRID_JAX_PA_SPLITS.get(b, 1)
+        kp, vp = jax_layout_pages(jax.random.fold_in(key, 4), g, b, ctx)
+        npg, ppcb, ks = ctx // g.page, max(1, 128 // g.page), GRID_JAX_PA_SPLITS.get(b, 1)
         while ks > 1 and npg % (ks * ppcb):
             ks //= 2
-        return time_jax(jax_pa_fn(min(ppcb, npg), ks), q[:, 0], kp, vp, pt, lens)
+        return time_jax(jax_pa_fn(min(ppcb, npg), ks, opts.interpret), q[:, 0], kp, vp, pt, lens)
     if tq == 1:
         _method(row, "jax_pa", jax_pa)
     row["mixed_vs_nvfp4_floor"] = row["mixed_ms"] / row["floor_nvfp4_ms"]
@@ -674,13 +405,8 @@ def grid_row(torch, bw, b, ctx, gqa, page, tq):
     return row
 
 
-def _method(row, name, thunk):
-    """``row[name + "_ms"] = thunk()``; a method that fails on this shape is recorded, not fatal for the row."""
-    try:
-        row[f"{name}_ms"] = thunk()
-    except Exception as e:
-        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
-        print(f"    {name}: {row[f'{name}_error']}")
+def fmt(x, w=8):
+    return f"{x:{w}.3f}" if isinstance(x, (int, float)) and x is not None else f"{'-':>{w}}"
 
 
 def grid_table(rows):
@@ -750,8 +476,115 @@ def targets_text(rows):
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------- --geometry-grid
+#: the default rows of ``--geometry-grid`` (head_dim, GQA, page, Tq): every head_dim x group at page 16 Tq 1, then
+#: the page and Tq axes at head_dim 64 and 128 (GQA 4)
+GEOMETRY_SUBSET = tuple([(d, g, 16, 1) for d in (64, 128, 256) for g in (1, 2, 3, 4, 7, 8)]
+                        + [(d, 4, p, 1) for d in (64, 128) for p in (32, 64, 128)]
+                        + [(d, 4, 16, t) for d in (64, 128) for t in (2, 4, 8)])
+#: the whole axes (``--head-dims`` / ``--groups`` / ``--pages`` / ``--tqs`` take subsets of any size)
+GEOMETRY_AXES = dict(head_dims=(64, 128, 256), groups=(1, 2, 3, 4, 7, 8), pages=(16, 32, 64, 128), tqs=(1, 2, 4, 8))
+#: the target of every geometry row: within this many times its NVFP4 bytes floor
+TARGET_GEOMETRY = 1.5
+
+
+def geometry_order(head_dims=None, groups=None, pages=None, tqs=None, batch=16, context=32768):
+    """The ``--geometry-grid`` rows ``(batch, context, head_dim, gqa, page, tq)`` in run order: `GEOMETRY_SUBSET`
+    when every axis is None, else the product of the given axes (None = the whole axis, `GEOMETRY_AXES`)."""
+    if all(a is None for a in (head_dims, groups, pages, tqs)):
+        geo = GEOMETRY_SUBSET
+    else:
+        ax = [tuple(v) if v is not None else GEOMETRY_AXES[k]
+              for k, v in zip(("head_dims", "groups", "pages", "tqs"), (head_dims, groups, pages, tqs))]
+        geo = [(d, g, p, t) for d in ax[0] for g in ax[1] for p in ax[2] for t in ax[3]]
+    return [(batch, context, *x) for x in geo]
+
+
+def geometry_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
+    """One ``--geometry-grid`` row: the default backend, the Triton kernel beside a Mosaic default, the ``variants``
+    beside a Triton default, each per call in a jitted loop of ten (`time_in_step`); the default's GPU busy time in
+    that loop and its decode kernels' share (`step_profile`); cuDNN / flash SDPA over bf16; both floors."""
+    row = dict(batch=b, context=ctx, head_dim=g.head_dim, gqa=g.gqa, page=g.page, tq=tq, kv_heads=g.kv_heads,
+               copy_bandwidth_tbs=bw)
+    row["floor_nvfp4_ms"], row["floor_bf16_ms"] = floors(g, b, ctx, bw)
+    if torch is not None:
+        s = torch_sdpa(torch, g, b, ctx, tq)
+        row["cudnn_ms"], row["flash_ms"] = s.get("cudnn"), s.get("flash")
+    _, args = _row_inputs(g, b, ctx, tq, b * 1000 + ctx // 1024 + 7 * g.gqa + g.page + tq + g.head_dim)
+    row["backend"] = choose_backend(head_dim=g.head_dim, page=g.page, tq=tq, group=g.gqa,
+                                    high_dtype=jnp.bfloat16, interpret=opts.interpret)
+    if row["backend"] == "mosaic" and not opts.mosaic:
+        row["backend"] = "triton"
+    loop = step_loop(kernel_fn(g, opts, row["backend"]))
+    want = _close(loop(*args)[1], None, "default")
+    row["step_ms"] = time_jax(loop, *args) / 10
+    row.update(step_profile(loop, args))
+    row["variants"] = {}
+    others = [("triton", None)] if row["backend"] == "mosaic" else [
+        (name, variant_config(f, g, b, ctx, tq)) for name, f in opts.variants]
+    for name, config in others:
+        def run(config=config, name=name):
+            lp = step_loop(kernel_fn(g, opts, "triton", config))
+            _close(lp(*args)[1], want, name)
+            return time_jax(lp, *args) / 10
+        try:
+            row["variants"][name] = run()
+        except Exception as e:   # a config that does not compile is recorded, not fatal
+            row["variants"][name] = None
+            print(f"    {name}: {type(e).__name__}: {str(e).splitlines()[0][:140]}")
+    ok = {k: v for k, v in row["variants"].items() if v}
+    if ok:
+        row["best_variant"] = min(ok, key=ok.get)
+        row["best_variant_ms"] = ok[row["best_variant"]]
+    row["step_vs_nvfp4_floor"] = row["step_ms"] / row["floor_nvfp4_ms"]
+    if row.get("cudnn_ms"):
+        row["cudnn_over_step"] = row["cudnn_ms"] / row["step_ms"]
+    return row
+
+
+def geometry_table(rows):
+    """``dflt``: what the entry point runs (``M`` Mosaic GPU, ``T`` Triton), ms per call in a jitted loop of ten;
+    ``GPU``: GPU busy per call in that loop, ``kern``: its decode kernels' share; ``best other``: the fastest of the
+    Triton kernel (beside a Mosaic default) or the ``--variants`` (beside a Triton default)."""
+    head = (f"{'hd':>3} {'gqa':>3} {'pg':>3} {'tq':>2} {'B x ctx':>11} {'dflt':>8} {'GPU':>7} {'kern':>7} "
+            f"{'best other':>22} {'cuDNN':>7} {'flash':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'dflt/fl4':>8} "
+            f"{'cuDNN/dflt':>10}")
+    lines = [head]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"{r['head_dim']:>3} {r['gqa']:>3} {r['page']:>3} {r['tq']:>2} {r['batch']:>4} x "
+                         f"{r['context'] // 1024:>4}k  {r['error']}")
+            continue
+        f = lambda k: fmt(r.get(k), 7)  # noqa: E731
+        best = f"{r['best_variant']} {r['best_variant_ms']:.3f}" if r.get("best_variant") else "-"
+        gpu = lambda k: fmt(r[k] / 1e3 if r.get(k) else None, 7)  # noqa: E731
+        lines.append(f"{r['head_dim']:>3} {r['gqa']:>3} {r['page']:>3} {r['tq']:>2} {r['batch']:>4} x "
+                     f"{r['context'] // 1024:>4}k {r['step_ms']:7.3f}{'M' if r['backend'] == 'mosaic' else 'T'} "
+                     f"{gpu('gpu_us')} {gpu('kernel_us')} {best:>22} {f('cudnn_ms')} {f('flash_ms')} "
+                     f"{f('floor_nvfp4_ms')} {f('floor_bf16_ms')} {fmt(r.get('step_vs_nvfp4_floor'), 8)} "
+                     f"{fmt(r.get('cudnn_over_step'), 10)}")
+    return "\n".join(lines)
+
+
+def geometry_text(rows):
+    """The geometry targets counted over geometry rows: within `TARGET_GEOMETRY` x the floor; Tq 1 faster than
+    cuDNN; with the misses."""
+    done = [r for r in rows if r.get("step_ms")]
+    near = [r for r in done if r["step_vs_nvfp4_floor"] > TARGET_GEOMETRY]
+    tq1 = [r for r in done if r["tq"] == 1 and r.get("cudnn_ms")]
+    slow = [r for r in tq1 if r["cudnn_ms"] <= r["step_ms"]]
+
+    def key(r):
+        return f"hd{r['head_dim']}/G{r['gqa']}/p{r['page']}/t{r['tq']}"
+    far = ", ".join(f"{key(r)} {r['step_vs_nvfp4_floor']:.2f}x" for r in near) or "none"
+    behind = ", ".join(f"{key(r)} {r['cudnn_ms'] / r['step_ms']:.2f}x" for r in slow) or "none"
+    return (f"within {TARGET_GEOMETRY}x the NVFP4 floor: {len(done) - len(near)}/{len(done)} (misses: {far})\n"
+            f"Tq 1 faster than cuDNN bf16: {len(tq1) - len(slow)}/{len(tq1)} (misses, cuDNN / dflt: {behind})")
+
+
+# --------------------------------------------------------------------------------------------- shards, merge
 def grid_order(batches: str, contexts: str, geos: str):
-    """The grid's rows ``(batch, context, gqa, page, tq)`` in run order: geometry by geometry (``geos`` =
+    """The ``--grid`` rows ``(batch, context, gqa, page, tq)`` in run order: geometry by geometry (``geos`` =
     ``"GQA/page/Tq,..."``), each over batch x context, so a time-budget cut loses the later geometries."""
     shapes = [(b, c) for b in map(int, batches.split(",")) for c in map(int, contexts.split(","))]
     geo = [tuple(map(int, g.split("/"))) for g in geos.split(",")]
@@ -782,223 +615,189 @@ def shard_rows(order, shard):
     return [r for k, r in enumerate(order) if k % n == i]
 
 
+def _order_key(o):
+    """A grid order entry -> ``(batch, context, head_dim, gqa, page, tq)`` (``--grid`` entries are at head_dim 128)."""
+    return tuple(o) if len(o) == 6 else (o[0], o[1], DECODE_GEOMETRY["head_dim"], *o[2:])
+
+
+def _row_key(row):
+    return (row["batch"], row["context"], row.get("head_dim", DECODE_GEOMETRY["head_dim"]), row["gqa"], row["page"],
+            row["tq"])
+
+
 def merge_grids(results, order=None):
-    """Join grid results (the JSON dicts of shards of one grid) into one, rows in ``order`` (the grid's run
-    order, `grid_order`; default: the shards' rows as listed). Refuses shards measured on different devices or
-    versions (the rows would not be side by side) and a row measured twice. Each row keeps the copy bandwidth its
-    shard measured (``copy_bandwidth_tbs``); the merged header gives their range. A row one shard skipped (time
-    budget) and another measured (a re-run of the skipped rows) is not listed as skipped."""
+    """Join grid results (the JSON dicts of shards of one grid) into one, rows in ``order`` (the grid's run order,
+    `grid_order` / `geometry_order`; default: the shards' rows as listed). Refuses shards measured on different
+    devices or versions (the rows would not be side by side) and a row measured twice. Each row keeps the copy
+    bandwidth its shard measured (``copy_bandwidth_tbs``); the merged header gives their range. A row one shard
+    skipped (time budget) and another measured (a re-run of the skipped rows) is not listed as skipped."""
     if not results:
         raise ValueError("merge: no grid results given")
-    keys = ("device", "jax", "triton", "torch", "heads", "head_dim", "first_n", "last_n", "layers")
+    keys = ("grid", "device", "jax", "triton", "torch", "heads", "head_dim", "first_n", "last_n", "layers")
     first = results[0]
     for r in results[1:]:
         diff = {k: (first.get(k), r.get(k)) for k in keys if first.get(k) != r.get(k)}
         if diff:
             raise ValueError(f"merge: shards differ in {diff}; their rows are not side by side")
-    def row_key(row):
-        return row["batch"], row["context"], row["gqa"], row["page"], row["tq"]
-
     rows, seen = [], set()
     for r in results:
         for row in r["rows"]:
-            k = row_key(row)
+            k = _row_key(row)
             if k in seen:
                 raise ValueError(f"merge: row {k} appears in more than one shard")
             seen.add(k)
             rows.append(row)
     if order is not None:
-        rank = {tuple(o): i for i, o in enumerate(order)}
-        rows.sort(key=lambda row: rank.get(row_key(row), len(rank)))
+        rank = {_order_key(o): i for i, o in enumerate(order)}
+        rows.sort(key=lambda row: rank.get(_row_key(row), len(rank)))
     bws = [x["copy_bandwidth_tbs"] for x in results]
     out = {k: first.get(k) for k in keys}
     out.update(date=min(x["date"] for x in results), shards=len(results), copy_bandwidth_tbs=min(bws),
                copy_bandwidth_range_tbs=[min(bws), max(bws)],
                copy_bandwidth_how="; ".join(sorted({x.get("copy_bandwidth_how", "") for x in results})),
-               rows=rows, skipped=[s for x in results for s in x.get("skipped", []) if tuple(s) not in seen])
+               rows=rows, skipped=[s for x in results for s in x.get("skipped", [])
+                                   if _order_key(s) not in seen])
     return out
 
 
+def _ints(text):
+    return None if text is None else tuple(int(x) for x in text.split(","))
+
+
+def _order(args):
+    if args.geometry_grid:
+        return geometry_order(_ints(args.head_dims), _ints(args.groups), _ints(args.pages), _ints(args.tqs),
+                              args.geometry_batch, args.geometry_context)
+    return grid_order(args.batches, args.contexts, args.geos)
+
+
+def _texts(geometry: bool, rows):
+    return (geometry_table(rows), geometry_text(rows)) if geometry else (grid_table(rows), targets_text(rows))
+
+
 def merge_main(args):
-    """``--merge A.json B.json ...``: one grid JSON (``decode_bench-grid.json`` under ``--out``) and table from
-    the shards of one ``--grid`` run."""
+    """``--merge A.json B.json ...``: one grid JSON and table from the shards of one grid run."""
     results = []
     for path in args.merge:
         with open(path) as f:
             results.append(json.load(f))
-    merged = merge_grids(results, grid_order(args.batches, args.contexts, args.geos))
+    merged = merge_grids(results, _order(args))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "decode_bench-grid.json")
+    path = os.path.join(args.out, "decode_bench-geometry.json" if args.geometry_grid else "decode_bench-grid.json")
     with open(path, "w") as f:
         json.dump(merged, f, indent=1, default=str)
     print(f"device {merged['device']}  jax {merged['jax']}  triton {merged['triton']}  torch {merged['torch']}  "
           f"copy bandwidth {merged['copy_bandwidth_range_tbs'][0]:.2f}-{merged['copy_bandwidth_range_tbs'][1]:.2f} "
           f"TB/s ({merged['shards']} shards)")
-    print(grid_table(merged["rows"]))
-    print(targets_text(merged["rows"]))
+    print("\n".join(_texts(args.geometry_grid, merged["rows"])))
     if merged["skipped"]:
         print(f"not run (time budget): {merged['skipped']}")
     print(f"wrote {path}")
     return 0
 
 
-def grid_main(args, torch, bw, bw_how, info):
-    """``--grid``: batch x context x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only (one compile per
-    kernel and shape), the headline geometry (GQA 4, page 16, Tq 1) first so a time-budget cut loses variants;
-    ``--shard I/N`` runs every N-th row (`shard_rows`)."""
-    order = shard_rows(grid_order(args.batches, args.contexts, args.geos), parse_shard(args.shard))
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
-                  copy_bandwidth_tbs=bw, copy_bandwidth_how=bw_how, heads=H, head_dim=D, first_n=FIRST_N,
-                  last_n=LAST_N, layers=LAYERS, shard=args.shard, rows=[], skipped=[])
-    path = os.path.join(args.out, "decode_bench-grid.json")
+def grid_main(args, torch, bw, bw_how, info, opts: RunOptions):
+    """``--grid`` / ``--geometry-grid``: the shard's rows in order, one JSON rewritten after every row."""
+    geometry = args.geometry_grid
+    order = shard_rows(_order(args), parse_shard(args.shard))
+    result = dict(grid="geometry" if geometry else "speed",
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
+                  copy_bandwidth_tbs=bw, copy_bandwidth_how=bw_how, heads=args.kv_heads,
+                  head_dim=None if geometry else DECODE_GEOMETRY["head_dim"], first_n=DECODE_GEOMETRY["first_n"],
+                  last_n=DECODE_GEOMETRY["last_n"], layers=args.layers, shard=args.shard,
+                  variants=[n for n, _ in opts.variants], rows=[], skipped=[])
+    path = os.path.join(args.out, "decode_bench-geometry.json" if geometry else "decode_bench-grid.json")
     t0 = time.time()
-    for b, c, g, p, t in order:
+    for o in order:
+        b, c, d, g_, p, t = _order_key(o)
         if time.time() - t0 > args.budget_s:
-            result["skipped"].append([b, c, g, p, t])
+            result["skipped"].append(list(o))
             continue
+        g = BenchGeometry(kv_heads=args.kv_heads, head_dim=d, gqa=g_, page=p, layers=args.layers)
         try:
-            row = grid_row(torch, bw, b, c, g, p, t)
+            if not fits(g, b, c, args.mem_gib):
+                raise MemoryError(f"needs more than --mem-gib {args.mem_gib}")
+            row = (geometry_row if geometry else grid_row)(torch, bw, g, b, c, t, opts)
         except Exception as e:  # OOM or a failure on one shape must not lose the rest
-            row = dict(batch=b, context=c, gqa=g, page=p, tq=t, error=f"{type(e).__name__}: {str(e)[:160]}")
+            row = dict(batch=b, context=c, head_dim=d, gqa=g_, page=p, tq=t,
+                       error=f"{type(e).__name__}: {str(e)[:160]}")
         result["rows"].append(row)
-        print(grid_table([row]).splitlines()[-1], f"({time.time() - t0:.0f}s)", flush=True)
+        print(_texts(geometry, [row])[0].splitlines()[-1], f"({time.time() - t0:.0f}s)", flush=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=1, default=str)
-    text = grid_table(result["rows"])
-    print(text)
-    print(targets_text(result["rows"]))
+    print("\n".join(_texts(geometry, result["rows"])))
     if result["skipped"]:
         print(f"not run (time budget {args.budget_s:.0f}s): {result['skipped']}")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
     return 0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--grid", action="store_true",
+                      help="the decode-speed grid: batch x context x GQA/page/Tq (--geos), head_dim 128")
+    mode.add_argument("--geometry-grid", action="store_true",
+                      help="head_dim x GQA x page x Tq at one batch x context (GEOMETRY_SUBSET unless an axis "
+                           "is given)")
     batches, contexts, geos = grid_args()
-    ap.add_argument("--batches", default=batches)
-    ap.add_argument("--contexts", default=contexts)
-    ap.add_argument("--quick", action="store_true",
-                    help="sweep MIXED/PLAIN_CONFIGS on the first shape only, then its TOP_K; fewer jax_pa configs")
+    ap.add_argument("--batches", default=batches, help="--grid batches")
+    ap.add_argument("--contexts", default=contexts, help="--grid contexts")
+    ap.add_argument("--geos", default=geos, help="--grid geometries GQA/page/Tq, in the order they run")
+    ap.add_argument("--head-dims", default=None, help="--geometry-grid head_dims, e.g. 64,256")
+    ap.add_argument("--groups", default=None, help="--geometry-grid GQA groups, e.g. 1,3,7")
+    ap.add_argument("--pages", default=None, help="--geometry-grid pages, e.g. 16,64")
+    ap.add_argument("--tqs", default=None, help="--geometry-grid query tokens, e.g. 1,4")
+    ap.add_argument("--geometry-batch", type=int, default=16)
+    ap.add_argument("--geometry-context", type=int, default=32768)
+    ap.add_argument("--kv-heads", type=int, default=DECODE_GEOMETRY["kv_heads"])
+    ap.add_argument("--variants", default="",
+                    help="--geometry-grid: Triton configs timed beside a Triton default, k<block_k>w<warps>"
+                         "[s<stages>][x<split mult>][c<col groups>], comma-separated")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes in interpret mode (script check)")
-    ap.add_argument("--no-mgpu", action="store_true", help="skip (f), the Mosaic GPU kernel")
+    ap.add_argument("--no-mgpu", action="store_true", help="never time the Mosaic GPU kernel")
     ap.add_argument("--layers", type=int, default=1,
                     help="layers in every pool (32 = a model-shaped cache, e.g. Llama-3-8B); the last is read")
     ap.add_argument("--budget-s", type=float, default=520.0,
-                    help="stop starting new shapes after this many seconds (the device runs commands for <= 600 s)")
-    ap.add_argument("--mem-gib", type=float, default=120.0, help="skip shapes needing more device memory")
-    ap.add_argument("--grid", action="store_true",
-                    help="the decode-speed grid: x GQA {4, 8} x page {16, 64} x Tq {1, 4}, default configs only")
-    ap.add_argument("--geos", default=geos,
-                    help="--grid geometries GQA/page/Tq, in the order they run")
+                    help="stop starting new rows after this many seconds (the device runs commands for <= 600 s)")
+    ap.add_argument("--mem-gib", type=float, default=120.0, help="skip rows needing more device memory")
     ap.add_argument("--shard", default=None,
-                    help="--grid: run rows k with k %% N == I (I/N), e.g. one process per GPU: "
+                    help="run rows k with k %% N == I (I/N), e.g. one process per GPU: "
                          "CUDA_VISIBLE_DEVICES=i ... --shard i/4; --merge joins the shards' JSONs")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="join the decode_bench-grid.json files of --shard runs into one grid JSON + table "
-                         "under --out (no GPU needed)")
-    ap.add_argument("--results-md", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+                    help="join the JSON files of --shard runs into one JSON + table under --out (no GPU needed)")
     args = ap.parse_args(argv)
     try:
         parse_shard(args.shard)
-        grid_order(args.batches, args.contexts, args.geos)
+        _order(args)
+        variants = tuple(parse_variant(v) for v in args.variants.split(",") if v.strip())
     except ValueError as e:
         ap.error(str(e))
     if args.merge:
         return merge_main(args)
-    global INTERPRET, CHECK_LENS, USE_MGPU, MGPU_CONFIGS, LAYERS
-    USE_MGPU = not args.no_mgpu
-    LAYERS = args.layers
-    if args.smoke:
-        MGPU_CONFIGS = MGPU_CONFIGS[:1]      # the Mosaic GPU interpreter is slow
-    if args.smoke and not on_gpu():
-        INTERPRET, CHECK_LENS = True, (1, 17, 100)
-    elif not on_gpu():
+    if not (args.grid or args.geometry_grid):
+        ap.error("choose --grid, --geometry-grid or --merge")
+    interpret = args.smoke and not on_gpu()
+    if not interpret and not on_gpu():
         print("decode_bench: no GPU found (jax backend is %r); this benchmark runs on the H200 only. "
               "Nothing to do." % jax.default_backend())
         return 0
+    if interpret:      # tiny rows: the script's paths, nothing timed for real
+        args.geometry_batch, args.geometry_context, args.batches, args.contexts = 2, 256, "2", "256"
+        args.kv_heads = 2
+    opts = RunOptions(interpret=interpret, mosaic=not args.no_mgpu and not interpret, variants=variants)
     os.makedirs(args.out, exist_ok=True)
     try:
         import torch
-        if INTERPRET or not torch.cuda.is_available():
+        if interpret or not torch.cuda.is_available():
             torch = None
     except Exception:
         torch = None
-    shapes = [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
-    skipped = [s for s in shapes if not fits(*s, args.mem_gib)]
-    shapes = [s for s in shapes if fits(*s, args.mem_gib)]
-    t0 = time.time()
-    bw, bw_how = (4.3, "nominal (smoke)") if INTERPRET else copy_bandwidth_tbs(torch)
+    bw, bw_how = (4.3, "nominal (smoke)") if interpret else copy_bandwidth_tbs(torch)
     info = versions(torch)
     print(f"device {info['device']}  jax {info['jax']}  triton {info['triton']}  torch {info['torch']}  "
           f"copy bandwidth {bw:.2f} TB/s ({bw_how})")
-    if args.grid:
-        return grid_main(args, torch, bw, bw_how, info)
-    torch_ms = torch_sdpa_all(torch, shapes) if torch is not None else {}
-    ok, corr = check_correctness(torch)
-    print("correctness:", json.dumps(corr), "OK" if ok else "FAILED")
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
-                  copy_bandwidth_tbs=bw, copy_bandwidth_how=bw_how, heads=H, q_heads=HQ, head_dim=D, page=PAGE,
-                  first_n=FIRST_N, last_n=LAST_N, layers=LAYERS, correctness=corr, correctness_ok=ok,
-                  skipped=[list(s) for s in skipped], rows=[])
-    tag = f"b{args.batches}-c{args.contexts}".replace(",", "_") + (f"-L{LAYERS}" if LAYERS > 1 else "")
-    path = os.path.join(args.out, f"decode_bench-{tag}.json")
-    first_best = None
-    for b, ctx in shapes:
-        if time.time() - t0 > args.budget_s:
-            print(f"-- time budget {args.budget_s:.0f}s spent: skipping {b}x{ctx} and the rest")
-            result["skipped"].append([b, ctx, "time budget"])
-            continue
-        print(f"-- batch {b} x context {ctx} ({time.time() - t0:.0f}s)", flush=True)
-        try:
-            row = run_shape(b, ctx, bw, torch_ms, args.quick, first_best)
-            if first_best is None:
-                first_best = {k: top_configs(row.get(f"{k}_all") or {}) for k in ("mixed", "plain")}
-                print(f"   best configs carried to later shapes: {first_best}", flush=True)
-        except Exception as e:  # OOM or a failure on one shape must not lose the rest
-            row = dict(batch=b, context=ctx, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                       floor_nvfp4_ms=float("nan"), floor_bf16_ms=float("nan"))
-            print("   failed:", row["error"])
-        result["rows"].append(row)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        print(table([row]).splitlines()[-1], flush=True)
-    text = table(result["rows"]) + "\n" + best_lines(result["rows"])
-    print(text)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    append_results_md(args.results_md, result, text)
-    print(f"wrote {path} and a section in {args.results_md} ({time.time() - t0:.0f}s)")
-    return 0 if ok else 1
-
-
-def append_results_md(md, result, text):
-    if not os.path.exists(md):
-        with open(md, "w") as f:
-            f.write("# jmixedkv benchmark results (GPU runs; each section dated, with device and versions)\n")
-    target = [r for r in result["rows"] if r.get("batch") == 16 and r.get("context") == 32768 and r.get("mixed_ms")]
-    goal = ""
-    if target:
-        r = target[0]
-        goal = (f"\nTarget (16 x 32k): mixed {r['mixed_ms']:.3f} ms = {r['mixed_vs_nvfp4_floor']:.2f}x the NVFP4 "
-                f"bytes floor (goal <= 1.25x); {r.get('speedup_vs_jax_pa', float('nan')):.2f}x faster than JAX "
-                f"Pallas bf16 paged attention and {r.get('speedup_vs_sdpa', float('nan')):.2f}x than torch SDPA "
-                f"(goal >= 3x bf16 paged attention).\n")
-    with open(md, "a") as f:
-        f.write(f"\n## Decode attention (fused NVFP4 mixed kernel) — {result['date']}\n\n"
-                f"Device {result['device']}, jax {result['jax']}, triton {result['triton']}, torch {result['torch']}; "
-                f"copy bandwidth {result['copy_bandwidth_tbs']:.2f} TB/s ({result['copy_bandwidth_how']}). "
-                f"{H} KV heads, {HQ} query heads, head_dim {D}, page {PAGE}, Tq 1, mixed_nvfp4_bf16 first_n="
-                f"{FIRST_N} last_n={LAST_N}. Times in ms (median); (a) fused kernel on mixed pools, (b) same kernel on "
-                f"bf16 pages, (c) jax.experimental.pallas.ops.gpu.paged_attention bf16 (best config), (d) stage (XLA) "
-                f"+ paged attention, (e) torch SDPA best of flash/cuDNN, (f) Pallas Mosaic GPU kernel on the mixed "
-                f"pools (pallas_kernels/decode/mosaic_sm90.py); floors = K+V bytes / copy bandwidth. "
-                f"Correctness on GPU: {'OK' if result['correctness_ok'] else 'FAILED'} {json.dumps(result['correctness'])}."
-                f"\n{goal}\n```\n{text}\n```\n")
-        if result["skipped"]:
-            f.write(f"Skipped (memory or time budget): {result['skipped']}\n")
+    return grid_main(args, torch, bw, bw_how, info, opts)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@
   run by XLA on the GPU divides like the CPU. It must be in the environment before jax starts its backends.
 * Pallas Mosaic GPU (`plgpu`, used by `pallas_kernels.decode.mosaic_sm90`): `mgpu_transposed` (``ref.transpose`` on 0.11,
   ``plgpu.transpose_ref`` on 0.10), `mgpu_load` (0.10's ``plgpu.load`` takes an index), `mgpu_interpret_params`.
+* `cudnn_attention_lse`: cuDNN fused attention with its float32 LSE (a private entry point; the public
+  ``jax.nn.dot_product_attention`` rounds the LSE to bf16).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["pl", "pltriton", "plgpu", "HAVE_MGPU", "mgpu_transposed", "mgpu_load", "mgpu_interpret_params",
            "triton_params", "on_gpu", "on_hopper", "shard_map", "cross_lower_cuda", "silence_triton_deprecation", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
-           "cuda_plugin_installed"]
+           "cuda_plugin_installed", "cudnn_attention_lse"]
 
 #: LLVM option (NVPTX backend) for IEEE float32 division, passed through ``--xla_backend_extra_options``
 IEEE_DIVISION_OPTION = "-nvptx-prec-divf32=2"
@@ -123,3 +125,18 @@ def mgpu_interpret_params():
     if p is None:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as p  # noqa: N813
     return p()
+
+
+def cudnn_attention_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool, window=None):
+    """cuDNN fused attention with per-row lengths and its float32 LSE (``jax.nn.dot_product_attention`` rounds the
+    LSE to the output dtype; 0.10 and 0.11 share the private entry point used here).
+
+    ``q [B, T, N, D]``, ``k, v [B, S, K, D]`` (bf16 / fp16, GQA ``N % K == 0``), ``q_lens`` / ``kv_lens`` i32[B]
+    (right padding); ``causal``: top-left aligned (query ``t`` sees keys ``<= t``); ``window``: keys
+    ``t - window < s`` (causal only). Returns ``(out [B, T, N, D] in q's dtype, lse f32[B, T, N])`` (natural log).
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
+    out, lse = fa.dot_product_attention(q, k, v, q_seqlen=q_lens, kv_seqlen=kv_lens, scale=scale, mask_type=mask,
+                                        sliding_window_length=window, return_residual=True)
+    return out, jax.numpy.transpose(lse, (0, 2, 1)).astype(jax.numpy.float32)

@@ -12,12 +12,14 @@ RoPE is applied **in the model** to q and k (`jmixedkv.apply_rope`, float32, no 
 rotated (``append(..., rope=None)``), so every cache dtype sees the same rows.
 
 Cache I/O: each layer appends its K/V with `jmixedkv.append(state, k, v, seq_slots, positions, layer=l)` and
-attends over what the cache gives back: single-token decode steps use `jmixedkv.decode.decode_attention`
-(the fused kernel) when that module is importable and ``attention="auto"`` or ``"fused"``; prefill, and
-``attention="reference"``, stage the cache with `stage_reference` and run `attention_reference` (float32,
-causal). Both paths take queries in the cache's attention dtype and round the output to it (the fused kernel's
-contract), so they agree up to accumulation order. The `CacheState` is carried through the loop, so the whole
-generation (prefill + decode) is one compiled program per cache config; `build_generate` caches it.
+attends over what the cache gives back: with ``attention="auto"`` or ``"fused"``, single-token decode steps use
+`jmixedkv.decode.decode_attention` (the fused kernel) and prefill uses `jmixedkv.prefill.chunk_attention` (cuDNN
+on a GPU, else a blocked flash, over the staged cache: memory linear in the prompt); ``attention="reference"``
+stages the cache with `stage_reference` and runs `attention_reference` (float32, causal, dense ``[T, S]``
+logits). Every path takes queries in the cache's attention dtype and rounds the output to it (the fused kernel's
+contract), so they agree up to accumulation order and the rounding of the probabilities. The `CacheState` is
+carried through the loop, so the whole generation (prefill + decode) is one compiled program per cache config;
+`build_generate` caches it.
 
 Shapes: ``B`` sequences, prompt length ``P``, ``N`` new tokens, ``V`` vocab, ``Hq`` query heads, ``H`` KV heads,
 ``D`` head_dim.
@@ -97,7 +99,11 @@ class CacheSession:
     """Trace-time helper threading a `CacheState` through one forward pass (not a pytree; lives in one trace).
 
     ``attend(layer, q, k, v, positions)`` appends ``k, v [B, T, H, D]`` at ``positions i32[B, T]`` and returns
-    the attention output ``f32[B, T, Hq, D]`` over the whole cache of each sequence (causal; also in ``outputs``)."""
+    the attention output ``f32[B, T, Hq, D]`` over the whole cache of each sequence (causal; also in ``outputs``).
+    ``attention``: ``"auto"`` / ``"fused"`` read through the kernels -- `decode_attention` for one token,
+    `jmixedkv.prefill.chunk_attention` (cuDNN or a blocked flash, memory linear in the chunk) for a prefill -- and
+    ``"reference"`` through dense float32 `attention_reference` over `stage_reference` (``[B, H, T, S]`` logits:
+    small sizes only)."""
 
     def __init__(self, state, seq_slots, attention: str = "auto", k_means=None):
         self.state, self.seq_slots, self.attention = state, seq_slots, attention
@@ -123,6 +129,12 @@ class CacheSession:
             # model-space q and output: a rotation lever is applied and undone inside `decode_attention`
             out, _ = decode_attention(self.state, layer, q.astype(dtype), self.seq_slots, backend=backend)
             out = out.astype(dtype).astype(jnp.float32)
+        elif self.attention != "reference":
+            from jmixedkv.prefill import chunk_attention
+            backend = "pallas" if self.attention == "fused" else "auto"
+            # prefill / chunk: cuDNN or a blocked flash over the staged cache, memory linear in the chunk (model space)
+            out, _ = chunk_attention(self.state, layer, q.astype(dtype), self.seq_slots, positions, backend=backend)
+            out = out.astype(jnp.float32)
         else:
             # the rows as stored (rotated by a rotation lever): q rotated like the stored K, the output un-rotated
             # (the Hadamard is its own inverse), as `SimulatedDecodeSession` computes

@@ -23,7 +23,7 @@ How the kernels are laid out:
   ``[S, W/16]`` tile whose broadcast back to the elements needs no reshape; the packed output is ``[n, W/16, 8]``.
   bf16 input is bit-cast by the wrapper to int32 pairs ``[n, W/16, 8]`` (element ``2i`` is ``u << 16``, ``2i+1`` is
   ``u & 0xFFFF0000``: no bf16 -> f32 converts and no shuffles); other dtypes split the nibble pairs with
-  ``jnp.unstack``. (Other variants, kept as experiments with their timings: `bench/nvfp4_bench.py`.)
+  ``jnp.unstack``. (The other variants measured and their timings: bench/RESULTS.md.)
 * The arithmetic is `pallas_kernels.nvfp4_ops` (shared with the write and read kernels): **no float8 / float4
   casts** (E4M3 rounding with integer ops, E2M1 codes as the minimum of three magic-constant multiply-adds: FMA-pipe
   work, `nvfp4_ops.e2m1_magic_bits`), **exact division** by inline PTX ``div.rn.f32`` on the GPU (Triton's float32

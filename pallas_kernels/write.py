@@ -44,8 +44,8 @@ always allows FP-op fusion).
 `dump_kernel_ir` prints the Triton IR of the kernel (a CPU test checks the ``.rn`` ops are there and no plain
 f32 division is). On the H200 the in-kernel RoPE equals numpy's separately rounded float32 result bit for bit on
 data where an FMA changes the value (``test_gpu_fma_sensitive_rows_match_numpy``).
-``bench/write_bench.py --dump-ptx DIR`` tries to grep XLA's PTX dump for ``fma``, but on jax 0.11.2 the dump did
-not contain the Triton kernel's PTX (0 entries), so that check is not available.
+XLA's PTX dump (``--xla_dump_to``) did not contain the Triton kernel's PTX on jax 0.11.2 (0 entries), so an
+``fma`` count of the compiled kernel is not available.
 
 Interpret vs compiled: `write_rows` runs interpret mode when no GPU is present (`jmixedkv.compat.on_gpu`).
 `lowering_for_cuda()` forces the compiled (asm) path while tracing, for CUDA cross-lowering on a CPU machine.
@@ -474,7 +474,7 @@ def dump_kernel_ir(k, v, layer, low_slot, high_slot, page_size: int, positions=N
     """Lower the compiled (GPU) kernel for CUDA and return the Pallas debug print (jaxpr + Triton IR) as text.
 
     Works on a CPU machine; grep the result for ``elementwise_inline_asm`` / ``mul.rn.f32`` (the PTX itself is
-    produced by XLA on the GPU: see ``bench/write_bench.py --dump-ptx``)."""
+    produced by XLA on the GPU)."""
     import io
     import contextlib as _cl
     buf = io.StringIO()

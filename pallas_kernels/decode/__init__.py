@@ -1,8 +1,9 @@
 """Fused paged decode / verify attention over the cache's pools: one entry point, two Pallas backends.
 
 * `pallas_kernels.decode.triton`: the Pallas Triton kernel, every page format and option (`TritonConfig`).
-* `pallas_kernels.decode.mosaic_sm90`: the Pallas Mosaic GPU kernel for Hopper, NVFP4 pages at head_dim 128
-  (`MosaicConfig`; `mosaic_sm90.supported` says where), its edge blocks attended by the Triton kernel; inline
+* `pallas_kernels.decode.mosaic_sm90`: the Pallas Mosaic GPU kernel for Hopper, NVFP4 pages at head_dim 128, any GQA
+  group with ``Tq * G <= 64`` (`MosaicConfig`; `mosaic_sm90.supported` says where; a `MosaicConfig` elsewhere is
+  refused by name), its edge blocks attended by the Triton kernel; inline
   PTX / Mosaic GPU helpers in `pallas_kernels.decode.inline_sm90`.
 * `pallas_kernels.decode.common`: query grouping, the interior / edge block rule, split merging, `num_sms`.
 * `pallas_kernels.decode.config`: the two frozen configs and their default heuristics.
@@ -91,9 +92,17 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     if num_splits is not None:
         config = dataclasses.replace(config, num_splits=num_splits)
     if isinstance(config, MosaicConfig):
-        if plain is not None or sliding_window is not None or soft_cap is not None:
+        if plain is not None or low is None or sliding_window is not None or soft_cap is not None:
             raise ValueError("paged_decode_attention: the Mosaic GPU backend takes NVFP4 pages (low=) without a "
                              "sliding window or soft cap; pass a TritonConfig")
+        pool, use_high = low[0], high is not None and high_table is not None
+        geometry = dict(head_dim=q.shape[-1], page=pool.shape[4], tq=q.shape[1], group=q.shape[2] // pool.shape[3],
+                        high_dtype=jnp.dtype(high[0].dtype) if use_high else None)
+        if not mosaic_sm90.supported(**geometry):
+            raise ValueError(f"paged_decode_attention: the Mosaic GPU backend does not cover {geometry} (head_dim "
+                             f"{mosaic_sm90.HEAD_DIM}, pages {mosaic_sm90.SUPPORTED_PAGES}, Tq * G <= "
+                             f"{mosaic_sm90.M_ROWS}, a bf16 / f16 twin; Mosaic GPU importable: "
+                             f"{mosaic_sm90.available()}); pass a TritonConfig or config=None")
         return mosaic_sm90.paged_decode_attention(q, page_table, kv_lens, layer, low, high, high_table, geom=geom,
                                                   sm_scale=sm_scale, interpret=interpret, out_dtype=out_dtype,
                                                   config=config)

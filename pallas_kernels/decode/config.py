@@ -19,7 +19,8 @@ from pallas_kernels.decode import common
 from pallas_kernels.decode.common import next_pow2
 
 __all__ = ["TritonConfig", "MosaicConfig", "TRITON_BLOCK_K", "TRITON_NUM_WARPS", "WIDE_GRID_TUNING",
-           "VERIFY_GRID_TUNING", "triton_tuning", "triton_num_splits", "KEYS_ON_M_ROWS", "MIN_KM_ROWS",
+           "VERIFY_GRID_TUNING", "SMALL_HEAD_TUNING", "SMALL_HEAD_DIM", "SMALL_HEAD_MAX_PAGE", "triton_tuning",
+           "triton_num_splits", "KEYS_ON_M_ROWS", "MIN_KM_ROWS",
            "MAX_SPLIT_BLOCKS", "EDGE_BLOCK_K", "EDGE_WARPS", "IN_TURN_ROWS", "IN_TURN_MAX_PAGE", "mosaic_num_splits",
            "mosaic_edge_splits", "mosaic_qk_in_turn"]
 
@@ -50,15 +51,27 @@ WIDE_GRID_TUNING = dict(block_k=32, num_warps=1, per_sm=4)
 #: the same grid with 32 query rows per program (Tq * G in 17..32, e.g. Tq 4 x GQA 8 verify steps): 32-token
 #: steps, two warps (faster than 64 / 2 at 16 x 32k)
 VERIFY_GRID_TUNING = dict(block_k=32, num_warps=2, per_sm=4)
+#: NVFP4 pages at head_dim <= `SMALL_HEAD_DIM` on the wide grid (batch x kv heads >= SMs / 2) with at most 8 real
+#: query rows of the 16 and pages of at most `SMALL_HEAD_MAX_PAGE` tokens: 64-token steps, one warp. On the H200 at
+#: 16 x 32k, 8 KV heads, Tq 1 (per call in a jitted loop of ten): 0.262 ms against 0.273-0.280 for
+#: `WIDE_GRID_TUNING` (GQA 1 / 3 / 8, page 16) and 0.229 against 0.289 for the format's default (GQA 4, page 64); 2 or
+#: 4 warps, 128-token steps and twice the splits measured slower (bench/data/decode_geometry-hd64-*.json).
+SMALL_HEAD_TUNING = dict(block_k=64, num_warps=1, per_sm=4)
+SMALL_HEAD_DIM, SMALL_HEAD_MAX_PAGE = 64, 64
 
 
-def triton_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int, rows: Optional[int] = None):
+def triton_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int, rows: Optional[int] = None,
+                  head_dim: int = 128):
     """``(block_k, num_warps, programs per SM)`` the Triton kernel uses when the config leaves them out: `fmt_key`
     ``"nvfp4"`` | ``"plain"``, ``m_rows`` = query rows per program (``Tq * G`` padded to a power of two >= 16),
-    ``rows`` = the real ones, ``Tq * G`` (default ``m_rows``)."""
+    ``rows`` = the real ones, ``Tq * G`` (default ``m_rows``), ``head_dim`` the K / V rows' (`SMALL_HEAD_TUNING`
+    at <= 64)."""
     rows = m_rows if rows is None else rows
-    wide = fmt_key == "nvfp4" and batch * num_kv_heads >= common.num_sms() // 2 and page <= 32
-    t = (WIDE_GRID_TUNING if (wide and m_rows == 16 and rows <= 8) else
+    many = fmt_key == "nvfp4" and batch * num_kv_heads >= common.num_sms() // 2
+    wide = many and page <= 32
+    small = many and head_dim <= SMALL_HEAD_DIM and page <= SMALL_HEAD_MAX_PAGE and m_rows == 16 and rows <= 8
+    t = (SMALL_HEAD_TUNING if small else
+         WIDE_GRID_TUNING if (wide and m_rows == 16 and rows <= 8) else
          VERIFY_GRID_TUNING if (wide and m_rows == 32) else None)
     if t is not None:
         return t["block_k"], t["num_warps"], t["per_sm"]
@@ -79,7 +92,8 @@ class TritonConfig:
 
     Attributes:
       block_k: tokens per inner step (whole pages, at least 16 tokens: `common.pages_per_block`); None =
-        `triton_tuning` (64 for NVFP4 pages, 128 for plain row pages, 32 on the wide grids).
+        `triton_tuning` (64 for NVFP4 pages, 128 for plain row pages, 32 on the wide grids, 64 with one warp on the
+        wide grid at head_dim <= 64).
       num_warps: Triton warps per program; None = `triton_tuning`.
       num_stages: software-pipelining depth of the interior loop.
       num_splits: split-K programs per (row, KV head); None = `triton_num_splits` (~4 programs per SM).

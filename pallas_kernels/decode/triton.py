@@ -316,7 +316,7 @@ def _partials(q, page_table, kv_lens, layer, low, high, plain, high_table, *, ge
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     fmt_key = "nvfp4" if low is not None else "plain"
     m_rows = next_pow2(max(16, tq * group))
-    tuned_k, tuned_w, per_sm = triton_tuning(fmt_key, b, h, page, m_rows, tq * group)
+    tuned_k, tuned_w, per_sm = triton_tuning(fmt_key, b, h, page, m_rows, tq * group, d)
     block_k = tuned_k if config.block_k is None else config.block_k
     num_warps = tuned_w if config.num_warps is None else config.num_warps
     num_stages, keys_major = config.num_stages, config.keys_major

@@ -1,0 +1,137 @@
+"""Serving at a fixed KV budget: measured concurrency and throughput of bf16, fp8 and the mixed cache.
+
+    PYTHONPATH=. python3 bench/serve_bench.py --out DIR            # GPU: Llama-3-8B shape, 40 GiB KV, 8k-32k prompts
+    PYTHONPATH=. python3 bench/serve_bench.py --smoke --out DIR    # CPU: the tiny model, a few requests
+
+The same requests (lengths from `jmixedkv_demo/data/lengths.json`, prompts clipped to ``prompt_range`` and rounded
+up to ``prompt_multiple``, random prompt tokens, greedy decoding, no EOS) go through
+`jmixedkv_demo.serve.ServingLoop` once per cache, each at the same KV budget (pools and twin included). The model
+has random float32 weights of the geometry named by ``model``. Reported per cache: slots and pages the budget gives,
+the bytes of the pools actually allocated, measured peak concurrent sequences, output tokens/s (wall time, prefill
+included, compilation excluded), decode tokens/s, time per output token, time to first token, and the ratios to
+bf16. Writes ``DIR/serve_bench.json`` and prints the table (plain and markdown); it appends nothing to
+bench/RESULTS.md.
+
+Time (one H200, the defaults): every cache prefills the same ~1.2M prompt tokens (the mixed cache needs about that
+many to fill 40 GiB), so the run is mostly prefill: a few minutes in all, plus one decode and one prefill program
+compiled per cache (prompts are multiples of ``max_chunk``, so one prefill program). ``--max-minutes`` stops
+before a cache that the time already spent predicts would not finish in time, saying so (the JSON keeps the
+caches that ran).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# the pools (40 GiB), the float32 weights (32 GB for Llama-3-8B) and prefill activations: more than XLA's default
+# 75% preallocation leaves room for on a smaller GPU; the process may take 90% of the device (kept if set)
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jmixedkv import capacity as cap  # noqa: E402
+from jmixedkv_demo import serve  # noqa: E402
+from jmixedkv_demo.specs import parse_cache_spec  # noqa: E402
+from common import utc_now, versions, write_json  # noqa: E402
+
+#: the H200 target: Llama-3-8B geometry, 40 GiB of KV cache, prompts of 8k-32k tokens
+SERVE = dict(model="llama3-8b-shape", kv_budget="40GiB", requests=80, prompt_range=(8192, 32768),
+             prompt_multiple=4096, output_scale=1.0, page=32, max_chunk=4096, caches=serve.SERVE_CACHES, seed=0,
+             max_minutes=7.5)
+#: the CPU smoke: the tiny model
+SERVE_SMOKE = dict(SERVE, model="tiny", kv_budget="192KiB", requests=6, prompt_range=(16, 48), prompt_multiple=16,
+                   output_scale=1 / 32, page=8, max_chunk=16, max_minutes=30.0)
+
+
+def markdown(headers, rows) -> str:
+    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def run(s: dict, out_dir: str) -> dict:
+    t_start = time.perf_counter()
+    info = dict(versions(), date=utc_now(), settings={k: v for k, v in s.items()})
+    print(f"serve_bench {info['date']}: device {info['device']}, jax {info['jax']}, jaxlib {info.get('jaxlib')}, "
+          f"triton {info.get('triton')}", flush=True)
+    model_cfg = serve.MODELS[s["model"]]
+    weights = serve.random_weights(model_cfg)
+    jax.block_until_ready(weights)
+    print(f"model {s['model']}: {model_cfg} (random float32 weights, {time.perf_counter() - t_start:.0f} s)",
+          flush=True)
+    budget = cap.parse_bytes(s["kv_budget"])
+    reqs = serve.sample_requests(s["requests"], model_cfg.vocab_size, seed=s["seed"],
+                                 prompt_range=tuple(s["prompt_range"]), prompt_multiple=s["prompt_multiple"],
+                                 output_scale=s["output_scale"])
+    plen = np.array([len(r.prompt) for r in reqs])
+    olen = np.array([r.max_new for r in reqs])
+    max_len = max(r.cache_len for r in reqs)
+    caches = [parse_cache_spec(c, max_len, s["page"]) for c in s["caches"].split(",")]
+    print(f"{len(reqs)} requests: prompts {plen.min()}-{plen.max()} (mean {plen.mean():.0f}, {plen.sum():,} tokens), "
+          f"outputs {olen.min()}-{olen.max()} (mean {olen.mean():.0f}); KV budget {cap.format_bytes(budget)}, page "
+          f"{s['page']}, prefill chunk {s['max_chunk']}", flush=True)
+    shape = cap.ModelShape(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, name=s["model"])
+    mean_len = int(round(float(np.mean([r.cache_len for r in reqs]))))
+    for label, cfg in caches:
+        c = cap.capacity(cfg, budget, shape, mean_len)
+        print(f"  projection {label}: {c.sequences} sequences of {mean_len} tokens", flush=True)
+    result = dict(info, prompt_tokens=plen.tolist(), output_tokens=olen.tolist(), kv_budget_bytes=budget, rows=[],
+                  skipped=[])
+    rows, last_cost = [], 0.0
+    for label, cfg in caches:
+        elapsed = time.perf_counter() - t_start
+        if last_cost and elapsed + last_cost > 60 * s["max_minutes"]:
+            result["skipped"].append(label)
+            print(f"STOPPED before {label}: {elapsed:.0f} s spent and the last cache took {last_cost:.0f} s, past "
+                  f"--max-minutes {s['max_minutes']} (raise it, or lower --requests)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        rows += serve.serve_caches(weights, model_cfg, [(label, cfg)], reqs, budget, max_chunk=s["max_chunk"],
+                                   progress=lambda m: print(f"  {m}", flush=True))
+        last_cost = time.perf_counter() - t0
+        result["rows"] = [{k: (str(v) if k == "config" else v) for k, v in r.items() if k != "outputs"} for r in rows]
+        write_json(out_dir, "serve_bench.json", result)         # after every cache: a stopped run keeps its rows
+    base = next((r for r in rows if r["config"].dtype == "bf16"), rows[0])
+    for r in rows:                                              # same tokens as the first cache run
+        r["same_tokens"] = float(np.mean([np.array_equal(a, b) for a, b in zip(r["outputs"], rows[0]["outputs"])]))
+    headers, table = serve.serve_table([base] + [r for r in rows if r is not base])
+    print(cap.format_table(headers, table))
+    print(markdown(headers, table))
+    print(f"x first = ratio to {base['label']}; total {time.perf_counter() - t_start:.0f} s")
+    result["rows"] = [{k: (str(v) if k == "config" else v) for k, v in r.items() if k != "outputs"} for r in rows]
+    path = write_json(out_dir, "serve_bench.json", result)
+    print(f"json: {path}")
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, a few requests (runs on CPU)")
+    ap.add_argument("--model", choices=sorted(serve.MODELS), default=None, help=f"default {SERVE['model']}")
+    ap.add_argument("--kv-budget", default=None, help=f"default {SERVE['kv_budget']}")
+    ap.add_argument("--requests", type=int, default=None, help=f"default {SERVE['requests']}")
+    ap.add_argument("--prompt-range", default=None, metavar="LO:HI", help="default 8192:32768")
+    ap.add_argument("--prompt-multiple", type=int, default=None, help=f"default {SERVE['prompt_multiple']}")
+    ap.add_argument("--output-scale", type=float, default=None, help=f"default {SERVE['output_scale']}")
+    ap.add_argument("--page", type=int, default=None, help=f"default {SERVE['page']}")
+    ap.add_argument("--max-chunk", type=int, default=None, help=f"default {SERVE['max_chunk']}")
+    ap.add_argument("--caches", default=None, help=f"default {SERVE['caches']!r}")
+    ap.add_argument("--seed", type=int, default=None, help="default 0")
+    ap.add_argument("--max-minutes", type=float, default=None, help=f"default {SERVE['max_minutes']}")
+    a = ap.parse_args(argv)
+    s = dict(SERVE_SMOKE if a.smoke else SERVE)
+    for key in ("model", "kv_budget", "requests", "prompt_multiple", "output_scale", "page", "max_chunk", "caches",
+                "seed", "max_minutes"):
+        if getattr(a, key) is not None:
+            s[key] = getattr(a, key)
+    if a.prompt_range:
+        s["prompt_range"] = tuple(int(x) for x in a.prompt_range.split(":"))
+    run(s, a.out)
+
+
+if __name__ == "__main__":
+    main()

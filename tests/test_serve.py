@@ -1,0 +1,226 @@
+"""The continuous-batching serving loop (`jmixedkv_demo.serve`) on a tiny model, on CPU.
+
+* tokens: the loop's greedy tokens for requests of mixed prompt / output lengths, served concurrently with
+  queueing, equal a one-request-at-a-time `jmixedkv_demo.model.generate` (bf16 cache) and, for an all-high mixed
+  cache (the twin serves every row), the loop's bf16-cache tokens;
+* admission: a uniform workload's peak concurrency is exactly what the pages allow (pool // pages per request)
+  even with more slots; every page is back in the pool at the end; the allocated pools fit the budget;
+* refusals before anything runs: a request that can never fit (named by its lengths), bad tokens; a device error
+  bit is raised as `CacheError`, never ignored;
+* EOS: sequences end at their first EOS (kept), the rest of the tokens unchanged, pages returned;
+* one compiled program per bucket: every program traced once across loops of the same config and pools;
+* the pure helpers (chunking, pool plan vs capacity arithmetic, the shipped length distribution) and the CLI.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+import pytest
+
+from jmixedkv import capacity as cap
+from jmixedkv.checks import CacheCapacityError, CacheError
+from jmixedkv.config import KVCacheConfig
+from jmixedkv_demo import serve as sv
+from jmixedkv_demo.cli import main
+from jmixedkv_demo.model import ModelConfig, generate, init_params
+
+CFG = ModelConfig.tiny()
+PAGE, CHUNK = 8, 16
+BF16 = KVCacheConfig("bf16", page_size=PAGE)
+ALL_HIGH = KVCacheConfig("mixed_nvfp4_bf16", first_n=0, last_n=48, page_size=PAGE)   # every row of <= 48 tokens
+#: (prompt, max_new): mixed lengths; prompts are multiples of CHUNK (one prefill program)
+LENGTHS = [(16, 6), (32, 10), (16, 3), (32, 7), (16, 10), (32, 1)]
+MAX_LEN = 48
+BUDGET = 12 * PAGE * 512 + 1024     # 12 bf16 pages (512 B per token) and room for the per-layer scales
+
+
+@functools.lru_cache(maxsize=None)
+def params():
+    return init_params(CFG)
+
+
+@functools.lru_cache(maxsize=None)
+def weights():
+    return sv.prepare_weights(params(), CFG)
+
+
+def requests(lengths=LENGTHS, seed=0):
+    rng = np.random.default_rng(seed)
+    return [sv.Request(rng.integers(0, CFG.vocab_size, p).astype(np.int32), n) for p, n in lengths]
+
+
+@functools.lru_cache(maxsize=None)
+def plan(cache_cfg=BF16, budget=BUDGET):
+    """bf16: 512 B per token, so 12 pages; slot_len 8 gives 12 slots: pages, not slots, bound admission."""
+    return sv.plan_pools(cache_cfg, CFG, budget, slot_len=8, max_len=MAX_LEN)
+
+
+def loop(cache_cfg=BF16, budget=BUDGET, **kw):
+    return sv.ServingLoop(weights(), CFG, cache_cfg, plan(cache_cfg, budget), max_chunk=CHUNK, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def served(cache_cfg=BF16, budget=BUDGET, eos_id=None):
+    return loop(cache_cfg, budget, eos_id=eos_id).run(requests())
+
+
+def test_tokens_equal_generate_and_all_high_equals_bf16():
+    res = served()
+    reqs = requests()
+    assert [len(o) for o in res.outputs] == [n for _, n in LENGTHS]
+    for p in sorted({len(r.prompt) for r in reqs}):          # one generate program per prompt length
+        idx = [i for i, r in enumerate(reqs) if len(r.prompt) == p]
+        for i in idx:                                         # one request at a time, as a lone sequence
+            want = generate(params(), reqs[i].prompt[None], CFG, BF16, max(n for _, n in LENGTHS)).tokens
+            np.testing.assert_array_equal(res.outputs[i], np.asarray(want[0, :reqs[i].max_new]))
+    s = res.stats
+    assert 1 < s["peak_concurrent"] < len(reqs)               # batched and queued
+    assert s["free_pages_end"] == s["num_pages"] == 12
+    assert s["output_tokens"] == sum(n for _, n in LENGTHS) and s["prefill_tokens"] == sum(p for p, _ in LENGTHS)
+    high = served(ALL_HIGH, 256 * 1024)
+    for a, b in zip(high.outputs, res.outputs):
+        np.testing.assert_array_equal(a, b)
+    assert high.stats["free_pages_end"] == high.stats["num_pages"]
+
+
+def test_admission_is_bound_by_pages_and_releases_them():
+    """16 + 6 - 1 = 21 cached tokens = 3 pages each; a pool of 12 pages admits 4 at once, with 12 slots."""
+    lp = loop()
+    res = lp.run(requests([(16, 6)] * 7, seed=1))
+    s = res.stats
+    assert (s["max_seqs"], s["num_pages"]) == (12, 12)
+    assert s["peak_concurrent"] == 12 // 3
+    assert s["free_pages_end"] == 12 and lp.manager.free_slots() == list(range(12))
+    assert s["pool_bytes"] == lp.plan.pool_bytes <= s["budget_bytes"]      # the live pools, as planned
+    assert lp.traces == {"decode": 1, f"prefill {CHUNK}": 1}  # the loops of this file share the programs
+
+
+def test_eos_releases_at_the_first_eos():
+    base = served().outputs
+    eos = int(base[1][3])                                     # a token inside request 1's output
+    res = served(eos_id=eos)
+    for got, full in zip(res.outputs, base):
+        hits = np.flatnonzero(full == eos)
+        want = full[:hits[0] + 1] if hits.size else full
+        np.testing.assert_array_equal(got, want)
+    assert len(res.outputs[1]) <= 4
+    assert res.stats["free_pages_end"] == res.stats["num_pages"]
+
+
+def test_requests_that_can_never_fit_are_refused_before_anything_runs():
+    lp = loop()
+    before = dict(lp.traces)
+    with pytest.raises(CacheCapacityError, match=r"request 1: a prompt of 40 tokens \+ 10 new tokens \(49 tokens"):
+        lp.run(requests([(16, 6), (40, 10)]))
+    bad = requests([(16, 6)])
+    bad[0].prompt[3] = CFG.vocab_size
+    with pytest.raises(ValueError, match=r"request 0: prompt token ids must lie in \[0, 256\)"):
+        lp.run(bad)
+    with pytest.raises(ValueError, match="request 0: max_new must be an integer >= 1, got 0"):
+        lp.run([sv.Request(np.zeros(4, np.int32), 0)])
+    assert lp.manager.free_pages == 12 and lp.manager.free_slots() == list(range(12)) and lp.traces == before
+    with pytest.raises(CacheCapacityError, match="holds no sequence of 8 tokens"):
+        sv.plan_pools(BF16, CFG, 100, slot_len=8, max_len=MAX_LEN)
+
+
+def test_a_device_error_is_raised_not_ignored():
+    lp = loop()
+    lp.manager.install(dataclasses.replace(lp.manager.state, error=lp.manager.state.error | 1))   # committed
+    with pytest.raises(CacheError, match="prefill of slot 0: cache state error 1"):
+        lp.run(requests([(16, 2)]))
+
+
+def test_k_smoothing_and_bad_chunk_are_refused():
+    with pytest.raises(ValueError, match="k_smoothing"):
+        sv.ServingLoop(weights(), CFG, BF16.replace(k_smoothing=True), plan())
+    with pytest.raises(ValueError, match="max_chunk a power of two"):
+        sv.ServingLoop(weights(), CFG, BF16, plan(), max_chunk=24)
+
+
+def test_prefill_chunks():
+    assert sv.prefill_chunks(5000, 2048) == [2048, 2048, 512, 256, 128, 8]
+    assert sv.prefill_chunks(4096, 2048) == [2048, 2048]
+    assert sv.prefill_chunks(1, 64) == [1] and sv.prefill_chunks(63, 64) == [32, 16, 8, 4, 2, 1]
+    for n in range(1, 200):
+        assert sum(sv.prefill_chunks(n, 32)) == n
+    with pytest.raises(ValueError, match="max_chunk a power of two"):
+        sv.prefill_chunks(10, 48)
+
+
+@pytest.mark.parametrize("cfg", [BF16, KVCacheConfig("fp8", page_size=PAGE),
+                                 KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=16, page_size=PAGE)])
+def test_plan_fits_the_budget_and_follows_capacity(cfg):
+    budget, slot_len = 300_000, 100
+    p = sv.plan_pools(cfg, CFG, budget, slot_len=slot_len, max_len=MAX_LEN)
+    # independent arithmetic: rows of L * 2 (K, V) * H heads of D elements
+    rows = CFG.num_layers * 2 * CFG.num_kv_heads
+    low = {"bf16": 2 * 32, "fp8": 32, "mixed_nvfp4_bf16": 16 + 2}[cfg.dtype] * rows          # bytes per token
+    twin = cfg.num_high_pages_per_seq * PAGE * rows * 2 * 32 if cfg.is_mixed else 0
+    per_seq = -(-slot_len // PAGE) * PAGE * low + twin
+    assert p.max_seqs == budget // per_seq
+    assert p.num_pages * PAGE * low + p.max_seqs * twin <= budget
+    assert p.pool_bytes <= budget and p.pool_bytes >= p.num_pages * PAGE * low + p.max_seqs * twin
+    assert p.max_pages_per_seq == MAX_LEN // PAGE
+
+
+def test_shipped_lengths_and_sampling():
+    prompts, outputs = sv.load_lengths()
+    assert prompts.shape == outputs.shape == (512,)
+    assert prompts.min() == 4096 and prompts.max() == 32768 and 8000 < np.median(prompts) < 16000
+    assert outputs.min() == 64 and outputs.max() == 512
+    a = sv.sample_requests(20, 100, seed=3, prompt_range=(8192, 16384), prompt_multiple=1024)
+    b = sv.sample_requests(20, 100, seed=3, prompt_range=(8192, 16384), prompt_multiple=1024)
+    assert all(np.array_equal(x.prompt, y.prompt) and x.max_new == y.max_new for x, y in zip(a, b))
+    lens = np.array([len(r.prompt) for r in a])
+    assert lens.min() >= 8192 and lens.max() <= 16384 and not (lens % 1024).any() and len(set(lens)) > 1
+    assert all(0 <= r.prompt.min() and r.prompt.max() < 100 and 64 <= r.max_new <= 512 for r in a)
+
+
+def test_cli_serve(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    rc = main(["serve", "--model", "tiny", "--cache", "bf16", "--requests", "3", "--prompt-range", "16:16",
+               "--output-scale", "0.03", "--max-chunk", "16", "--kv-budget", "48KiB", "--json", str(out),
+               "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "peak seqs" in text and "json:" in text
+    doc = json.loads(out.read_text())
+    r = doc["results"][0]
+    assert r["label"] == "bf16" and r["requests"] == 3 and r["free_pages_end"] == r["num_pages"]
+    assert r["pool_bytes"] <= doc["kv_budget_bytes"] == 48 * 1024
+    assert doc["prompt_tokens"] == [16, 16, 16]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cache", ""], "--cache ''"),
+    (["--max-chunk", "24"], "--max-chunk 24: expected a power of two"),
+    (["--prompt-range", "9:3"], "--prompt-range '9:3'"),
+    (["--kv-budget", "1KiB"], "holds no sequence"),
+])
+def test_cli_serve_refusals(argv, message, capsys):
+    assert main(["serve", "--model", "tiny", "--no-progress"] + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_capacity_helpers_agree_with_plan():
+    """The plan's slots are `jmixedkv.capacity.capacity`'s sequences at slot_len."""
+    shape = cap.ModelShape(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim)
+    c = cap.capacity(ALL_HIGH, 256 * 1024, shape, 8)
+    assert plan(ALL_HIGH, 256 * 1024).max_seqs == c.sequences
+
+
+def test_serve_bench_settings():
+    """bench/serve_bench.py imports; its H200 workload is 8k-32k prompts in whole prefill chunks at 40 GiB."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import serve_bench
+    s = serve_bench.SERVE
+    assert s["model"] == "llama3-8b-shape" and cap.parse_bytes(s["kv_budget"]) == 40 * 2 ** 30
+    assert s["prompt_range"] == (8192, 32768) and all(x % s["prompt_multiple"] == 0 for x in s["prompt_range"])
+    assert s["prompt_multiple"] % s["max_chunk"] == 0                      # one prefill program per cache
+    m = sv.MODELS[s["model"]]
+    assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim) == (32, 32, 8, 128)
