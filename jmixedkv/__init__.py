@@ -19,6 +19,7 @@ _EXPORTS = {
     "CacheError": "checks", "CacheCapacityError": "checks", "CacheManager": "manager",
     "StagedCache": "staging", "stage": "staging", "stage_reference": "staging",
     "gather_rows": "gather", "overlay_retained_rows": "gather", "rows_reference": "gather",
+    "chunk_attention": "prefill",
     "decode_attention": "decode", "attention_reference": "decode", "merge_attention": "decode",
     "accept": "speculative", "correct_kv_lens": "speculative", "draft_view": "speculative", "restore": "speculative",
     "trim": "speculative",

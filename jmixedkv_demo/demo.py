@@ -23,8 +23,9 @@ __all__ = ["DEMO_CACHES", "QUICK_CACHES", "SMOLLM_CACHES", "SMOLLM_QUICK_CACHES"
            "run_demo", "demo_table", "run_smollm_demo", "smollm_table", "device_name"]
 
 DEMO_CACHES = "bf16,fp8,nvfp4,mixed:16:16,mixed:32:64,mixed:all"
-SMOLLM_CACHES = "bf16,fp8,nvfp4,mixed:4:64,mixed:16:128,mixed:64:256,mixed_nvfp4_fp8:16:128,mixed_nvfp4_fp8:16:96+rot"
-SMOLLM_QUICK_CACHES = "bf16,nvfp4,mixed:4:64,mixed:4:64+rot+smooth"
+#: ``recommended``: `jmixedkv.KVCacheConfig.recommended()`, the accuracy sweep's winner (bench/accuracy.py --sweep)
+SMOLLM_CACHES = "bf16,fp8,nvfp4,mixed:4:64,mixed:16:128,mixed_nvfp4_fp8:16:96,recommended"
+SMOLLM_QUICK_CACHES = "bf16,nvfp4,mixed:4:64,recommended"
 QUICK_CACHES = "bf16,nvfp4,mixed:8:8,mixed:all"
 
 #: KV geometry of SmolLM2-135M (30 layers, 3 KV heads, head_dim 64) for the bytes-per-element columns

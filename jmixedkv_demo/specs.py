@@ -2,7 +2,8 @@
 -> ``(label, KVCacheConfig)``.
 
 Grammar: ``NAME``, ``NAME:all`` (every token of the run in the twin) or ``NAME:FIRST_N:LAST_N``, where ``NAME`` is a
-`jmixedkv.KVCacheConfig` dtype (``mixed`` = ``mixed_nvfp4_bf16``), optionally followed by ``+rot`` (Hadamard
+`jmixedkv.KVCacheConfig` dtype (``mixed`` = ``mixed_nvfp4_bf16``) or ``recommended`` (`KVCacheConfig.recommended`,
+its window replaced by ``recommended:FIRST_N:LAST_N``), optionally followed by ``+rot`` (Hadamard
 rotation), ``+smooth`` (K smoothing) and ``+4o6`` ("4 over 6" block scaling), the accuracy levers of
 `jmixedkv.levers`. A bad spec raises `UsageError` naming it.
 """
@@ -38,6 +39,10 @@ def parse_cache_spec(spec: str, total_len: int, page_size: int) -> tuple[str, KV
     parts = base.split(":")
     name = {"mixed": "mixed_nvfp4_bf16"}.get(parts[0], parts[0])
     try:
+        if parts[0] == "recommended" and len(parts) in (1, 3):      # KVCacheConfig.recommended(), levers on top
+            window = {} if len(parts) == 1 else dict(first_n=int(parts[1]), last_n=int(parts[2]))
+            label = "recommended" if len(parts) == 1 else f"recommended({parts[1]},{parts[2]})"
+            return label + tail, KVCacheConfig.recommended(page_size=page_size, **window, **levers)
         if len(parts) == 1:
             return parts[0] + tail, KVCacheConfig(name, page_size=page_size, **levers)
         if len(parts) == 2 and parts[1] == "all":
