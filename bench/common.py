@@ -2,7 +2,8 @@
 the output files.
 
 * Timers (ms): `time_jax` (median per call of batches of async calls), `time_each` (median of blocked calls),
-  `time_threaded` (`time_jax` for a donated state threaded through the calls), `time_torch` (CUDA events),
+  `time_threaded` (`time_jax` for a donated state threaded through the calls), `time_in_step` (per call inside one
+  jitted loop of calls, `step_loop`, as a model step runs a layer's kernel), `time_torch` (CUDA events),
   `gpu_kernel_profile` / `gpu_busy_ms` (GPU kernel time from a jax profiler trace).
 * `random_fill`, `random_mixed_state`: full caches of random NVFP4 bytes (no append), built quickly at 32k contexts.
 * `bits_equal`: two pytrees bit for bit.
@@ -28,7 +29,8 @@ import numpy as np
 
 import jmixedkv as jm
 
-__all__ = ["RESULTS_MD", "time_jax", "time_each", "time_threaded", "time_torch", "gpu_kernel_profile", "gpu_busy_ms",
+__all__ = ["RESULTS_MD", "time_jax", "time_each", "time_threaded", "step_loop", "time_in_step", "time_torch",
+           "gpu_kernel_profile", "gpu_busy_ms",
            "random_fill", "random_mixed_state", "bits_equal", "copy_bandwidth_tbs", "torch_cuda", "versions",
            "utc_now", "write_json", "append_results"]
 
@@ -78,6 +80,29 @@ def time_threaded(fn, carry, *args, reps=10, trials=15, warmup=2):
         jax.block_until_ready(carry)
         times.append((time.perf_counter() - t0) / reps * 1e3)
     return float(np.median(times)), carry
+
+
+def step_loop(fn, calls=10, lens_arg=2):
+    """``fn(*args)`` (-> one output array) run ``calls`` times inside **one** jitted loop, as the layers of a model's
+    decode step run it: one executable, no dispatch per call. Each call's ``kv_lens`` (argument ``lens_arg``) is the
+    previous one's plus ``isnan(out[0])`` (0 for a finite output), so XLA can neither hoist a call out of the loop
+    nor merge two; the whole output is carried. Returns the jitted loop, ``-> (lens, last output)``."""
+    def loop(*a):
+        def body(i, carry):
+            a_ = list(a)
+            a_[lens_arg] = carry[0]
+            out = fn(*a_)
+            return carry[0] + jnp.isnan(out.reshape(-1)[0]).astype(carry[0].dtype), out
+        out0 = jax.eval_shape(fn, *a)
+        return jax.lax.fori_loop(0, calls, body, (a[lens_arg], jnp.zeros(out0.shape, out0.dtype)))
+    return jax.jit(loop)
+
+
+def time_in_step(fn, *args, calls=10, lens_arg=2, **timing):
+    """Median ms per call of ``fn(*args)`` in `step_loop` (``timing``: `time_jax`'s ``reps`` / ``trials`` /
+    ``warmup``). `time_jax` of a single call also pays the runtime's cost of launching an executable (23-28 us per
+    call on the H200, bench/RESULTS.md) that the calls inside one loop do not."""
+    return time_jax(step_loop(fn, calls, lens_arg), *args, **timing) / calls
 
 
 def time_torch(torch, fn, reps=10, trials=15, warmup=2):
