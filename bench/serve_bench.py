@@ -12,6 +12,12 @@ included, compilation excluded), decode tokens/s, time per output token, time to
 bf16. Writes ``DIR/serve_bench.json`` and prints the table (plain and markdown); it appends nothing to
 bench/RESULTS.md.
 
+``--shared-prefix N``: every prompt starts with the same N tokens (a shared system prompt) and the loop reuses the
+committed prefix pages (`jmixedkv.PrefixCache`) instead of prefilling them (``--no-prefix-reuse``: the baseline
+that prefills them). The index keeps every committed prompt page until a sequence needs the room; its eviction
+(`jmixedkv.offload.select_victims`) scans the index once per evicted page, so at 40 GiB budgets (thousands of
+index pages) admission pays host seconds: keep the shared-prefix runs to modest budgets.
+
 Time (one H200, the defaults): every cache prefills the same ~1.2M prompt tokens (the mixed cache needs about that
 many to fill 40 GiB), so the run is mostly prefill: a few minutes in all, plus one decode and one prefill program
 compiled per cache (prompts are multiples of ``max_chunk``, so one prefill program). ``--max-minutes`` stops
@@ -41,7 +47,7 @@ from common import utc_now, versions, write_json  # noqa: E402
 #: the H200 target: Llama-3-8B geometry, 40 GiB of KV cache, prompts of 8k-32k tokens
 SERVE = dict(model="llama3-8b-shape", kv_budget="40GiB", requests=80, prompt_range=(8192, 32768),
              prompt_multiple=4096, output_scale=1.0, page=32, max_chunk=4096, caches=serve.SERVE_CACHES, seed=0,
-             max_minutes=7.5)
+             max_minutes=7.5, shared_prefix=0, prefix_reuse=True)
 #: the CPU smoke: the tiny model
 SERVE_SMOKE = dict(SERVE, model="tiny", kv_budget="192KiB", requests=6, prompt_range=(16, 48), prompt_multiple=16,
                    output_scale=1 / 32, page=8, max_chunk=16, max_minutes=30.0)
@@ -65,14 +71,16 @@ def run(s: dict, out_dir: str) -> dict:
     budget = cap.parse_bytes(s["kv_budget"])
     reqs = serve.sample_requests(s["requests"], model_cfg.vocab_size, seed=s["seed"],
                                  prompt_range=tuple(s["prompt_range"]), prompt_multiple=s["prompt_multiple"],
-                                 output_scale=s["output_scale"])
+                                 output_scale=s["output_scale"], shared_prefix=s["shared_prefix"])
+    reuse = bool(s["shared_prefix"]) and s["prefix_reuse"]
     plen = np.array([len(r.prompt) for r in reqs])
     olen = np.array([r.max_new for r in reqs])
     max_len = max(r.cache_len for r in reqs)
     caches = [parse_cache_spec(c, max_len, s["page"]) for c in s["caches"].split(",")]
     print(f"{len(reqs)} requests: prompts {plen.min()}-{plen.max()} (mean {plen.mean():.0f}, {plen.sum():,} tokens), "
           f"outputs {olen.min()}-{olen.max()} (mean {olen.mean():.0f}); KV budget {cap.format_bytes(budget)}, page "
-          f"{s['page']}, prefill chunk {s['max_chunk']}", flush=True)
+          f"{s['page']}, prefill chunk {s['max_chunk']}; shared prefix {s['shared_prefix']}, prefix reuse "
+          f"{'on' if reuse else 'off'}", flush=True)
     shape = cap.ModelShape(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, name=s["model"])
     mean_len = int(round(float(np.mean([r.cache_len for r in reqs]))))
     for label, cfg in caches:
@@ -90,7 +98,7 @@ def run(s: dict, out_dir: str) -> dict:
             continue
         t0 = time.perf_counter()
         rows += serve.serve_caches(weights, model_cfg, [(label, cfg)], reqs, budget, max_chunk=s["max_chunk"],
-                                   progress=lambda m: print(f"  {m}", flush=True))
+                                   prefix_reuse=reuse, progress=lambda m: print(f"  {m}", flush=True))
         last_cost = time.perf_counter() - t0
         result["rows"] = [{k: (str(v) if k == "config" else v) for k, v in r.items() if k != "outputs"} for r in rows]
         write_json(out_dir, "serve_bench.json", result)         # after every cache: a stopped run keeps its rows
@@ -122,12 +130,16 @@ def main(argv=None):
     ap.add_argument("--caches", default=None, help=f"default {SERVE['caches']!r}")
     ap.add_argument("--seed", type=int, default=None, help="default 0")
     ap.add_argument("--max-minutes", type=float, default=None, help=f"default {SERVE['max_minutes']}")
+    ap.add_argument("--shared-prefix", type=int, default=None, help="prompt tokens every request shares (default 0)")
+    ap.add_argument("--no-prefix-reuse", action="store_true", help="prefill shared prefixes anyway (baseline)")
     a = ap.parse_args(argv)
     s = dict(SERVE_SMOKE if a.smoke else SERVE)
     for key in ("model", "kv_budget", "requests", "prompt_multiple", "output_scale", "page", "max_chunk", "caches",
-                "seed", "max_minutes"):
+                "seed", "max_minutes", "shared_prefix"):
         if getattr(a, key) is not None:
             s[key] = getattr(a, key)
+    if a.no_prefix_reuse:
+        s["prefix_reuse"] = False
     if a.prompt_range:
         s["prompt_range"] = tuple(int(x) for x in a.prompt_range.split(":"))
     run(s, a.out)

@@ -100,13 +100,25 @@ class CacheManager:
         return seq, pos
 
     def pages_needed(self, seq_slots, positions) -> dict[int, int]:
-        """New low pages an append of tokens (seq_slots, positions) would allocate, per slot."""
+        """New low pages an append of tokens (seq_slots, positions) would allocate, per slot it names."""
         seq, pos = self.host_tokens(seq_slots, positions, "pages_needed")
-        out = {}
-        for s in np.unique(seq[seq >= 0]):
-            last = int(pos[seq == s].max())
-            out[int(s)] = max(0, last // self.config.page_size + 1 - int(self._pages_held[s]))
-        return out
+        live = seq >= 0
+        last = np.full(self.max_seqs, -1, np.int64)
+        np.maximum.at(last, seq[live], pos[live].astype(np.int64))
+        touched = np.zeros(self.max_seqs, bool)
+        touched[seq[live]] = True
+        return self._need_dict(self._new_pages(last), touched)
+
+    def _new_pages(self, last) -> np.ndarray:
+        """int64[S] new low pages per slot for appends reaching position ``last`` int[S] (-1: no token)."""
+        last = np.asarray(last, np.int64)
+        return np.where(last >= 0, np.maximum(0, last // self.config.page_size + 1 - self._pages_held), 0)
+
+    @staticmethod
+    def _need_dict(need: np.ndarray, touched: Optional[np.ndarray] = None) -> dict[int, int]:
+        """``{slot: new pages}`` of the slots with tokens (``touched`` bool[S]; default: those needing pages)."""
+        keys = np.flatnonzero(need > 0 if touched is None else touched)
+        return dict(zip(keys.tolist(), need[keys].tolist()))
 
     def can_append(self, seq_slots, positions) -> bool:
         try:
@@ -149,44 +161,60 @@ class CacheManager:
     def check_append(self, seq_slots, positions, capacity: bool = True):
         """Host mirror of `jmixedkv.append`'s refusals (`jmixedkv.checks`): `ValueError` for bad slots / positions,
         `CacheCapacityError` for capacity (the pool's free pages only when ``capacity``). Returns the new pages
-        per slot."""
+        per slot (``{slot: pages}`` for every slot with tokens)."""
         seq, pos = self.host_tokens(seq_slots, positions, "append")
-        bad = sorted({int(s) for s in seq[seq >= 0] if not self._active[s]})
-        if bad:
-            raise ValueError(f"append: sequence slots {bad} are not admitted")
-        if (pos[seq >= 0] < 0).any():
-            raise ValueError(f"append: negative positions {sorted(set(pos[(seq >= 0) & (pos < 0)].tolist()))}")
-        limit = self.state.max_pages_per_seq * self.config.page_size
-        if (pos[seq >= 0] >= limit).any():
-            worst = int(pos[seq >= 0].max())
-            raise CacheCapacityError(f"append: position {worst} is past the page table's width "
-                                     f"({self.state.max_pages_per_seq} pages x {self.config.page_size} = {limit} tokens)")
-        broken, off, _, _ = checks.position_rule(seq, pos, self._lens, self.max_seqs, np)   # the one rule
-        for s in np.unique(seq[seq >= 0]):
-            p = np.sort(pos[seq == s])
-            n = int(self._lens[s])
-            if broken[s]:
-                raise ValueError(f"append: slot {s}: positions must be distinct and contiguous, got "
-                                 f"{p[:16].tolist()}{'...' if p.size > 16 else ''}")
-            cfg = self.config
-            q = p // cfg.page_size
-            col = cfg.twin.high_column(p)
-            width = self._hshared.shape[1]
-            if self._shared[s, q].any() or (width and ((col >= 0) & self._hshared[s, np.clip(col, 0, width - 1)]).any()):
-                raise ValueError(f"append: slot {s}: positions [{p[0]}, {p[-1]}] write into a page shared with "
-                                 f"another sequence or the prefix index (fork / prefix reuse); shared pages are "
-                                 f"never written (copy-on-write happens at fork / admit)")
-            if off[s]:
-                raise ValueError(f"append: slot {s} has kv_len {n}; positions [{p[0]}, {p[-1]}] must start at or "
-                                 f"before it and reach it (extend from kv_len, or rewrite a suffix ending at "
-                                 f"kv_len - 1 or later)")
-        need = self.pages_needed(seq, pos)
-        total = sum(need.values())
+        need, last = self._check_host(seq, pos, capacity)
+        return self._need_dict(need, last >= 0)
+
+    def _check_host(self, seq, pos, capacity: bool):
+        """`check_append` on host int32 vectors, vectorized over the tokens (no loop over slots): the first
+        offending slot (lowest id) is named, with its first broken rule. Returns ``(new pages int64[S], last
+        position int32[S] (-1: no token))``."""
+        live = seq >= 0
+        sl, pl = seq[live], pos[live]
+        idle = ~self._active[sl]
+        if idle.any():
+            raise ValueError(f"append: sequence slots {np.unique(sl[idle]).tolist()} are not admitted")
+        if (pl < 0).any():
+            raise ValueError(f"append: negative positions {np.unique(pl[pl < 0]).tolist()}")
+        cfg = self.config
+        limit = self.state.max_pages_per_seq * cfg.page_size
+        if (pl >= limit).any():
+            raise CacheCapacityError(f"append: position {int(pl.max())} is past the page table's width "
+                                     f"({self.state.max_pages_per_seq} pages x {cfg.page_size} = {limit} tokens)")
+        broken, off, _, last = checks.position_rule(seq, pos, self._lens, self.max_seqs, np)   # the one rule
+        hit = self._shared[sl, pl // cfg.page_size]                   # per token: writes a shared page / twin page
+        width = self._hshared.shape[1]
+        if width:
+            col = cfg.twin.high_column(pl)
+            hit = hit | ((col >= 0) & self._hshared[sl, np.clip(col, 0, width - 1)])
+        shared = np.zeros(self.max_seqs, bool)
+        shared[sl[hit]] = True
+        bad = broken | shared | off
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            self._refuse(first, np.sort(pl[sl == first]), broken, shared)
+        need = self._new_pages(last)
+        total = int(need.sum())
         if capacity and total > self._free_low:
-            detail = ", ".join(f"slot {s} needs {n}" for s, n in need.items() if n)
+            detail = ", ".join(f"slot {s} needs {n}" for s, n in self._need_dict(need).items())
             raise CacheCapacityError(f"append needs {total} new low pages but only {self._free_low} are free "
                                      f"(short by {total - self._free_low}: {detail})")
-        return need
+        return need, last
+
+    def _refuse(self, s: int, p: np.ndarray, broken, shared) -> None:
+        """The `ValueError` of slot ``s`` (its sorted positions ``p``): broken positions, a shared page, or a
+        range that does not meet its kv_len, in that order."""
+        if broken[s]:
+            raise ValueError(f"append: slot {s}: positions must be distinct and contiguous, got "
+                             f"{p[:16].tolist()}{'...' if p.size > 16 else ''}")
+        if shared[s]:
+            raise ValueError(f"append: slot {s}: positions [{p[0]}, {p[-1]}] write into a page shared with "
+                             f"another sequence or the prefix index (fork / prefix reuse); shared pages are "
+                             f"never written (copy-on-write happens at fork / admit)")
+        raise ValueError(f"append: slot {s} has kv_len {int(self._lens[s])}; positions [{p[0]}, {p[-1]}] must "
+                         f"start at or before it and reach it (extend from kv_len, or rewrite a suffix ending at "
+                         f"kv_len - 1 or later)")
 
     def append(self, layer, k, v, seq_slots, positions, group: int = 0, rope: Optional[RopeSpec] = None):
         """`jmixedkv.append` (donated) with capacity and positions checked first; see it for shapes."""
@@ -194,8 +222,8 @@ class CacheManager:
         if layer is not None:
             layer = checks.host_int(np.asarray(layer).item() if checks.is_jax(layer) else layer, "layer", "append",
                                     0, spec.num_layers)
-        need = self.check_append(seq_slots, positions)
         seq, pos = self.host_tokens(seq_slots, positions, "append")
+        need, _ = self._check_host(seq, pos, True)
         layer_arg = None if layer is None else np.int32(layer)
         self.state = st.append(self.state, layer_arg, k, v, seq, pos, group=group,
                                rope=rope, backend=self.backend, donate=True)
@@ -206,8 +234,8 @@ class CacheManager:
         `CacheCapacityError`, nothing changed) and account for it in the host mirror, for an engine that runs the
         transition itself in its own jitted program, for every layer of a step (`jmixedkv.step`), and installs the
         result with `install`. Returns the host ``(seq, pos)`` int32 vectors."""
-        need = self.check_append(seq_slots, positions)
         seq, pos = self.host_tokens(seq_slots, positions, "append")
+        need, _ = self._check_host(seq, pos, True)
         self._account_append(seq, pos, need)
         return seq, pos
 
@@ -215,10 +243,10 @@ class CacheManager:
         """Install the result of a transition `reserve_append` accounted for (no host re-read, no sync)."""
         self.state = state
 
-    def _account_append(self, seq, pos, need) -> None:
-        for s, n in need.items():
-            self._pages_held[s] += n
-            self._free_low -= n
+    def _account_append(self, seq, pos, need: np.ndarray) -> None:
+        """Host mirror of an append: ``need`` int64[S] new pages per slot, lengths / written to the last position."""
+        self._pages_held += need
+        self._free_low -= int(need.sum())
         live = seq >= 0
         if live.any():                                   # one past the last position per slot, vectorized
             last = np.zeros(self.max_seqs, np.int64)

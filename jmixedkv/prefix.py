@@ -496,6 +496,18 @@ class PrefixCache:
         self._tokens.pop(slot, None)
         self.manager.release(slot)
 
+    def compile(self, max_pages: int) -> None:
+        """Compile the commit / evict page programs for every page-count bucket up to ``max_pages`` (run on
+        all -1 ids: nothing changes), so that no commit or eviction compiles inside an engine's timed loop."""
+        k = 1
+        while True:
+            ids = jnp.full((k,), -1, jnp.int32)
+            jax.block_until_ready(_gather(self.state, ids, ids))
+            self.state = _retain(_release_ids_jit(self.state, ids, ids), ids, ids)
+            if k >= max_pages:
+                return
+            k *= 2
+
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict:
         """Capacity and hit-rate statistics."""

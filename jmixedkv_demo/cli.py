@@ -35,8 +35,8 @@ from typing import Optional, Sequence
 
 from jmixedkv import capacity as cap
 
-from .demo import (DEMO_CACHES, QUICK_CACHES, SMOLLM_CACHES, DemoSettings, demo_table, run_demo, run_smollm_demo,
-                   smollm_table)
+from .demo import (DEMO_CACHES, QUICK_CACHES, SMOLLM_CACHES, SMOLLM_QUICK_CACHES, DemoSettings, demo_table,
+                   measure_serving, measured_text, run_demo, run_smollm_demo, smollm_table, without_projection)
 from .plots import plot_demo, plot_smollm
 from .specs import UsageError
 
@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--attention", choices=("auto", "reference", "fused"), default="auto",
                    help="decode attention: fused kernel entry point when present (auto), or staged reference")
     _capacity_args(d, what="the memory columns")
+    d.add_argument("--measure", action="store_true",
+                   help="measure capacity and speed with the serving loop (peak concurrent sequences, tokens/s at "
+                        "--kv-budget) instead of projecting them; on by default on a GPU (budget 4GiB), on a CPU a "
+                        "tiny workload (budget: 3 bf16 sequences of it)")
     d.add_argument("--plot", metavar="PNG", help="write plots (smollm2: KL vs bytes per element and vs position; "
                    "random: error vs cache position / generated token); needs matplotlib")
     d.add_argument("--json", metavar="PATH", help="write every metric as JSON")
@@ -179,6 +183,11 @@ def _serve_args(sub) -> None:
     s.add_argument("--prompt-range", default=None, metavar="LO:HI", help="clip prompt lengths to [LO, HI]")
     s.add_argument("--prompt-multiple", type=_positive_int, default=1,
                    help="round prompt lengths up to a multiple of this (fewer prefill programs; default 1)")
+    s.add_argument("--shared-prefix", type=_nonneg_int, default=0, metavar="N",
+                   help="every prompt starts with the same N tokens (a shared system prompt); the loop reuses the "
+                        "committed prefix pages instead of prefilling them (default 0)")
+    s.add_argument("--no-prefix-reuse", action="store_true",
+                   help="prefill every prompt whole even with --shared-prefix (the baseline)")
     s.add_argument("--page-size", type=_positive_int, default=None, help="tokens per page (default 32; tiny 8)")
     s.add_argument("--max-chunk", type=_positive_int, default=None,
                    help="longest prefill chunk, a power of two (default 2048; tiny 64)")
@@ -342,14 +351,18 @@ def cmd_demo_smollm(args, budget) -> int:
     print(f"\n== teacher-forced accuracy vs the bf16 cache: {report['text']} text, {report['eval_tokens']} tokens "
           f"({report['prefix_len']} prefilled exactly, then {report['window']} decode steps scored, each reading the "
           f"cache of its own step)")
+    measured = _measure(args, "smollm2", args.caches if args.caches is not None else
+                        (SMOLLM_QUICK_CACHES if args.quick else SMOLLM_CACHES), args.page_size or 16)
+    if measured:
+        report["measured"] = measured
     headers, rows = smollm_table(report, args.model_shape, budget.bytes, args.seq_len)
-    print(cap.format_table(headers, rows))
+    print(cap.format_table(*(without_projection(headers, rows) if measured else (headers, rows))))
     print(f"B/elem, KV/seq, high %: {report['model']} at the accuracy run's length ({report['seq_len']} tokens, page "
           f"{report['page_size']}, twin included); KL = mean KL(bf16 || cache) of the next-token distribution (nats); "
           f"ppl = perplexity of the text; top1 = argmax equal to bf16's; attn err = relative L2 error of the "
-          f"attention outputs vs bf16, mean over layers.\nPROJECTION (not measured): proj. x bf16 / proj. tokens = "
-          f"capacity of each format for {args.model_shape} at {args.seq_len}-token sequences; "
-          f"{budget.describe(args.model_shape)}.")
+          f"attention outputs vs bf16, mean over layers." + (measured_text(measured) if measured else
+          f"\nPROJECTION (not measured): proj. x bf16 / proj. tokens = capacity of each format for "
+          f"{args.model_shape} at {args.seq_len}-token sequences; {budget.describe(args.model_shape)}."))
     print(f"time: load {report['load_s']:.0f} s, accuracy {report['eval_s']:.0f} s, total "
           f"{time.perf_counter() - t0:.0f} s")
     _write_outputs(args, report, plot_smollm)
@@ -368,17 +381,33 @@ def cmd_demo(args) -> int:
           f"d={m['d_model']} Hq={m['num_heads']} H_kv={m['num_kv_heads']} D={m['head_dim']} V={m['vocab_size']} "
           f"(random weights, seed {s.seed}); batch {s.batch}, prompt {s.prompt_len}, {s.new_tokens} new tokens, "
           f"page {s.page_size}")
-    print(f"memory columns: {args.model_shape}, {args.seq_len}-token sequences; {budget.describe(args.model_shape)}"
-          f"\nerrors: relative L2 vs the bf16 cache, teacher-forced")
+    measured = _measure(args, "random", s.caches, s.page_size)
+    if measured:
+        report["measured"] = measured
+    print(f"memory columns (PROJECTION, not measured): {args.model_shape}, {args.seq_len}-token sequences; "
+          f"{budget.describe(args.model_shape)}\nerrors: relative L2 vs the bf16 cache, teacher-forced")
     headers, rows = demo_table(report, args.model_shape, budget.bytes, args.seq_len)
-    print(cap.format_table(headers, rows))
-    print(f"B/token, per seq, tokens in budget, x bf16: each cache's format and first_n / last_n applied to "
-          f"{args.model_shape.name} at {args.seq_len} tokens (all-high = last_n of prompt + new tokens)\n"
+    print(cap.format_table(*(without_projection(headers, rows) if measured else (headers, rows))))
+    print(f"B/token, per seq{'' if measured else ', tokens in budget, x bf16'}: each cache's format and first_n / "
+          f"last_n applied to {args.model_shape.name} at {args.seq_len} tokens (all-high = last_n of prompt + new "
+          f"tokens)\n"
           "agree % = free-running greedy tokens equal to bf16's; TF top1 % = argmax equal when fed bf16's "
           "tokens; logit / attn err = mean relative L2 error per step, teacher-forced; tok/s = generated tokens "
-          "per second after compilation (prefill included)")
+          "per second after compilation (prefill included)" + (measured_text(measured) if measured else ""))
     _write_outputs(args, report, plot_demo)
     return 0
+
+
+def _measure(args, model: str, specs: str, page: int):
+    """`measure_serving` of the demo's caches on a GPU or with ``--measure`` (stored in the JSON), else None."""
+    import jax
+    if not (args.measure or jax.devices()[0].platform == "gpu"):
+        return None
+    say = None if args.no_progress else (lambda m: print(f"  measure {m}", file=sys.stderr, flush=True))  # noqa: E731
+    try:
+        return measure_serving(model, specs, page, args.kv_budget, quick=args.quick, seed=args.seed, progress=say)
+    except ValueError as e:            # CacheCapacityError: a budget that holds no sequence / request of the workload
+        raise CliError(f"--measure: {e}") from None
 
 
 def _write_outputs(args, report: dict, plot) -> None:
@@ -422,7 +451,9 @@ def cmd_serve(args) -> int:
     model_cfg, weights, how = serve.load_serve_model(args.model)
     requests = serve.sample_requests(pick("requests"), model_cfg.vocab_size, seed=args.seed,
                                      prompt_scale=pick("prompt_scale"), output_scale=pick("output_scale"),
-                                     prompt_range=prompt_range, prompt_multiple=args.prompt_multiple)
+                                     prompt_range=prompt_range, prompt_multiple=args.prompt_multiple,
+                                     shared_prefix=args.shared_prefix)
+    reuse = args.shared_prefix > 0 and not args.no_prefix_reuse
     max_len = max(r.cache_len for r in requests)
     entries = [e.strip() for e in args.cache.split(",")]
     if not args.cache.strip() or not all(entries):
@@ -435,10 +466,12 @@ def cmd_serve(args) -> int:
           f"D={c.head_dim} V={c.vocab_size}; {how}) on {jax.devices()[0].device_kind}, jax {jax.__version__}\n"
           f"{len(requests)} requests: prompts {plen.min()}-{plen.max()} tokens (mean {plen.mean():.0f}), outputs "
           f"{olen.min()}-{olen.max()} (mean {olen.mean():.0f}); KV budget {cap.format_bytes(budget)}, page {page}, "
-          f"prefill chunks <= {max_chunk}", flush=True)
+          f"prefill chunks <= {max_chunk}; shared prefix {args.shared_prefix} tokens, prefix reuse "
+          f"{'on' if reuse else 'off'}", flush=True)
     try:
         rows = serve.serve_caches(weights, model_cfg, caches, requests, budget, slot_len=args.slot_len,
-                                  eos_id=args.eos_id, max_chunk=max_chunk, attention=args.attention, progress=say)
+                                  eos_id=args.eos_id, max_chunk=max_chunk, attention=args.attention,
+                                  prefix_reuse=reuse, progress=say)
     except ValueError as e:              # CacheCapacityError (nothing fits, a request never fits), bad settings
         raise CliError(str(e)) from None
     headers, table = serve.serve_table(rows)
@@ -447,12 +480,14 @@ def cmd_serve(args) -> int:
           "arrays, twin included); peak seqs = most sequences admitted at once; out tok/s = output tokens / wall "
           "time (prefill included, compilation excluded); decode tok/s = tokens of decode steps / their time; "
           "TPOT = mean per request of the time between its tokens; step ms = mean decode step (host work "
-          "included), host ms = its host check (CacheManager.reserve_append); x first = ratio to the first cache; same "
-          "tokens = requests whose greedy tokens equal the first cache's")
+          "included), host ms = its host check (CacheManager.reserve_append); x first = ratio to the first cache; "
+          "reused = prompt tokens admitted from the prefix index, not prefilled; same tokens = requests whose greedy "
+          "tokens equal the first cache's")
     if args.json:
         out = {"model": args.model, "model_cfg": dataclasses.asdict(model_cfg), "weights": how,
                "device": jax.devices()[0].device_kind, "jax": jax.__version__, "kv_budget_bytes": budget,
-               "page_size": page, "max_chunk": max_chunk, "seed": args.seed,
+               "page_size": page, "max_chunk": max_chunk, "seed": args.seed, "shared_prefix": args.shared_prefix,
+               "prefix_reuse": reuse,
                "prompt_tokens": plen.tolist(), "output_tokens": olen.tolist(),
                "results": [{k: (dataclasses.asdict(v) if k == "config" else v) for k, v in r.items()
                             if k != "outputs"} for r in rows]}

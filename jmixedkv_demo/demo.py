@@ -7,7 +7,10 @@
 * `run_demo`: the small random-weight model (`jmixedkv_demo.model.ModelConfig`): token agreement with bf16, logit /
   attention error teacher-forced, layer-0 K/V error per cache position, tokens per second.
 
-`demo_table` / `smollm_table` add the capacity columns of a model shape and KV budget (`jmixedkv.capacity`).
+`demo_table` / `smollm_table` add the capacity columns of a model shape and KV budget (`jmixedkv.capacity`): a
+PROJECTION. `measure_serving` measures instead: the demo's model serves the same requests through each cache with
+the continuous-batching loop of `jmixedkv_demo.serve` at one KV budget (peak concurrent sequences, tokens/s); the
+CLI runs it on a GPU (or with ``--measure``) and then prints it in place of the projected columns.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from jmixedkv import capacity as cap
 from .specs import UsageError, cache_list
 
 __all__ = ["DEMO_CACHES", "QUICK_CACHES", "SMOLLM_CACHES", "SMOLLM_QUICK_CACHES", "SMOLLM_SHAPE", "DemoSettings",
-           "run_demo", "demo_table", "run_smollm_demo", "smollm_table", "device_name"]
+           "run_demo", "demo_table", "run_smollm_demo", "smollm_table", "device_name", "MEASURE_WORKLOAD",
+           "measure_serving", "measured_text", "PROJECTED_COLUMNS", "without_projection"]
 
 DEMO_CACHES = "bf16,fp8,nvfp4,mixed:16:16,mixed:32:64,mixed:all"
 #: ``recommended``: `jmixedkv.KVCacheConfig.recommended()`, the accuracy sweep's winner (bench/accuracy.py --sweep)
@@ -138,6 +142,16 @@ def demo_table(report: dict, shape: cap.ModelShape, budget: int, seq_len: int):
     return headers, rows
 
 
+#: the projected capacity columns of `demo_table` / `smollm_table` (a measured run replaces them)
+PROJECTED_COLUMNS = ("tokens in budget", "x bf16", "proj. x bf16", "proj. tokens")
+
+
+def without_projection(headers, rows):
+    """``(headers, rows)`` of a demo table without its `PROJECTED_COLUMNS`."""
+    keep = [i for i, h in enumerate(headers) if h not in PROJECTED_COLUMNS]
+    return [headers[i] for i in keep], [[r[i] for i in keep] for r in rows]
+
+
 def run_smollm_demo(args, progress: bool = True) -> dict:
     """Greedy generation through each cache (jit loop) + teacher-forced accuracy on a shipped text or the user's
     ``--text-file`` (see `cmd_demo`)."""
@@ -218,3 +232,77 @@ def smollm_table(report: dict, shape: cap.ModelShape, budget: int, seq_len: int)
                      f"{100 * r['top1']:.1f}", f"{attn_err:.4f}",
                      cap.format_ratio(c.ratio_vs_bf16), f"{c.tokens:,}"])
     return headers, rows
+
+
+# ---------------------------------------------------------------------------------------------- measured serving
+#: the measured run's workload per platform: requests, scaling of the shipped lengths (prompts 4k-32k, outputs
+#: 64-512), prompts rounded up to whole prefill chunks (one prefill program), longest prefill chunk, and the default
+#: KV budget (None on CPU: ``cpu_bf16_seqs`` bf16 sequences of the workload's mean length). Either way the budget,
+#: not the request count, bounds the concurrency (GPU, SmolLM2: ~7.3k-token sequences, bf16 25, mixed(4,64) 86).
+MEASURE_WORKLOAD = {
+    "gpu": dict(requests=96, prompt_scale=0.5, output_scale=0.5, prompt_multiple=2048, max_chunk=2048,
+                kv_budget="4GiB"),
+    "cpu": dict(requests=6, prompt_scale=1 / 512, output_scale=1 / 32, prompt_multiple=16, max_chunk=16, kv_budget=None,
+                cpu_bf16_seqs=3),
+}
+
+
+def measure_serving(model: str, specs: str, page_size: int, budget_bytes=None, *, quick: bool = False,
+                    seed: int = 0, platform=None, progress=None) -> dict:
+    """Serve the same requests (`jmixedkv_demo.serve.sample_requests`, `MEASURE_WORKLOAD` of ``platform``,
+    default: the JAX device's) through each cache of ``specs`` with `jmixedkv_demo.serve.serve_caches` at
+    ``budget_bytes`` of KV memory (default: the workload's), greedy, no EOS.
+
+    ``model``: ``"smollm2"`` (its GGUF weights, `jmixedkv_demo.serve.load_serve_model`) or ``"random"`` (the
+    demo's random-weight model, ``quick``: the 2-layer one). The bf16 baseline runs first; caches the loop cannot
+    serve (``k_smoothing``) are left out and named in ``skipped``. Returns ``{"model", "platform",
+    "budget_bytes", "requests", "prompt_tokens", "output_tokens", "rows" (`serve_caches` dicts, outputs left out),
+    "skipped"}``."""
+    import jax
+    import numpy as np
+
+    from . import serve
+    from .model import ModelConfig
+    platform = platform or jax.devices()[0].platform
+    w = MEASURE_WORKLOAD["gpu" if platform == "gpu" else "cpu"]
+    if model == "smollm2":
+        model_cfg, weights, how = serve.load_serve_model("smollm2")
+    else:
+        model_cfg = ModelConfig.tiny(seed) if quick else ModelConfig(seed=seed)
+        weights, how = serve.random_weights(model_cfg), "random weights"
+    reqs = serve.sample_requests(w["requests"], model_cfg.vocab_size, seed=seed, prompt_scale=w["prompt_scale"],
+                                 output_scale=w["output_scale"], prompt_multiple=w["prompt_multiple"])
+    max_len = max(r.cache_len for r in reqs)
+    caches = cache_list(specs, max_len, page_size, lambda c: c.dtype != "bf16")
+    skipped = [label for label, c in caches if c.k_smoothing]
+    caches = [(label, c) for label, c in caches if not c.k_smoothing]
+    if budget_bytes is None:
+        if w["kv_budget"] is not None:
+            budget_bytes = cap.parse_bytes(w["kv_budget"])
+        else:
+            shape = cap.ModelShape(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
+            mean = int(round(float(np.mean([r.cache_len for r in reqs]))))
+            per_seq = cap.capacity(caches[0][1], 1 << 40, shape, mean).bytes_per_sequence
+            budget_bytes = w["cpu_bf16_seqs"] * per_seq + 4096                 # + room for the pools' scales
+    rows = serve.serve_caches(weights, model_cfg, caches, reqs, budget_bytes, max_chunk=w["max_chunk"],
+                              progress=progress)
+    return {"model": f"{model} ({how})", "platform": platform, "budget_bytes": int(budget_bytes),
+            "requests": len(reqs), "prompt_tokens": [len(r.prompt) for r in reqs],
+            "output_tokens": [r.max_new for r in reqs], "skipped": skipped,
+            "rows": [{k: (str(v) if k == "config" else v) for k, v in r.items() if k != "outputs"} for r in rows]}
+
+
+def measured_text(measured: dict) -> str:
+    """The measured table and its legend (`jmixedkv_demo.serve.serve_table`)."""
+    from . import serve
+    headers, rows = serve.serve_table(measured["rows"])
+    p, o = measured["prompt_tokens"], measured["output_tokens"]
+    skipped = (f"; not served (k_smoothing: the loop has no per-slot K mean): {', '.join(measured['skipped'])}"
+               if measured["skipped"] else "")
+    return (f"\n== MEASURED serving ({measured['platform']}): {measured['model']}, {measured['requests']} requests "
+            f"(prompts {min(p)}-{max(p)} tokens, outputs {min(o)}-{max(o)}), KV budget "
+            f"{cap.format_bytes(measured['budget_bytes'])}, continuous batching (jmixedkv_demo.serve){skipped}\n"
+            + cap.format_table(headers, rows)
+            + "\npeak seqs = most sequences admitted at once within the budget; out tok/s = output tokens / wall "
+              "time (prefill included, compilation excluded); decode tok/s = tokens of decode steps / their time; "
+              "x first = ratio to the first cache (jmixedkv serve prints the same table)")

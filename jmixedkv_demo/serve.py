@@ -21,14 +21,19 @@ What a JAX serving engine does around a paged KV cache, small enough to copy:
   sequence at EOS or at ``max_new`` tokens (its pages return to the pool) and admits more.
 * Every program is compiled ahead of the timed run (`ServingLoop.compile`): one decode step and one prefill
   program per chunk length, per (model, cache config, attention, pool shapes), shared by every loop of that
-  config (`TRACES` / ``ServingLoop.traces`` count the traces).
-* Host work per decode step: `CacheManager.reserve_append` checks and accounts the step's tokens (a loop over the
-  running slots: it grows with the concurrency, reported as ``host_ms``), then one device sync for the tokens.
-
-Prefix reuse (`jmixedkv.PrefixCache`) is not plugged in: its index keeps committed pages after a request ends,
-so admission would have to count evictable pages, and its append path checks every layer's append on the host
-where this loop appends all layers inside one jitted forward; the shipped workload's prompts are random tokens
-that share no prefix anyway.
+  config (`TRACES` / ``ServingLoop.traces`` count the traces). With prefix reuse a remainder's chunk length not
+  met ahead is compiled when first met, its time excluded from the run's times.
+* Host work per decode step: `CacheManager.reserve_append` checks and accounts the step's tokens (vectorized over
+  the running slots, reported as ``host_ms``), then one device sync for the tokens.
+* **Prefix reuse** (``prefix_reuse=True``, `jmixedkv.PrefixCache`), on the host at admission, between the jitted
+  programs: the request's longest committed prefix (full pages, content-hashed) is admitted by reference
+  (`PrefixCache.admit`, `jmixedkv.prefix.admit_with_prefix`) and only the rest of the prompt is prefilled; after
+  its prefill the prompt's full pages are committed to the index. Reuse is capped so the first prefill chunk
+  recomputes the Last-N window (`jmixedkv.prefix`'s rule). Pages: the index keeps committed pages after their
+  request ends; they are evicted (dropped: no host tier) when a sequence needs pages. Admission counts the pages
+  live sequences hold (a shared page once, and index pages that are prefixes of held ones) plus every running
+  sequence's remaining growth plus the new request's pages not already held; index-only pages count as free
+  (evictable). At the end of a run the index is emptied, so every page is back in the pool.
 
 Shapes: ``S`` = ``max_seqs`` slots, ``P`` prompt tokens, ``T`` chunk tokens, ``V`` vocabulary.
 """
@@ -50,6 +55,7 @@ from jmixedkv import capacity as cap
 from jmixedkv.checks import CacheCapacityError, CacheError
 from jmixedkv.config import KVCacheConfig
 from jmixedkv.manager import CacheManager
+from jmixedkv.prefix import PrefixCache
 from jmixedkv.state import describe_error, init_state
 
 from .model import ATTENTION_MODES, CacheSession, ModelConfig, _scan_layers, _stack_blocks, cache_shape, init_params
@@ -92,14 +98,17 @@ def load_lengths() -> tuple[np.ndarray, np.ndarray]:
 
 def sample_requests(n: int, vocab_size: int, *, seed: int = 0, prompt_scale: float = 1.0,
                     output_scale: float = 1.0, prompt_range: Optional[tuple[int, int]] = None,
-                    prompt_multiple: int = 1) -> list[Request]:
+                    prompt_multiple: int = 1, shared_prefix: int = 0) -> list[Request]:
     """``n`` requests with (prompt, output) lengths drawn from `load_lengths` (seeded) and random prompt tokens.
 
     Prompt lengths are scaled by ``prompt_scale``, clipped to ``prompt_range`` (inclusive) when given, then rounded
     up to a multiple of ``prompt_multiple`` (fewer prefill chunk lengths); output lengths are scaled by
-    ``output_scale``; both at least 1."""
+    ``output_scale``; both at least 1. ``shared_prefix`` > 0: every prompt starts with the same ``shared_prefix``
+    random tokens (a shared system prompt) followed by its own, and is at least ``shared_prefix + 1`` tokens."""
     if n < 1:
         raise ValueError(f"sample_requests: n must be >= 1, got {n}")
+    if shared_prefix < 0:
+        raise ValueError(f"sample_requests: shared_prefix must be >= 0, got {shared_prefix}")
     if prompt_multiple < 1:
         raise ValueError(f"sample_requests: prompt_multiple must be >= 1, got {prompt_multiple}")
     if prompt_range is not None and not 1 <= prompt_range[0] <= prompt_range[1]:
@@ -110,9 +119,12 @@ def sample_requests(n: int, vocab_size: int, *, seed: int = 0, prompt_scale: flo
     plen = np.maximum(1, np.round(prompts[pick] * prompt_scale)).astype(np.int64)
     if prompt_range is not None:
         plen = np.clip(plen, *prompt_range)
+    plen = np.maximum(plen, shared_prefix + 1)
     plen = -(-plen // prompt_multiple) * prompt_multiple
     olen = np.maximum(1, np.round(outputs[pick] * output_scale)).astype(np.int64)
-    return [Request(rng.integers(0, vocab_size, int(p)).astype(np.int32), int(o)) for p, o in zip(plen, olen)]
+    shared = rng.integers(0, vocab_size, shared_prefix) if shared_prefix else np.zeros(0, np.int64)
+    return [Request(np.concatenate([shared, rng.integers(0, vocab_size, int(p) - shared_prefix)]).astype(np.int32),
+                    int(o)) for p, o in zip(plen, olen)]
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -249,10 +261,12 @@ class ServingLoop:
       eos_id: token that ends a sequence (kept in its output), or None.
       max_chunk: longest prefill chunk (a power of two): prefill memory is linear in it.
       attention: `jmixedkv_demo.model` attention mode (``"auto"``, ``"fused"``, ``"reference"``).
+      prefix_reuse: reuse committed prompt prefixes (`jmixedkv.PrefixCache`, see the module docstring).
     """
 
     def __init__(self, weights: dict, model_cfg: ModelConfig, cache_cfg: KVCacheConfig, plan: PoolPlan, *,
-                 eos_id: Optional[int] = None, max_chunk: int = 2048, attention: str = "auto"):
+                 eos_id: Optional[int] = None, max_chunk: int = 2048, attention: str = "auto",
+                 prefix_reuse: bool = False):
         if cache_cfg.k_smoothing:
             raise ValueError("ServingLoop: k_smoothing=True is not supported (the K mean is frozen per sequence at "
                              "its prefill; the shared decode step does not carry one per slot)")
@@ -265,18 +279,26 @@ class ServingLoop:
         self.eos_id, self.max_chunk, self.attention = eos_id, max_chunk, attention
         self.manager = CacheManager(cache_cfg, cache_shape(model_cfg), plan.num_pages, plan.max_seqs,
                                     plan.max_pages_per_seq)
+        self.prefix = None
+        if prefix_reuse:                      # the index wraps the state; its manager is the loop's from now on
+            self.prefix = PrefixCache(self.manager.state, host_capacity_pages=0)
+            self.manager = self.prefix.manager
         self._compiled = {}
+        self._compile_s = 0.0                 # seconds spent compiling programs (excluded from the run's times)
+        self._pinned = None                   # `_pinned_pages` since the last admission / release (reuse only)
 
     def _program(self, kind: str, length: int = 1):
         """The compiled program ``kind`` (``"decode"``, or ``"prefill"`` of ``length`` tokens): compiled once per
         (model, cache config, attention, shapes), shared by every loop of that config."""
         if (kind, length) not in self._compiled:
+            t0 = time.perf_counter()
             i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
             s = self.plan.max_seqs
             fn, args = ((decode_step, (i32(s), i32(s), jax.ShapeDtypeStruct((s,), jnp.bool_))) if kind == "decode"
                         else (prefill_chunk, (i32(1, length), i32(), i32())))
             self._compiled[kind, length] = fn.lower(self.weights, self.manager.state, *args, model_cfg=self.model_cfg,
                                                     attention=self.attention).compile()
+            self._compile_s += time.perf_counter() - t0
         return self._compiled[kind, length]
 
     @property
@@ -288,9 +310,16 @@ class ServingLoop:
 
     def compile(self, requests: Sequence[Request]) -> float:
         """Compile the decode step, every prefill chunk length ``requests`` need and the manager's admit / release
-        (one admit + release of an empty sequence: the cache is left as it was); returns the seconds taken."""
+        (one admit + release of an empty sequence: the cache is left as it was); with prefix reuse also the
+        index's page programs (`PrefixCache.compile`); returns the seconds taken."""
         t0 = time.perf_counter()
-        self.manager.release(self.manager.admit())
+        if self.prefix is not None:
+            slot = self.manager.free_slots()[0]
+            self.prefix.admit(slot, np.zeros(1, np.int32), count_stats=False)
+            self.prefix.release(slot)
+            self.prefix.compile(self.plan.num_pages)
+        else:
+            self.manager.release(self.manager.admit())
         self._program("decode")
         for length in sorted({t for r in requests for t in prefill_chunks(len(r.prompt), self.max_chunk)}):
             self._program("prefill", length)
@@ -326,12 +355,14 @@ class ServingLoop:
         if int(error):
             raise CacheError(f"{what}: cache state error {int(error)}: {describe_error(int(error))}")
 
-    def _prefill(self, slot: int, prompt: np.ndarray) -> int:
-        """Prefill ``prompt`` into the admitted ``slot`` chunk by chunk; returns the first generated token."""
-        start, tok, err = 0, None, None
-        for length in prefill_chunks(len(prompt), self.max_chunk):
-            self.manager.reserve_append(np.full(length, slot, np.int32),
-                                        np.arange(start, start + length, dtype=np.int32))
+    def _prefill(self, slot: int, prompt: np.ndarray, start: int = 0) -> int:
+        """Prefill ``prompt[start:]`` into the admitted ``slot`` (holding ``start`` tokens) chunk by chunk;
+        returns the first generated token."""
+        tok, err = None, None
+        for length in prefill_chunks(len(prompt) - start, self.max_chunk):
+            seq, pos = np.full(length, slot, np.int32), np.arange(start, start + length, dtype=np.int32)
+            self._make_room(seq, pos)
+            self.manager.reserve_append(seq, pos)
             state, tok, err = self._program("prefill", length)(
                 self.weights, self.manager.state, jnp.asarray(prompt[None, start:start + length], jnp.int32),
                 np.int32(start), np.int32(slot))
@@ -344,7 +375,8 @@ class ServingLoop:
     def run(self, requests: Sequence[Request], progress: Optional[Callable[[str], None]] = None) -> ServeResult:
         """Serve ``requests`` (all queued at time 0, FIFO) to completion.
 
-        ``stats``: ``requests``, ``output_tokens``, ``prefill_tokens``, ``peak_concurrent`` (most sequences
+        ``stats``: ``requests``, ``output_tokens``, ``prefill_tokens`` (prompt tokens prefilled),
+        ``reused_tokens`` (prompt tokens admitted from the prefix index instead), ``peak_concurrent`` (most sequences
         admitted at once), ``wall_s`` (first admission to last release, compilation excluded),
         ``tokens_per_s`` (output tokens / wall), ``decode_tokens_per_s`` (tokens of decode steps / their time),
         ``tpot_ms`` (mean over requests of (last token time - first token time) / (tokens - 1): what a user sees
@@ -352,10 +384,11 @@ class ServingLoop:
         included: releases at EOS / max_new, the host check of the step), ``host_ms`` (of which the host check
         `CacheManager.reserve_append`), ``ttft_s``
         (mean time to first token from time 0, queueing included), ``prefill_s``, ``decode_steps``,
-        ``compile_s``, ``pool_bytes`` (bytes of the allocated pool arrays, twin and scales included),
-        ``state_bytes`` (every array of the cache state: pools, page tables, allocators), ``budget_bytes``,
-        ``num_pages``, ``max_seqs``, ``free_pages_end``
-        (== ``num_pages``: every page returned), ``traces``."""
+        ``compile_s`` (ahead of the run, and of any prefill length first met during it: excluded from the times),
+        ``evicted_pages`` (index pages evicted to make room), ``pool_bytes`` (bytes of the allocated pool arrays,
+        twin and scales included), ``state_bytes`` (every array of the cache state: pools, page tables,
+        allocators), ``budget_bytes``, ``num_pages``, ``max_seqs``, ``free_pages_end`` (== ``num_pages``: every
+        page returned), ``traces``."""
         self.check_requests(requests)
         compile_s = self.compile(requests)
         n, s_max = len(requests), self.plan.max_seqs
@@ -366,7 +399,8 @@ class ServingLoop:
         reserved = np.zeros(s_max, np.int64)           # pages each running sequence may still hold at its end
         outputs = [[] for _ in range(n)]
         t_first, t_done = np.zeros(n), np.zeros(n)
-        peak, steps, step_s, host_s, prefill_s, decode_tokens, prefilled = 0, 0, 0.0, 0.0, 0.0, 0, 0
+        peak, steps, step_s, host_s, prefill_s, decode_tokens, prefilled, reused = 0, 0, 0.0, 0.0, 0.0, 0, 0, 0
+        self._compile_s, self._pinned = 0.0, None
         t0 = time.perf_counter()
 
         def emit(slot: int, tok: int) -> None:
@@ -375,7 +409,8 @@ class ServingLoop:
             last[slot] = tok
             if len(outputs[i]) == requests[i].max_new or tok == self.eos_id:
                 t_done[i] = time.perf_counter() - t0
-                self.manager.release(slot)
+                (self.manager if self.prefix is None else self.prefix).release(slot)
+                self._pinned = None
                 reserved[slot] = 0
                 del active[slot]
                 if progress and (n - len(pending) - len(active)) % max(1, n // 8) == 0:
@@ -383,23 +418,29 @@ class ServingLoop:
                              f"{time.perf_counter() - t0:.1f} s")
 
         while pending or active:
-            while pending and self._fits(requests[pending[0]], reserved):
+            while pending and (reuse := self._fits(requests[pending[0]], reserved)) is not None:
                 i = pending.popleft()
-                slot = self.manager.admit()
+                prompt = np.asarray(requests[i].prompt)
+                tp = time.perf_counter()
+                slot, start = self._admit(prompt, reuse)
                 active[slot] = i
                 reserved[slot] = self._pages(requests[i].cache_len)
                 peak = max(peak, len(active))
-                tp = time.perf_counter()
-                tok = self._prefill(slot, np.asarray(requests[i].prompt))
-                prefill_s += time.perf_counter() - tp
-                prefilled += len(requests[i].prompt)
+                c0 = self._compile_s
+                tok = self._prefill(slot, prompt, start)
+                if self.prefix is not None:
+                    self.prefix.commit(slot, prompt)
+                prefill_s += time.perf_counter() - tp - (self._compile_s - c0)
+                prefilled += len(prompt) - start
+                reused += start
+                self._pinned = None
                 if progress and (n - len(pending)) % max(1, n // 8) == 0:
                     progress(f"admitted {n - len(pending)}/{n}, {len(active)} running; prefill {prefilled:,} tokens "
                              f"in {prefill_s:.1f} s ({prefilled / prefill_s:,.0f} tokens/s)")
                 lens[slot] = len(requests[i].prompt)
                 t_first[i] = time.perf_counter() - t0
                 emit(slot, tok)
-            if not active:                             # an empty cache fits any checked request: never spin
+            if not active:                     # an empty cache (index emptied) fits any checked request: never spin
                 if pending:
                     raise CacheCapacityError(f"request {pending[0]} does not fit an empty cache "
                                              f"({self.manager.free_pages} pages, {self.manager.free_high_pages} "
@@ -407,6 +448,7 @@ class ServingLoop:
                 break
             ts = time.perf_counter()
             seq = np.asarray(sorted(active), np.int32)
+            self._make_room(seq, lens[seq].astype(np.int32))
             self.manager.reserve_append(seq, lens[seq].astype(np.int32))   # checked and accounted on the host
             on = np.zeros(s_max, bool)
             on[seq] = True
@@ -423,17 +465,22 @@ class ServingLoop:
             for slot in seq.tolist():
                 emit(slot, int(nxt[slot]))
             step_s += time.perf_counter() - ts
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 - self._compile_s
+        evicted = 0
+        if self.prefix is not None:                    # nothing runs: every index page goes, the pool is whole
+            evicted = self.prefix.stats()["evicted_pages"]
+            self.prefix.evict(len(self.prefix.index))
         counts = np.array([len(o) for o in outputs])
         multi = counts > 1
         tpot = (t_done - t_first)[multi] / (counts[multi] - 1)
         stats = dict(
-            requests=n, output_tokens=int(counts.sum()), prefill_tokens=int(sum(len(r.prompt) for r in requests)),
+            requests=n, output_tokens=int(counts.sum()), prefill_tokens=prefilled, reused_tokens=reused,
             peak_concurrent=peak, wall_s=wall, tokens_per_s=counts.sum() / wall,
             decode_tokens_per_s=decode_tokens / step_s if step_s else 0.0,
             tpot_ms=1e3 * float(tpot.mean()) if tpot.size else 0.0, step_ms=1e3 * step_s / max(steps, 1),
             host_ms=1e3 * host_s / max(steps, 1),
-            ttft_s=float(t_first.mean()), prefill_s=prefill_s, decode_steps=steps, compile_s=compile_s,
+            ttft_s=float(t_first.mean()), prefill_s=prefill_s, decode_steps=steps,
+            compile_s=compile_s + self._compile_s, evicted_pages=evicted,
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.manager.state.pools)),
             state_bytes=sum(x.nbytes for x in jax.tree.leaves(self.manager.state)),
             budget_bytes=self.plan.budget_bytes, num_pages=self.plan.num_pages,
@@ -441,10 +488,73 @@ class ServingLoop:
             traces=self.traces)
         return ServeResult([np.asarray(o, np.int32) for o in outputs], stats)
 
-    def _fits(self, request: Request, reserved: np.ndarray) -> bool:
-        """A free slot (and its twin pages) and the request's lifetime pages next to every running one's."""
-        return (self.manager.can_admit()
-                and int(reserved.sum()) + self._pages(request.cache_len) <= self.plan.num_pages)
+    def _fits(self, request: Request, reserved: np.ndarray) -> Optional[int]:
+        """None when ``request`` cannot be admitted now, else the prompt tokens it reuses from the prefix index.
+
+        Without reuse: a free slot (and its twin pages) and the request's lifetime pages next to every running
+        one's. With reuse: a free slot (twin pages are evicted from the index if need be) and the pages live
+        sequences pin now (`_pinned_pages`) + their remaining growth + the request's pages not pinned already fit
+        the pool (index-only pages are evictable, so they count as free)."""
+        if self.prefix is None:
+            ok = (self.manager.can_admit()
+                  and int(reserved.sum()) + self._pages(request.cache_len) <= self.plan.num_pages)
+            return 0 if ok else None
+        if not self.manager.free_slots():
+            return None
+        start, ids = self._reuse(np.asarray(request.prompt))
+        if self._pinned is None:               # recomputed after an admission or a release only: a running
+            self._pinned = self._pinned_pages(reserved)   # sequence's new page moves one page from growth to pinned
+        pinned, growth = self._pinned
+        need = self._pages(request.cache_len) - len(pinned.intersection(ids))
+        return start if len(pinned) + growth + need <= self.plan.num_pages else None
+
+    def _reuse(self, prompt: np.ndarray) -> tuple[int, list[int]]:
+        """``(tokens, low page ids)`` of ``prompt``'s committed prefix the loop reuses: the index's match
+        (`PrefixCache.match_prefix`), shortened by whole pages until the first prefill chunk of the rest covers
+        the Last-N window (``min(last_n, rest)`` tokens, `jmixedkv.prefix`'s rule)."""
+        start, ids = self.prefix.match_prefix(prompt)
+        window, page = self.cache_cfg.last_n, self.cache_cfg.page_size
+        while start and prefill_chunks(len(prompt) - start, self.max_chunk)[0] < min(window, len(prompt) - start):
+            start -= page
+        return start, ids[:start // page]
+
+    def _pinned_pages(self, reserved: np.ndarray) -> tuple[set, int]:
+        """``(low page ids pinned, pages the running sequences may still allocate)`` given ``reserved`` int[S]
+        (lifetime pages per running slot): pinned = held by a running sequence (a shared page once), and index
+        pages on the prefix chain of a pinned one (not evictable while a descendant is held). Reads the page
+        table from the device (admission only)."""
+        active = np.flatnonzero(np.asarray(self.manager.state.active))
+        rows = np.asarray(self.manager.state.page_table)[active]
+        pinned = set(rows[rows >= 0].tolist())
+        growth = int(reserved[active].sum() - (rows >= 0).sum())
+        index = self.prefix.index
+        by_low = {e.low: e for e in index.values() if not e.on_host}
+        todo, seen = [by_low[p] for p in pinned if p in by_low], set()
+        while todo:
+            e = todo.pop()
+            if e.key in seen:
+                continue
+            seen.add(e.key)
+            pinned.add(e.low)
+            if e.parent is not None and e.parent in index and not index[e.parent].on_host:
+                todo.append(index[e.parent])
+        return pinned, growth
+
+    def _admit(self, prompt: np.ndarray, start: int) -> tuple[int, int]:
+        """Admit ``prompt`` into the first free slot reusing ``start`` tokens (`_reuse`); ``(slot, start)``."""
+        if self.prefix is None:
+            return self.manager.admit(), 0
+        slot = self.manager.free_slots()[0]
+        # the index matches at most floor((len - max(last_n, 1)) / page) pages: pass just enough tokens for start
+        got = self.prefix.admit(slot, prompt[:start + max(self.cache_cfg.last_n, 1)])
+        if got != start:
+            raise CacheError(f"prefix reuse: slot {slot} matched {got} tokens, planned {start}")
+        return slot, start
+
+    def _make_room(self, seq: np.ndarray, pos: np.ndarray) -> None:
+        """With reuse: evict index pages until the append of tokens ``(seq, pos)`` has its new pages."""
+        if self.prefix is not None and self.manager.free_pages < len(seq):
+            self.prefix.ensure_free(sum(self.manager.pages_needed(seq, pos).values()))
 
     def close(self) -> None:
         """Drop the cache state and the compiled programs (frees the pools before another config runs)."""
@@ -456,10 +566,11 @@ class ServingLoop:
 def serve_caches(weights: dict, model_cfg: ModelConfig, caches: Sequence[tuple[str, KVCacheConfig]],
                  requests: Sequence[Request], budget_bytes: int, *, slot_len: Optional[int] = None,
                  eos_id: Optional[int] = None, max_chunk: int = 2048, attention: str = "auto",
-                 progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+                 prefix_reuse: bool = False, progress: Optional[Callable[[str], None]] = None) -> list[dict]:
     """Run the same ``requests`` through a `ServingLoop` per ``(label, config)`` of ``caches`` at one KV budget.
 
-    ``slot_len`` (default: the requests' mean cache length) sizes the slots (`plan_pools`). Returns one dict per
+    ``slot_len`` (default: the requests' mean cache length) sizes the slots (`plan_pools`); ``prefix_reuse``:
+    `ServingLoop`'s. Returns one dict per
     cache: ``label``, ``config`` (the `KVCacheConfig`), every `ServingLoop.run` stat, ``slot_len`` and
     ``same_tokens`` (share of requests whose tokens equal the first cache's)."""
     lens = [r.cache_len for r in requests]
@@ -470,7 +581,8 @@ def serve_caches(weights: dict, model_cfg: ModelConfig, caches: Sequence[tuple[s
         if progress:
             progress(f"[{label}] {plan.max_seqs} slots, {plan.num_pages} pages of {cfg.page_size}, pools "
                      f"{cap.format_bytes(plan.pool_bytes)} of {cap.format_bytes(budget_bytes)}")
-        loop = ServingLoop(weights, model_cfg, cfg, plan, eos_id=eos_id, max_chunk=max_chunk, attention=attention)
+        loop = ServingLoop(weights, model_cfg, cfg, plan, eos_id=eos_id, max_chunk=max_chunk, attention=attention,
+                           prefix_reuse=prefix_reuse)
         try:
             res = loop.run(requests, progress=(lambda m, lb=label: progress(f"[{lb}] {m}")) if progress else None)
         finally:
@@ -488,7 +600,7 @@ def serve_caches(weights: dict, model_cfg: ModelConfig, caches: Sequence[tuple[s
 def serve_table(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     """``(headers, rows)`` of strings for `jmixedkv.capacity.format_table`, one row per cache."""
     headers = ["kv cache", "slots", "pages", "pools", "peak seqs", "x first", "out tok/s", "x first",
-               "decode tok/s", "TPOT ms", "step ms", "host ms", "TTFT s", "wall s", "same tokens"]
+               "decode tok/s", "TPOT ms", "step ms", "host ms", "TTFT s", "wall s", "reused", "same tokens"]
     base = rows[0] if rows else None
     out = []
     for r in rows:
@@ -497,6 +609,7 @@ def serve_table(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
                     f"{r['peak_concurrent']:,}", ratio("peak_concurrent"), f"{r['tokens_per_s']:,.1f}",
                     ratio("tokens_per_s"), f"{r['decode_tokens_per_s']:,.1f}", f"{r['tpot_ms']:.2f}",
                     f"{r['step_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r['ttft_s']:.2f}", f"{r['wall_s']:.1f}",
+                    f"{100 * r['reused_tokens'] / max(1, r['reused_tokens'] + r['prefill_tokens']):.0f}%",
                     f"{100 * r['same_tokens']:.0f}%"])
     return headers, out
 

@@ -194,6 +194,24 @@ def test_cli_serve(tmp_path, capsys):
     assert doc["prompt_tokens"] == [16, 16, 16]
 
 
+def test_cli_serve_shared_prefix(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    argv = ["serve", "--model", "tiny", "--cache", "bf16", "--requests", "3", "--prompt-range", "32:32",
+            "--output-scale", "0.03", "--max-chunk", "16", "--kv-budget", "48KiB", "--shared-prefix", "16",
+            "--json", str(out), "--no-progress"]
+    assert main(argv) == 0
+    assert "prefix reuse on" in capsys.readouterr().out
+    r = json.loads(out.read_text())["results"][0]
+    assert (r["reused_tokens"], r["prefill_tokens"]) == (2 * 16, 3 * 32 - 2 * 16)
+    assert r["free_pages_end"] == r["num_pages"]
+    assert main(argv + ["--no-prefix-reuse"]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert (r["reused_tokens"], r["prefill_tokens"]) == (0, 3 * 32)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", "tiny", "--shared-prefix", "-1"])
+    assert e.value.code == 2 and "--shared-prefix: expected an integer >= 0, got -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--cache", ""], "--cache ''"),
     (["--max-chunk", "24"], "--max-chunk 24: expected a power of two"),
@@ -224,3 +242,86 @@ def test_serve_bench_settings():
     assert s["prompt_multiple"] % s["max_chunk"] == 0                      # one prefill program per cache
     m = sv.MODELS[s["model"]]
     assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim) == (32, 32, 8, 128)
+
+
+# ---------------------------------------------------------------------------------------------- prefix reuse
+SHARED = CHUNK          # a shared prefix of one whole chunk: the chunk boundaries of a reusing request stay aligned
+MIXED = KVCacheConfig("mixed_nvfp4_bf16", first_n=8, last_n=16, page_size=PAGE)
+
+
+def shared_requests(lengths, seed=2):
+    """Requests whose prompts all start with the same ``SHARED`` tokens (`sv.sample_requests`' construction)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, CFG.vocab_size, SHARED)
+    return [sv.Request(np.concatenate([shared, rng.integers(0, CFG.vocab_size, p - SHARED)]).astype(np.int32), n)
+            for p, n in lengths]
+
+
+@pytest.mark.parametrize("cache_cfg, budget", [(BF16, BUDGET), (MIXED, 256 * 1024)])
+def test_prefix_reuse_skips_the_shared_prefill_and_keeps_the_tokens(cache_cfg, budget):
+    """With reuse every request after the first admits the shared pages by reference: the prefill drops by the
+    shared tokens per request, the tokens equal the run without reuse, and every page is back at the end."""
+    reqs = shared_requests([(32, 6), (32, 10), (48, 1), (32, 7), (40, 9), (32, 1)])
+    base = loop(cache_cfg, budget).run(reqs)
+    lp = loop(cache_cfg, budget, prefix_reuse=True)
+    high = lp.manager.free_high_pages
+    res = lp.run(reqs)
+    for a, b in zip(res.outputs, base.outputs):
+        np.testing.assert_array_equal(a, b)
+    s = res.stats
+    assert s["reused_tokens"] == (len(reqs) - 1) * SHARED
+    assert s["prefill_tokens"] == base.stats["prefill_tokens"] - (len(reqs) - 1) * SHARED
+    assert s["free_pages_end"] == s["num_pages"] and lp.manager.free_high_pages == high
+    assert not lp.prefix.index and lp.manager.free_slots() == list(range(lp.plan.max_seqs))
+    assert set(lp.traces.values()) == {1}
+
+
+def test_prefix_reuse_counts_shared_pages_once():
+    """32-token prompts sharing 16 tokens, 40 cached tokens = 5 pages each, 12 pages: without reuse 2 run at once;
+    with reuse the first holds 5 pages and each other 3 of its own (2 shared, counted once): 5 + 3 + 3 <= 12."""
+    reqs = shared_requests([(32, 9)] * 6)
+    assert loop().run(reqs).stats["peak_concurrent"] == 2
+    s = loop(prefix_reuse=True).run(reqs).stats
+    assert s["peak_concurrent"] == 3
+    assert s["evicted_pages"] > 0 and s["free_pages_end"] == s["num_pages"] == 12
+
+
+def test_prefix_reuse_recomputes_the_last_n_window():
+    """last_n = 12: a 28-token prompt after a committed 16-token shared prefix may match 2 pages (16 tokens, 12
+    left), but the rest would prefill as chunks [8, 4], whose first does not cover the Last-N window; reuse shrinks
+    by a page to 8 tokens (rest 20 = [16, 4]). Tokens equal the run without reuse."""
+    cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=8, last_n=12, page_size=PAGE)
+    lp = loop(cfg, 256 * 1024, prefix_reuse=True)
+    reqs = shared_requests([(40, 2), (28, 2)])
+    assert lp.prefix is not None and sv.prefill_chunks(28 - 16, CHUNK) == [8, 4]
+    res = lp.run(reqs)
+    assert res.stats["reused_tokens"] == 8 and res.stats["prefill_tokens"] == 40 + 20
+    base = loop(cfg, 256 * 1024).run(reqs)
+    for a, b in zip(res.outputs, base.outputs):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sample_requests_shared_prefix():
+    a = sv.sample_requests(8, 100, seed=4, prompt_scale=1 / 512, shared_prefix=20)
+    assert all(len(r.prompt) >= 21 for r in a)
+    assert all(np.array_equal(r.prompt[:20], a[0].prompt[:20]) for r in a)
+    assert len({r.prompt[20:].tobytes() for r in a}) == len(a)
+    plain = sv.sample_requests(8, 100, seed=4, prompt_scale=1 / 512)      # shared_prefix=0: the workload as before
+    again = sv.sample_requests(8, 100, seed=4, prompt_scale=1 / 512, shared_prefix=0)
+    assert all(np.array_equal(x.prompt, y.prompt) for x, y in zip(plain, again))
+    with pytest.raises(ValueError, match="shared_prefix must be >= 0, got -1"):
+        sv.sample_requests(2, 100, shared_prefix=-1)
+
+
+def test_prefix_cache_compile_changes_nothing():
+    """`PrefixCache.compile` (the loop's warm-up of the index's page programs) leaves the state bitwise equal."""
+    import jax
+    from jmixedkv.prefix import PrefixCache
+    lp = loop(MIXED, 256 * 1024)
+    slot = lp.manager.admit()
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(lp.manager.state)]
+    pc = PrefixCache(lp.manager.state)
+    pc.compile(lp.plan.num_pages)
+    after = jax.tree.leaves(pc.state)
+    assert len(after) == len(before) and all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, after))
+    assert pc.manager.kv_len(slot) == 0 and pc.manager.free_slots() == list(range(1, lp.plan.max_seqs))
