@@ -184,6 +184,38 @@ def check_layer_arg(layer, num_layers: int, op: str, group_name: str = ""):
 
 
 # ----------------------------------------------------------------------------------------------- inside jit
+def attention_query(op: str, spec, cfg, q, seq_slots, num_seqs: int):
+    """Host checks shared by the attention readers: ``q [B, T, Hq, D]`` matches the group (head_dim, Hq a multiple
+    of the KV heads) and the attention dtype; ``seq_slots`` is an int vector of length B in ``[-1, num_seqs)``.
+    Returns ``seq_slots`` as checked by `index_array`."""
+    b, _, hq, d = q.shape
+    if d != spec.head_dim:
+        raise ValueError(f"{op}: q head_dim {d} != group head_dim {spec.head_dim}")
+    if hq % spec.num_kv_heads:
+        raise ValueError(f"{op}: query heads Hq={hq} not a multiple of KV heads H={spec.num_kv_heads}")
+    if jnp.dtype(q.dtype) != jnp.dtype(cfg.attention_dtype):
+        raise ValueError(f"{op}: q dtype {jnp.dtype(q.dtype)} != attention dtype {jnp.dtype(cfg.attention_dtype)}")
+    seq = index_array(seq_slots, "seq_slots", op, -1, num_seqs)
+    if seq.shape != (b,):
+        raise ValueError(f"{op}: seq_slots must be an int vector of length B={b}, got {seq.dtype}{tuple(seq.shape)}")
+    return seq
+
+
+def attention_options(op: str, cfg, sm_scale, sliding_window, soft_cap):
+    """Host checks of the attention options every reader takes: ``sm_scale > 0``, ``sliding_window`` an int >= 1,
+    ``soft_cap > 0`` (each or None), and no ``soft_cap`` on a K-smoothed cache (the cap does not commute with the
+    per-query logit shift)."""
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"{op}: sm_scale must be > 0, got {sm_scale}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"{op}: sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{op}: soft_cap must be > 0 or None, got {soft_cap!r}")
+    if soft_cap is not None and cfg.k_smoothing:
+        raise ValueError(f"{op}: soft_cap={soft_cap!r} on a cache with k_smoothing=True: the cap does not commute "
+                         f"with the per-query logit shift q . mean, so the output would not be the model's")
+
+
 def slot_in_range(seq, num_seqs: int):
     """(clipped slot, bool in [0, num_seqs), bool == -1) for an int32 slot array."""
     seq = jnp.asarray(seq, jnp.int32)

@@ -46,30 +46,12 @@ def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_
         checks.index_array(layer, "layer", "decode_attention", ndim=0)             # an integer scalar
     if getattr(q, "ndim", None) != 4:
         raise ValueError(f"decode_attention: q must be [B, Tq, Hq, D], got shape {getattr(q, 'shape', None)}")
-    b, tq, hq, d = q.shape
-    if d != spec.head_dim:
-        raise ValueError(f"decode_attention: q head_dim {d} != group head_dim {spec.head_dim}")
-    if hq % spec.num_kv_heads:
-        raise ValueError(f"decode_attention: query heads Hq={hq} not a multiple of KV heads H={spec.num_kv_heads}")
+    tq = q.shape[1]
     if not 1 <= tq <= cfg.max_draft_len + 1:
         raise ValueError(f"decode_attention: Tq={tq} query tokens per sequence; expected 1..max_draft_len+1 "
                          f"= {cfg.max_draft_len + 1}")
-    if jnp.dtype(q.dtype) != jnp.dtype(cfg.attention_dtype):
-        raise ValueError(f"decode_attention: q dtype {jnp.dtype(q.dtype)} != attention dtype "
-                         f"{jnp.dtype(cfg.attention_dtype)}")
-    seq = checks.index_array(seq_slots, "seq_slots", "decode_attention", -1, state.max_seqs)
-    if seq.shape != (b,):
-        raise ValueError(f"decode_attention: seq_slots must be an int vector of length B={b}, got "
-                         f"{seq.dtype}{tuple(seq.shape)}")
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"decode_attention: sm_scale must be > 0, got {sm_scale}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"decode_attention: sliding_window must be an int >= 1 or None, got {sliding_window!r}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"decode_attention: soft_cap must be > 0 or None, got {soft_cap!r}")
-    if soft_cap is not None and cfg.k_smoothing:
-        raise ValueError(f"decode_attention: soft_cap={soft_cap!r} on a cache with k_smoothing=True: the cap does not "
-                         f"commute with the per-query logit shift q . mean, so the output would not be the model's")
+    checks.attention_query("decode_attention", spec, cfg, q, seq_slots, state.max_seqs)
+    checks.attention_options("decode_attention", cfg, sm_scale, sliding_window, soft_cap)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"decode_attention: num_splits must be an int >= 1 or None, got {num_splits!r}")
 

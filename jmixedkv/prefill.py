@@ -74,33 +74,17 @@ def _validate(state, layer, q, seq_slots, positions, group, sm_scale, sliding_wi
         checks.index_array(layer, "layer", op, ndim=0)
     if getattr(q, "ndim", None) != 4:
         raise ValueError(f"{op}: q must be [B, T, Hq, D], got shape {getattr(q, 'shape', None)}")
-    b, t, hq, d = q.shape
+    b, t = q.shape[:2]
     if t < 1:
         raise ValueError(f"{op}: q has T={t} query tokens; expected at least 1")
-    if d != spec.head_dim:
-        raise ValueError(f"{op}: q head_dim {d} != group head_dim {spec.head_dim}")
     if spec.kv_factor != 2:
         raise ValueError(f"{op}: group {spec.name!r} stores an MLA latent (kv_factor=1); chunk_attention reads K/V")
-    if hq % spec.num_kv_heads:
-        raise ValueError(f"{op}: query heads Hq={hq} not a multiple of KV heads H={spec.num_kv_heads}")
-    if jnp.dtype(q.dtype) != jnp.dtype(cfg.attention_dtype):
-        raise ValueError(f"{op}: q dtype {jnp.dtype(q.dtype)} != attention dtype {jnp.dtype(cfg.attention_dtype)}")
-    seq = checks.index_array(seq_slots, "seq_slots", op, -1, state.max_seqs)
-    if seq.shape != (b,):
-        raise ValueError(f"{op}: seq_slots must be an int vector of length B={b}, got {seq.dtype}{tuple(seq.shape)}")
+    seq = checks.attention_query(op, spec, cfg, q, seq_slots, state.max_seqs)
     if positions is not None:
         pos = checks.index_array(positions, "positions", op, -1, checks.INT32_MAX)
         if pos.shape != (b, t):
             raise ValueError(f"{op}: positions must be i32[B={b}, T={t}], got shape {tuple(pos.shape)}")
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"{op}: sm_scale must be > 0, got {sm_scale}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"{op}: sliding_window must be an int >= 1 or None, got {sliding_window!r}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"{op}: soft_cap must be > 0 or None, got {soft_cap!r}")
-    if soft_cap is not None and cfg.k_smoothing:
-        raise ValueError(f"{op}: soft_cap={soft_cap!r} on a cache with k_smoothing=True: the cap does not commute "
-                         f"with the per-query logit shift q . mean, so the output would not be the model's")
+    checks.attention_options(op, cfg, sm_scale, sliding_window, soft_cap)
     for name, value in (("q_block", q_block), ("k_block", k_block)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{op}: {name} must be an int >= 1, got {value!r}")
