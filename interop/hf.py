@@ -69,7 +69,8 @@ from jmixedkv.config import KVCacheConfig
 
 from .torch_cache import CacheCapacityError, TorchKVCache
 
-__all__ = ["JMixedKVCache", "JMixedLayer", "jmixedkv_attention", "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
+__all__ = ["JMixedKVCache", "JMixedLayer", "jmixedkv_attention", "dense_attention", "text_config", "sliding_windows",
+           "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
 
 ATTN_IMPLEMENTATION = "jmixedkv"
 # The keyword a transformers model / ``generate`` takes the cache by: ``cache`` from transformers 5.2x on
@@ -163,7 +164,7 @@ class JMixedKVCache(Cache):
         windows = [None] * spec.num_layers
         if config is not None:
             _check_config(config, spec, decode)
-            windows = _sliding_windows(config, spec.num_layers)
+            windows = sliding_windows(config, spec.num_layers)
         self.cache, self.decode, self.spec = cache, decode, spec
         self.slots: Optional[np.ndarray] = None            # i32[B] slot of each batch row
         self.lens: Optional[np.ndarray] = None             # i64[B] real (stored) rows per batch row
@@ -178,7 +179,7 @@ class JMixedKVCache(Cache):
         """A cache sized for ``model`` (a transformers causal LM): ``max_batch_size`` rows (+ ``spare_slots`` for
         ``batch_repeat_interleave``) of up to ``max_cache_len`` real tokens each; ``kwargs`` go to `TorchKVCache`
         (default ``sync="stream"``: the hot loop stays on torch's current stream, `interop.dlpack`)."""
-        cfg, head_dim = _text_config(model.config)
+        cfg, head_dim = text_config(model.config)
         pages = -(-max_cache_len // kv_config.page_size)
         seqs = max_batch_size + spare_slots
         device = next(model.parameters()).device
@@ -405,14 +406,14 @@ def _position_ids(args, kwargs):
     return None
 
 
-def _text_config(config):
+def text_config(config):
     """``(text config, head_dim)`` of a transformers ``PretrainedConfig`` (multimodal ones: the text model's)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     return cfg, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def _check_config(config, spec, decode):
-    cfg, head_dim = _text_config(config)
+    cfg, head_dim = text_config(config)
     want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
     have = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     if want != have:
@@ -423,10 +424,10 @@ def _check_config(config, spec, decode):
                          f"load it with attn_implementation='jmixedkv' (import interop.hf registers it)")
 
 
-def _sliding_windows(config, num_layers: int) -> list:
+def sliding_windows(config, num_layers: int) -> list:
     """Per layer, its sliding window (None = full attention), from ``layer_types`` (Gemma-2/3, Qwen2, gpt-oss:
     ``"sliding_attention"``) or, without them, a config-wide ``sliding_window`` (Mistral: every layer)."""
-    cfg, _ = _text_config(config)
+    cfg, _ = text_config(config)
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if not window:
@@ -444,14 +445,28 @@ def jmixedkv_attention(module, query, key, value, attention_mask, dropout: float
 
     On a fused decode step of a `JMixedKVCache` (``key`` is its marker) it appends the layer's rows and attends
     over the cache in one program (`TorchKVCache.step_attend`) with the options the model passes: ``scaling``,
-    ``sliding_window``, ``softcap`` (Gemma-2) and ``s_aux`` attention sinks (gpt-oss). Otherwise (prefill, staged
-    decode, no cache) it is ``sdpa``, or the model's own eager attention when the model passes soft-capping or
-    sinks (which ``sdpa`` does not implement)."""
+    ``sliding_window``, ``softcap`` (Gemma-2) and ``s_aux`` attention sinks (gpt-oss). On a step of a
+    `interop.hf_static.JMixedStaticCache` attached to ``module`` it runs that cache's append + paged attention.
+    Otherwise (prefill, staged decode, no cache) it is `dense_attention`."""
+    static = getattr(module, "_jmixedkv_static", None)
+    if static is not None:
+        out = static.attention(module, query, attention_mask, scaling, sliding_window, softcap, s_aux, kwargs)
+        if out is not None:
+            return out, None
     marker = getattr(key, "_jmixedkv", None)
     if marker is not None:
         return marker[0]._fused(marker, query, scaling, sliding_window, softcap, s_aux), None
     if key.shape[-2] == 0 and query.shape[-2] > 0:
         raise RuntimeError("jmixedkv attention: empty keys without a JMixedKVCache marker")
+    return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                           sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, **kwargs)
+
+
+def dense_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
+                    sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                    s_aux: Optional[torch.Tensor] = None, **kwargs):
+    """Attention over dense ``key`` / ``value [B, H, S, D]`` with the model's mask: ``sdpa``, or the model's own
+    eager attention when it passes soft-capping or sinks (which ``sdpa`` does not implement)."""
     if softcap is not None or s_aux is not None:
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if eager is None:

@@ -1,7 +1,8 @@
 """interop.hf across model families (tiny random models, CPU): every attention option a model passes reaches the
 cache's attention -- Mistral's sliding window, Gemma-2's soft-capping and sliding layers, gpt-oss's attention
 sinks and sliding layers, Qwen2 and Llama -- so an all-high cache gives DynamicCache's tokens in both decode modes;
-sliding layers are marked sliding; the fused path compiles one program per shape, not per step or layer."""
+sliding layers are marked sliding; the fused path compiles one program per shape, not per step or layer. The
+compileable `JMixedStaticCache` ("static") passes the same family checks."""
 import numpy as np
 import pytest
 import torch
@@ -10,6 +11,7 @@ import transformers
 from transformers import DynamicCache
 
 from interop.hf import ATTN_IMPLEMENTATION, JMixedKVCache
+from interop.hf_static import JMixedStaticCache
 from jmixedkv import KVCacheConfig, step
 
 PAGE, MAX_LEN, BATCH, PROMPT, NEW, WINDOW = 16, 32, 2, 7, 6, 4
@@ -70,15 +72,17 @@ def _generate(model, ids, cache):
 
 
 def _cache(model, decode):
+    if decode == "static":                  # the compileable cache: torch-owned pools, torch ops
+        return JMixedStaticCache.for_model(model, ALL_HIGH, max_batch_size=BATCH, max_cache_len=MAX_LEN)
     return JMixedKVCache.for_model(model, ALL_HIGH, max_batch_size=BATCH, max_cache_len=MAX_LEN, decode=decode,
                                    backend="reference")
 
 
-@pytest.mark.parametrize("decode", ["stage", "fused"])
+@pytest.mark.parametrize("decode", ["stage", "fused", "static"])
 def test_all_high_cache_gives_dynamic_cache_tokens(family, decode):
     name, model, impl, ids = family
     want, want_scores = _generate(model, ids, DynamicCache(config=model.config))
-    model.set_attn_implementation(ATTN_IMPLEMENTATION if decode == "fused" else impl)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION if decode != "stage" else impl)
     try:
         cache = _cache(model, decode)
         got, scores = _generate(model, ids, cache)
@@ -88,7 +92,7 @@ def test_all_high_cache_gives_dynamic_cache_tokens(family, decode):
     finite = torch.isfinite(want_scores)         # logits processors put -inf on suppressed tokens
     assert torch.equal(finite, torch.isfinite(scores))
     scale = float(want_scores[finite].abs().max())
-    tol = 1e-2 if decode == "stage" else 5e-2   # stage: the model's own attention on bit-exact rows; fused: float32
+    tol = 1e-2 if decode == "stage" else 5e-2   # stage: the model's own attention on bit-exact rows; else float32
     np.testing.assert_allclose(scores[finite].numpy(), want_scores[finite].numpy(), atol=tol * scale)
     # the run went past the window, so a dropped option would have shown
     assert PROMPT + NEW > WINDOW + 2

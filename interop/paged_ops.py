@@ -1,0 +1,121 @@
+"""The torch hot path's two custom ops, so ``torch.compile`` and CUDA graphs see them as single nodes.
+
+* ``torch.ops.jmixedkv.write_rows_``: store one layer's rows (NVFP4 + the twin, or plain rows) at given slots, in
+  place (`write_rows`).
+* ``torch.ops.jmixedkv.paged_attention``: one layer's attention of ``q [B, Tq, Hq, D]`` over its pages (twin rows
+  where retained, NVFP4 elsewhere), float32 output and natural-log LSE (`paged_attention`).
+
+Pools and semantics: `interop.torch_paged` (the contract, and the pure-torch implementation run on CPU). On CUDA the
+ops launch the Triton kernels of `interop.triton_write` / `interop.triton_attention`. `cpu_backend("triton")`
+routes CPU tensors through those kernels in Triton's interpreter (tests of the kernels' plumbing).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from . import torch_paged
+from .torch_paged import TorchPools
+
+__all__ = ["write_rows", "paged_attention", "cpu_backend", "CPU_BACKENDS"]
+
+CPU_BACKENDS = ("torch", "triton")
+_FP8 = (torch.uint8, torch.float8_e4m3fn)
+_cpu = {"backend": "torch"}
+
+
+@contextlib.contextmanager
+def cpu_backend(name: str):
+    """Within the block, CPU tensors go through ``name``: ``"torch"`` (default) or ``"triton"`` (the CUDA kernels
+    in Triton's interpreter)."""
+    if name not in CPU_BACKENDS:
+        raise ValueError(f"cpu_backend: {name!r} is not one of {CPU_BACKENDS}")
+    old, _cpu["backend"] = _cpu["backend"], name
+    try:
+        yield
+    finally:
+        _cpu["backend"] = old
+
+
+def _triton(x: Tensor) -> Optional[bool]:
+    """None: run the torch implementation; False: Triton compiled (CUDA); True: Triton interpreted (CPU)."""
+    if x.is_cuda:
+        return False
+    return True if _cpu["backend"] == "triton" else None
+
+
+# ------------------------------------------------------------------------------------------------ write
+@torch.library.custom_op("jmixedkv::write_rows_", mutates_args=("low_data", "low_scales", "high_rows", "plain_rows"))
+def _write_rows_op(low_data: Optional[Tensor], low_scales: Optional[Tensor], low_gs: Optional[Tensor],
+                   high_rows: Optional[Tensor], high_scale: Optional[Tensor], plain_rows: Optional[Tensor],
+                   plain_scale: Optional[Tensor], layer: int, k: Tensor, v: Tensor, low_slot: Tensor,
+                   high_slot: Tensor, page_size: int, block_scale: str) -> None:
+    pools = TorchPools(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale)
+    rows = high_rows if high_rows is not None else plain_rows
+    fp8 = rows is not None and rows.dtype in _FP8
+    interpret = _triton(k)
+    if interpret is None:
+        torch_paged.write_rows_reference_(*pools, layer, k, v, low_slot, high_slot, page_size, block_scale,
+                                          high_fp8=fp8)
+    else:                                    # no value checks: they read slots back to the host (a sync)
+        from .triton_write import write_rows_
+        write_rows_(*pools, layer, k, v, low_slot, high_slot, page_size, block_scale, high_fp8=fp8,
+                    interpret=interpret, check_values=False)
+
+
+@_write_rows_op.register_fake
+def _(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, k, v, low_slot,
+      high_slot, page_size, block_scale):
+    return None
+
+
+def write_rows(pools: TorchPools, layer: int, k: Tensor, v: Tensor, low_slot: Tensor, high_slot: Tensor,
+               page_size: int, block_scale: str) -> None:
+    """Store ``k, v [T, H, D]`` (the attention dtype, as stored: rotated if the lever is on) of ``layer`` at
+    ``low_slot`` / ``high_slot`` i64[T] (``page_id * page + row``; -1 skips), in place (op 1 of the contract)."""
+    _write_rows_op(*pools, layer, k, v, low_slot, high_slot, page_size, block_scale)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+@torch.library.custom_op("jmixedkv::paged_attention", mutates_args=())
+def _paged_attention_op(q: Tensor, low_data: Optional[Tensor], low_scales: Optional[Tensor], low_gs: Optional[Tensor],
+                        high_rows: Optional[Tensor], high_scale: Optional[Tensor], plain_rows: Optional[Tensor],
+                        plain_scale: Optional[Tensor], layer: int, page_table: Tensor, high_table: Tensor,
+                        kv_lens: Tensor, geom: List[int], sm_scale: float, sliding_window: Optional[int],
+                        soft_cap: Optional[float]) -> tuple[Tensor, Tensor]:
+    pools = TorchPools(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale)
+    g = tuple(geom)
+    interpret = _triton(q)
+    if interpret is None:
+        return torch_paged.paged_attention_reference(q, *pools, layer, page_table, high_table, kv_lens, g,
+                                                     sm_scale, sliding_window, soft_cap)
+    from .triton_attention import paged_attention as kernel
+    return kernel(q, *pools, layer, page_table, high_table, kv_lens, g, sm_scale, sliding_window, soft_cap,
+                  interpret=interpret)
+
+
+@_paged_attention_op.register_fake
+def _(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table,
+      high_table, kv_lens, geom, sm_scale, sliding_window, soft_cap):
+    b, tq, hq, d = q.shape
+    return q.new_empty((b, tq, hq, d), dtype=torch.float32), q.new_empty((b, tq, hq), dtype=torch.float32)
+
+
+def paged_attention(pools: TorchPools, layer: int, q: Tensor, page_table: Tensor, high_table: Tensor,
+                    kv_lens: Tensor, page_size: int, geom, sm_scale: float, sliding_window: Optional[int],
+                    soft_cap: Optional[float]):
+    """``q [B, Tq, Hq, D]`` (the attention dtype, stored basis) over ``layer``'s pages of rows with ``page_table
+    i32[B, MP]`` / ``high_table i32[B, W]`` and lengths ``kv_lens i32[B]`` -> ``(out f32[B, Tq, Hq, D], lse
+    f32[B, Tq, Hq])`` (op 2 of the contract). ``geom``: the twin's `jmixedkv.layout.TwinGeometry`, or None without
+    a twin (the kernels then see ``(page_size, 0, 0, 0, 0)``)."""
+    g = [page_size, 0, 0, 0, 0] if geom is None else [geom.page, geom.first_n, geom.last_n, geom.num_fixed,
+                                                       geom.num_ring]
+    if g[0] != page_size:
+        raise ValueError(f"paged_attention: the twin's page {g[0]} differs from page_size {page_size}")
+    window = None if sliding_window is None else int(sliding_window)
+    cap = None if soft_cap is None else float(soft_cap)
+    return _paged_attention_op(q, *pools, layer, page_table, high_table, kv_lens.to(torch.int32), g,
+                               float(sm_scale), window, cap)

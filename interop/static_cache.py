@@ -1,0 +1,346 @@
+"""`StaticPagedCache`: the cache's pools owned by torch, written and read by torch ops, for compiled engines.
+
+The JAX-backed `interop.TorchKVCache` runs one JAX program per layer: correct, but each call is a JAX dispatch on
+the host, which torch's CUDA graphs cannot capture. This cache keeps the same pools, in the layout of
+`jmixedkv.layout` (NVFP4 data / E4M3 scale bytes / global scales, the twin's rows and its table), as torch tensors,
+and does a layer's work with two torch custom ops (`interop.paged_ops`: ``jmixedkv::write_rows_`` and
+``jmixedkv::paged_attention``; Triton kernels on CUDA, torch code on CPU). Nothing on the hot path syncs with the
+host or touches JAX, so ``torch.compile`` (transformers' ``generate`` compiles a compileable cache's forward and
+replays it as a CUDA graph) captures a whole decode step.
+
+Static, as transformers' ``StaticCache``: batch row ``b`` owns low pages ``[b * MP, (b + 1) * MP)`` (``MP =
+ceil(max_cache_len / page)``) and twin pages ``[b * W, (b + 1) * W)`` (``W`` = `TwinGeometry.width`); the tables
+never change, so no allocator runs. Memory is ``max_batch_size x max_cache_len`` rows, each in NVFP4 (0.5625 bytes
+per element) plus the twin's ``W`` pages per row.
+
+State on the device, updated in place by the ops (static addresses: CUDA-graph safe):
+
+* ``kv_lens i32[L, B]``: stored (real) tokens per layer and row; a step's tokens sit at the positions the model
+  gives (``position_ids``: real token ``i`` of a row at position ``i``; left padding is not stored).
+* ``error i32[]``: sticky bits (`jmixedkv.checks`'s ``ERR_BAD_POSITION`` / ``ERR_TOO_LONG``) set when a step's
+  positions do not continue a row or run past ``max_cache_len``; such a row is left unchanged (nothing written, its
+  length kept) and its attention output is NaN. `raise_errors` reads it (one host sync: call it between steps).
+
+Levers: ``rotation="hadamard"`` rotates K / V before the write and q / the output around the attention (float32,
+`interop.torch_nvfp4.rotate`), so readers see model space; ``block_scale="4over6"`` is the write's. K smoothing is a
+model-side lever and is refused. Attention options: ``sm_scale``, ``sliding_window`` (the window is attended; its
+pages are kept, as every layer shares the row's pages), ``soft_cap`` and per-head ``sinks`` (an LSE term).
+
+`as_cache_state` hands the pools to JAX readers (`jmixedkv.decode_attention`, `stage`, exporters) as a
+`jmixedkv.CacheState` (a copy through NumPy on CPU; DLPack on GPU).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from jmixedkv.checks import ERR_BAD_POSITION, ERR_TOO_LONG
+from jmixedkv.config import KVCacheConfig
+
+from . import paged_ops, torch_nvfp4
+from .torch_paged import TorchPools
+
+__all__ = ["StaticPagedCache"]
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3fn": torch.uint8,
+                 "float32": torch.float32}
+
+
+def _torch_dtype(jnp_dtype) -> torch.dtype:
+    import numpy as np
+    return _TORCH_DTYPES[np.dtype(jnp_dtype).name]
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"StaticPagedCache: {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class StaticPagedCache:
+    """Pools, static tables and per-layer lengths of ``max_batch_size`` rows of up to ``max_cache_len`` tokens.
+
+    A step of ``B <= max_batch_size`` rows uses rows ``[0, B)``.
+
+    Args:
+      config: `KVCacheConfig` (raw-token dtypes: ``bf16`` / ``fp16`` / ``fp8`` plain pages, ``nvfp4``,
+        ``mixed_nvfp4_*``; no sparse or compressed algorithm; no ``k_smoothing``).
+      num_layers, num_kv_heads, head_dim: the model's attention geometry (head_dim a multiple of 16).
+      max_batch_size, max_cache_len: rows and tokens per row.
+      device: torch device of the pools.
+      global_scale: NVFP4 decode global scale, a float or ``f32[L, 2]`` (K, V); high_scale: an FP8 twin's / FP8
+        plain pool's scale, same shapes.
+    """
+
+    def __init__(self, config: KVCacheConfig, num_layers: int, num_kv_heads: int, head_dim: int, *,
+                 max_batch_size: int, max_cache_len: int, device=None, global_scale=1.0, high_scale=1.0):
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"StaticPagedCache needs a jmixedkv.KVCacheConfig, got {type(config).__name__}")
+        _check_config(config)
+        self.config = config
+        self.num_layers = _positive_int(num_layers, "num_layers")
+        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        if head_dim % 16 or (config.rotation is not None and head_dim & (head_dim - 1)):
+            raise ValueError(f"StaticPagedCache: head_dim={head_dim} must be a multiple of 16 (NVFP4 blocks)"
+                             + (" and a power of two (the Hadamard rotation)" if config.rotation else ""))
+        self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
+        self.max_cache_len = _positive_int(max_cache_len, "max_cache_len")
+        self.device = torch.device("cpu" if device is None else device)
+        self.page_size = page = config.page_size
+        self.geom = config.twin if config.is_mixed else None
+        self.max_pages_per_seq = -(-max_cache_len // page)
+        self.attention_dtype = _torch_dtype(config.attention_dtype)
+        self.pools = self._allocate(global_scale, high_scale)
+        b, mp = self.max_batch_size, self.max_pages_per_seq
+        self.page_table = torch.arange(b * mp, dtype=torch.int32, device=self.device).reshape(b, mp)
+        width = self.geom.width if self.geom is not None else 0
+        self.high_table = torch.arange(b * width, dtype=torch.int32, device=self.device).reshape(b, width)
+        self.kv_lens = torch.zeros(num_layers, b, dtype=torch.int32, device=self.device)
+        self.error = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._hadamard = (torch_nvfp4.hadamard(head_dim, self.device) if config.rotation is not None else None)
+
+    # ------------------------------------------------------------------ allocation
+    def _allocate(self, global_scale, high_scale) -> TorchPools:
+        cfg, dev = self.config, self.device
+        lyr, h, d, page = self.num_layers, self.num_kv_heads, self.head_dim, self.page_size
+        pages = self.max_batch_size * self.max_pages_per_seq
+        low_data = low_scales = low_gs = high_rows = high_scale_t = plain_rows = plain_scale = None
+        if cfg.has_low:
+            low_data = torch.zeros(lyr, pages, 2, h, page, d // 2, dtype=torch.uint8, device=dev)
+            low_scales = torch.zeros(lyr, pages, 2, h, page, d // 16, dtype=torch.uint8, device=dev)
+            low_gs = _layer_scale(global_scale, lyr, "global_scale", dev)
+        if cfg.is_mixed:
+            twin_pages = self.max_batch_size * cfg.twin.width
+            high_rows = torch.zeros(lyr, twin_pages, 2, h, page, d, dtype=_torch_dtype(cfg.high_dtype), device=dev)
+            high_scale_t = _layer_scale(high_scale, lyr, "high_scale", dev)
+        elif not cfg.has_low:
+            plain_rows = torch.zeros(lyr, pages, 2, h, page, d, dtype=_torch_dtype(cfg.high_dtype), device=dev)
+            plain_scale = _layer_scale(high_scale, lyr, "high_scale", dev)
+        return TorchPools(low_data, low_scales, low_gs, high_rows, high_scale_t, plain_rows, plain_scale)
+
+    def tensors(self):
+        """Every device tensor the ops read or write in place (mark them static for CUDA graphs)."""
+        pools = [t for t in self.pools if t is not None]
+        return pools + [self.page_table, self.high_table, self.kv_lens, self.error]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pools (what the cache costs in device memory)."""
+        return sum(t.numel() * t.element_size() for t in self.pools if t is not None)
+
+    # ------------------------------------------------------------------ the hot path
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Store a step's rows of ``layer``: ``k, v [B, H, T, D]`` (post-RoPE, model space, any float dtype),
+        ``positions i64[B, T]`` (``position_ids``: a row's real tokens are its last ``new`` ones, at positions
+        ``kv_lens, kv_lens + 1, ...``; tokens before them are left padding, not stored).
+
+        Returns ``(kv_lens i32[B] after the step, bad bool[B])``; a bad row (positions that do not continue it, or
+        past ``max_cache_len``) is left unchanged and sets an ``error`` bit. No host sync."""
+        self._check_layer(layer)
+        b, h, t, d = k.shape
+        if not 1 <= b <= self.max_batch_size or (h, d) != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
+            raise ValueError(f"StaticPagedCache.append: k {list(k.shape)} / v {list(v.shape)}; expected "
+                             f"[B <= {self.max_batch_size}, {self.num_kv_heads}, T, {self.head_dim}]")
+        if positions.dim() != 2 or positions.shape[-1] != t or positions.shape[0] not in (1, b):
+            raise ValueError(f"StaticPagedCache.append: positions {list(positions.shape)}; expected [{b} or 1, {t}]")
+        pos = positions.to(device=self.device, dtype=torch.int64).expand(b, t)
+        before = self.kv_lens[layer, :b].to(torch.int64)
+        new = pos[:, -1] + 1 - before                                    # real tokens of this step per row
+        j = torch.arange(t, device=self.device)[None, :]
+        first = (t - new)[:, None]
+        real = j >= first
+        want = before[:, None] + j - first
+        too_long = pos[:, -1] >= self.max_cache_len
+        bad = (new < 0) | (new > t) | (real & (pos != want)).any(dim=1) | too_long
+        write = real & ~bad[:, None]
+        low_slot, high_slot = self._slots(pos, write, b)
+        rows_k = self._stored(k.transpose(1, 2).reshape(b * t, h, d))
+        rows_v = self._stored(v.transpose(1, 2).reshape(b * t, h, d))
+        paged_ops.write_rows(self.pools, layer, rows_k, rows_v, low_slot.reshape(-1), high_slot.reshape(-1),
+                             self.page_size, self.config.block_scale)
+        lens = torch.where(bad, before, before + new).to(torch.int32)
+        self.kv_lens[layer, :b].copy_(lens)
+        bits = (torch.where(too_long.any(), ERR_TOO_LONG, 0)
+                | torch.where((bad & ~too_long).any(), ERR_BAD_POSITION, 0))
+        self.error.bitwise_or_(bits.to(torch.int32))
+        return lens, bad
+
+    def attend(self, layer: int, q: torch.Tensor, lens: torch.Tensor, bad: Optional[torch.Tensor] = None, *,
+               sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
+               soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of ``q [B, Hq, Tq, D]`` (model space; token ``t`` at position ``lens - Tq + t``, its K/V
+        appended) over ``layer``'s cache -> ``[B, Tq, Hq, D]`` in the attention dtype. ``sinks f32[Hq]``: one
+        logit per head on the scaled-logit scale (gpt-oss). A ``bad`` row (from `append`) gets NaN."""
+        self._check_layer(layer)
+        b, hq, tq, d = q.shape
+        if not 1 <= b <= self.max_batch_size or d != self.head_dim or hq % self.num_kv_heads or lens.shape != (b,):
+            raise ValueError(f"StaticPagedCache.attend: q {list(q.shape)}, lens {list(lens.shape)}; expected q "
+                             f"[B <= {self.max_batch_size}, a multiple of {self.num_kv_heads}, Tq, {self.head_dim}] "
+                             f"and lens [B]")
+        qs = self._stored(q.transpose(1, 2)).to(self.attention_dtype)
+        scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+        out, lse = paged_ops.paged_attention(self.pools, layer, qs, self.page_table[:b], self.high_table[:b], lens,
+                                             self.page_size, self.geom, scale, sliding_window, soft_cap)
+        if sinks is not None:
+            s = sinks.to(device=out.device, dtype=torch.float32)[None, None, :]
+            out = out * torch.sigmoid(lse - s)[..., None]            # lse = -inf (no key): weight 0
+        if self._hadamard is not None:
+            out = out @ self._hadamard
+        if bad is not None:
+            out = torch.where(bad[:, None, None, None], torch.full_like(out, float("nan")), out)
+        return out.to(self.attention_dtype)
+
+    # ------------------------------------------------------------------ host-side
+    def raise_errors(self) -> None:
+        """Raise `ValueError` naming the sticky error bits set by earlier steps (one host sync), then clear them."""
+        bits = int(self.error.item())
+        if bits:
+            from jmixedkv.checks import describe_error
+            self.error.zero_()
+            raise ValueError(f"StaticPagedCache: a step was refused and its rows left unchanged: "
+                             f"{describe_error(bits)} (max_cache_len={self.max_cache_len})")
+
+    def reset(self) -> None:
+        """Every row empty (pools are not cleared: rows past ``kv_lens`` are never read)."""
+        self.kv_lens.zero_()
+        self.error.zero_()
+
+    def rewind(self, n: int) -> None:
+        """Drop the last ``n`` tokens of every row of every layer (``0 <= n <= max_draft_len``: the twin's ring keeps
+        exactly that much slack behind the furthest row written, docs/DESIGN.md §4)."""
+        limit = self.config.max_draft_len
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= limit:
+            raise ValueError(f"StaticPagedCache.rewind: n={n!r}; expected 0 <= n <= max_draft_len={limit} (build the "
+                             f"KVCacheConfig with a larger max_draft_len)")
+        self.kv_lens.sub_(n).clamp_(min=0)
+
+    def select_rows(self, src_rows) -> None:
+        """Row ``b`` continues old row ``src_rows[b]`` (beam search / batch selection): whole pages are copied;
+        rows past ``len(src_rows)`` become empty."""
+        src = torch.as_tensor(src_rows, dtype=torch.int64).reshape(-1).to(self.device)
+        n = src.numel()
+        if n > self.max_batch_size or (n and (int(src.min()) < 0 or int(src.max()) >= self.max_batch_size)):
+            raise ValueError(f"StaticPagedCache.select_rows: rows {src.tolist()} must be < max_batch_size="
+                             f"{self.max_batch_size} and at most that many")
+        b = self.max_batch_size
+        for t, per_row in ((self.pools.low_data, self.max_pages_per_seq),
+                           (self.pools.low_scales, self.max_pages_per_seq),
+                           (self.pools.plain_rows, self.max_pages_per_seq),
+                           (self.pools.high_rows, self.geom.width if self.geom is not None else 0)):
+            if t is None or per_row == 0:
+                continue
+            view = t.view(t.shape[0], b, per_row, *t.shape[2:])
+            view[:, :n] = view[:, src].clone()
+        lens = self.kv_lens.clone()
+        self.kv_lens.zero_()
+        self.kv_lens[:, :n] = lens[:, src]
+
+    def as_cache_state(self, layer_lens: int = 0):
+        """The cache as a JAX `jmixedkv.CacheState` for JAX readers (tables, ``kv_lens`` of ``layer_lens``, every
+        row admitted). Pools are copied (NumPy on CPU; DLPack, zero-copy, on a GPU). Read-only: the allocator of
+        the returned state does not know the static pages."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+
+        from jmixedkv.state import GroupSpec, init_state
+        from .dlpack import from_torch
+
+        self._check_layer(layer_lens)
+        b, mp, cfg = self.max_batch_size, self.max_pages_per_seq, self.config
+        width = self.geom.width if self.geom is not None else 0
+        state = init_state(cfg, GroupSpec(self.num_layers, self.num_kv_heads, self.head_dim), num_pages=b * mp,
+                           max_seqs=b, max_pages_per_seq=mp, num_high_pages=max(b * width, 1))
+
+        def jax_of(t, like):
+            x = from_torch(t.contiguous(), copy=None)
+            if x.dtype == jnp.uint8 and like.dtype != jnp.uint8:       # E4M3 bytes
+                x = jax.lax.bitcast_convert_type(x, like.dtype)
+            if x.shape != like.shape:
+                raise ValueError(f"as_cache_state: pool {tuple(x.shape)} does not fit the JAX layout {like.shape}")
+            return x
+
+        pools = state.pools[0]
+        if pools.low is not None:
+            pools = dataclasses.replace(pools, low=dataclasses.replace(
+                pools.low, data=jax_of(self.pools.low_data, pools.low.data),
+                scales=jax_of(self.pools.low_scales, pools.low.scales), gs=jax_of(self.pools.low_gs, pools.low.gs)))
+        if pools.high is not None and self.pools.high_rows is not None and width:
+            pools = dataclasses.replace(pools, high=dataclasses.replace(
+                pools.high, rows=jax_of(self.pools.high_rows, pools.high.rows),
+                scale=jax_of(self.pools.high_scale, pools.high.scale)))
+        if pools.plain is not None:
+            pools = dataclasses.replace(pools, plain=dataclasses.replace(
+                pools.plain, rows=jax_of(self.pools.plain_rows, pools.plain.rows),
+                scale=jax_of(self.pools.plain_scale, pools.plain.scale)))
+        lens = jax_of(self.kv_lens[layer_lens].contiguous(), state.kv_lens)
+        high_table = (jax_of(self.high_table, state.high_table) if width else state.high_table)
+        return dataclasses.replace(state, pools=(pools,), page_table=jax_of(self.page_table, state.page_table),
+                                   high_table=high_table, kv_lens=lens, written=lens,
+                                   active=jnp.ones((b,), bool))
+
+    # ------------------------------------------------------------------ internals
+    def _check_layer(self, layer) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"StaticPagedCache: layer {layer!r} out of range [0, {self.num_layers})")
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows as stored: rotated (float32, one rounding to the attention dtype) when the lever is on."""
+        x = x.to(self.attention_dtype)
+        if self._hadamard is None:
+            return x
+        return (x.float() @ self._hadamard).to(self.attention_dtype)
+
+    def _slots(self, pos: torch.Tensor, write: torch.Tensor, b: int):
+        """``(low_slot, high_slot) i64[B, T]`` of tokens at ``pos`` (``write`` False -> -1), with the twin's write
+        dedupe (a ring row that a later token of the same step overwrites is not written: `TwinGeometry.write_mask`)."""
+        page = self.page_size
+        q = torch.clamp(pos, min=0) // page
+        row = torch.clamp(pos, min=0) % page
+        mp = self.max_pages_per_seq
+        qc = torch.clamp(q, max=mp - 1)
+        low = torch.gather(self.page_table[:b].to(torch.int64), 1, qc) * page + row
+        low_slot = torch.where(write, low, torch.full_like(low, -1))
+        g = self.geom
+        if g is None or g.width == 0:
+            return low_slot, torch.full_like(low_slot, -1)
+        qmax = (torch.clamp(pos[:, -1:], min=0)) // page
+        if g.num_ring:
+            col = torch.where(q < g.num_fixed, q, g.num_fixed + q % g.num_ring)
+            keep = (q < g.num_fixed) | (q > qmax - g.num_ring)
+        else:
+            col = torch.where(q < g.num_fixed, q, torch.full_like(q, -1))
+            keep = q < g.num_fixed
+        ok = write & keep & (col >= 0)
+        high = torch.gather(self.high_table[:b].to(torch.int64), 1, torch.clamp(col, 0, g.width - 1)) * page + row
+        return low_slot, torch.where(ok, high, torch.full_like(high, -1))
+
+
+def _check_config(config: KVCacheConfig) -> None:
+    if getattr(config, "k_smoothing", False):
+        raise ValueError("StaticPagedCache: k_smoothing is a model-side lever (the model holds the mean); build the "
+                         "KVCacheConfig without it")
+    if config.sparse_algorithm is not None:
+        raise ValueError(f"StaticPagedCache holds raw-token pages for dense attention only; "
+                         f"sparse_algorithm={config.sparse_algorithm!r}")
+    if config.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"StaticPagedCache: dtype {config.dtype!r} is not one of {_SUPPORTED_DTYPES}")
+
+
+_SUPPORTED_DTYPES = ("bf16", "fp16", "fp8", "nvfp4", "mixed_nvfp4_bf16", "mixed_nvfp4_fp16", "mixed_nvfp4_fp8")
+
+
+def _layer_scale(value, num_layers: int, name: str, device) -> torch.Tensor:
+    """A per-(layer, K/V) float32 scale ``[L, 2]`` from a float or an array of that shape (finite and > 0)."""
+    t = torch.as_tensor(value, dtype=torch.float32)
+    try:
+        t = torch.broadcast_to(t, (num_layers, 2)).contiguous()
+    except RuntimeError:
+        raise ValueError(f"StaticPagedCache: {name} of shape {tuple(t.shape)} does not broadcast to "
+                         f"[{num_layers}, 2]") from None
+    if not (torch.isfinite(t) & (t > 0)).all():
+        raise ValueError(f"StaticPagedCache: {name} must be finite and > 0, got {t.flatten()[:4].tolist()}")
+    return t.to(device)

@@ -1,0 +1,221 @@
+"""interop.hf_static: `JMixedStaticCache`, the compileable transformers Cache over torch-owned pools. On CPU with a
+tiny random Llama: ``generate`` gives DynamicCache's tokens for a plain bf16 cache and an all-high mixed cache (left
+padding, beam search, prompt-lookup decoding through ``crop``), a rotated all-high cache too (the lever is
+transparent); a decode step traces as one graph with no break and compiles once for every later step; a mixed
+cache with NVFP4 history matches the JAX reference read of the same pools; bad steps are refused loudly."""
+import numpy as np
+import pytest
+import torch
+
+import transformers
+from transformers import DynamicCache
+from transformers.generation.configuration_utils import CompileConfig
+
+import jmixedkv as jm
+from interop.hf import ATTN_IMPLEMENTATION
+from interop.hf_static import JMixedStaticCache
+from jmixedkv import KVCacheConfig
+
+PAGE, MAX_LEN, BATCH, PROMPT, NEW = 8, 40, 6, 7, 6
+ALL_HIGH = KVCacheConfig("mixed_nvfp4_bf16", first_n=24, last_n=24, page_size=PAGE, max_draft_len=4)
+ALL_HIGH_ROT = ALL_HIGH.replace(rotation="hadamard")
+BF16 = KVCacheConfig("bf16", page_size=PAGE, max_draft_len=4)
+MIXED = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=PAGE, max_draft_len=4,
+                      rotation="hadamard", block_scale="4over6")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0                                       # row 1: 3 tokens of left padding
+    return ids, mask
+
+
+def _generate(model, ids, mask, cache, **kw):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                         cache=cache, return_dict_in_generate=True, output_scores=True, pad_token_id=0, **kw)
+    return out.sequences, torch.stack(out.scores, 1).float()
+
+
+def _static(model, kv, batch_size=BATCH):
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return JMixedStaticCache.for_model(model, kv, max_batch_size=batch_size, max_cache_len=MAX_LEN)
+
+
+def _reference(model, ids, mask, **kw):
+    model.set_attn_implementation("sdpa")
+    return _generate(model, ids, mask, DynamicCache(config=model.config), **kw)
+
+
+@pytest.mark.parametrize("kv", [BF16, ALL_HIGH, ALL_HIGH_ROT], ids=["bf16", "all_high", "all_high_rotated"])
+def test_generate_gives_dynamic_cache_tokens_with_left_padding(model, batch, kv):
+    ids, mask = batch
+    want, want_scores = _reference(model, ids, mask)
+    cache = _static(model, kv)
+    got, scores = _generate(model, ids, mask, cache)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    assert torch.equal(scores[:, 0], want_scores[:, 0])          # the prefill attends densely: bit-identical
+    finite = torch.isfinite(want_scores)                          # min_new_tokens masks EOS with -inf
+    assert torch.equal(torch.isfinite(scores), finite)
+    assert (scores - want_scores)[finite].abs().max() < 0.05      # decode: float32 over bf16 rows vs sdpa in bf16
+    # padding is not stored: row 1 holds its 4 real prompt tokens + the decoded ones; transformers sees the padded
+    # length through a device counter
+    lens = cache.paged.kv_lens[:, :2].tolist()
+    assert lens == [[PROMPT + NEW - 1, PROMPT - 3 + NEW - 1]] * 2
+    assert int(cache.get_seq_length()) == PROMPT + NEW - 1
+    assert cache.get_mask_sizes(1, 0) == (MAX_LEN, 0) and cache.is_compileable
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0 and not cache.paged.kv_lens.any()
+
+
+def test_mixed_cache_reads_what_the_jax_reference_reads(model, batch):
+    """A mixed cache (NVFP4 history, rotation, 4over6): the logits of a decode step equal those of the same model
+    whose attention reads the same pools through `jm.decode_attention(backend="reference")` (the JAX contract)."""
+    ids, mask = batch
+    cache = _static(model, MIXED)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, position_ids=_positions(mask))
+    paged = cache.paged
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    k = torch.randn(2, 2, 1, 16, generator=torch.Generator().manual_seed(4)).bfloat16()
+    pos = paged.kv_lens[0, :2].long()[:, None]
+    lens, bad = paged.append(0, k, k, pos)
+    got = paged.attend(0, q, lens, bad).float()
+    import jax.numpy as jnp
+    state = paged.as_cache_state(0)
+    want, _ = jm.decode_attention(state, 0, jnp.asarray(q.transpose(1, 2).float().numpy(), jnp.bfloat16),
+                                  jnp.arange(2), backend="reference")
+    want = torch.from_numpy(np.array(want.astype(jnp.float32))[:2])
+    assert lens.tolist() == [PROMPT + 1, PROMPT - 3 + 1]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)       # two bf16 roundings of rotated q / out
+
+
+def _positions(mask):
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def test_decode_step_is_one_graph_compiled_once(model, batch):
+    """A decode step traces with fullgraph=True (no graph break: nothing syncs with the host) and later steps reuse
+    the compiled graph: the cache's lengths and counters are device tensors, its hot path torch ops."""
+    ids, mask = batch
+    want, _ = _reference(model, ids, mask)
+    cache = _static(model, ALL_HIGH)
+    torch._dynamo.reset()
+    frames = []
+    def backend(gm, example_inputs):                      # counts compilations, runs the graph eagerly
+        frames.append(gm)
+        return gm.forward
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True                     # transformers compiles on CPU only when asked
+    got, _ = _generate(model, ids, mask, cache, compile_config=config)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    assert len(frames) == 1, f"{len(frames)} compilations for {NEW - 1} decode steps"
+    ops = {str(n.target) for n in frames[0].graph.nodes if n.op == "call_function"}
+    assert any("jmixedkv.paged_attention" in o for o in ops) and any("jmixedkv.write_rows_" in o for o in ops), ops
+    torch._dynamo.reset()
+
+
+def test_beam_search_and_prompt_lookup(model, batch):
+    ids, mask = batch
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False)
+    cache = _static(model, BF16)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, cache=cache)
+    assert torch.equal(got, want)
+    one = ids[:1]
+    model.set_attn_implementation("sdpa")
+    want = model.generate(one, max_new_tokens=8, do_sample=False)
+    cache = _static(model, ALL_HIGH, batch_size=1)
+    crops = []
+    orig = cache.crop
+    cache.crop = lambda n: crops.append(n) or orig(n)
+    got = model.generate(one, max_new_tokens=8, do_sample=False, cache=cache, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, want)
+    assert any(n < 0 for n in crops), crops
+    assert int(cache.paged.kv_lens[0, 0]) == int(cache.get_seq_length())
+
+
+def test_bad_steps_refused_and_other_rows_unchanged(model, batch):
+    ids, mask = batch
+    cache = _static(model, MIXED)
+    paged = cache.paged
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, position_ids=_positions(mask))
+    before = [t.clone() for t in paged.pools if t is not None]
+    lens0 = paged.kv_lens.clone()
+    k = torch.randn(2, 2, 1, 16).bfloat16()
+    # row 0 continues; row 1 skips a position
+    pos = torch.tensor([[PROMPT], [PROMPT - 3 + 1]])
+    lens, bad = paged.append(1, k, k, pos)
+    assert bad.tolist() == [False, True] and lens.tolist() == [PROMPT + 1, PROMPT - 3]
+    out = paged.attend(1, torch.randn(2, 4, 1, 16).bfloat16(), lens, bad)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+    assert paged.kv_lens[0].tolist() == lens0[0].tolist()                    # layer 0 untouched
+    for old, new in zip(before, [t for t in paged.pools if t is not None]):  # row 1's pages bitwise unchanged
+        rows = old.shape[1] // BATCH
+        assert torch.equal(old[:, rows:2 * rows], new[:, rows:2 * rows])
+    with pytest.raises(ValueError, match="ERR_BAD_POSITION|position"):
+        cache.raise_errors()
+    # past max_cache_len
+    lens, bad = paged.append(1, k, k, torch.tensor([[MAX_LEN], [PROMPT - 3]]))
+    assert bad.tolist() == [True, False]
+    with pytest.raises(ValueError, match=f"max_cache_len={MAX_LEN}"):
+        cache.raise_errors()
+    with pytest.raises(ValueError, match="max_draft_len=4"):
+        cache.crop(-5)
+    with pytest.raises(ValueError, match="inference-only"):
+        cache.reset()
+        model(ids, attention_mask=mask, cache=cache)
+
+
+def test_construction_refusals(model):
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="attention to be 'jmixedkv'"):
+        JMixedStaticCache.for_model(model, ALL_HIGH, max_batch_size=2, max_cache_len=16)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="k_smoothing"):
+        JMixedStaticCache.for_model(model, ALL_HIGH.replace(k_smoothing=True), max_batch_size=2, max_cache_len=16)
+    with pytest.raises(ValueError, match="max_cache_len must be an integer >= 1, got 0"):
+        JMixedStaticCache.for_model(model, ALL_HIGH, max_batch_size=2, max_cache_len=0)
+    with pytest.raises(ValueError, match="global_scale must be finite"):
+        JMixedStaticCache.for_model(model, ALL_HIGH, max_batch_size=2, max_cache_len=16, global_scale=0.0)
+
+
+def test_triton_kernels_through_generate(model, batch):
+    """The CUDA path's Triton kernels (write + paged attention), run in Triton's interpreter on CPU, inside a whole
+    ``generate``: a mixed cache gives the torch implementation's tokens (and a prefill's pools bit for bit), an
+    all-high one DynamicCache's tokens."""
+    from interop import paged_ops
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()     # head_dim 32: the kernel's smallest
+    ids, mask = batch
+    want, _ = _reference(model, ids, mask)
+    runs = {}
+    for backend in ("torch", "triton"):
+        with paged_ops.cpu_backend(backend):
+            for name, kv in (("mixed", MIXED), ("all_high", ALL_HIGH)):
+                cache = _static(model, kv)
+                with torch.no_grad():                          # the prefill's writes: the same bits
+                    model(ids, attention_mask=mask, cache=cache, position_ids=_positions(mask))
+                pools = [None if t is None else t.clone() for t in cache.paged.pools]
+                runs[backend, name] = (_generate(model, ids, mask, _static(model, kv))[0], pools)
+    assert torch.equal(runs["triton", "all_high"][0], want)
+    assert torch.equal(runs["triton", "mixed"][0], runs["torch", "mixed"][0])
+    for a, b in zip(runs["torch", "mixed"][1], runs["triton", "mixed"][1]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    with pytest.raises(ValueError, match="cpu_backend"):
+        with paged_ops.cpu_backend("cuda"):
+            pass
