@@ -85,9 +85,14 @@ class StaticPagedCache:
         if head_dim % 16 or (config.rotation is not None and head_dim & (head_dim - 1)):
             raise ValueError(f"StaticPagedCache: head_dim={head_dim} must be a multiple of 16 (NVFP4 blocks)"
                              + (" and a power of two (the Hadamard rotation)" if config.rotation else ""))
+        self.device = torch.device("cpu" if device is None else device)
+        if self.device.type == "cuda":
+            from .triton_attention import HEAD_DIMS
+            if head_dim not in HEAD_DIMS:
+                raise ValueError(f"StaticPagedCache: head_dim={head_dim} on CUDA; the Triton paged attention takes "
+                                 f"head_dim in {HEAD_DIMS}")
         self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
         self.max_cache_len = _positive_int(max_cache_len, "max_cache_len")
-        self.device = torch.device("cpu" if device is None else device)
         self.page_size = page = config.page_size
         self.geom = config.twin if config.is_mixed else None
         self.max_pages_per_seq = -(-max_cache_len // page)

@@ -1,0 +1,334 @@
+"""`interop.triton_attention.paged_attention` (the Triton paged attention of the torch hot path) against the JAX
+references: `jmixedkv.decode.decode_attention(..., backend="reference")` and its float32 form `decode_reference`
+(float32 staging of the stored rows, float32 output), on poisoned states (every unwritten row NaN, page ids
+permuted) converted to torch. CPU tests run Triton's interpreter; ``gpu`` tests compile for CUDA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from helpers import decode_queries, decode_reference, poisoned_state, outlier_rows
+from jmixedkv import GroupSpec, KVCacheConfig
+from jmixedkv.decode import decode_attention
+from interop.triton_attention import Tuning, bench_paged_attention, choose_tuning, paged_attention
+
+#: max |out - ref| <= OUT_TOL * max |ref| per (row, head); LSE within LSE_TOL
+OUT_TOL, LSE_TOL = 2e-3, 1e-4
+
+
+def _torch(x):
+    """JAX / NumPy array -> CPU torch tensor (bf16 through its bits, FP8 as its E4M3 bytes)."""
+    if x is None:
+        return None
+    a = np.asarray(x)
+    if a.dtype == jnp.bfloat16:
+        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+    if a.dtype == jnp.float8_e4m3fn:
+        return torch.from_numpy(a.view(np.uint8).copy())
+    return torch.from_numpy(a.copy())
+
+
+@functools.lru_cache(maxsize=None)
+def _state(dtype, first_n=0, last_n=0, page=16, lens=(0, 1, 15, 16, 17, 70), heads=2, d=64, decode_steps=0, seed=0):
+    cfg = KVCacheConfig(dtype, first_n=first_n, last_n=last_n, page_size=page, max_draft_len=3)
+    return poisoned_state(cfg, GroupSpec(num_layers=2, num_kv_heads=heads, head_dim=d), lens, seed=seed,
+                          decode_steps=decode_steps, high_scale=0.02, rows=outlier_rows)
+
+
+def _pools(st):
+    """The 7 pool tensors of group 0 in the contract's order (None where absent)."""
+    p = st.pools[0]
+    low, high, plain = p.low, p.high, p.plain
+    return [_torch(low.data) if low else None, _torch(low.scales) if low else None, _torch(low.gs) if low else None,
+            _torch(high.rows) if high else None, _torch(high.scale) if high else None,
+            _torch(plain.rows) if plain else None, _torch(plain.scale) if plain else None]
+
+
+def _tables(st, seq):
+    s = np.clip(np.asarray(seq), 0, st.max_seqs - 1)
+    lens = np.where(np.asarray(seq) >= 0, np.asarray(st.kv_lens)[s], 0).astype(np.int32)
+    high = _torch(np.asarray(st.high_table)[s]) if st.pools[0].high is not None else None
+    return _torch(np.asarray(st.page_table)[s]), high, torch.from_numpy(lens)
+
+
+def _run(st, layer, q, seq, *, sliding_window=None, soft_cap=None, sm_scale=None, **kw):
+    page_table, high_table, lens = _tables(st, seq)
+    d = st.groups[0].head_dim
+    return paged_attention(_torch(q), *_pools(st), layer, page_table, high_table, lens, st.config.twin,
+                           d ** -0.5 if sm_scale is None else sm_scale, sliding_window, soft_cap, **kw)
+
+
+def _check(got, want_out, want_lse, msg=""):
+    out, lse = (x.numpy() for x in got)
+    ref_out, ref_lse = np.asarray(want_out, np.float32), np.asarray(want_lse, np.float32)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, msg
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse), err_msg=f"{msg}: rows that see no key")
+    np.testing.assert_allclose(lse, ref_lse, rtol=LSE_TOL, atol=LSE_TOL, err_msg=f"{msg}: lse")
+    scale = np.maximum(np.abs(ref_out).max(axis=-1, keepdims=True), 1e-3)
+    err = np.abs(out - ref_out) / scale
+    assert np.isfinite(out).all() and err.max() <= OUT_TOL, f"{msg}: max relative error {err.max():.3g}"
+
+
+def _compare(st, tq, hq, *, layer=1, seq=None, num_splits=None, sliding_window=None, soft_cap=None, msg=""):
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32) if seq is None else jnp.asarray(seq, jnp.int32)
+    q = decode_queries(st, tq, hq, seed=tq * 31 + hq)[:seq.shape[0]]
+    got = _run(st, layer, q, seq, sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits)
+    want = decode_reference(st, layer, q, seq, sliding_window=sliding_window, soft_cap=soft_cap)
+    _check(got, *want, msg=msg)
+    return got
+
+
+# ------------------------------------------------------------------------------------------------ formats
+FORMATS = [("mixed_nvfp4_bf16", 5, 7), ("mixed_nvfp4_fp16", 5, 7), ("mixed_nvfp4_fp8", 5, 7), ("nvfp4", 0, 0),
+           ("bf16", 0, 0), ("fp16", 0, 0), ("fp8", 0, 0)]
+
+
+@pytest.mark.parametrize("dtype,first_n,last_n", FORMATS)
+def test_formats_decode_and_verify(dtype, first_n, last_n):
+    """Each format, lengths 0 / 1 / page-1 / page / page+1 / 70, layer 1: Tq 1 with GQA 4, Tq 2 with GQA 3."""
+    st = _state(dtype, first_n, last_n)
+    _compare(st, 1, 8, msg=f"{dtype} Tq 1 G 4")
+    _compare(st, 2, 6, num_splits=3, msg=f"{dtype} Tq 2 G 3, 3 splits")
+
+
+def test_matches_decode_attention():
+    """The op's output equals `decode_attention(..., backend="reference")` within its bf16 rounding; LSE tight."""
+    st = _state("mixed_nvfp4_bf16", 5, 7)
+    q = decode_queries(st, 4, 8, seed=3)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    out, lse = _run(st, 0, q, seq)
+    ref_out, ref_lse = decode_attention(st, 0, q, seq, backend="reference")
+    ref_out = np.asarray(ref_out.astype(jnp.float32))
+    np.testing.assert_allclose(lse.numpy(), np.asarray(ref_lse), rtol=LSE_TOL, atol=LSE_TOL)
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=2 ** -8, atol=2 ** -8 * np.abs(ref_out).max())
+
+
+@pytest.mark.parametrize("tq,group,splits", [(1, 1, 1), (1, 7, 2), (4, 4, 1), (4, 7, 4), (16, 1, 1)])
+def test_query_rows_and_splits(tq, group, splits):
+    """Tq * G from 1 to 28 (GQA 1 / 4 / 7, Tq up to 16), the split-K merge, a few hundred tokens."""
+    st = _state("mixed_nvfp4_bf16", 5, 7, lens=(300, 0, 17, 129))
+    _compare(st, tq, 2 * group, num_splits=splits, msg=f"Tq {tq} G {group} splits {splits}")
+
+
+def test_tiles_of_query_rows():
+    """Tq * G above one tile (16 x 8 = 128 rows: four tiles of 32 at head_dim 256)."""
+    st = _state("mixed_nvfp4_fp8", 5, 7, lens=(1, 17, 90), heads=1, d=256)
+    _compare(st, 16, 8, msg="128 query rows")
+
+
+@pytest.mark.parametrize("first_n,last_n,page,steps", [(0, 7, 16, 3), (20, 40, 16, 5), (33, 70, 32, 4)])
+def test_twin_windows_and_pages(first_n, last_n, page, steps):
+    """first_n / last_n windows (none, several pages, the ring wrapped by decode steps), pages 16 / 32."""
+    st = _state("mixed_nvfp4_bf16", first_n, last_n, page=page, lens=(0, page - 1, page + 1, 3 * page + 5, 250),
+                decode_steps=steps)
+    _compare(st, 1, 4, msg=f"first_n {first_n} last_n {last_n} page {page}")
+    _compare(st, 3, 4, num_splits=2, msg=f"Tq 3, first_n {first_n} last_n {last_n} page {page}")
+
+
+def test_page_128():
+    st = _state("mixed_nvfp4_bf16", 4, 32, page=128, lens=(1, 127, 129, 300))
+    _compare(st, 2, 4, num_splits=2, msg="page 128")
+
+
+@pytest.mark.parametrize("dtype,d", [("mixed_nvfp4_bf16", 128), ("bf16", 128), ("mixed_nvfp4_fp8", 256)])
+def test_head_dims(dtype, d):
+    mixed = dtype.startswith("mixed")
+    st = _state(dtype, 5 if mixed else 0, 7 if mixed else 0, lens=(1, 17, 90), heads=1, d=d)
+    _compare(st, 2, 4, num_splits=2, msg=f"{dtype} head_dim {d}")
+
+
+@pytest.mark.parametrize("dtype", ["mixed_nvfp4_bf16", "nvfp4", "bf16"])
+def test_sliding_window_and_soft_cap(dtype):
+    mixed = dtype.startswith("mixed")
+    st = _state(dtype, 5 if mixed else 0, 7 if mixed else 0, lens=(0, 1, 17, 70, 200))
+    _compare(st, 4, 6, sliding_window=9, msg=f"{dtype} window 9")
+    _compare(st, 2, 4, sliding_window=100, soft_cap=2.5, num_splits=2, msg=f"{dtype} window 100, cap 2.5")
+
+
+def test_padding_rows_and_no_visible_key():
+    """Padding rows (slot -1: kv_lens 0) and queries at negative positions (Tq > n) give zeros and -inf, as
+    `decode_attention` (whose reference handles slot -1)."""
+    st = _state("mixed_nvfp4_bf16", 5, 7)
+    seq = jnp.asarray([-1, 1, 5, -1], jnp.int32)                    # lengths 0, 1, 70, 0
+    q = decode_queries(st, 3, 4)[:4]
+    out, lse = _run(st, 0, q, seq)
+    ref_out, ref_lse = decode_attention(st, 0, q, seq, backend="reference")
+    ref_out = np.asarray(ref_out.astype(jnp.float32))
+    np.testing.assert_allclose(lse.numpy(), np.asarray(ref_lse), rtol=LSE_TOL, atol=LSE_TOL)
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=2 ** -8, atol=2 ** -8 * np.abs(ref_out).max())
+    assert np.all(out.numpy()[[0, 3]] == 0) and np.all(np.isneginf(lse.numpy()[[0, 3]]))
+    assert np.all(out.numpy()[1, :2] == 0) and np.all(np.isneginf(lse.numpy()[1, :2]))   # n = 1, Tq = 3
+    assert np.isfinite(lse.numpy()[1, 2]).all() and np.isfinite(lse.numpy()[2]).all()
+
+
+def test_unused_rows_never_read():
+    """The pools' unwritten rows are NaN (poisoned state): every output is finite, and overwriting every row at or
+    past each sequence's length with NaN (low pool and twin) changes no bit of the result."""
+    st = _state("mixed_nvfp4_bf16", 5, 7)
+    q = _torch(decode_queries(st, 2, 4))
+    pools = _pools(st)
+    page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
+    args = (q, *pools, 0, page_table, high_table, lens, st.config.twin, 0.125)
+    base = paged_attention(*args)
+    page = st.page_size
+    for b, n in enumerate(lens.tolist()):
+        for p in range(n, page_table.shape[1] * page):
+            pid = int(page_table[b, p // page])
+            if pid >= 0:
+                pools[0][0, pid, :, :, p % page] = 0xFF                  # E2M1 -0 / -6 ... with a NaN scale
+                pools[1][0, pid, :, :, p % page] = 0x7F
+    pools[3][0][pools[3][0] == 0] = float("nan")                      # unused twin rows (zero-initialized ones)
+    again = paged_attention(q, *pools, 0, page_table, high_table, lens, st.config.twin, 0.125)
+    for x, y in zip(base, again):
+        assert torch.equal(x, y)
+
+
+def test_nan_in_a_visible_key_propagates():
+    st = _state("bf16")
+    q = _torch(decode_queries(st, 1, 2))
+    pools = _pools(st)
+    page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
+    pid = int(page_table[4, 0])
+    pools[5][0, pid, 0, 0, 3] = float("nan")                          # key 3 of row 4 (17 tokens), KV head 0
+    out, lse = paged_attention(q, *pools, 0, page_table, high_table, lens, (16, 0, 0, 0, 0), 0.125)
+    assert torch.isnan(lse[4, 0, 0]) and torch.isnan(out[4, 0, 0]).all()
+    assert torch.isfinite(lse[4, 0, 1]) and torch.isfinite(lse[5]).all() and torch.isfinite(out[5]).all()
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _good_args():
+    st = _state("mixed_nvfp4_bf16", 5, 7)
+    q = _torch(decode_queries(st, 1, 4))
+    page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
+    return dict(q=q, pools=_pools(st), layer=0, page_table=page_table, high_table=high_table, kv_lens=lens,
+                geom=st.config.twin, sm_scale=0.125, sliding_window=None, soft_cap=None)
+
+
+def _call(a, **kw):
+    return paged_attention(a["q"], *a["pools"], a["layer"], a["page_table"], a["high_table"], a["kv_lens"],
+                           a["geom"], a["sm_scale"], a["sliding_window"], a["soft_cap"], **kw)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(q=a["q"].float()), "q dtype torch.float32"),
+    (lambda a: a.update(q=a["q"][..., :3, :]), "Hq=3"),
+    (lambda a: a.update(q=a["q"][0]), "q must be a"),
+    (lambda a: a.update(layer=2), "layer=2"),
+    (lambda a: a.update(layer=-1), "layer=-1"),
+    (lambda a: a.update(geom=(32, 5, 7, 1, 2)), "geom page=32"),
+    (lambda a: a.update(geom=(16, -1, 7, 1, 2)), "geom must be 5 ints"),
+    (lambda a: a.update(page_table=a["page_table"].long()), "page_table has dtype torch.int64"),
+    (lambda a: a.update(kv_lens=a["kv_lens"][:1]), "kv_lens has shape"),
+    (lambda a: a.update(high_table=None), "high_rows given without high_table"),
+    (lambda a: a.update(sliding_window=0), "sliding_window=0"),
+    (lambda a: a.update(soft_cap=-1.0), "soft_cap=-1.0"),
+    (lambda a: a.update(sm_scale=float("nan")), "sm_scale=nan"),
+    (lambda a: a["pools"].__setitem__(3, a["pools"][3].half()), "high_rows dtype torch.float16"),
+    (lambda a: a["pools"].__setitem__(5, a["pools"][3]), "exactly one of low_data"),
+    (lambda a: a["pools"].__setitem__(1, a["pools"][1][..., :2].contiguous()), "low_scales has shape"),
+    (lambda a: a["pools"].__setitem__(0, a["pools"][0].transpose(0, 1)), "must be contiguous"),
+])
+def test_bad_input_is_refused(change, match):
+    a = _good_args()
+    change(a)
+    with pytest.raises(ValueError, match=match):
+        _call(a)
+
+
+def test_bad_options_are_refused():
+    a = _good_args()
+    with pytest.raises(ValueError, match="interpret=False needs CUDA"):
+        _call(a, interpret=False)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        _call(a, num_splits=0)
+    with pytest.raises(ValueError, match="block_m=8"):
+        _call(a, tuning=Tuning(8, 64, 1, 4, 2))
+
+
+def test_choose_tuning():
+    """Splits fill ~4 programs per SM on CUDA (a power of two, bounded by the blocks and 64); 1 in the interpreter.
+    Steps: 64 keys / 4 warps for NVFP4-only caches, 32 / 4 with a row pool, 32 / 8 at head_dim 256."""
+    t = choose_tuning(16, 8, 4, 128, 32768, cuda=True, sms=132, row_pool=False)
+    assert t == Tuning(16, 64, 8, 4, 2)                  # 128 programs -> ceil(528 / 128) = 5 -> 8
+    assert choose_tuning(16, 8, 4, 128, 32768, cuda=True, sms=132) == Tuning(16, 32, 8, 4, 2)
+    assert choose_tuning(1, 1, 1, 128, 256, cuda=True, sms=132, row_pool=False).num_splits == 4   # 4 blocks
+    assert choose_tuning(1, 8, 128, 256, 1 << 20, cuda=True, sms=132) == Tuning(32, 32, 32, 8, 2)  # 4 tiles
+    assert choose_tuning(64, 8, 4, 128, 32768, cuda=False).num_splits == 1
+
+
+def test_bench_helper_runs_on_cpu():
+    r = bench_paged_attention(batch=1, context=40, num_kv_heads=1, group=2, head_dim=64, page=16, iters=1,
+                              warmup=0, device="cpu")
+    assert r["ms"] > 0 and r["shape"]["context"] == 40 and r["tuning"]["num_splits"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+def _cuda(xs):
+    return [None if x is None else x.cuda() for x in xs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,first_n,last_n", FORMATS)
+def test_gpu_compiled_matches_reference(dtype, first_n, last_n):
+    """The compiled kernels (interpret=False) against the float32 reference, default tuning and forced splits."""
+    st = _state(dtype, first_n, last_n, lens=(0, 1, 15, 16, 17, 300), d=128)
+    for tq, hq, splits in ((1, 8, None), (4, 6, 3), (16, 8, 1)):
+        q = decode_queries(st, tq, hq, seed=tq)
+        seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+        page_table, high_table, lens = _cuda(_tables(st, seq))
+        got = paged_attention(_torch(q).cuda(), *_cuda(_pools(st)), 1, page_table, high_table, lens,
+                              st.config.twin, 128 ** -0.5, None, None, num_splits=splits, interpret=False)
+        _check([x.cpu() for x in got], *decode_reference(st, 1, q, seq), msg=f"{dtype} Tq {tq} splits {splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,group,first_n,last_n,context", [(128, 4, 4, 32, 32768), (64, 8, 4, 32, 8192),
+                                                             (256, 2, 0, 32, 8192)])
+def test_gpu_model_size(d, group, first_n, last_n, context):
+    """16 sequences x 32k tokens x 8 KV heads x head_dim 128 (8k tokens at head_dim 64 / 256), mixed bf16, compiled,
+    against the float32 reference (poisoned pools); then `bench_paged_attention` at that shape runs."""
+    lens = [context - 37 * i for i in range(16)]
+    cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=first_n, last_n=last_n, page_size=16, max_draft_len=3)
+    st = poisoned_state(cfg, GroupSpec(num_layers=1, num_kv_heads=8, head_dim=d), lens, high_scale=0.02)
+    q = decode_queries(st, 1, 8 * group)
+    seq = jnp.arange(16, dtype=jnp.int32)
+    page_table, high_table, kv_lens = _cuda(_tables(st, seq))
+    got = paged_attention(_torch(q).cuda(), *_cuda(_pools(st)), 0, page_table, high_table, kv_lens, st.config.twin,
+                          d ** -0.5, None, None, interpret=False)
+    _check([x.cpu() for x in got], *decode_reference(st, 0, q, seq), msg=f"16 x 32k head_dim {d}")
+    r = bench_paged_attention(batch=16, context=context, num_kv_heads=8, group=group, head_dim=d, iters=10)
+    assert r["ms"] > 0
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """The compiled-mode kernels (``triton.jit``: what CUDA runs) build to a cubin for sm_90 on this machine with
+    Triton's bundled ptxas: the paths the interpreter cannot check (globals, constexpr branches, layouts) compile.
+    One variant with every branch on: NVFP4 + FP8 twin, sliding window, soft-cap, GQA 3 x Tq 2, partial output."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from interop.triton_attention import _kernels
+
+    attn, merge = _kernels(False)
+    sig = dict(q_ptr="*bf16", sq_b="i32", sq_t="i32", sq_h="i32", pt_ptr="*i32", s_pt="i32", ht_ptr="*i32",
+               s_ht="i32", lens_ptr="*i32", data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32", rows_ptr="*u8",
+               rscale_ptr="*fp32", o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", layer="i32", num_pages="i32",
+               num_row_pages="i32", num_cols="i32", ht_width="i32", sm_scale="fp32", window="i32", cap="fp32")
+    const = dict(H=2, G=3, TQ=2, D=64, PAGE=16, LOW=True, TWIN=True, ROWS_FP8=True, FIRST_N=5, LAST_N=7,
+                 NUM_FIXED=1, NUM_RING=2, HAS_WINDOW=True, HAS_CAP=True, SPLIT_LOW=False, SPLIT_ROWS=False,
+                 FINAL=False, BLOCK_M=16, BLOCK_N=32, EMULATE=False)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    target = GPUTarget("cuda", 90, 32)
+    cc = triton.compile(ASTSource(fn=attn, signature=sig, constexprs=const, attrs=attrs), target=target,
+                        options=dict(num_warps=4, num_stages=2))
+    assert "mma.sync" in cc.asm["ptx"] and len(cc.asm["cubin"]) > 0
+    msig = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", num_splits="i32",
+                D="constexpr", BLOCK_S="constexpr")
+    cc = triton.compile(ASTSource(fn=merge, signature=msig, constexprs=dict(D=64, BLOCK_S=4)), target=target)
+    assert len(cc.asm["cubin"]) > 0
