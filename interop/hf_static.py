@@ -27,8 +27,8 @@ Semantics:
 * ``crop(-n)`` rewinds ``n <= max_draft_len`` tokens (assisted decoding); ``reorder_cache`` /
   ``batch_select_indices`` / ``batch_repeat_interleave`` copy whole rows (beam search), within
   ``max_batch_size`` rows.
-* Sliding layers are marked ``is_sliding`` and attend over their window; they keep every page of a row (one table
-  per row for every layer), so memory is that of full layers.
+* Sliding layers (``layer_types`` / ``sliding_window`` in the config) are marked ``is_sliding``, attend over their
+  window and hold only it (a ring of pages per row), as transformers' own static sliding layers do.
 """
 from __future__ import annotations
 
@@ -116,13 +116,15 @@ class JMixedStaticCache(Cache):
     def for_model(cls, model, kv_config: KVCacheConfig, *, max_batch_size: int, max_cache_len: int,
                   **kwargs) -> "JMixedStaticCache":
         """A cache sized for ``model`` (a transformers causal LM whose attention is ``"jmixedkv"``), attached to its
-        attention modules; ``kwargs`` go to `StaticPagedCache` (``global_scale``, ``high_scale``)."""
+        attention modules; ``kwargs`` go to `StaticPagedCache` (``global_scale``, ``high_scale``; ``sliding_windows``
+        defaults to the config's)."""
         cfg, head_dim = hf.text_config(model.config)
         impl = getattr(cfg, "_attn_implementation", None)
         if impl != hf.ATTN_IMPLEMENTATION:
             raise ValueError(f"JMixedStaticCache needs the model's attention to be 'jmixedkv' (got {impl!r}): load it "
                              f"with attn_implementation='jmixedkv' or call model.set_attn_implementation('jmixedkv')")
         device = next(model.parameters()).device
+        kwargs.setdefault("sliding_windows", hf.sliding_windows(cfg, cfg.num_hidden_layers))
         paged = StaticPagedCache(kv_config, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                                  max_batch_size=max_batch_size, max_cache_len=max_cache_len, device=device, **kwargs)
         cache = cls(paged, config=cfg)

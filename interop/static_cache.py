@@ -23,15 +23,15 @@ State on the device, updated in place by the ops (static addresses: CUDA-graph s
 
 Levers: ``rotation="hadamard"`` rotates K / V before the write and q / the output around the attention (float32,
 `interop.torch_nvfp4.rotate`), so readers see model space; ``block_scale="4over6"`` is the write's. K smoothing is a
-model-side lever and is refused. Attention options: ``sm_scale``, ``sliding_window`` (the window is attended; its
-pages are kept, as every layer shares the row's pages), ``soft_cap`` and per-head ``sinks`` (an LSE term).
+model-side lever and is refused. Attention options: ``sm_scale``, ``sliding_window``, ``soft_cap`` and per-head
+``sinks`` (an LSE term). Sliding layers hold only their window (a ring of pages per row: `StaticPagedCache`).
 
-`as_cache_state` hands the pools to JAX readers (`jmixedkv.decode_attention`, `stage`, exporters) as a
-`jmixedkv.CacheState` (a copy through NumPy on CPU; DLPack on GPU).
+`as_cache_state` hands one layer's pools to JAX readers (`jmixedkv.decode_attention`, `stage`, exporters) as a
+one-layer `jmixedkv.CacheState` over DLPack.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ from jmixedkv.config import KVCacheConfig
 from . import paged_ops, torch_nvfp4
 from .torch_paged import TorchPools
 
-__all__ = ["StaticPagedCache"]
+__all__ = ["StaticPagedCache", "LayerGroup"]
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3fn": torch.uint8,
                  "float32": torch.float32}
@@ -58,10 +58,27 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
+class LayerGroup(NamedTuple):
+    """Layers with one page geometry: ``layers`` (model layer ids, in order), their ``pools`` (`TorchPools`, layer
+    axis in that order), ``page_table i32[B, MP]`` (logical page -> pool page), ``pages_per_row`` physical low
+    pages a row owns, ``window`` (None: full attention; else the sliding window, whose rows live in a ring)."""
+
+    layers: tuple
+    pools: TorchPools
+    page_table: torch.Tensor
+    pages_per_row: int
+    window: Optional[int]
+
+
 class StaticPagedCache:
     """Pools, static tables and per-layer lengths of ``max_batch_size`` rows of up to ``max_cache_len`` tokens.
 
     A step of ``B <= max_batch_size`` rows uses rows ``[0, B)``.
+
+    Sliding layers (``sliding_windows[l]`` set, smaller than ``max_cache_len``) hold only their window: their low
+    pages form a ring of ``ceil((window + max_draft_len + 1) / page) + 1`` pages per row (their page table maps
+    logical page ``q`` to ring page ``q mod R``), so a query never sees a row the ring has overwritten (a rewind of
+    up to ``max_draft_len`` included). Full layers hold ``ceil(max_cache_len / page)`` pages per row.
 
     Args:
       config: `KVCacheConfig` (raw-token dtypes: ``bf16`` / ``fp16`` / ``fp8`` plain pages, ``nvfp4``,
@@ -69,12 +86,14 @@ class StaticPagedCache:
       num_layers, num_kv_heads, head_dim: the model's attention geometry (head_dim a multiple of 16).
       max_batch_size, max_cache_len: rows and tokens per row.
       device: torch device of the pools.
+      sliding_windows: per layer, its sliding window or None (default: every layer full).
       global_scale: NVFP4 decode global scale, a float or ``f32[L, 2]`` (K, V); high_scale: an FP8 twin's / FP8
         plain pool's scale, same shapes.
     """
 
     def __init__(self, config: KVCacheConfig, num_layers: int, num_kv_heads: int, head_dim: int, *,
-                 max_batch_size: int, max_cache_len: int, device=None, global_scale=1.0, high_scale=1.0):
+                 max_batch_size: int, max_cache_len: int, device=None, sliding_windows=None, global_scale=1.0,
+                 high_scale=1.0):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"StaticPagedCache needs a jmixedkv.KVCacheConfig, got {type(config).__name__}")
         _check_config(config)
@@ -93,13 +112,15 @@ class StaticPagedCache:
                                  f"head_dim in {HEAD_DIMS}")
         self.max_batch_size = _positive_int(max_batch_size, "max_batch_size")
         self.max_cache_len = _positive_int(max_cache_len, "max_cache_len")
-        self.page_size = page = config.page_size
+        self.page_size = config.page_size
         self.geom = config.twin if config.is_mixed else None
-        self.max_pages_per_seq = -(-max_cache_len // page)
+        self.max_pages_per_seq = -(-max_cache_len // self.page_size)
         self.attention_dtype = _torch_dtype(config.attention_dtype)
-        self.pools = self._allocate(global_scale, high_scale)
-        b, mp = self.max_batch_size, self.max_pages_per_seq
-        self.page_table = torch.arange(b * mp, dtype=torch.int32, device=self.device).reshape(b, mp)
+        scales = (_layer_scale(global_scale, num_layers, "global_scale", self.device),
+                  _layer_scale(high_scale, num_layers, "high_scale", self.device))
+        self.groups = self._groups(_windows(sliding_windows, num_layers, max_cache_len), scales)
+        self._where = {l: (g, i) for g, grp in enumerate(self.groups) for i, l in enumerate(grp.layers)}
+        b = self.max_batch_size
         width = self.geom.width if self.geom is not None else 0
         self.high_table = torch.arange(b * width, dtype=torch.int32, device=self.device).reshape(b, width)
         self.kv_lens = torch.zeros(num_layers, b, dtype=torch.int32, device=self.device)
@@ -107,33 +128,54 @@ class StaticPagedCache:
         self._hadamard = (torch_nvfp4.hadamard(head_dim, self.device) if config.rotation is not None else None)
 
     # ------------------------------------------------------------------ allocation
-    def _allocate(self, global_scale, high_scale) -> TorchPools:
+    def _groups(self, windows, scales) -> tuple:
+        """One `LayerGroup` for the full layers, one per distinct sliding window."""
+        groups = []
+        for window in sorted(set(windows), key=lambda w: -1 if w is None else w):
+            layers = tuple(l for l, w in enumerate(windows) if w == window)
+            per_row = (self.max_pages_per_seq if window is None
+                       else -(-(window + self.config.max_draft_len + 1) // self.page_size) + 1)
+            mp, b = self.max_pages_per_seq, self.max_batch_size
+            ring = torch.arange(mp, device=self.device) % per_row
+            table = (torch.arange(b, device=self.device)[:, None] * per_row + ring[None, :]).to(torch.int32)
+            pools = self._allocate(len(layers), b * per_row, [scales[0][list(layers)], scales[1][list(layers)]])
+            groups.append(LayerGroup(layers, pools, table, per_row, window))
+        return tuple(groups)
+
+    def _allocate(self, num_layers: int, pages: int, scales) -> TorchPools:
         cfg, dev = self.config, self.device
-        lyr, h, d, page = self.num_layers, self.num_kv_heads, self.head_dim, self.page_size
-        pages = self.max_batch_size * self.max_pages_per_seq
+        lyr, h, d, page = num_layers, self.num_kv_heads, self.head_dim, self.page_size
         low_data = low_scales = low_gs = high_rows = high_scale_t = plain_rows = plain_scale = None
         if cfg.has_low:
             low_data = torch.zeros(lyr, pages, 2, h, page, d // 2, dtype=torch.uint8, device=dev)
             low_scales = torch.zeros(lyr, pages, 2, h, page, d // 16, dtype=torch.uint8, device=dev)
-            low_gs = _layer_scale(global_scale, lyr, "global_scale", dev)
+            low_gs = scales[0].contiguous()
         if cfg.is_mixed:
             twin_pages = self.max_batch_size * cfg.twin.width
             high_rows = torch.zeros(lyr, twin_pages, 2, h, page, d, dtype=_torch_dtype(cfg.high_dtype), device=dev)
-            high_scale_t = _layer_scale(high_scale, lyr, "high_scale", dev)
+            high_scale_t = scales[1].contiguous()
         elif not cfg.has_low:
             plain_rows = torch.zeros(lyr, pages, 2, h, page, d, dtype=_torch_dtype(cfg.high_dtype), device=dev)
-            plain_scale = _layer_scale(high_scale, lyr, "high_scale", dev)
+            plain_scale = scales[1].contiguous()
         return TorchPools(low_data, low_scales, low_gs, high_rows, high_scale_t, plain_rows, plain_scale)
+
+    def group_of(self, layer: int):
+        """``(LayerGroup, index of layer in it)``."""
+        self._check_layer(layer)
+        g, i = self._where[layer]
+        return self.groups[g], i
 
     def tensors(self):
         """Every device tensor the ops read or write in place (mark them static for CUDA graphs)."""
-        pools = [t for t in self.pools if t is not None]
-        return pools + [self.page_table, self.high_table, self.kv_lens, self.error]
+        out = [self.high_table, self.kv_lens, self.error]
+        for grp in self.groups:
+            out += [t for t in grp.pools if t is not None] + [grp.page_table]
+        return out
 
     @property
     def nbytes(self) -> int:
         """Bytes of the pools (what the cache costs in device memory)."""
-        return sum(t.numel() * t.element_size() for t in self.pools if t is not None)
+        return sum(t.numel() * t.element_size() for grp in self.groups for t in grp.pools if t is not None)
 
     # ------------------------------------------------------------------ the hot path
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
@@ -143,7 +185,7 @@ class StaticPagedCache:
 
         Returns ``(kv_lens i32[B] after the step, bad bool[B])``; a bad row (positions that do not continue it, or
         past ``max_cache_len``) is left unchanged and sets an ``error`` bit. No host sync."""
-        self._check_layer(layer)
+        grp, index = self.group_of(layer)
         b, h, t, d = k.shape
         if not 1 <= b <= self.max_batch_size or (h, d) != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
             raise ValueError(f"StaticPagedCache.append: k {list(k.shape)} / v {list(v.shape)}; expected "
@@ -160,10 +202,10 @@ class StaticPagedCache:
         too_long = pos[:, -1] >= self.max_cache_len
         bad = (new < 0) | (new > t) | (real & (pos != want)).any(dim=1) | too_long
         write = real & ~bad[:, None]
-        low_slot, high_slot = self._slots(pos, write, b)
+        low_slot, high_slot = self._slots(grp.page_table[:b], pos, write)
         rows_k = self._stored(k.transpose(1, 2).reshape(b * t, h, d))
         rows_v = self._stored(v.transpose(1, 2).reshape(b * t, h, d))
-        paged_ops.write_rows(self.pools, layer, rows_k, rows_v, low_slot.reshape(-1), high_slot.reshape(-1),
+        paged_ops.write_rows(grp.pools, index, rows_k, rows_v, low_slot.reshape(-1), high_slot.reshape(-1),
                              self.page_size, self.config.block_scale)
         lens = torch.where(bad, before, before + new).to(torch.int32)
         self.kv_lens[layer, :b].copy_(lens)
@@ -178,7 +220,7 @@ class StaticPagedCache:
         """Attention of ``q [B, Hq, Tq, D]`` (model space; token ``t`` at position ``lens - Tq + t``, its K/V
         appended) over ``layer``'s cache -> ``[B, Tq, Hq, D]`` in the attention dtype. ``sinks f32[Hq]``: one
         logit per head on the scaled-logit scale (gpt-oss). A ``bad`` row (from `append`) gets NaN."""
-        self._check_layer(layer)
+        grp, index = self.group_of(layer)
         b, hq, tq, d = q.shape
         if not 1 <= b <= self.max_batch_size or d != self.head_dim or hq % self.num_kv_heads or lens.shape != (b,):
             raise ValueError(f"StaticPagedCache.attend: q {list(q.shape)}, lens {list(lens.shape)}; expected q "
@@ -186,7 +228,10 @@ class StaticPagedCache:
                              f"and lens [B]")
         qs = self._stored(q.transpose(1, 2)).to(self.attention_dtype)
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-        out, lse = paged_ops.paged_attention(self.pools, layer, qs, self.page_table[:b], self.high_table[:b], lens,
+        if grp.window is not None and (sliding_window is None or sliding_window > grp.window):
+            raise ValueError(f"StaticPagedCache.attend: layer {layer} holds a window of {grp.window} tokens; "
+                             f"sliding_window={sliding_window} would read rows its ring has dropped")
+        out, lse = paged_ops.paged_attention(grp.pools, index, qs, grp.page_table[:b], self.high_table[:b], lens,
                                              self.page_size, self.geom, scale, sliding_window, soft_cap)
         if sinks is not None:
             s = sinks.to(device=out.device, dtype=torch.float32)[None, None, :]
@@ -229,23 +274,25 @@ class StaticPagedCache:
         if n > self.max_batch_size or (n and (int(src.min()) < 0 or int(src.max()) >= self.max_batch_size)):
             raise ValueError(f"StaticPagedCache.select_rows: rows {src.tolist()} must be < max_batch_size="
                              f"{self.max_batch_size} and at most that many")
-        b = self.max_batch_size
-        for t, per_row in ((self.pools.low_data, self.max_pages_per_seq),
-                           (self.pools.low_scales, self.max_pages_per_seq),
-                           (self.pools.plain_rows, self.max_pages_per_seq),
-                           (self.pools.high_rows, self.geom.width if self.geom is not None else 0)):
-            if t is None or per_row == 0:
-                continue
-            view = t.view(t.shape[0], b, per_row, *t.shape[2:])
-            view[:, :n] = view[:, src].clone()
+        b, width = self.max_batch_size, self.geom.width if self.geom is not None else 0
+        for grp in self.groups:
+            p = grp.pools
+            for t, per_row in ((p.low_data, grp.pages_per_row), (p.low_scales, grp.pages_per_row),
+                               (p.plain_rows, grp.pages_per_row), (p.high_rows, width)):
+                if t is None or per_row == 0:
+                    continue
+                view = t.view(t.shape[0], b, per_row, *t.shape[2:])
+                view[:, :n] = view[:, src].clone()
         lens = self.kv_lens.clone()
         self.kv_lens.zero_()
         self.kv_lens[:, :n] = lens[:, src]
 
-    def as_cache_state(self, layer_lens: int = 0):
-        """The cache as a JAX `jmixedkv.CacheState` for JAX readers (tables, ``kv_lens`` of ``layer_lens``, every
-        row admitted). Pools are copied (NumPy on CPU; DLPack, zero-copy, on a GPU). Read-only: the allocator of
-        the returned state does not know the static pages."""
+    def as_cache_state(self, layer: int):
+        """One layer of the cache as a one-layer JAX `jmixedkv.CacheState` (its pools, page table and twin table,
+        its ``kv_lens``, every row admitted), for JAX readers: ``jm.decode_attention(state, 0, ...)``. A sliding
+        layer's table maps onto its ring: read it with its ``sliding_window``. Pools cross by DLPack
+        (`interop.dlpack.from_torch`, copying only where it must). Read-only: the returned state's allocator does
+        not know the static pages."""
         import dataclasses
 
         import jax
@@ -254,10 +301,10 @@ class StaticPagedCache:
         from jmixedkv.state import GroupSpec, init_state
         from .dlpack import from_torch
 
-        self._check_layer(layer_lens)
+        grp, i = self.group_of(layer)
         b, mp, cfg = self.max_batch_size, self.max_pages_per_seq, self.config
         width = self.geom.width if self.geom is not None else 0
-        state = init_state(cfg, GroupSpec(self.num_layers, self.num_kv_heads, self.head_dim), num_pages=b * mp,
+        state = init_state(cfg, GroupSpec(1, self.num_kv_heads, self.head_dim), num_pages=b * grp.pages_per_row,
                            max_seqs=b, max_pages_per_seq=mp, num_high_pages=max(b * width, 1))
 
         def jax_of(t, like):
@@ -268,24 +315,23 @@ class StaticPagedCache:
                 raise ValueError(f"as_cache_state: pool {tuple(x.shape)} does not fit the JAX layout {like.shape}")
             return x
 
-        pools = state.pools[0]
+        p, pools = grp.pools, state.pools[0]
         if pools.low is not None:
             pools = dataclasses.replace(pools, low=dataclasses.replace(
-                pools.low, data=jax_of(self.pools.low_data, pools.low.data),
-                scales=jax_of(self.pools.low_scales, pools.low.scales), gs=jax_of(self.pools.low_gs, pools.low.gs)))
-        if pools.high is not None and self.pools.high_rows is not None and width:
+                pools.low, data=jax_of(p.low_data[i:i + 1], pools.low.data),
+                scales=jax_of(p.low_scales[i:i + 1], pools.low.scales), gs=jax_of(p.low_gs[i:i + 1], pools.low.gs)))
+        if pools.high is not None and p.high_rows is not None and width:
             pools = dataclasses.replace(pools, high=dataclasses.replace(
-                pools.high, rows=jax_of(self.pools.high_rows, pools.high.rows),
-                scale=jax_of(self.pools.high_scale, pools.high.scale)))
+                pools.high, rows=jax_of(p.high_rows[i:i + 1], pools.high.rows),
+                scale=jax_of(p.high_scale[i:i + 1], pools.high.scale)))
         if pools.plain is not None:
             pools = dataclasses.replace(pools, plain=dataclasses.replace(
-                pools.plain, rows=jax_of(self.pools.plain_rows, pools.plain.rows),
-                scale=jax_of(self.pools.plain_scale, pools.plain.scale)))
-        lens = jax_of(self.kv_lens[layer_lens].contiguous(), state.kv_lens)
-        high_table = (jax_of(self.high_table, state.high_table) if width else state.high_table)
-        return dataclasses.replace(state, pools=(pools,), page_table=jax_of(self.page_table, state.page_table),
-                                   high_table=high_table, kv_lens=lens, written=lens,
-                                   active=jnp.ones((b,), bool))
+                pools.plain, rows=jax_of(p.plain_rows[i:i + 1], pools.plain.rows),
+                scale=jax_of(p.plain_scale[i:i + 1], pools.plain.scale)))
+        lens = jax_of(self.kv_lens[layer].contiguous(), state.kv_lens)
+        high_table = jax_of(self.high_table, state.high_table) if width else state.high_table
+        return dataclasses.replace(state, pools=(pools,), page_table=jax_of(grp.page_table, state.page_table),
+                                   high_table=high_table, kv_lens=lens, written=lens, active=jnp.ones((b,), bool))
 
     # ------------------------------------------------------------------ internals
     def _check_layer(self, layer) -> None:
@@ -299,7 +345,7 @@ class StaticPagedCache:
             return x
         return (x.float() @ self._hadamard).to(self.attention_dtype)
 
-    def _slots(self, pos: torch.Tensor, write: torch.Tensor, b: int):
+    def _slots(self, page_table: torch.Tensor, pos: torch.Tensor, write: torch.Tensor):
         """``(low_slot, high_slot) i64[B, T]`` of tokens at ``pos`` (``write`` False -> -1), with the twin's write
         dedupe (a ring row that a later token of the same step overwrites is not written: `TwinGeometry.write_mask`)."""
         page = self.page_size
@@ -307,7 +353,7 @@ class StaticPagedCache:
         row = torch.clamp(pos, min=0) % page
         mp = self.max_pages_per_seq
         qc = torch.clamp(q, max=mp - 1)
-        low = torch.gather(self.page_table[:b].to(torch.int64), 1, qc) * page + row
+        low = torch.gather(page_table.to(torch.int64), 1, qc) * page + row
         low_slot = torch.where(write, low, torch.full_like(low, -1))
         g = self.geom
         if g is None or g.width == 0:
@@ -320,7 +366,8 @@ class StaticPagedCache:
             col = torch.where(q < g.num_fixed, q, torch.full_like(q, -1))
             keep = q < g.num_fixed
         ok = write & keep & (col >= 0)
-        high = torch.gather(self.high_table[:b].to(torch.int64), 1, torch.clamp(col, 0, g.width - 1)) * page + row
+        high_table = self.high_table[:pos.shape[0]].to(torch.int64)
+        high = torch.gather(high_table, 1, torch.clamp(col, 0, g.width - 1)) * page + row
         return low_slot, torch.where(ok, high, torch.full_like(high, -1))
 
 
@@ -336,6 +383,19 @@ def _check_config(config: KVCacheConfig) -> None:
 
 
 _SUPPORTED_DTYPES = ("bf16", "fp16", "fp8", "nvfp4", "mixed_nvfp4_bf16", "mixed_nvfp4_fp16", "mixed_nvfp4_fp8")
+
+
+def _windows(sliding_windows, num_layers: int, max_cache_len: int) -> list:
+    """Per layer, its window (None: full; a window that covers ``max_cache_len`` is full)."""
+    if sliding_windows is None:
+        return [None] * num_layers
+    windows = list(sliding_windows)
+    if len(windows) != num_layers:
+        raise ValueError(f"StaticPagedCache: sliding_windows has {len(windows)} entries for {num_layers} layers")
+    for w in windows:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"StaticPagedCache: a sliding window must be an integer >= 1 or None, got {w!r}")
+    return [None if w is None or w >= max_cache_len else w for w in windows]
 
 
 def _layer_scale(value, num_layers: int, name: str, device) -> torch.Tensor:

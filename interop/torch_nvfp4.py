@@ -40,8 +40,9 @@ import torch
 
 from jmixedkv.numerics import BLOCK, E4M3_MAX, SIXTH
 
-__all__ = ["BLOCK_SCALES", "quantize", "dequantize", "cast", "e2m1_codes", "e2m1_values", "pack_nibbles", "unpack_nibbles",
-           "block_sq_error", "e4m3_saturate", "e4m3_values", "is_fp8_pool", "encode_rows", "decode_rows", "hadamard", "rotate"]
+__all__ = ["BLOCK_SCALES", "quantize", "dequantize", "cast", "e2m1_codes", "e2m1_values", "pack_nibbles",
+           "unpack_nibbles", "block_sq_error", "e4m3_saturate", "e4m3_values", "is_fp8_pool", "encode_rows",
+           "decode_rows", "hadamard", "rotate"]
 
 #: block scaling rules of `quantize` (`jmixedkv.nvfp4.BLOCK_SCALES`)
 BLOCK_SCALES = ("max6", "4over6")

@@ -194,7 +194,8 @@ def _pool_kind(pools: TorchPools, op: str) -> str:
             raise ValueError(f"{op}: low_data must be uint8 and low_scales uint8 / float8_e4m3fn, got "
                              f"{pools.low_data.dtype}, {pools.low_scales.dtype}")
         if pools.low_gs.dtype != torch.float32 or pools.low_gs.shape != (pools.low_data.shape[0], 2):
-            raise ValueError(f"{op}: low_gs must be float32 [L, 2], got {pools.low_gs.dtype} {list(pools.low_gs.shape)}")
+            raise ValueError(f"{op}: low_gs must be float32 [L, 2], got {pools.low_gs.dtype} "
+                             f"{list(pools.low_gs.shape)}")
         want = (*pools.low_data.shape[:-1], pools.low_data.shape[-1] * 2 // BLOCK)
         if pools.low_data.ndim != 6 or tuple(pools.low_scales.shape) != want:
             raise ValueError(f"{op}: low_data [L, P, 2, H, page, D/2] and low_scales [L, P, 2, H, page, D/16] "

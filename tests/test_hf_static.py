@@ -14,6 +14,7 @@ from transformers.generation.configuration_utils import CompileConfig
 import jmixedkv as jm
 from interop.hf import ATTN_IMPLEMENTATION
 from interop.hf_static import JMixedStaticCache
+from interop.static_cache import StaticPagedCache
 from jmixedkv import KVCacheConfig
 
 PAGE, MAX_LEN, BATCH, PROMPT, NEW = 8, 40, 6, 7, 6
@@ -152,7 +153,7 @@ def test_bad_steps_refused_and_other_rows_unchanged(model, batch):
     paged = cache.paged
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache, position_ids=_positions(mask))
-    before = [t.clone() for t in paged.pools if t is not None]
+    before = [t.clone() for t in paged.groups[0].pools if t is not None]
     lens0 = paged.kv_lens.clone()
     k = torch.randn(2, 2, 1, 16).bfloat16()
     # row 0 continues; row 1 skips a position
@@ -162,7 +163,7 @@ def test_bad_steps_refused_and_other_rows_unchanged(model, batch):
     out = paged.attend(1, torch.randn(2, 4, 1, 16).bfloat16(), lens, bad)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
     assert paged.kv_lens[0].tolist() == lens0[0].tolist()                    # layer 0 untouched
-    for old, new in zip(before, [t for t in paged.pools if t is not None]):  # row 1's pages bitwise unchanged
+    for old, new in zip(before, [t for t in paged.groups[0].pools if t is not None]):  # row 1's pages: unchanged
         rows = old.shape[1] // BATCH
         assert torch.equal(old[:, rows:2 * rows], new[:, rows:2 * rows])
     with pytest.raises(ValueError, match="ERR_BAD_POSITION|position"):
@@ -210,7 +211,7 @@ def test_triton_kernels_through_generate(model, batch):
                 cache = _static(model, kv)
                 with torch.no_grad():                          # the prefill's writes: the same bits
                     model(ids, attention_mask=mask, cache=cache, position_ids=_positions(mask))
-                pools = [None if t is None else t.clone() for t in cache.paged.pools]
+                pools = [None if t is None else t.clone() for t in cache.paged.groups[0].pools]
                 runs[backend, name] = (_generate(model, ids, mask, _static(model, kv))[0], pools)
     assert torch.equal(runs["triton", "all_high"][0], want)
     assert torch.equal(runs["triton", "mixed"][0], runs["torch", "mixed"][0])
@@ -219,3 +220,73 @@ def test_triton_kernels_through_generate(model, batch):
     with pytest.raises(ValueError, match="cpu_backend"):
         with paged_ops.cpu_backend("cuda"):
             pass
+
+
+def test_sliding_layers_hold_only_their_window():
+    """Mistral with a 5-token window, page 4: every layer keeps a ring of ceil((5 + 2 + 1) / 4) + 1 = 3 pages per
+    row, which wraps several times over 7 + 14 tokens; generate still gives DynamicCache's tokens (bf16 rows: the
+    same bits), and the ring's rows read through JAX's reference with the window agree with the cache's attention."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=5)
+    model = transformers.MistralForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=14, min_new_tokens=14, do_sample=False,
+                          cache=DynamicCache(config=model.config), pad_token_id=0)
+    for kv in (KVCacheConfig("bf16", page_size=4, max_draft_len=2),
+               KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=4, max_draft_len=2)):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cache = JMixedStaticCache.for_model(model, kv, max_batch_size=2, max_cache_len=64)
+        paged = cache.paged
+        assert [g.window for g in paged.groups] == [5] and paged.groups[0].pages_per_row == 3
+        assert paged.groups[0].page_table[1, :7].tolist() == [3, 4, 5, 3, 4, 5, 3]
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=14, min_new_tokens=14, do_sample=False,
+                             cache=cache, pad_token_id=0)
+        if kv.dtype == "bf16":
+            assert torch.equal(got, want), (got.tolist(), want.tolist())
+        full = StaticPagedCache(kv, 2, 2, 32, max_batch_size=2, max_cache_len=64)
+        rows = paged.groups[0].pools.low_data if kv.has_low else paged.groups[0].pools.plain_rows
+        assert rows.shape[1] == 2 * 3                              # 3 history pages per row instead of 16
+        assert paged.nbytes < full.nbytes
+        import jax.numpy as jnp
+        q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(5)).bfloat16()
+        lens = paged.kv_lens[1]
+        out = paged.attend(1, q, lens, sliding_window=5).float()
+        ref, _ = jm.decode_attention(paged.as_cache_state(1), 0, jnp.asarray(q.transpose(1, 2).float().numpy(),
+                                     jnp.bfloat16), jnp.arange(2), sliding_window=5, backend="reference")
+        torch.testing.assert_close(out, torch.from_numpy(np.array(ref.astype(jnp.float32))), rtol=2e-2, atol=2e-2)
+        with pytest.raises(ValueError, match="holds a window of 5 tokens"):
+            paged.attend(1, q, lens)
+
+
+@pytest.mark.gpu
+def test_generate_compiled_into_cuda_graphs():
+    """On a GPU ``generate`` compiles the static cache's decode step (mode "reduce-overhead": CUDA graphs) with the
+    Triton kernels inside: an all-high cache gives DynamicCache's tokens on a tiny model, and a SmolLM2-shaped
+    model (30 layers, 9 / 3 heads, head_dim 64) runs with the recommended cache at batch 4 x 512."""
+    dev = "cuda"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    with torch.device(dev):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1)).to(dev)
+    mask = torch.ones_like(ids)
+    want, _ = _reference(model, ids, mask)
+    cache = _static(model, ALL_HIGH, batch_size=2)
+    got, _ = _generate(model, ids, mask, cache)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    cache.raise_errors()
+    big = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    with torch.device(dev):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**big)).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 49152, (4, 512), generator=torch.Generator().manual_seed(2)).to(dev)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = JMixedStaticCache.for_model(model, KVCacheConfig.recommended(max_draft_len=4), max_batch_size=4,
+                                       max_cache_len=512 + 32)
+    out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, cache=cache, pad_token_id=0)
+    cache.raise_errors()
+    assert out.shape == (4, 544) and int(cache.get_seq_length()) == 543
