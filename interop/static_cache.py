@@ -17,9 +17,11 @@ State on the device, updated in place by the ops (static addresses: CUDA-graph s
 
 * ``kv_lens i32[L, B]``: stored (real) tokens per layer and row; a step's tokens sit at the positions the model
   gives (``position_ids``: real token ``i`` of a row at position ``i``; left padding is not stored).
-* ``error i32[]``: sticky bits (`jmixedkv.checks`'s ``ERR_BAD_POSITION`` / ``ERR_TOO_LONG``) set when a step's
-  positions do not continue a row or run past ``max_cache_len``; such a row is left unchanged (nothing written, its
-  length kept) and its attention output is NaN. `raise_errors` reads it (one host sync: call it between steps).
+* ``written i32[L, B]``: the furthest length each row has reached (its rewind floor is ``max_draft_len`` below).
+* ``error i32[]``: sticky bits (`jmixedkv.checks`'s ``ERR_BAD_POSITION`` / ``ERR_TOO_LONG`` /
+  ``ERR_BAD_CORRECTION``) set when a step's positions do not continue a row or run past ``max_cache_len``, or a
+  rewind would cross a row's floor; such a row is left unchanged (nothing written, its length kept) and a step's
+  attention output for it is NaN. `raise_errors` reads it (one host sync: call it between steps).
 
 Levers: ``rotation="hadamard"`` rotates K / V before the write and q / the output around the attention (float32,
 `interop.torch_nvfp4.rotate`), so readers see model space; ``block_scale="4over6"`` is the write's. K smoothing is a
@@ -35,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from jmixedkv.checks import ERR_BAD_POSITION, ERR_TOO_LONG
+from jmixedkv.checks import ERR_BAD_CORRECTION, ERR_BAD_POSITION, ERR_TOO_LONG
 from jmixedkv.config import KVCacheConfig
 
 from . import paged_ops, torch_nvfp4
@@ -124,6 +126,7 @@ class StaticPagedCache:
         width = self.geom.width if self.geom is not None else 0
         self.high_table = torch.arange(b * width, dtype=torch.int32, device=self.device).reshape(b, width)
         self.kv_lens = torch.zeros(num_layers, b, dtype=torch.int32, device=self.device)
+        self.written = torch.zeros(num_layers, b, dtype=torch.int32, device=self.device)
         self.error = torch.zeros((), dtype=torch.int32, device=self.device)
         self._hadamard = (torch_nvfp4.hadamard(head_dim, self.device) if config.rotation is not None else None)
 
@@ -167,7 +170,7 @@ class StaticPagedCache:
 
     def tensors(self):
         """Every device tensor the ops read or write in place (mark them static for CUDA graphs)."""
-        out = [self.high_table, self.kv_lens, self.error]
+        out = [self.high_table, self.kv_lens, self.written, self.error]
         for grp in self.groups:
             out += [t for t in grp.pools if t is not None] + [grp.page_table]
         return out
@@ -190,7 +193,7 @@ class StaticPagedCache:
         if not 1 <= b <= self.max_batch_size or (h, d) != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
             raise ValueError(f"StaticPagedCache.append: k {list(k.shape)} / v {list(v.shape)}; expected "
                              f"[B <= {self.max_batch_size}, {self.num_kv_heads}, T, {self.head_dim}]")
-        if positions.dim() != 2 or positions.shape[-1] != t or positions.shape[0] not in (1, b):
+        if t < 1 or positions.dim() != 2 or positions.shape[-1] != t or positions.shape[0] not in (1, b):
             raise ValueError(f"StaticPagedCache.append: positions {list(positions.shape)}; expected [{b} or 1, {t}]")
         pos = positions.to(device=self.device, dtype=torch.int64).expand(b, t)
         before = self.kv_lens[layer, :b].to(torch.int64)
@@ -209,6 +212,7 @@ class StaticPagedCache:
                              self.page_size, self.config.block_scale)
         lens = torch.where(bad, before, before + new).to(torch.int32)
         self.kv_lens[layer, :b].copy_(lens)
+        self.written[layer, :b].copy_(torch.maximum(self.written[layer, :b], lens))
         bits = (torch.where(too_long.any(), ERR_TOO_LONG, 0)
                 | torch.where((bad & ~too_long).any(), ERR_BAD_POSITION, 0))
         self.error.bitwise_or_(bits.to(torch.int32))
@@ -255,16 +259,24 @@ class StaticPagedCache:
     def reset(self) -> None:
         """Every row empty (pools are not cleared: rows past ``kv_lens`` are never read)."""
         self.kv_lens.zero_()
+        self.written.zero_()
         self.error.zero_()
 
     def rewind(self, n: int) -> None:
-        """Drop the last ``n`` tokens of every row of every layer (``0 <= n <= max_draft_len``: the twin's ring keeps
-        exactly that much slack behind the furthest row written, docs/DESIGN.md §4)."""
+        """Drop the last ``n`` tokens of every row of every layer, within each row's rewind floor: at most
+        ``max_draft_len`` behind the furthest position it has written (the twin's ring and a sliding layer's ring
+        keep exactly that much slack, docs/DESIGN.md §4). ``n`` past ``max_draft_len`` raises; a row whose floor
+        it would cross (earlier rewinds) is left unchanged and sets ``ERR_BAD_CORRECTION`` (`raise_errors`). No
+        host sync."""
         limit = self.config.max_draft_len
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= limit:
             raise ValueError(f"StaticPagedCache.rewind: n={n!r}; expected 0 <= n <= max_draft_len={limit} (build the "
                              f"KVCacheConfig with a larger max_draft_len)")
-        self.kv_lens.sub_(n).clamp_(min=0)
+        new = self.kv_lens - n
+        unused = self.written == 0                                       # rows no step has written since reset
+        ok = (new >= torch.clamp(self.written - limit, min=0)) | unused
+        self.kv_lens.copy_(torch.where(ok & ~unused, new, self.kv_lens))
+        self.error.bitwise_or_(torch.where(ok.all(), 0, ERR_BAD_CORRECTION).to(torch.int32))
 
     def select_rows(self, src_rows) -> None:
         """Row ``b`` continues old row ``src_rows[b]`` (beam search / batch selection): whole pages are copied;
@@ -283,9 +295,10 @@ class StaticPagedCache:
                     continue
                 view = t.view(t.shape[0], b, per_row, *t.shape[2:])
                 view[:, :n] = view[:, src].clone()
-        lens = self.kv_lens.clone()
-        self.kv_lens.zero_()
-        self.kv_lens[:, :n] = lens[:, src]
+        for t in (self.kv_lens, self.written):
+            old = t.clone()
+            t.zero_()
+            t[:, :n] = old[:, src]
 
     def as_cache_state(self, layer: int):
         """One layer of the cache as a one-layer JAX `jmixedkv.CacheState` (its pools, page table and twin table,

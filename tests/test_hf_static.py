@@ -175,6 +175,15 @@ def test_bad_steps_refused_and_other_rows_unchanged(model, batch):
         cache.raise_errors()
     with pytest.raises(ValueError, match="max_draft_len=4"):
         cache.crop(-5)
+    # rewinds add up against the floor (max_draft_len behind the furthest written): 3 + 3 > 4 is refused
+    lens0 = paged.kv_lens.clone()
+    paged.rewind(3)
+    assert torch.equal(paged.kv_lens[:, :2], lens0[:, :2] - 3) and not paged.kv_lens[:, 2:].any()
+    paged.raise_errors()                                           # unused rows are not refusals
+    paged.rewind(3)
+    assert torch.equal(paged.kv_lens[:, :2], lens0[:, :2] - 3)     # refused: every row unchanged
+    with pytest.raises(ValueError, match="ERR_BAD_CORRECTION|correction"):
+        paged.raise_errors()
     with pytest.raises(ValueError, match="inference-only"):
         cache.reset()
         model(ids, attention_mask=mask, cache=cache)
