@@ -6,6 +6,9 @@
   FlashInfer's base 2), and the reads as ``torch.ops.jmixedkv.decode_attention`` / ``stage_dense`` custom ops.
 * `interop.hf` (needs ``transformers``; import it explicitly): `JMixedKVCache`, a ``transformers.Cache`` for
   ``model.generate(..., past_key_values=...)``, and the ``attn_implementation="jmixedkv"`` attention function.
+* `interop.static_cache`: `StaticPagedCache`, the torch-native hot path (torch-owned pools, the custom ops of
+  `interop.paged_ops`: Triton kernels on CUDA, capturable in CUDA graphs); `interop.hf_static.JMixedStaticCache`
+  is its compileable transformers ``Cache``.
 * `interop.layouts`: FlashInfer CSR page tables, vLLM block tables and slot mappings, NHD/HND page views, NVFP4
   pages in FlashInfer's paged NVFP4 layout.
 * `interop.llama_torch`: transformers' ``LlamaForCausalLM`` (tiny, random) on the cache vs ``DynamicCache``
@@ -13,7 +16,8 @@
 """
 from .dlpack import ZeroCopyError, from_torch, nvfp4_to_torch, same_buffer, to_torch
 from .torch_cache import TorchKVCache, TorchStaged, lse_from_base2, lse_to_base2
+from .static_cache import StaticPagedCache
 from . import layouts
 
 __all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "ZeroCopyError", "TorchKVCache", "TorchStaged",
-           "lse_to_base2", "lse_from_base2", "layouts"]
+           "StaticPagedCache", "lse_to_base2", "lse_from_base2", "layouts"]
