@@ -26,6 +26,7 @@ SMOKE = {"write_bench": ["--smoke", "--out", "{out}"],
          "decode_bench:geometry": ["--geometry-grid", "--smoke", "--head-dims", "64", "--groups", "2", "--pages", "16",
                                    "--tqs", "1", "--variants", "k64w2", "--out", "{out}"],
          "hf_bench": ["--smoke", "--out", "{out}/hf_bench.json"],
+         "flashinfer_bench": ["--smoke", "--out", "{out}"],
          "serve_bench": ["--smoke", "--caches", "bf16,mixed:4:64", "--out", "{out}"],
          "accuracy": ["--texts", "prose", "--caches", "bf16,nvfp4", "--tokens", "64", "--window", "8", "--buckets",
                       "2", "--out", "{out}/accuracy.json"]}

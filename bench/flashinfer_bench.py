@@ -1,0 +1,550 @@
+"""FlashInfer's paged decode over the staged cache, checked against ours, and timed beside our decode kernels.
+
+For each case (batch x context, KV / q heads, head_dim; page 16) and each config (`KVCacheConfig.recommended()`,
+plain ``bf16`` and plain ``nvfp4``): a one-layer `interop.TorchKVCache` gets random rows appended,
+``stage(0, slots)`` gives FlashInfer's HND paged cache ``pages [N, 2, H, page, D]`` and ``flashinfer_csr()`` its
+``(kv_indptr, kv_indices, kv_last_page_len)``, checked for the shapes and dtypes
+``BatchDecodeWithPagedKVCacheWrapper.plan`` / ``run`` take. Three answers are compared for queries ``q [B, Hq, D]``
+(scaled by 2, so the softmax is not flat):
+
+* ours: ``cache.decode_attention(0, q, slots)`` (the fused kernel over the stored cache; natural-log LSE);
+* the CSR reference: float32 attention computed in torch from exactly what FlashInfer reads (the CSR and the HND
+  pages), returning FlashInfer's base-2 LSE (`csr_attention`); converted with `interop.lse_from_base2`;
+* FlashInfer (CUDA only): ``BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")``, ``plan(...)``,
+  ``run(q, pages, return_lse=True)``; and its FP8 KV path on the pages quantized to e4m3 with per-tensor
+  ``k_scale`` / ``v_scale`` (checked against the CSR reference over the same FP8 pages).
+
+The ``nvfp4`` cache's pool is also handed over as stored (`interop.layouts.nvfp4_pages`: u8 E2M1 + E4M3 scales,
+HND, ``k_scale`` / ``v_scale`` the decode global scales; CSR from ``cache.flashinfer_page_table``): ours is checked
+against the CSR reference over that pool dequantized exactly in float32 (`nvfp4_dense`), and with
+``--flashinfer-nvfp4`` FlashInfer's NVFP4 KV decode (FA2 tensor-core path, ``kv_cache_sf``; its JIT builds the
+prefill kernels, minutes) runs on it too.
+
+Tolerances (bf16 rounding): output ``max|a - b| <= 2^-6 * max|b|``, LSE ``max|a - b| <= 2^-6`` (natural log).
+
+Timed on a GPU with CUDA events (`common.time_torch`; ms per call): FlashInfer bf16 and FP8 KV decode on the staged
+pages of the recommended cache (NVFP4 KV on the nvfp4 pool); ours end to end (``TorchKVCache.decode_attention``,
+host dispatch and DLPack included) and jitted (`jmixedkv.decode.decode_attention` under ``jax.jit``,
+`common.time_jax`); the torch-native Triton kernel (`interop.triton_attention.bench_paged_attention`,
+``mixed_bf16``, its own random pools of the same geometry); and ``stage`` itself (what a FlashInfer handoff pays per
+layer). Each row gives GB/s of the bytes the format must read (bf16 / FP8 K + V; NVFP4: packed K + V, E4M3 scales
+and the retained twin rows) and ``x floor``: the time over those bytes at the copy bandwidth measured in-run.
+
+    PYTHONPATH=. python3 bench/flashinfer_bench.py --out DIR                 # GPU: every case
+    PYTHONPATH=. python3 bench/flashinfer_bench.py --cases 16x32768:8/32/128 --out DIR
+    PYTHONPATH=. python3 bench/flashinfer_bench.py --smoke --out DIR         # CPU: tiny case, no timing
+
+FlashInfer is not on the GPU image: carry it as wheels (``bash bench/tools/pack_flashinfer.sh`` here, then the pip
+line it prints). If ``import flashinfer`` or its JIT fails, the exception text goes into the output and the JSON
+(``flashinfer.error``, a row's ``*_error``; a path that failed is not tried again) and the exit code is 2.
+``--smoke`` on the CPU runs everything but FlashInfer and the timings and records ``flashinfer: needs CUDA``; on a
+GPU it runs FlashInfer untimed (with ``--cases``: JIT-builds its kernels for those head dims). Writes
+``DIR/flashinfer_bench.json``, and on a GPU the markdown section ``DIR/flashinfer_bench.md``, also appended to
+bench/RESULTS.md unless ``--no-md``. Exit 0: every check passed; 1: a check failed; 2: FlashInfer did not run.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from interop import TorchKVCache, lse_from_base2, lse_to_base2  # noqa: E402
+from interop import layouts  # noqa: E402
+from interop.dlpack import from_torch  # noqa: E402
+from jmixedkv import KVCacheConfig  # noqa: E402
+from jmixedkv.decode import decode_attention as jax_decode_attention  # noqa: E402
+from common import append_results, copy_bandwidth_tbs, time_jax, time_torch, torch_cuda, utc_now, versions, \
+    write_json  # noqa: E402
+
+#: (batch, context, KV heads, q heads, head_dim): the decode bench's 16 x 32k and 64 x 8k at Llama-3-8B's heads,
+#: and at SmolLM2's 3 / 9 heads of head_dim 64
+CASES = ((16, 32768, 8, 32, 128), (64, 8192, 8, 32, 128), (16, 32768, 3, 9, 64), (64, 8192, 3, 9, 64))
+SMOKE_CASES = ((2, 40, 2, 8, 64),)
+PAGE = 16
+#: appended tokens per `TorchKVCache.append` call while filling a cache
+APPEND_CHUNK = 16384
+OUT_RTOL = 2.0 ** -6
+LSE_ATOL = 2.0 ** -6
+E4M3_MAX = 448.0
+WORKSPACE_BYTES = 128 << 20
+NEEDS_CUDA = "needs CUDA"
+
+
+#: e2m1 nibble -> value (bit 3 the sign)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def configs():
+    """name -> `KVCacheConfig` of every cache the bench builds (page `PAGE`): the recommended mixed cache, plain
+    bf16, and plain NVFP4 (no lever: its pool is FlashInfer's paged NVFP4 KV as stored)."""
+    return {"recommended": KVCacheConfig.recommended(page_size=PAGE), "bf16": KVCacheConfig("bf16", page_size=PAGE),
+            "nvfp4": KVCacheConfig("nvfp4", page_size=PAGE)}
+
+
+def parse_cases(text):
+    """``"16x32768:8/32/128,..."`` -> ((batch, context, KV heads, q heads, head_dim), ...), each value checked."""
+    out = []
+    for item in text.split(","):
+        try:
+            bc, heads = item.split(":")
+            b, c = (int(x) for x in bc.split("x"))
+            h, hq, d = (int(x) for x in heads.split("/"))
+        except ValueError:
+            raise ValueError(f"--cases: {item!r} is not BATCHxCONTEXT:KV/Q/HEAD_DIM (e.g. 16x32768:8/32/128)")
+        if min(b, c, h, hq, d) < 1 or hq % h:
+            raise ValueError(f"--cases: {item!r} needs positive values and q heads a multiple of KV heads")
+        out.append((b, c, h, hq, d))
+    return tuple(out)
+
+
+def error_text(e: BaseException, limit: int = 4000) -> str:
+    """``Type: message`` of ``e`` (at most ``limit`` characters, the end kept: a JIT failure's log ends there)."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+def filled_cache(cfg, batch, context, kv_heads, head_dim, device, seed=0):
+    """A one-layer `TorchKVCache` of ``batch`` sequences holding ``context`` random bf16 rows each (appended
+    `APPEND_CHUNK` tokens at a time) and the slots ``i32[batch]`` (torch, on ``device``)."""
+    pages = -(-context // PAGE)
+    cache = TorchKVCache(cfg, num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, num_pages=batch * pages,
+                         max_seqs=batch, max_pages_per_seq=pages, validate=False)
+    slots = [cache.admit() for _ in range(batch)]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seq_all = np.repeat(np.asarray(slots, np.int32), context)
+    pos_all = np.tile(np.arange(context, dtype=np.int32), batch)
+    for t0 in range(0, seq_all.size, APPEND_CHUNK):
+        seq, pos = seq_all[t0:t0 + APPEND_CHUNK], pos_all[t0:t0 + APPEND_CHUNK]
+        k, v = (torch.randn((seq.size, kv_heads, head_dim), generator=gen, device=device).to(torch.bfloat16)
+                for _ in range(2))
+        cache.append(0, k, v, seq, pos)
+    return cache, torch.tensor(slots, dtype=torch.int32, device=device)
+
+
+def plan_inputs_problems(csr, pages, kv_lens, batch, kv_heads, head_dim, dtype, device):
+    """What ``plan(kv_indptr, kv_indices, kv_last_page_len, Hq, H, D, page)`` / ``run(q, pages)`` would refuse or
+    misread in the CSR and the HND pages; an empty list when they are what FlashInfer takes (``device`` None: the
+    devices are not checked)."""
+    indptr, indices, last = csr
+    bad = []
+    for name, t, n in (("kv_indptr", indptr, batch + 1), ("kv_last_page_len", last, batch)):
+        if t.dtype != torch.int32 or tuple(t.shape) != (n,):
+            bad.append(f"{name}: {t.dtype} {list(t.shape)}, want int32 [{n}]")
+    if indices.dtype != torch.int32 or indices.dim() != 1:
+        bad.append(f"kv_indices: {indices.dtype} {list(indices.shape)}, want int32 1-D")
+    if pages.dtype != dtype or tuple(pages.shape[1:]) != (2, kv_heads, PAGE, head_dim):
+        bad.append(f"pages: {pages.dtype} {list(pages.shape)}, want {dtype} [N, 2, {kv_heads}, {PAGE}, {head_dim}] "
+                   f"(HND)")
+    for name, t in (("kv_indptr", indptr), ("kv_indices", indices), ("kv_last_page_len", last), ("pages", pages)):
+        if device is not None and t.device != device:
+            bad.append(f"{name} is on {t.device}, the queries on {device}")
+    if bad:
+        return bad
+    ip, ix, lp = (t.cpu().numpy() for t in (indptr, indices, last))
+    if ip[0] != 0 or (np.diff(ip) < 0).any() or ip[-1] != ix.size:
+        bad.append(f"kv_indptr {ip.tolist()[:8]}... is not a CSR offset array over {ix.size} indices")
+    if ix.size and (ix.min() < 0 or ix.max() >= pages.shape[0]):
+        bad.append(f"kv_indices outside [0, {pages.shape[0]}): min {ix.min()}, max {ix.max()}")
+    if ((lp < 1) | (lp > PAGE)).any():
+        bad.append(f"kv_last_page_len outside [1, {PAGE}]: {lp.tolist()[:8]}")
+    lens = layouts.seq_lens_from_csr(ip, lp, PAGE)
+    if not np.array_equal(lens, kv_lens.cpu().numpy()):
+        bad.append(f"FlashInfer's lengths {lens.tolist()[:8]} differ from kv_lens {kv_lens.cpu().tolist()[:8]}")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------------ references
+def csr_attention(q, pages, csr, sm_scale, k_scale=1.0, v_scale=1.0):
+    """Float32 decode attention as FlashInfer's paged decode reads the cache: ``q [B, Hq, D]``, HND ``pages
+    [N, 2, H, page, D]`` (any float dtype; K / V values times ``k_scale`` / ``v_scale``), ``csr`` = (kv_indptr,
+    kv_indices, kv_last_page_len). Query head ``h`` reads KV head ``h // (Hq / H)``. Returns ``(out f32[B, Hq, D],
+    lse2 f32[B, Hq])``, the LSE in base 2 (FlashInfer's convention); a row without keys gives 0 and -inf."""
+    indptr, indices, last = (t.cpu().tolist() for t in csr)
+    b, hq, d = q.shape
+    h, page = pages.shape[2], pages.shape[3]
+    out = torch.zeros((b, hq, d), dtype=torch.float32, device=q.device)
+    lse2 = torch.full((b, hq), -math.inf, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        ids = indices[indptr[i]:indptr[i + 1]]
+        n = (len(ids) - 1) * page + last[i] if ids else 0
+        if n == 0:
+            continue
+        kv = pages[torch.tensor(ids, device=pages.device)].float()             # [P, 2, H, page, D]
+        k = kv[:, 0].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n] * k_scale
+        v = kv[:, 1].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n] * v_scale
+        s = torch.einsum("hgd,hnd->hgn", q[i].float().reshape(h, hq // h, d), k) * sm_scale
+        lse = torch.logsumexp(s, dim=-1)
+        out[i] = torch.einsum("hgn,hnd->hgd", torch.exp(s - lse[..., None]), v).reshape(hq, d)
+        lse2[i] = lse_to_base2(lse).reshape(hq)
+    return out, lse2
+
+
+def compare(out, lse, ref_out, ref_lse, checked=True):
+    """``{out_err, lse_err, ok}``: output error relative to ``max|ref_out|``, LSE max abs error (natural log), and
+    whether both are within `OUT_RTOL` / `LSE_ATOL` (no ``ok`` when not ``checked``: an error for information)."""
+    out, ref_out = out.float().reshape(ref_out.shape), ref_out.float()
+    out_err = float((out - ref_out).abs().max() / ref_out.abs().max().clamp(min=1e-30))
+    lse_err = float((lse.float().reshape(ref_lse.shape) - ref_lse.float()).abs().max())
+    if not checked:
+        return dict(out_err=out_err, lse_err=lse_err)
+    ok = math.isfinite(out_err) and math.isfinite(lse_err) and out_err <= OUT_RTOL and lse_err <= LSE_ATOL
+    return dict(out_err=out_err, lse_err=lse_err, ok=ok)
+
+
+def fp8_pages(pages):
+    """``(pages e4m3 [N, 2, H, page, D], k_scale, v_scale)``: per-tensor scales ``amax / 448`` of K and V."""
+    scales = [float(pages[:, i].float().abs().amax().clamp(min=1e-12)) / E4M3_MAX for i in (0, 1)]
+    out = torch.empty(pages.shape, dtype=torch.float8_e4m3fn, device=pages.device)
+    for i, s in enumerate(scales):
+        out[:, i] = (pages[:, i].float() / s).to(torch.float8_e4m3fn)
+    return out, scales[0], scales[1]
+
+
+def nvfp4_dense(nv, chunk=4096):
+    """Float32 HND pages ``[P, 2, H, page, D]`` of `interop.layouts.NVFP4Pages` ``nv`` (HND): element ``2i`` the low
+    nibble, ``x = (e2m1 * f32(block scale)) * k_scale`` (``v_scale`` for V), one block scale per 16 elements."""
+    table = torch.tensor(E2M1, dtype=torch.float32, device=nv.k_data.device)
+    p, h, page, half = nv.k_data.shape
+    out = torch.empty((p, 2, h, page, 2 * half), dtype=torch.float32, device=nv.k_data.device)
+    for i, (data, scales, gs) in enumerate(((nv.k_data, nv.k_scales, nv.k_scale),
+                                            (nv.v_data, nv.v_scales, nv.v_scale))):
+        for a in range(0, p, chunk):
+            d = data[a:a + chunk].long()
+            x = torch.stack((table[d & 0xF], table[d >> 4]), dim=-1).reshape(*d.shape[:-1], 2 * half)
+            s = scales[a:a + chunk].view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=-1)
+            out[a:a + chunk, i] = x * s * gs
+    return out
+
+
+def nvfp4_problems(nv, csr, kv_lens, batch, kv_heads, head_dim, device):
+    """What FlashInfer's NVFP4 KV path (``run(q, (k, v), kv_cache_sf=(k_sf, v_sf), k_scale, v_scale)``) would refuse
+    or misread in the pool export and its CSR; an empty list when they are what it takes."""
+    p = nv.k_data.shape[0]
+    bad = [f"{n}: {t.dtype} {list(t.shape)}, want {dt} [{p}, {kv_heads}, {PAGE}, {w}] (HND)"
+           for n, t, dt, w in (("k_data", nv.k_data, torch.uint8, head_dim // 2),
+                               ("v_data", nv.v_data, torch.uint8, head_dim // 2),
+                               ("k_scales", nv.k_scales, torch.float8_e4m3fn, head_dim // 16),
+                               ("v_scales", nv.v_scales, torch.float8_e4m3fn, head_dim // 16))
+           if t.dtype != dt or tuple(t.shape) != (p, kv_heads, PAGE, w)]
+    if nv.kv_transform and (nv.kv_transform.get("rotated") or nv.kv_transform.get("k_shift")):
+        bad.append(f"the pool is stored transformed ({nv.kv_transform}): FlashInfer would attend in the wrong basis")
+    shape = (p, 2, kv_heads, PAGE, head_dim)
+    return bad + plan_inputs_problems(csr, torch.empty(shape, dtype=torch.float32, device="meta"), kv_lens, batch,
+                                      kv_heads, head_dim, torch.float32, None)
+
+
+# ------------------------------------------------------------------------------------------------ FlashInfer
+def jit_environment():
+    """Point FlashInfer's JIT link at the CUDA libraries (returns what it set, for the status). FlashInfer takes
+    ``CUDA_HOME`` as the parent of ``which nvcc``'s folder when unset, which is wrong for a wrapper script such as
+    ``/usr/local/bin/nvcc`` (then ``-lcudart`` is not found): default it to ``/usr/local/cuda``. Its link also needs
+    ``-lcuda``; when neither ``$CUDA_HOME/lib64`` nor its ``stubs`` holds ``libcuda.so``, link against the driver's
+    ``libcuda.so.1`` through a symlink (``FLASHINFER_EXTRA_LDFLAGS``)."""
+    done = {}
+    if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.isdir("/usr/local/cuda"):
+        os.environ["CUDA_HOME"] = done["CUDA_HOME"] = "/usr/local/cuda"
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or ""
+    if not any(os.path.exists(os.path.join(home, d, "libcuda.so")) for d in ("lib64", "lib64/stubs")):
+        import ctypes.util
+        import tempfile
+        name = ctypes.util.find_library("cuda")          # the driver's libcuda.so.1, via ldconfig
+        found = [os.path.join(d, n) for d in ("/usr/local/nvidia/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib64")
+                 for n in ("libcuda.so.1", name or "libcuda.so.1") if os.path.exists(os.path.join(d, n))]
+        if found:
+            link_dir = tempfile.mkdtemp(prefix="libcuda_")
+            os.symlink(found[0], os.path.join(link_dir, "libcuda.so"))
+            flags = (os.environ.get("FLASHINFER_EXTRA_LDFLAGS", "") + f" -L{link_dir}").strip()
+            os.environ["FLASHINFER_EXTRA_LDFLAGS"] = done["FLASHINFER_EXTRA_LDFLAGS"] = flags
+            done["libcuda"] = found[0]
+    return done
+
+
+def load_flashinfer(cuda: bool):
+    """``(module or None, status dict)``: ``{"status": "needs CUDA"}`` off CUDA (nothing imported), else the import's
+    version or its exception text, with the JIT's tools and `jit_environment`'s settings."""
+    if not cuda:
+        return None, {"status": NEEDS_CUDA}
+    env = jit_environment()
+    tools = dict(nvcc=shutil.which("nvcc"), ninja=shutil.which("ninja"), cuda_home=os.environ.get("CUDA_HOME"),
+                 env_set=env)
+    try:
+        import flashinfer
+    except Exception as e:
+        return None, {"status": "import failed", "error": error_text(e), **tools}
+    return flashinfer, {"status": "imported", "version": getattr(flashinfer, "__version__", "?"),
+                        "path": os.path.dirname(flashinfer.__file__), **tools}
+
+
+def flashinfer_decoder(fi, csr, hq, h, d, kv_dtype, q_dtype=torch.bfloat16):
+    """A planned ``BatchDecodeWithPagedKVCacheWrapper`` (HND, FA2: the JIT decode kernel; NVFP4 KV, ``kv_dtype``
+    uint8, takes FA2's tensor-core path, its prefill kernels) for the CSR."""
+    ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=csr[0].device)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", backend="fa2", use_tensor_cores=kv_dtype == torch.uint8)
+    wrapper.plan(*csr, hq, h, d, PAGE, q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype,
+                 sm_scale=d ** -0.5)
+    return wrapper
+
+
+def run_flashinfer(fi, name, csr, q, pages, h, scales, ref, ours, timing, ours_checked=None, **run_kw):
+    """Plan / run FlashInfer on ``pages`` (a 5-D HND tensor or a ``(k, v)`` pair; ``scales``: ``(k_scale,
+    v_scale)`` of FP8 / NVFP4 pages or None; ``run_kw``: more ``run`` arguments, e.g. ``kv_cache_sf``); check its
+    output and LSE (base 2 -> natural log) against ``ref`` (the CSR reference over the same pages) and against
+    ``ours`` (checked by default for unscaled pages; for FP8 pages, whose rounding is coarser than the tolerance,
+    the error is recorded only); time it when ``timing``. Returns the row's fields (``{name}_error`` on failure)."""
+    b, hq, d = q.shape
+    kw = dict(run_kw) if scales is None else dict(run_kw, k_scale=scales[0], v_scale=scales[1])
+    ours_checked = scales is None if ours_checked is None else ours_checked
+    kv_dtype = pages[0].dtype if isinstance(pages, tuple) else pages.dtype
+    try:
+        wrapper = flashinfer_decoder(fi, csr, hq, h, d, kv_dtype)
+        out, lse2 = wrapper.run(q, pages, return_lse=True, **kw)
+        torch.cuda.synchronize()
+    except Exception as e:
+        traceback.print_exc()
+        return {f"{name}_error": error_text(e)}
+    row = {f"{name}_vs_reference": compare(out, lse_from_base2(lse2), *ref),
+           f"{name}_vs_ours": compare(out, lse_from_base2(lse2), *ours, checked=ours_checked)}
+    if timing:
+        row[f"{name}_ms"] = time_torch(torch, lambda: wrapper.run(q, pages, return_lse=True, **kw))
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def bytes_read(batch, context, h, d, fmt, cfg=None):
+    """Bytes a decode of one layer must read: K + V of ``batch * context`` tokens in ``fmt`` ("bf16", "fp8" or
+    "nvfp4": packed E2M1 + E4M3 scales per 16, plus ``cfg``'s retained first_n + last_n twin rows in bf16)."""
+    elems = batch * context * h * d * 2
+    if fmt == "nvfp4":
+        twin = batch * min(context, cfg.first_n + cfg.last_n) * h * d * 2 * 2 if cfg.first_n + cfg.last_n else 0
+        return elems * (0.5 + 1 / 16) + twin
+    return elems * {"bf16": 2, "fp8": 1}[fmt]
+
+
+def time_ours(cache, q, slots):
+    """``(end to end ms, jitted ms)`` of our decode: ``TorchKVCache.decode_attention`` between CUDA events (host
+    dispatch and DLPack included) and `jmixedkv.decode.decode_attention` jitted over the state (`time_jax`)."""
+    e2e = time_torch(torch, lambda: cache.decode_attention(0, q, slots, sync="stream", validate=False))
+    qj = from_torch(q.unsqueeze(1), copy=True)
+    seq = jnp.asarray(slots.cpu().numpy())
+    fn = jax.jit(lambda st, qq: jax_decode_attention(st, 0, qq, seq, backend=cache.backend))
+    return e2e, time_jax(fn, cache.state, qj)
+
+
+def time_triton(batch, context, h, hq, d, cfg):
+    """The torch-native Triton kernel's ms on its own random ``mixed_bf16`` pools of this geometry."""
+    from interop.triton_attention import bench_paged_attention
+    return bench_paged_attention(batch, context, h, hq // h, d, PAGE, fmt="mixed_bf16", first_n=cfg.first_n,
+                                 last_n=cfg.last_n)["ms"]
+
+
+# ------------------------------------------------------------------------------------------------ one case
+def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
+    """Every config of one case: the CSR / page checks, ours vs the CSR reference, FlashInfer (``fi`` not None) bf16
+    and FP8 vs both, and (``timing``) the times; for the NVFP4 config also the pool export (`nvfp4_pool`). Returns
+    the case's row. ``skip``: a set of the FlashInfer paths (``"flashinfer_bf16"`` / ``"flashinfer_fp8"`` /
+    ``"flashinfer_nvfp4"``) that failed earlier (not tried again: a failing JIT build can take minutes); a path that
+    fails here is added to it."""
+    skip = set() if skip is None else skip
+    batch, context, h, hq, d = case
+    row = dict(batch=batch, context=context, kv_heads=h, q_heads=hq, head_dim=d, page=PAGE, configs={})
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = (2 * torch.randn((batch, hq, d), generator=gen, device=device)).to(torch.bfloat16)
+    for name, cfg in configs().items():
+        cache, slots = filled_cache(cfg, batch, context, h, d, device)
+        out, lse = cache.decode_attention(0, q, slots)
+        staged = cache.stage(0, slots)
+        csr = staged.flashinfer_csr()
+        got = dict(plan_problems=plan_inputs_problems(csr, staged.pages, staged.kv_lens, batch, h, d,
+                                                      cache.attention_dtype, device))
+        ref_out, ref_lse2 = csr_attention(q, staged.pages, csr, d ** -0.5)
+        ref = (ref_out, lse_from_base2(ref_lse2))
+        got["ours_vs_reference"] = compare(out, lse, *ref)
+        if fi is not None and "flashinfer_bf16" not in skip:
+            got.update(run_flashinfer(fi, "flashinfer_bf16", csr, q, staged.pages, h, None, ref, (out, lse), timing))
+        if fi is not None and "flashinfer_fp8" not in skip:
+            p8, ks, vs = fp8_pages(staged.pages)
+            ref8 = csr_attention(q, p8, csr, d ** -0.5, ks, vs)
+            got.update(run_flashinfer(fi, "flashinfer_fp8", csr, q, p8, h, (ks, vs),
+                                      (ref8[0], lse_from_base2(ref8[1])), (out, lse), timing))
+            del p8
+        if name == "nvfp4":
+            got.update(nvfp4_pool(cache, cfg, q, slots, (out, lse), fi if fi_nvfp4 and "flashinfer_nvfp4" not in skip
+                                  else None, timing))
+        skip.update(k[:-len("_error")] for k in got if k.endswith("_error"))
+        if timing:
+            got["ours_e2e_ms"], got["ours_jit_ms"] = time_ours(cache, q, slots)
+            got["stage_ms"] = time_torch(torch, lambda: cache.stage(0, slots, sync="stream", validate=False))
+            if name == "recommended":
+                got["triton_ms"] = time_triton(batch, context, h, hq, d, cfg)
+        row["configs"][name] = got
+        del cache, staged, csr
+        jax.clear_caches()
+    return row
+
+
+def nvfp4_pool(cache, cfg, q, slots, ours, fi, timing):
+    """The NVFP4 pool as FlashInfer's paged NVFP4 KV (`interop.layouts.nvfp4_pages`, CSR from
+    ``cache.flashinfer_page_table``: history only, here the whole cache): its shapes, ours against the float32
+    CSR reference over the exactly dequantized pool, and FlashInfer's NVFP4 decode (``fi`` not None) against both."""
+    b, hq, d = q.shape
+    h = cache.groups[0].num_kv_heads
+    nv = layouts.nvfp4_pages(cache.state.pools[0].low, 0, "HND", config=cfg)
+    csr = cache.flashinfer_page_table(slots)
+    got = dict(nvfp4_plan_problems=nvfp4_problems(nv, csr, cache.kv_lens()[slots.long()], b, h, d, q.device))
+    ref_out, ref_lse2 = csr_attention(q, nvfp4_dense(nv), csr, d ** -0.5)
+    ref = (ref_out, lse_from_base2(ref_lse2))
+    got["ours_vs_pool_reference"] = compare(*ours, *ref)
+    if fi is not None:
+        got.update(run_flashinfer(fi, "flashinfer_nvfp4", csr, q, (nv.k_data, nv.v_data), h, (nv.k_scale, nv.v_scale),
+                                  ref, ours, timing, ours_checked=True, kv_cache_sf=(nv.k_scales, nv.v_scales)))
+    return got
+
+
+def checks_failed(rows):
+    """Names of the failed checks, ``"BxC/H/Hq/D config check"``."""
+    bad = []
+    for r in rows:
+        key = f"{r['batch']}x{r['context']}/{r['kv_heads']}/{r['q_heads']}/{r['head_dim']}"
+        for name, got in r["configs"].items():
+            bad += [f"{key} {name} {k}: {v}" for k, v in got.items() if k.endswith("plan_problems") and v]
+            bad += [f"{key} {name} {k}: {v}" for k, v in got.items() if isinstance(v, dict) and not v.get("ok", True)]
+    return bad
+
+
+def flashinfer_errors(rows):
+    """Every ``*_error`` a row recorded (FlashInfer's plan / JIT / run exception text)."""
+    return [f"{r['batch']}x{r['context']}/{r['head_dim']} {n} {k}: {v}" for r in rows
+            for n, got in r["configs"].items() for k, v in got.items() if k.endswith("_error")]
+
+
+# ------------------------------------------------------------------------------------------------ output
+def timing_rows(rows, copy_tbs):
+    """One line per (case, kernel) with a time: ``(shape, kernel, ms, GB/s, x floor)``."""
+    out = []
+    for r in rows:
+        b, c, h, d = r["batch"], r["context"], r["kv_heads"], r["head_dim"]
+        shape = f"{b} x {c}, {r['q_heads']}/{h} heads, D {d}"
+        rec, plain, nvfp4 = (r["configs"].get(n, {}) for n in ("recommended", "bf16", "nvfp4"))
+        cfgs = configs()
+        items = [("FlashInfer FA2, bf16 KV (staged pages)", rec.get("flashinfer_bf16_ms"), "bf16", None),
+                 ("FlashInfer FA2, FP8 KV (per-tensor scales)", rec.get("flashinfer_fp8_ms"), "fp8", None),
+                 ("FlashInfer FA2 tensor cores, NVFP4 KV (nvfp4 pool)", nvfp4.get("flashinfer_nvfp4_ms"), "nvfp4",
+                  "nvfp4"),
+                 ("jmixedkv fused, recommended, jitted", rec.get("ours_jit_ms"), "nvfp4", "recommended"),
+                 ("jmixedkv fused, recommended, TorchKVCache.decode_attention", rec.get("ours_e2e_ms"), "nvfp4",
+                  "recommended"),
+                 ("Triton torch-native, mixed_bf16", rec.get("triton_ms"), "nvfp4", "recommended"),
+                 ("jmixedkv fused, nvfp4 cache, jitted", nvfp4.get("ours_jit_ms"), "nvfp4", "nvfp4"),
+                 ("jmixedkv, bf16 cache, jitted", plain.get("ours_jit_ms"), "bf16", None),
+                 ("stage() of the recommended cache (handoff copy)", rec.get("stage_ms"), None, None)]
+        for kernel, ms, fmt, cfg in items:
+            if ms is None:
+                continue
+            nbytes = bytes_read(b, c, h, d, fmt, cfgs.get(cfg)) if fmt else None
+            gbs = nbytes / ms / 1e6 if nbytes else None
+            floor = ms / (nbytes / (copy_tbs * 1e12) * 1e3) if nbytes else None
+            out.append((shape, kernel, ms, gbs, floor))
+    return out
+
+
+def tables(rows, copy_tbs):
+    """Markdown: the timing table and the check table."""
+    t = ["| shape | kernel | ms | GB/s | x bytes floor |", "|---|---|---:|---:|---:|"]
+    for shape, kernel, ms, gbs, floor in timing_rows(rows, copy_tbs):
+        t.append(f"| {shape} | {kernel} | {ms:.3f} | {'' if gbs is None else f'{gbs:,.0f}'} | "
+                 f"{'' if floor is None else f'{floor:.2f}'} |")
+    c = ["| shape | config | check | out err (rel) | LSE err | ok |", "|---|---|---|---:|---:|---|"]
+    for r in rows:
+        shape = f"{r['batch']} x {r['context']}, {r['q_heads']}/{r['kv_heads']}, D {r['head_dim']}"
+        for name, got in r["configs"].items():
+            c.append(f"| {shape} | {name} | plan inputs (CSR, HND pages) | | | {not got['plan_problems']} |")
+            if "nvfp4_plan_problems" in got:
+                c.append(f"| {shape} | {name} | NVFP4 pool export (CSR, u8 + e4m3 pages) | | | "
+                         f"{not got['nvfp4_plan_problems']} |")
+            for k, v in got.items():
+                if isinstance(v, dict) and "out_err" in v:
+                    c.append(f"| {shape} | {name} | {k} | {v['out_err']:.2e} | {v['lse_err']:.2e} | "
+                             f"{v.get('ok', 'not checked')} |")
+    return "\n".join(t), "\n".join(c)
+
+
+def write_report(out, meta, fi_status, rows, timing, copy_tbs):
+    """Write ``out/flashinfer_bench.json`` for ``rows`` so far; returns ``(FlashInfer status, its run errors, the
+    failed checks)`` (the status becomes ``"failed"`` once a FlashInfer path raised)."""
+    errors = flashinfer_errors(rows)
+    if errors:
+        fi_status = dict(fi_status, status="failed", run_errors=errors)
+    failed = checks_failed(rows)
+    write_json(out, "flashinfer_bench.json",
+               dict(meta=meta, flashinfer=fi_status, rows=rows, checks_failed=failed,
+                    timings=[dict(zip(("shape", "kernel", "ms", "gbs", "x_floor"), t))
+                             for t in timing_rows(rows, copy_tbs or 1.0)] if timing else []))
+    return fi_status, errors, failed
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--smoke", action="store_true", help="tiny case on CPU: no FlashInfer, no timing")
+    ap.add_argument("--cases", default=None, help="BATCHxCONTEXT:KV/Q/HEAD_DIM,... (default: every case)")
+    ap.add_argument("--no-md", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--flashinfer-nvfp4", action="store_true",
+                    help="also run FlashInfer's NVFP4 KV decode on the nvfp4 pool (JIT-builds its prefill kernels)")
+    args = ap.parse_args(argv)
+    cuda = torch_cuda() is not None and jax.default_backend() == "gpu"
+    if not cuda and not args.smoke:
+        print("flashinfer_bench: no GPU here; run on the H200 (or --smoke for the CPU checks)")
+        return 0
+    cases = parse_cases(args.cases) if args.cases else (SMOKE_CASES if args.smoke else CASES)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    timing = cuda and not args.smoke
+    fi, fi_status = load_flashinfer(cuda)
+    print(f"flashinfer: {fi_status['status']}" + (f" ({fi_status.get('version') or fi_status.get('error')})"
+                                                  if len(fi_status) > 1 else ""))
+    copy_tbs, how = copy_bandwidth_tbs(torch) if timing else (None, "not measured (no timing)")
+    meta = dict(versions(torch), date=utc_now(), copy_tbs=copy_tbs, copy_how=how, page=PAGE,
+                out_rtol=OUT_RTOL, lse_atol=LSE_ATOL)
+    skip, rows = set(), []
+    for case in cases:                      # the JSON is rewritten after every case: a cut run keeps what it measured
+        t0 = time.perf_counter()
+        rows.append(run_case(case, fi, device, timing, skip, args.flashinfer_nvfp4))
+        fi_status, errors, failed = write_report(args.out, meta, fi_status, rows, timing, copy_tbs)
+        print(f"case {case}: {time.perf_counter() - t0:.0f} s, checks failed so far {len(failed)}, FlashInfer "
+              f"errors {len(errors)}", flush=True)
+    t_md, c_md = tables(rows, copy_tbs or 1.0)
+    print(t_md if timing else "timings: none (no CUDA / --smoke)")
+    print(c_md)
+    print(f"flashinfer: {fi_status['status']}" + "".join(f"\n  {e}" for e in errors)
+          + (f"\n  {fi_status['error']}" if "error" in fi_status else ""))
+    print("checks failed: " + ("; ".join(failed) if failed else "none"))
+    if timing:
+        section = (f"\n## FlashInfer decode on the staged cache beside ours, {meta['date']}\n\n{meta['device']}, "
+                   f"jax {meta['jax']}, torch {meta['torch']}, triton {meta['triton']}, flashinfer "
+                   f"{fi_status.get('version', fi_status['status'])}; copy bandwidth {copy_tbs:.2f} TB/s ({how}, "
+                   f"in-run). `bench/flashinfer_bench.py`; one layer, page {PAGE}; CUDA events, ms per call.\n\n"
+                   f"{t_md}\n\n{c_md}\n")
+        with open(os.path.join(args.out, "flashinfer_bench.md"), "w") as f:
+            f.write(section)
+        if not args.no_md:
+            append_results(section)
+    if failed:
+        return 1
+    return 2 if fi_status["status"] not in ("imported", NEEDS_CUDA) or (cuda and fi is None) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
