@@ -15,8 +15,7 @@ bench/RESULTS.md.
 ``--shared-prefix N``: every prompt starts with the same N tokens (a shared system prompt) and the loop reuses the
 committed prefix pages (`jmixedkv.PrefixCache`) instead of prefilling them (``--no-prefix-reuse``: the baseline
 that prefills them). The index keeps every committed prompt page until a sequence needs the room; its eviction
-(`jmixedkv.offload.select_victims`) scans the index once per evicted page, so at 40 GiB budgets (thousands of
-index pages) admission pays host seconds: keep the shared-prefix runs to modest budgets.
+(`jmixedkv.offload.select_victims`, a heap of leaves) costs milliseconds per admission at thousands of pages.
 
 Time (one H200, the defaults): every cache prefills the same ~1.2M prompt tokens (the mixed cache needs about that
 many to fill 40 GiB), so the run is mostly prefill: a few minutes in all, plus one decode and one prefill program

@@ -15,6 +15,8 @@ The prefix index itself (keys, refcounts, match / commit) lives in `jmixedkv.pre
 """
 from __future__ import annotations
 
+import heapq
+
 import dataclasses
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -177,19 +179,37 @@ class HostTier:
 
 
 def select_victims(candidates: Iterable, num_pages: int, is_leaf: Callable, evictable: Callable,
-                   rank: Callable) -> List:
+                   rank: Callable, parent: Optional[Callable] = None) -> List:
     """Pick up to ``num_pages`` entries to evict, one at a time: among entries that are `evictable` (no live
     sequence holds them) and `is_leaf` (no device-resident child, given those already picked), the one with the
-    smallest ``rank`` (``(priority, last_used)``) goes first. Evicting a leaf may make its parent a leaf.
+    smallest ``rank`` (``(priority, last_used)``; ties: the earlier candidate) goes first. Evicting a leaf may make
+    its parent a leaf.
 
-    ``is_leaf(entry, picked_set)``; returns the chosen entries in eviction order."""
+    ``is_leaf(entry, picked_ids)`` (``picked_ids``: the ``id`` of every entry picked so far; being a leaf only
+    becomes true as entries are picked); ``parent(entry)``: the entry whose leaf status a pick can change, or None.
+    With ``parent`` the choice costs ``O((N + k) log N)`` for ``N`` candidates and ``k`` picks (a heap of leaves;
+    a pick re-examines only its parent); without it every pick re-examines the entries that are not yet leaves.
+    Returns the chosen entries in eviction order."""
     pool = [c for c in candidates if evictable(c)]
-    picked, picked_ids = [], set()
-    while len(picked) < num_pages:
-        leaves = [c for c in pool if id(c) not in picked_ids and is_leaf(c, picked_ids)]
-        if not leaves:
-            break
-        best = min(leaves, key=rank)
+    in_pool = {id(c) for c in pool}
+    picked, picked_ids, heap, waiting = [], set(), [], []
+    for i, c in enumerate(pool):
+        (heap if is_leaf(c, picked_ids) else waiting).append((rank(c), i, c))
+    heapq.heapify(heap)
+    order = {id(c): i for i, c in enumerate(pool)}
+    queued = {id(item[2]) for item in heap}
+    while heap and len(picked) < num_pages:
+        _, _, best = heapq.heappop(heap)
         picked.append(best)
         picked_ids.add(id(best))
+        if parent is not None:
+            p = parent(best)
+            if p is not None and id(p) in in_pool and id(p) not in queued and is_leaf(p, picked_ids):
+                queued.add(id(p))
+                heapq.heappush(heap, (rank(p), order[id(p)], p))
+        else:
+            still = []
+            for item in waiting:
+                (heapq.heappush(heap, item) if is_leaf(item[2], picked_ids) else still.append(item))
+            waiting = still
     return picked

@@ -302,7 +302,8 @@ class PrefixCache:
         if num_pages < 0:
             raise ValueError(f"PrefixCache.evict: num_pages must be >= 0, got {num_pages}")
         victims = offload.select_victims(self.index.values(), num_pages, self._is_leaf,
-                                         self._evictable(set(protect)), lambda e: (e.priority, e.last_used))
+                                         self._evictable(set(protect)), lambda e: (e.priority, e.last_used),
+                                         parent=lambda e: None if e.parent is None else self.index.get(e.parent))
         if not victims:
             return 0
         k = offload.page_bucket(len(victims))

@@ -212,3 +212,41 @@ def test_gpu_offload_round_trip_and_fork_with_donation():
     for length in (0, 1, PAGE + 1, 5 * PAGE):
         test_fork_reads_like_source_and_diverges(length)
     test_match_leaves_window_to_recompute_and_admit_reads_exactly()
+
+
+def _select_by_rescan(candidates, num_pages, is_leaf, evictable, rank):
+    """The definition, by brute force: rescan every candidate for leaves after each pick."""
+    pool = [c for c in candidates if evictable(c)]
+    picked, ids = [], set()
+    while len(picked) < num_pages:
+        leaves = [c for c in pool if id(c) not in ids and is_leaf(c, ids)]
+        if not leaves:
+            break
+        best = min(leaves, key=rank)
+        picked.append(best)
+        ids.add(id(best))
+    return picked
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_victims_heap_equals_rescan_on_random_forests(seed):
+    """Random prefix forests (ties in rank, live entries, entries whose children are held): the heap with parent
+    links and the generic path pick exactly what the brute-force rescan picks, in the same order."""
+    rng = np.random.default_rng(seed)
+    entries = []
+    for i in range(300):
+        par = entries[int(rng.integers(len(entries)))] if entries and rng.random() < 0.8 else None
+        entries.append(_E(i, int(rng.integers(3)) * 35, int(rng.integers(20)), parent=par,
+                          live=bool(rng.random() < 0.1)))
+    kids = {}
+    for x in entries:
+        if x.parent is not None:
+            kids.setdefault(id(x.parent), []).append(x)
+
+    def is_leaf(x, picked):
+        return all(id(ch) in picked for ch in kids.get(id(x), ()))
+    evictable, rank = (lambda x: not x.live), (lambda x: (x.priority, x.last_used))
+    for k in (0, 1, 17, 300):
+        want = _select_by_rescan(entries, k, is_leaf, evictable, rank)
+        assert offload.select_victims(entries, k, is_leaf, evictable, rank, parent=lambda x: x.parent) == want
+        assert offload.select_victims(entries, k, is_leaf, evictable, rank) == want
