@@ -299,3 +299,15 @@ def test_generate_compiled_into_cuda_graphs():
     out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, cache=cache, pad_token_id=0)
     cache.raise_errors()
     assert out.shape == (4, 544) and int(cache.get_seq_length()) == 543
+
+
+def test_chunked_prefill_reads_the_cache(model, batch):
+    """``prefill_chunk_size=3``: the first chunk attends densely, later chunks (Tq = 3 > 1) append and run the paged
+    attention over the cache (causal inside the chunk); an all-high cache gives DynamicCache's tokens."""
+    ids = batch[0]
+    mask = torch.ones_like(ids)
+    want, _ = _reference(model, ids, mask)
+    cache = _static(model, ALL_HIGH)
+    got, _ = _generate(model, ids, mask, cache, prefill_chunk_size=3)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    assert cache.paged.kv_lens[:, :2].tolist() == [[PROMPT + NEW - 1] * 2] * 2
