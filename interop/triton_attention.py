@@ -59,6 +59,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from jmixedkv.numerics import next_pow2
+
 #: head dims the kernel takes (tl.dot tiles of the packed NVFP4 halves need D / 2 >= 16, a power of two)
 HEAD_DIMS = (32, 64, 128, 256)
 
@@ -455,9 +457,6 @@ class Tuning(NamedTuple):
     num_stages: int
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
 
 @functools.lru_cache(maxsize=None)
 def _device_sms(index: int) -> int:
@@ -480,11 +479,11 @@ def choose_tuning(batch: int, num_kv_heads: int, rows: int, head_dim: int, max_k
     ``BLOCK_M``: ``rows`` padded to a power of two >= 16, at most 64 (32 at head_dim > 128; more rows run in
     tiles). ``BLOCK_N`` / warps: the largest step that compiles for sm_90 without register spills (ptxas, 2
     stages): 64 keys / 4 warps for NVFP4-only caches and plain rows at head_dim <= 128, 32 / 4 with a twin, 32 / 8
-    at head_dim 256 or 64 query rows. Not timed on a GPU yet. Splits: about `PROGRAMS_PER_SM` programs per SM (a
-    power of two, at most `MAX_SPLITS` and the blocks of the longest possible sequence) on CUDA, 1 elsewhere (the
-    interpreter runs programs one by one)."""
+    at head_dim 256 or 64 query rows (chosen by register use, not by timing). Splits: about `PROGRAMS_PER_SM`
+    programs per SM (a power of two, at most `MAX_SPLITS` and the blocks of the longest possible sequence) on CUDA,
+    1 elsewhere (the interpreter runs programs one by one)."""
     big = head_dim > 128
-    block_m = min(_next_pow2(max(16, rows)), 32 if big else 64)
+    block_m = min(next_pow2(max(16, rows)), 32 if big else 64)
     if big or block_m == 64:
         block_n, warps = 32, 8
     else:
@@ -494,7 +493,7 @@ def choose_tuning(batch: int, num_kv_heads: int, rows: int, head_dim: int, max_k
     if cuda:
         programs = max(1, batch * num_kv_heads * tiles)
         want = max(1, -(-PROGRAMS_PER_SM * sms // programs))
-        splits = int(max(1, min(_next_pow2(want), -(-max_keys // block_n), MAX_SPLITS)))
+        splits = int(max(1, min(next_pow2(want), -(-max_keys // block_n), MAX_SPLITS)))
     return Tuning(block_m, block_n, splits, warps, 2)
 
 
@@ -744,7 +743,7 @@ def paged_attention(q, low_data, low_scales, low_gs, high_rows, high_scale, plai
         return o, m
     out = torch.empty((bsz, tq, hq, d), dtype=torch.float32, device=dev)
     lse = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
-    merge[(bsz * tq * hq,)](o, m, l_part, out, lse, splits, D=d, BLOCK_S=_next_pow2(splits), num_warps=4)
+    merge[(bsz * tq * hq,)](o, m, l_part, out, lse, splits, D=d, BLOCK_S=next_pow2(splits), num_warps=4)
     return out, lse
 
 

@@ -58,7 +58,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from jmixedkv.numerics import BLOCK, SIXTH
+from jmixedkv.numerics import BLOCK, SIXTH, next_pow2
 
 __all__ = ["write_rows_", "lower_for_cuda", "BLOCK_SCALES"]
 
@@ -280,9 +280,6 @@ def _build(interpret: bool):
 
 
 # --------------------------------------------------------------------------------------------- host side
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
 
 def _check_pool(name, t, shape, dtypes, device):
     """`ValueError` naming ``name`` unless ``t`` is a contiguous tensor of ``shape`` (None = any size) and a dtype in
@@ -484,7 +481,7 @@ def _launch(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, pla
     if block_rows is None:
         # compiled: 1024 elements per program (8 rows at D = 128), 8 per thread at 4 warps: no register spills on
         # sm_90 for either block scale (ptxas -v: 133 / 163 registers; 16 rows spill); interpreter: large tiles
-        block_rows = min(256 if interpret else max(1, 1024 // _next_pow2(d)), _next_pow2(t * h))
+        block_rows = min(256 if interpret else max(1, 1024 // next_pow2(d)), next_pow2(t * h))
     elif isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1 or \
             block_rows & (block_rows - 1):
         raise ValueError(f"write_rows_: block_rows must be a power of two, got {block_rows!r}")
@@ -503,7 +500,7 @@ def _launch(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, pla
 
 def _constexprs(heads, page, d, block_rows, has_low, row_pool, row_fp8, attn_dtype, block_scale):
     """The kernel's compile-time arguments (one compiled kernel per distinct set)."""
-    return dict(HEADS=heads, PAGE=page, D=d, DP=_next_pow2(d), BLOCK_R=block_rows, HAS_LOW=has_low, ROW_POOL=row_pool,
+    return dict(HEADS=heads, PAGE=page, D=d, DP=next_pow2(d), BLOCK_R=block_rows, HAS_LOW=has_low, ROW_POOL=row_pool,
                 ROW_FP8=row_fp8, IS_BF16=attn_dtype == torch.bfloat16, FOUR_OVER_SIX=block_scale == "4over6")
 
 
