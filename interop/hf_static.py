@@ -176,7 +176,9 @@ class JMixedStaticCache(Cache):
                 layer.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """``crop(-n)``: drop the last ``n <= max_draft_len`` tokens of every row; ``crop(0)`` does nothing."""
+        """``crop(-n)``: drop the last ``n <= max_draft_len`` tokens of every row; ``crop(0)`` does nothing. ``n`` may
+        be a 0-d tensor (transformers computes it from `get_seq_length`, a device counter)."""
+        tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
         n = -tokens_to_remove

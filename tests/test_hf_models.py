@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from interop.hf import ATTN_IMPLEMENTATION, JMixedKVCache
+from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache
 from interop.hf_static import JMixedStaticCache
 from jmixedkv import KVCacheConfig, step
 
@@ -66,7 +66,7 @@ def family(request):
 
 def _generate(model, ids, cache):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
-                         do_sample=False, cache=cache, return_dict_in_generate=True, output_scores=True,
+                         do_sample=False, **{CACHE_KWARG: cache}, return_dict_in_generate=True, output_scores=True,
                          pad_token_id=0)
     return out.sequences, torch.stack(out.scores, 1).float()
 

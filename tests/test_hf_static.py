@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from transformers.generation.configuration_utils import CompileConfig
 
 import jmixedkv as jm
-from interop.hf import ATTN_IMPLEMENTATION
+from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG
 from interop.hf_static import JMixedStaticCache
 from interop.static_cache import StaticPagedCache
 from jmixedkv import KVCacheConfig
@@ -45,7 +45,7 @@ def batch():
 
 def _generate(model, ids, mask, cache, **kw):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                         cache=cache, return_dict_in_generate=True, output_scores=True, pad_token_id=0, **kw)
+                         **{CACHE_KWARG: cache}, return_dict_in_generate=True, output_scores=True, pad_token_id=0, **kw)
     return out.sequences, torch.stack(out.scores, 1).float()
 
 
@@ -86,7 +86,7 @@ def test_mixed_cache_reads_what_the_jax_reference_reads(model, batch):
     ids, mask = batch
     cache = _static(model, MIXED)
     with torch.no_grad():
-        model(ids, attention_mask=mask, cache=cache, position_ids=_positions(mask))
+        model(ids, attention_mask=mask, **{CACHE_KWARG: cache}, position_ids=_positions(mask))
     paged = cache.paged
     q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
     k = torch.randn(2, 2, 1, 16, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -132,7 +132,8 @@ def test_beam_search_and_prompt_lookup(model, batch):
     model.set_attn_implementation("sdpa")
     want = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False)
     cache = _static(model, BF16)
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, cache=cache)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False,
+                         **{CACHE_KWARG: cache})
     assert torch.equal(got, want)
     one = ids[:1]
     model.set_attn_implementation("sdpa")
@@ -141,7 +142,7 @@ def test_beam_search_and_prompt_lookup(model, batch):
     crops = []
     orig = cache.crop
     cache.crop = lambda n: crops.append(n) or orig(n)
-    got = model.generate(one, max_new_tokens=8, do_sample=False, cache=cache, prompt_lookup_num_tokens=3)
+    got = model.generate(one, max_new_tokens=8, do_sample=False, **{CACHE_KWARG: cache}, prompt_lookup_num_tokens=3)
     assert torch.equal(got, want)
     assert any(n < 0 for n in crops), crops
     assert int(cache.paged.kv_lens[0, 0]) == int(cache.get_seq_length())
@@ -152,7 +153,7 @@ def test_bad_steps_refused_and_other_rows_unchanged(model, batch):
     cache = _static(model, MIXED)
     paged = cache.paged
     with torch.no_grad():
-        model(ids, attention_mask=mask, cache=cache, position_ids=_positions(mask))
+        model(ids, attention_mask=mask, **{CACHE_KWARG: cache}, position_ids=_positions(mask))
     before = [t.clone() for t in paged.groups[0].pools if t is not None]
     lens0 = paged.kv_lens.clone()
     k = torch.randn(2, 2, 1, 16).bfloat16()
@@ -186,7 +187,7 @@ def test_bad_steps_refused_and_other_rows_unchanged(model, batch):
         paged.raise_errors()
     with pytest.raises(ValueError, match="inference-only"):
         cache.reset()
-        model(ids, attention_mask=mask, cache=cache)
+        model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
 
 
 def test_construction_refusals(model):
@@ -219,7 +220,7 @@ def test_triton_kernels_through_generate(model, batch):
             for name, kv in (("mixed", MIXED), ("all_high", ALL_HIGH)):
                 cache = _static(model, kv)
                 with torch.no_grad():                          # the prefill's writes: the same bits
-                    model(ids, attention_mask=mask, cache=cache, position_ids=_positions(mask))
+                    model(ids, attention_mask=mask, **{CACHE_KWARG: cache}, position_ids=_positions(mask))
                 pools = [None if t is None else t.clone() for t in cache.paged.groups[0].pools]
                 runs[backend, name] = (_generate(model, ids, mask, _static(model, kv))[0], pools)
     assert torch.equal(runs["triton", "all_high"][0], want)
@@ -243,7 +244,7 @@ def test_sliding_layers_hold_only_their_window():
     mask = torch.ones_like(ids)
     model.set_attn_implementation("sdpa")
     want = model.generate(ids, attention_mask=mask, max_new_tokens=14, min_new_tokens=14, do_sample=False,
-                          cache=DynamicCache(config=model.config), pad_token_id=0)
+                          **{CACHE_KWARG: DynamicCache(config=model.config)}, pad_token_id=0)
     for kv in (KVCacheConfig("bf16", page_size=4, max_draft_len=2),
                KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=4, page_size=4, max_draft_len=2)):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -252,7 +253,7 @@ def test_sliding_layers_hold_only_their_window():
         assert [g.window for g in paged.groups] == [5] and paged.groups[0].pages_per_row == 3
         assert paged.groups[0].page_table[1, :7].tolist() == [3, 4, 5, 3, 4, 5, 3]
         got = model.generate(ids, attention_mask=mask, max_new_tokens=14, min_new_tokens=14, do_sample=False,
-                             cache=cache, pad_token_id=0)
+                             **{CACHE_KWARG: cache}, pad_token_id=0)
         if kv.dtype == "bf16":
             assert torch.equal(got, want), (got.tolist(), want.tolist())
         full = StaticPagedCache(kv, 2, 2, 32, max_batch_size=2, max_cache_len=64)
@@ -296,7 +297,8 @@ def test_generate_compiled_into_cuda_graphs():
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     cache = JMixedStaticCache.for_model(model, KVCacheConfig.recommended(max_draft_len=4), max_batch_size=4,
                                        max_cache_len=512 + 32)
-    out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, cache=cache, pad_token_id=0)
+    out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0,
+                         **{CACHE_KWARG: cache})
     cache.raise_errors()
     assert out.shape == (4, 544) and int(cache.get_seq_length()) == 543
 
