@@ -230,7 +230,7 @@ class StaticPagedCache:
             raise ValueError(f"StaticPagedCache.attend: q {list(q.shape)}, lens {list(lens.shape)}; expected q "
                              f"[B <= {self.max_batch_size}, a multiple of {self.num_kv_heads}, Tq, {self.head_dim}] "
                              f"and lens [B]")
-        qs = self._stored(q.transpose(1, 2)).to(self.attention_dtype)
+        qs = self._stored(q.transpose(1, 2))
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
         if grp.window is not None and (sliding_window is None or sliding_window > grp.window):
             raise ValueError(f"StaticPagedCache.attend: layer {layer} holds a window of {grp.window} tokens; "
@@ -362,8 +362,8 @@ class StaticPagedCache:
         """``(low_slot, high_slot) i64[B, T]`` of tokens at ``pos`` (``write`` False -> -1), with the twin's write
         dedupe (a ring row that a later token of the same step overwrites is not written: `TwinGeometry.write_mask`)."""
         page = self.page_size
-        q = torch.clamp(pos, min=0) // page
-        row = torch.clamp(pos, min=0) % page
+        p = torch.clamp(pos, min=0)
+        q, row = p // page, p % page
         mp = self.max_pages_per_seq
         qc = torch.clamp(q, max=mp - 1)
         low = torch.gather(page_table.to(torch.int64), 1, qc) * page + row
@@ -371,7 +371,7 @@ class StaticPagedCache:
         g = self.geom
         if g is None or g.width == 0:
             return low_slot, torch.full_like(low_slot, -1)
-        qmax = (torch.clamp(pos[:, -1:], min=0)) // page
+        qmax = p[:, -1:] // page
         if g.num_ring:
             col = torch.where(q < g.num_fixed, q, g.num_fixed + q % g.num_ring)
             keep = (q < g.num_fixed) | (q > qmax - g.num_ring)

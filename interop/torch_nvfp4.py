@@ -32,12 +32,12 @@ bit-exact with JAX's einsum (the order of the float32 sums differs): it agrees t
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
+from jmixedkv import levers
 from jmixedkv.numerics import BLOCK, E4M3_MAX, SIXTH
 
 __all__ = ["BLOCK_SCALES", "quantize", "dequantize", "cast", "e2m1_codes", "e2m1_values", "pack_nibbles",
@@ -268,20 +268,10 @@ def decode_rows(rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0,
 
 
 # ------------------------------------------------------------------------------------------------ rotation
-@functools.lru_cache(maxsize=None)
-def _hadamard_np(d: int) -> np.ndarray:
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"the Hadamard rotation needs head_dim to be a power of two, got {d}")
-    h = np.ones((1, 1), np.float64)
-    while h.shape[0] < d:
-        h = np.block([[h, h], [h, -h]])
-    return (h / math.sqrt(d)).astype(np.float32)
-
-
 def hadamard(d: int, device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
     """Orthonormal, symmetric Sylvester-Hadamard matrix ``f32[d, d]`` (``H @ H = I``), the entries of
     `jmixedkv.levers.hadamard` bit for bit (``±f32(1 / sqrt(d))``)."""
-    return torch.from_numpy(_hadamard_np(d).copy()).to(device)
+    return torch.from_numpy(levers.hadamard_np(d).copy()).to(device)
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -561,6 +561,18 @@ class _Plan(NamedTuple):
     page: int
 
 
+def _check_table(table, name: str, bsz: int, width: str, min_width: int, dev) -> None:
+    """A page table ``i32[B, width]`` on ``dev`` with unit column stride (`ValueError` naming it otherwise)."""
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] != bsz \
+            or table.shape[1] < min_width:
+        raise ValueError(f"paged_attention: {name} must be i32[B={bsz}, {width}], got "
+                         f"{getattr(table, 'shape', type(table).__name__)}")
+    _check_tensor(table, name, table.shape, (torch.int32,), dev)
+    if table.stride(1) != 1:
+        raise ValueError(f"paged_attention: {name} must have unit stride on its columns, got "
+                         f"{tuple(table.stride())}")
+
+
 def _validate(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table,
               high_table, kv_lens, geom, sm_scale, sliding_window, soft_cap):
     """Host checks; ``(plan, low_scales as uint8)``."""
@@ -626,14 +638,7 @@ def _validate(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows
                              f"attention dtype) or FP8 (uint8 / float8_e4m3fn)")
     if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
         raise ValueError(f"paged_attention: layer={layer!r} must be an int in [0, {num_layers})")
-    if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != bsz \
-            or page_table.shape[1] < 1:
-        raise ValueError(f"paged_attention: page_table must be i32[B={bsz}, max_pages >= 1], got "
-                         f"{getattr(page_table, 'shape', type(page_table).__name__)}")
-    _check_tensor(page_table, "page_table", page_table.shape, (torch.int32,), dev)
-    if page_table.stride(1) != 1:
-        raise ValueError(f"paged_attention: page_table must have unit stride on its columns, got "
-                         f"{tuple(page_table.stride())}")
+    _check_table(page_table, "page_table", bsz, "max_pages >= 1", 1, dev)
     _check_tensor(kv_lens, "kv_lens", (bsz,), (torch.int32,), dev)
     if not kv_lens.is_contiguous():
         raise ValueError("paged_attention: kv_lens must be contiguous")
@@ -641,13 +646,7 @@ def _validate(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows
     if g[0] != page:
         raise ValueError(f"paged_attention: geom page={g[0]} does not match the pools' page size {page}")
     if twin:
-        if not isinstance(high_table, torch.Tensor) or high_table.dim() != 2 or high_table.shape[0] != bsz:
-            raise ValueError(f"paged_attention: high_table must be i32[B={bsz}, W], got "
-                             f"{getattr(high_table, 'shape', type(high_table).__name__)}")
-        _check_tensor(high_table, "high_table", high_table.shape, (torch.int32,), dev)
-        if high_table.stride(1) != 1:
-            raise ValueError(f"paged_attention: high_table must have unit stride on its columns, got "
-                             f"{tuple(high_table.stride())}")
+        _check_table(high_table, "high_table", bsz, "W", 0, dev)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
         raise ValueError(f"paged_attention: sm_scale={sm_scale!r} must be a finite float")
     if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)

@@ -44,13 +44,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ROTATIONS", "hadamard", "rotate", "unrotate", "rotate_rows", "k_mean", "smooth_k"]
+__all__ = ["ROTATIONS", "hadamard", "hadamard_np", "rotate", "unrotate", "rotate_rows", "k_mean", "smooth_k"]
 
 ROTATIONS = (None, "hadamard")
 
 
 @functools.lru_cache(maxsize=None)
-def _hadamard_np(d: int) -> np.ndarray:
+def hadamard_np(d: int) -> np.ndarray:
+    """The orthonormal Sylvester-Hadamard matrix as NumPy ``f32[d, d]`` (read-only: cached), the one definition
+    behind `hadamard` and the torch readers' rotation."""
     if d < 1 or d & (d - 1):
         raise ValueError(f"the Hadamard rotation needs head_dim to be a power of two, got {d}")
     h = np.ones((1, 1), np.float64)
@@ -61,7 +63,7 @@ def _hadamard_np(d: int) -> np.ndarray:
 
 def hadamard(d: int) -> jax.Array:
     """Orthonormal, symmetric Sylvester-Hadamard matrix ``f32[d, d]`` (``H @ H = I``)."""
-    return jnp.asarray(_hadamard_np(d))
+    return jnp.asarray(hadamard_np(d))
 
 
 def rotate(x, rotation=None):
