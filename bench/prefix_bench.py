@@ -1,19 +1,17 @@
 """Prefix reuse: a shared system prompt across many requests, with and without `jmixedkv.prefix.PrefixCache`.
 
-    PYTHONPATH=. python3 bench/prefix_bench.py --out DIR            # GPU (`shapes.PREFIX`)
+    PYTHONPATH=. python3 bench/prefix_bench.py --out DIR            # GPU (`shapes.PREFIX`; e.g. --requests 64)
     PYTHONPATH=. python3 bench/prefix_bench.py --smoke --out DIR    # CPU: `shapes.PREFIX_SMOKE`
 
-Workload: ``requests`` prompts = one shared ``prompt``-token system prompt + a unique ``suffix``-token tail (every
-field of the shape can be set, e.g. ``--requests 64``). Request 0 is prefilled and committed; the others are
-admitted in batches of ``batch`` concurrent sequences (all stay live, as in a serving batch). Without reuse every
-request appends its whole prompt; with reuse only what `PrefixCache.admit` did not match (its suffix plus the
-recomputed Last-N window). Reports pages saved, hit rate and the prefill-append time of both (append only, and end
-to end with admit / match / commit), after checking that reused sequences read bit-exactly what non-reused ones
-read. Writes ``DIR/prefix_bench.json``; on a GPU (unless ``--no-md``) a section of bench/RESULTS.md.
+``requests`` prompts = one shared ``prompt``-token system prompt + a unique ``suffix``-token tail. Request 0 is
+prefilled and committed; the others are admitted in batches of ``batch`` live sequences. Without reuse every
+request appends its whole prompt; with reuse only what `PrefixCache.admit` did not match. Reports pages saved, hit
+rate and the prefill-append time of both (append only, and with admit / match / commit), after checking that
+reused sequences read bit-exactly what the others read. Writes ``DIR/prefix_bench.json`` (and on a GPU a RESULTS
+section unless ``--no-md``).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -27,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jmixedkv import GroupSpec, KVCacheConfig, init_state, rows_reference  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.prefix import PrefixCache  # noqa: E402
-from common import append_results, copy_bandwidth_tbs, torch_cuda, utc_now, versions, write_json  # noqa: E402
+from common import (append_results, bench_parser, copy_bandwidth, md_table, no_gpu, results_section,  # noqa: E402
+                    utc_now, versions, write_json)
 from shapes import PREFIX, PREFIX_SMOKE  # noqa: E402
 
 
@@ -97,29 +96,24 @@ def check_exact(a, b, slots):
 
 
 def table(s, sm):
-    lines = [f"prefix reuse: {s['requests']} requests x ({s['prompt']} shared + {s['suffix']} unique) tokens, page "
-             f"{s['page']}, first_n {s['first_n']}, last_n {s['last_n']}, L={s['layers']} H={s['heads']} "
-             f"D={s['head_dim']}, batch {s['batch']}, append backend {sm['backend']}, {sm['device']}",
-             f"hit rate {sm['hit_rate']:.1%} | matched pages {sm['pages_saved_matched']} | low pages saved "
-             f"{sm['low_pages_saved']} | copy {sm['copy_tbs']:.2f} TB/s | reads bit-exact: True",
-             "| mode | appended tokens | low pages | high pages | append ms | end-to-end ms | bytes floor ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['mode']} | {r['appended_tokens']} | {r['low_pages_used']} | {r['high_pages_used']} | "
-              f"{r['append_ms']:.1f} | {r['total_ms']:.1f} | {r['floor_ms']:.2f} |" for r in sm["rows"]]
-    return "\n".join(lines + [f"append speed-up x{sm['append_speedup']:.2f}, end to end x{sm['total_speedup']:.2f}"])
+    return (f"prefix reuse: {s['requests']} requests x ({s['prompt']} shared + {s['suffix']} unique) tokens, page "
+            f"{s['page']}, first_n {s['first_n']}, last_n {s['last_n']}, L={s['layers']} H={s['heads']} "
+            f"D={s['head_dim']}, batch {s['batch']}, append backend {sm['backend']}\nhit rate {sm['hit_rate']:.1%} | "
+            f"matched pages {sm['pages_saved_matched']} | low pages saved {sm['low_pages_saved']} | copy "
+            f"{sm['copy_tbs']:.2f} TB/s | reads bit-exact: True\n\n"
+            + md_table(("mode", "appended tokens", "low pages", "high pages", "append ms", "end-to-end ms",
+                        "bytes floor ms"),
+                       [(r["mode"], r["appended_tokens"], r["low_pages_used"], r["high_pages_used"],
+                         f"{r['append_ms']:.1f}", f"{r['total_ms']:.1f}", f"{r['floor_ms']:.2f}") for r in sm["rows"]])
+            + f"\n\nappend speed-up x{sm['append_speedup']:.2f}, end to end x{sm['total_speedup']:.2f}")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out")
-    ap.add_argument("--smoke", action="store_true", help="tiny workload (runs on CPU)")
-    ap.add_argument("--no-md", "--no-results", dest="no_md", action="store_true",
-                    help="do not append to bench/RESULTS.md")
+    ap = bench_parser(__doc__)
     for key in PREFIX:
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"default {PREFIX[key]}")
     args = ap.parse_args(argv)
-    if not on_gpu() and not args.smoke:
-        print("prefix_bench: no GPU; run on the H200 (or --smoke for a tiny CPU run)")
+    if no_gpu("prefix_bench", args.smoke):
         return 0
     base = PREFIX_SMOKE if args.smoke else PREFIX
     s = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
@@ -136,7 +130,7 @@ def main(argv=None):
         runs[mode] = (timed[-1][0], statistics.median(t[1] for t in timed), statistics.median(t[2] for t in timed),
                       timed[-1][3])
     check_exact(runs["reuse"][0], runs["no_reuse"][0], [0, 1, s["requests"] - 1])
-    copy_tbs = copy_bandwidth_tbs(torch_cuda())[0] if on_gpu() else 4.26
+    copy_tbs = copy_bandwidth(not on_gpu())[0]
     kvh = spec.kv_factor * spec.num_kv_heads
     retained = min(1.0, (s["first_n"] + s["last_n"]) / (s["prompt"] + s["suffix"]))
     per_token = s["layers"] * kvh * (s["head_dim"] // 2 + s["head_dim"] // 16 + retained * s["head_dim"] * 2)
@@ -156,8 +150,7 @@ def main(argv=None):
     print(text)
     write_json(args.out, "prefix_bench.json", sm)
     if on_gpu() and not args.no_md:
-        append_results(f"\n## prefix reuse (`bench/prefix_bench.py`), {sm['date']}\n\n{sm['device']}, jax {sm['jax']}, "
-                       f"triton {sm['triton']}.\n\n{text}\n")
+        append_results(results_section("prefix reuse (`bench/prefix_bench.py`)", sm, text))
     return 0
 
 

@@ -1,20 +1,16 @@
 """Read paths on the H200: `stage` (staging copy) and `gather_rows` (sparse top-k gather + overlay), the Pallas
-kernels against the XLA reference path, against the copy bandwidth measured in the same run.
+kernels against the XLA reference path and the copy bandwidth measured in the same run.
 
     PYTHONPATH=. python3 bench/read_bench.py --out DIR            # GPU
     PYTHONPATH=. python3 bench/read_bench.py --smoke --out DIR    # CPU: tiny shapes in interpret mode
 
-Cases (`shapes.READ`; one layer, mixed_nvfp4_bf16 first_n 64, last_n 256, page 32, random NVFP4 bytes and twin
-rows, permuted pages, `common.random_mixed_state`): stage of batch 16 x 32k tokens, 8 KV heads, D 128; gather of
-top-k 2048 rows (sorted, unique, first-N and last-N rows included) over 16 x 128k-token histories, MLA latent (kv 1,
-H 1, D 576) and 8 KV heads x D 128, bf16 and FP8 scratch. Every case is checked Pallas == XLA reference bit for bit
-first. Bytes = low bytes read (D/2 + D/16 per row) + twin rows read (retained rows only) + output written; "of copy"
-= bytes/s over the copy's. ms = median of blocked calls (`common.time_each`). Writes ``DIR/read_bench.json`` and
-(GPU, unless ``--no-md``) a section of bench/RESULTS.md.
+Cases (`shapes.READ`, one layer of random bytes, `common.random_mixed_state`): stage of 16 x 32k tokens; top-k 2048
+gather over 16 x 128k-token histories (MLA latent and 8 x 128 heads; bf16 and FP8 scratch). Each is checked Pallas
+== reference bit for bit first. Bytes = low bytes read + retained twin rows read + output written; ms = median of
+blocked calls. Writes ``DIR/read_bench.json`` and (GPU, unless ``--no-md``) a section of bench/RESULTS.md.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,11 +20,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jmixedkv import gather, staging  # noqa: E402
-from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.config import KVCacheConfig  # noqa: E402
 from jmixedkv.state import GroupSpec  # noqa: E402
-from common import append_results, bits_equal, copy_bandwidth_tbs, random_mixed_state, time_each, torch_cuda, \
-    utc_now, versions, write_json  # noqa: E402
+from common import (append_results, bench_parser, bits_equal, copy_bandwidth, md_table, no_gpu,  # noqa: E402
+                    random_mixed_state, results_section, time_each, utc_now, versions, write_json)
 from shapes import READ, READ_SMOKE  # noqa: E402
 
 
@@ -84,28 +79,20 @@ def bench_gather(cfg, spec, batch, tokens, k, scratches, iters):
 
 
 def table(results, copy_tbs):
-    lines = ["| op | backend | shape | ms | GB moved | TB/s | of copy | bit-exact |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        shape = (f"B{r['batch']} x {r['tokens']} tok" + (f", top-k {r['topk']}" if "topk" in r else "")
-                 + f", kv{r['kv']} H{r['heads']} D{r['head_dim']}")
-        lines.append(f"| {r['op']} | {r['backend']} | {shape} | {r['ms']:.3f} | {r['bytes'] / 1e9:.3f} | "
-                     f"{r['tbs']:.2f} | {r['tbs'] / copy_tbs:.1%} | {r['bitexact']} |")
-    return "\n".join(lines)
+    return md_table(("op", "backend", "shape", "ms", "GB moved", "TB/s", "of copy", "bit-exact"), [
+        (r["op"], r["backend"], f"B{r['batch']} x {r['tokens']} tok" + (f", top-k {r['topk']}" if "topk" in r else "")
+         + f", kv{r['kv']} H{r['heads']} D{r['head_dim']}", f"{r['ms']:.3f}", f"{r['bytes'] / 1e9:.3f}",
+         f"{r['tbs']:.2f}", f"{r['tbs'] / copy_tbs:.1%}", r["bitexact"]) for r in results])
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out")
+    ap = bench_parser(__doc__)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU in interpret mode)")
-    ap.add_argument("--no-md", action="store_true", help="do not append to bench/RESULTS.md")
     args = ap.parse_args(argv)
-    if not on_gpu() and not args.smoke:
-        print("read_bench: no GPU here; run on the H200 (or --smoke for a tiny interpret-mode run on CPU)")
+    if no_gpu("read_bench", args.smoke):
         return 0
     shape, iters = (READ_SMOKE, 1) if args.smoke else (READ, args.iters)
-    copy_tbs, how = (4.3, "nominal (smoke)") if args.smoke else copy_bandwidth_tbs(torch_cuda())
+    copy_tbs, how = copy_bandwidth(args.smoke)
     cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=shape["first_n"], last_n=shape["last_n"], page_size=shape["page"])
     batch, tokens, (kv, heads, d) = shape["stage"]
     results = bench_stage(cfg, GroupSpec(1, heads, d, kv_factor=kv), batch, tokens, iters)
@@ -119,10 +106,9 @@ def main(argv=None):
     print(md)
     write_json(args.out, "read_bench.json", dict(meta=meta, results=results))
     if not args.smoke and not args.no_md:
-        append_results(f"\n## read paths (stage, gather_rows), {meta['date']}\n\n{meta['device']}, jax {meta['jax']}, "
-                       f"triton {meta['triton']}; copy bandwidth {copy_tbs:.2f} TB/s ({how}, in-run). "
-                       "`bench/read_bench.py`; one layer; first_n 64, last_n 256, page 32; bytes = NVFP4 read + twin "
-                       f"rows read + scratch/pages written.\n\n{md}\n")
+        append_results(results_section("read paths (stage, gather_rows)", meta, (
+            f"copy {copy_tbs:.2f} TB/s ({how}). `bench/read_bench.py`; one layer; first_n 64, last_n 256, page 32; "
+            f"bytes = NVFP4 read + twin rows read + scratch/pages written.\n\n{md}")))
     return 0 if all(r["bitexact"] for r in results) else 1
 
 

@@ -3,20 +3,13 @@
     PYTHONPATH=. python3 bench/step_bench.py --profile --out DIR   # GPU (``--page 32``: KVCacheConfig's default)
     PYTHONPATH=. python3 bench/step_bench.py --smoke --out DIR     # CPU: tiny shapes, reference backend, XLA SDPA
 
-The step a model runs per generated token (`shapes.STEP`: batch 64 x context 8k, 8 KV / 32 query heads, head_dim
-128, one query token), everything in one jit with the cache donated (updated in place):
-
-  mixed   ``jm.append`` of the 32 layers' new K/V rows (write kernel: NVFP4 + retained twin rows), then 32 x
-          ``jm.decode_attention`` (the default kernels) over mixed_nvfp4_bf16 pools, page 16, first_n = last_n = 64
-          (random NVFP4 bytes, valid E4M3 scales, random twin rows, page ids permuted: `common.random_mixed_state`)
-  bf16    the same step over contiguous bf16 caches ``[B, S, H, D]`` (one per layer and K / V): a scatter of the
-          new rows, then 32 x ``jax.nn.dot_product_attention(implementation="cudnn")`` with
-          ``key_value_seq_lengths`` (without it, every cache row, if cuDNN refuses the mask)
-
-Timing (`common.time_threaded`): each step blocked on (the host waits for every token), then steps enqueued back to
-back (sampling on the device); the mixed path's 32 attention calls alone, blocked. ``--profile`` adds a jax profiler
-trace of 3 steps per path: GPU time per kernel, idle time inside a step and between steps. Floors: K + V bytes read
-per step / the copy bandwidth measured in-run. Prints a table, writes ``DIR/step_bench.json``.
+The step per generated token (`shapes.STEP`: Llama-3-8B attention, batch 64 x 8k), in one jit, the cache donated:
+``mixed`` is ``jm.append`` of every layer's new rows, then 32 x ``jm.decode_attention`` over mixed_nvfp4_bf16 pools
+(`common.random_mixed_state`); ``bf16`` the same over contiguous bf16 caches: a scatter, then 32 x cuDNN
+``jax.nn.dot_product_attention`` with ``key_value_seq_lengths`` (without, if cuDNN refuses the mask). Timed
+(`common.time_threaded`) blocked per step and pipelined, plus the mixed path's attention alone; ``--profile`` adds
+GPU time per kernel and idle time inside / between steps. Floors: K + V bytes per step / the in-run copy bandwidth.
+Writes ``DIR/step_bench.json``.
 """
 from __future__ import annotations
 
@@ -24,7 +17,6 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -34,8 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
-from common import copy_bandwidth_tbs, gpu_kernel_profile, random_fill, random_mixed_state, time_each, \
-    time_threaded, torch_cuda, utc_now, versions, write_json  # noqa: E402
+from common import (bench_parser, copy_bandwidth, gpu_kernel_profile, kv_bytes, no_gpu, random_fill,  # noqa: E402
+                    random_mixed_state, time_each, time_threaded, utc_now, versions, write_json)
 from shapes import STEP, STEP_SMOKE  # noqa: E402
 
 
@@ -113,22 +105,19 @@ def time_step(name, step, carry, inputs, s, floor_ms, profile):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (reference backend, XLA attention)")
+    ap = bench_parser(__doc__, out=".", md=False)
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--profile", action="store_true", help="jax profiler trace of 3 steps per path")
     ap.add_argument("--page", type=int, default=STEP["page"], help="tokens per page of the mixed cache")
     args = ap.parse_args(argv)
-    if not on_gpu() and not args.smoke:
-        print("step_bench: no GPU; nothing to do (--smoke runs tiny shapes on CPU)")
+    if no_gpu("step_bench", args.smoke):
         return 0
     s = dict(STEP_SMOKE if args.smoke else STEP, page=args.page)
     backend, impl = ("reference", "xla") if not on_gpu() else ("auto", "cudnn")
-    bw = copy_bandwidth_tbs(torch_cuda())[0] if on_gpu() else 4.26
-    kv_bytes = s["layers"] * s["batch"] * s["context"] * s["kv_heads"] * s["head_dim"] * 2
-    twin = s["layers"] * s["batch"] * (s["first_n"] + s["last_n"]) * s["kv_heads"] * s["head_dim"] * 2 * 2
-    floor = dict(mixed=(kv_bytes * (0.5 + 1 / 16) + twin) / bw / 1e9, bf16=kv_bytes * 2 / bw / 1e9)
+    bw = copy_bandwidth(not on_gpu())[0]
+    rows, twin = s["layers"] * s["batch"] * s["context"], s["layers"] * s["batch"] * (s["first_n"] + s["last_n"])
+    floor = dict(mixed=kv_bytes(rows, s["kv_heads"], s["head_dim"], "nvfp4", twin) / bw / 1e9,
+                 bf16=kv_bytes(rows, s["kv_heads"], s["head_dim"], "bf16") / bw / 1e9)
     res = dict(versions(), date=utc_now(), shape=s, copy_bandwidth_tbs=bw, floor_ms=floor, rows={})
     inputs = step_inputs(s)
 

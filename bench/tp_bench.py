@@ -1,23 +1,17 @@
 """Tensor-parallel decode attention: 1 GPU vs N GPUs (KV heads sharded with jax.shard_map), same batch and context.
 
-    PYTHONPATH=. python3 bench/tp_bench.py --out DIR          # on the 2-GPU H200 machine (nvidia-h200-x2)
-    PYTHONPATH=. python3 bench/tp_bench.py --out DIR --no-md  # same, bench/RESULTS.md untouched
+    PYTHONPATH=. python3 bench/tp_bench.py --out DIR          # the 2-GPU H200 machine (nvidia-h200-x2)
     python bench/tp_bench.py --smoke --no-md --out /tmp/tp    # CPU: tiny sizes, reference backend, 2 host devices
 
-Per batch (`shapes.TP`: 64 x 32k, mixed_nvfp4_bf16 first/last 64, page 64, then the batch sweep 32 / 64 / 128 unless
-``--no-sweep``): the sharded output is checked bit-equal to the single-device output (the split-K count is fixed
-from the global shape, so each shard runs exactly the single-device program of its heads), then both are timed.
-``ms`` is throughput as a serving loop sees it: calls pipelined (dispatched back to back, one block at the end,
-`common.time_jax`), with q already head-sharded (as it leaves a tensor-parallel QKV projection) and seq_slots
-replicated; ``blocking ms`` blocks on every call (adds ~0.3-0.5 ms of host dispatch and sync per call on the H200).
-``alone ms``: the per-shard problem (KV heads / N) on one device without shard_map, blocking: the ideal. The
-compiled sharded program's collective ops are counted (expected: none). The state is random NVFP4 bytes
-(`common.random_mixed_state`), so set-up is quick at 32k. Writes ``DIR/tp_bench.json``; on a GPU without
-``--no-md`` it appends a section to bench/RESULTS.md.
+Per batch (`shapes.TP`: 64 x 32k, page 64, then the batch sweep unless ``--no-sweep``): the sharded output is
+checked bit-equal to the single-device one (the split-K count is fixed from the global shape, so each shard runs
+the single-device program of its heads), then both are timed: ``ms`` pipelined (`common.time_jax`; q head-sharded
+as it leaves a tensor-parallel QKV projection), ``blocking ms`` blocked per call, ``alone ms`` the per-shard
+problem on one device (the ideal). The compiled sharded program's collectives are counted (expected: none).
+Writes ``DIR/tp_bench.json``; on a GPU without ``--no-md`` a section of bench/RESULTS.md.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
@@ -33,8 +27,8 @@ from jmixedkv import sharding  # noqa: E402
 from jmixedkv.decode import decode_attention  # noqa: E402
 from pallas_kernels.decode.common import pages_per_block  # noqa: E402
 from pallas_kernels.decode.config import TRITON_BLOCK_K, triton_num_splits  # noqa: E402
-from common import append_results, bits_equal, random_mixed_state, time_each, time_jax, utc_now, versions, \
-    write_json  # noqa: E402
+from common import (append_results, bench_parser, bits_equal, md_table, no_gpu, random_mixed_state,  # noqa: E402
+                    results_section, time_each, time_jax, utc_now, versions, write_json)
 from shapes import TP, TP_SMOKE  # noqa: E402
 
 #: HLO ops that move data between devices
@@ -93,32 +87,26 @@ def measure(shape, batch, tp, backend, timing):
 
 
 def table(rows, tp):
-    lines = [f"| batch | splits | 1 device ms | {tp} devices ms | speed-up | 1 device blocking ms | {tp} devices "
-             "blocking ms | blocking speed-up | heads / N alone ms | ideal speed-up | bit-equal | collectives |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['num_splits']} | {r['single_ms']:.3f} | {r['sharded_ms']:.3f} | "
-                     f"{r['speedup']:.2f}x | {r['single_blocking_ms']:.3f} | {r['sharded_blocking_ms']:.3f} | "
-                     f"{r['speedup_blocking']:.2f}x | {r['alone_ms']:.3f} | {r['ideal_speedup']:.2f}x | "
-                     f"{r['bit_equal']} | {sum(r['collectives'].values())} |")
-    return "\n".join(lines)
+    return md_table(("batch", "splits", "1 device ms", f"{tp} devices ms", "speed-up", "1 device blocking ms",
+                     f"{tp} devices blocking ms", "blocking speed-up", "heads / N alone ms", "ideal speed-up",
+                     "bit-equal", "collectives"),
+                    [(r["batch"], r["num_splits"], f"{r['single_ms']:.3f}", f"{r['sharded_ms']:.3f}",
+                      f"{r['speedup']:.2f}x", f"{r['single_blocking_ms']:.3f}", f"{r['sharded_blocking_ms']:.3f}",
+                      f"{r['speedup_blocking']:.2f}x", f"{r['alone_ms']:.3f}", f"{r['ideal_speedup']:.2f}x",
+                      r["bit_equal"], sum(r["collectives"].values())) for r in rows])
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out/tp")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (reference backend, 2 host devices)")
+    ap = bench_parser(__doc__, out="bench/out/tp")
     ap.add_argument("--devices", type=int, default=2, help="devices of the sharded run (a power of two)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the main batch")
-    ap.add_argument("--no-md", action="store_true", help="do not append to bench/RESULTS.md")
     args = ap.parse_args(argv)
-    on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.smoke:
-        print("tp_bench: no GPU found; run on the 2-GPU H200 machine, or pass --smoke for a tiny CPU check")
+    if no_gpu("tp_bench", args.smoke):
         return 0
     if len(jax.devices()) < args.devices:
         print(f"tp_bench: needs {args.devices} devices, found {len(jax.devices())}")
         return 1
+    on_gpu = jax.default_backend() == "gpu"
     shape = TP_SMOKE if args.smoke else TP
     timing = dict(reps=2, trials=2, iters=2) if args.smoke else dict(reps=20, trials=15, iters=50)
     backend = "pallas" if on_gpu else "reference"
@@ -131,17 +119,12 @@ def main(argv=None):
             res["errors"].append(dict(batch=b, error=f"{type(e).__name__}: {e}"[:2000]))
             print(f"batch {b} FAILED: {res['errors'][-1]['error'][:300]}", flush=True)
         write_json(args.out, "tp_bench.json", res)
-    text = table(res["rows"], args.devices)
-    print(f"TP decode attention, mixed_nvfp4_bf16 first/last {shape['first_n']}, context {shape['context']}, "
-          f"{shape['kv_heads']} KV / {shape['q_heads']} q heads, D {shape['head_dim']}, page {shape['page']}, "
-          f"backend {backend}, {res['device']}\n{text}")
+    text = (f"{args.devices} devices; mixed_nvfp4_bf16 first/last {shape['first_n']}, page {shape['page']}, context "
+            f"{shape['context']}, {shape['kv_heads']} KV / {shape['q_heads']} q heads, D {shape['head_dim']}, "
+            f"backend {backend}; KV heads sharded with jax.shard_map.\n\n{table(res['rows'], args.devices)}")
+    print(text)
     if on_gpu and not args.no_md:
-        append_results(f"\n## tensor-parallel decode attention (`bench/tp_bench.py`), {res['date']}\n\n"
-                       f"{args.devices} x {res['device']}, jax {res['jax']}, triton {res['triton']}; mixed_nvfp4_bf16 "
-                       f"first/last {shape['first_n']}, page {shape['page']}, context {shape['context']}, "
-                       f"{shape['kv_heads']} KV / {shape['q_heads']} q heads, D {shape['head_dim']}; KV heads sharded "
-                       "with jax.shard_map. ms: calls pipelined, q pre-sharded on the head axis; blocking ms: one "
-                       "call, then block.\n\n" + text + "\n")
+        append_results(results_section("tensor-parallel decode attention (`bench/tp_bench.py`)", res, text))
     return 1 if res["errors"] else 0
 
 

@@ -1,23 +1,18 @@
 """The fused write kernel (`pallas_kernels.write`) against the XLA reference path, on the H200.
 
-    PYTHONPATH=. python3 bench/write_bench.py --out DIR           # GPU: every case and the tiling sweep
-    PYTHONPATH=. python3 bench/write_bench.py --quick --out DIR   # GPU: decode + prefill, default kernel vs XLA
-    PYTHONPATH=. python3 bench/write_bench.py --smoke --out DIR   # CPU: tiny cases in interpret mode
+    PYTHONPATH=. python3 bench/write_bench.py [--quick] --out DIR   # GPU (--quick: decode + prefill only)
+    PYTHONPATH=. python3 bench/write_bench.py --smoke --out DIR     # CPU: tiny cases in interpret mode
 
-Cases (`shapes.WRITE_CASES`: mixed_nvfp4_bf16 first_n = last_n = 64, page 32, 32 layers, 8 KV heads, head_dim 128,
-bf16 K/V, neox RoPE in the kernel): a decode step (batch 64, one token each at position 1000: every row also goes
-to the twin), an 8 x 1024-token prefill chunk, and the decode step on a real-size 20 GiB pool (sequences on its
-last pages; the default kernel and ``append`` only, its bit-exactness is tests/test_gpu_real_size.py's).
-Each case is first checked bit for bit against the reference (`write_rows_reference` after an eager `apply_rope`)
-on the GPU (XLA with IEEE division, `jmixedkv.compat`) and on the host CPU. Kernel rows are device time: 20 calls
-in one jitted ``fori_loop`` per dispatch (the decode write takes less device time than the host needs to dispatch
-one call); the XLA reference rows per dispatch. Pools are donated. Bytes = K/V read + NVFP4 written + twin rows
-written, against the copy bandwidth measured in-run. Writes ``DIR/write_bench.json`` and (GPU, unless
-``--no-md``) a section of bench/RESULTS.md.
+Cases (`shapes.WRITE_CASES`, mixed_nvfp4_bf16 first_n = last_n = 64, neox RoPE in the kernel): a batch-64 decode
+step (every row also goes to the twin), an 8 x 1024-token prefill chunk, and the decode step on a 20 GiB pool
+(sequences on its last pages; its bit-exactness is tests/test_gpu_real_size.py's). Each case is first checked bit
+for bit against the reference (`write_rows_reference` after an eager `apply_rope`) on the GPU (XLA with IEEE
+division) and the host CPU. Kernel rows are device time (20 calls in one jitted ``fori_loop`` per dispatch), the
+reference rows per dispatch; pools donated. Bytes = K/V read + NVFP4 and twin rows written, against the in-run
+copy bandwidth. Writes ``DIR/write_bench.json`` and (GPU, unless ``--no-md``) a section of bench/RESULTS.md.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -29,17 +24,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jk  # noqa: E402
 from jmixedkv.allocator import allocate_mask  # noqa: E402
-from jmixedkv.compat import on_gpu, xla_flags_with_ieee_division  # noqa: E402
+from jmixedkv.compat import xla_flags_with_ieee_division  # noqa: E402
 from jmixedkv.pools import kernel_arrays  # noqa: E402
 from jmixedkv.state import GroupSpec, write_slots  # noqa: E402
 from jmixedkv.write import write_rows_reference  # noqa: E402
 from pallas_kernels import write as W  # noqa: E402
-from common import append_results, copy_bandwidth_tbs, time_threaded, torch_cuda, utc_now, versions, \
-    write_json  # noqa: E402
+from common import (append_results, bench_parser, copy_bandwidth, md_table, no_gpu, results_section,  # noqa: E402
+                    time_threaded, utc_now, versions, write_json)
 from shapes import WRITE_CASES, WRITE_SMOKE  # noqa: E402
 
-#: (block_t, heads_per_program, num_warps) tilings timed besides the default (the sweep that chose it)
-SWEEP = [(16, 1, 2), (16, 1, 8), (32, 1, 4), (64, 1, 4), (16, 2, 4), (32, 8, 4)]
 ROPE = jk.RopeSpec("neox", theta=500000.0)
 
 
@@ -76,10 +69,9 @@ def traffic_bytes(k, low_slot, high_slot):
     return 2 * k.size * k.dtype.itemsize + low + num_layers * int(jnp.sum(high_slot >= 0)) * 2 * heads * d * 2
 
 
-def kernel_fns(page, tiling=(None, None, 4)):
+def kernel_fns(page):
     """Jitted, pools-donating ``(all layers in one kernel call, one call per layer)`` of `W.write_rows`."""
-    kw = dict(block_t=tiling[0], heads_per_program=tiling[1], num_warps=tiling[2], rope_style=ROPE.style,
-              rope_theta=ROPE.theta, rotary_dim=ROPE.rotary_dim)
+    kw = dict(rope_style=ROPE.style, rope_theta=ROPE.theta, rotary_dim=ROPE.rotary_dim)
 
     def write(pools, k, v, layer, ls, hs, pos):
         data, scales, rows, _ = W.write_rows(k, v, layer, ls, hs, page, pos, low=kernel_arrays(pools.low),
@@ -139,10 +131,10 @@ def device_ms(fn, state, args, trials, inner):
     return ms / inner
 
 
-def bench_case(name, case, trials, sweep, inner, smoke=False):
-    """Rows ``{case, path, ms}`` of one case; a real-size pool (no per-layer or reference rows) when its pool pages
-    are given; ``smoke``: the default kernel, the XLA reference and the pallas ``append`` only."""
-    _, layers, _, _, _, tokens, _, pool_pages, page = case
+def bench_case(case, trials, inner, smoke=False):
+    """Rows ``{case, path, ms, bytes, bytes_differ}`` of one case: a real-size pool (pool pages given) times the
+    default kernel and ``append`` only; ``smoke``: the default kernel, the XLA reference and ``append``."""
+    name, layers, _, _, _, tokens, _, pool_pages, page = case
     st, k, v, seq, pos, ls, hs = make_case(*case[1:])
     pools, args, full = st.pools[0], (k, v, ls, hs, pos), pool_pages is None
     all_fn, per_fn = kernel_fns(page)
@@ -150,8 +142,6 @@ def bench_case(name, case, trials, sweep, inner, smoke=False):
     print(f"[{name}] bytes differing from the reference: {bad or 'not checked here'}", flush=True)
     paths = [("pallas all-layers (default)", all_fn, pools, args, inner)]
     if full:
-        paths += [(f"pallas all-layers bt={t[0]} hb={t[1]} warps={t[2]}", kernel_fns(page, t)[0], pools, args, inner)
-                  for t in sweep]
         ref_all, ref_per = reference_fns(page)
         paths += [("XLA reference all-layers", ref_all, pools, args, 1)]
         paths += [] if smoke else [(f"pallas {layers}x per-layer", per_fn, pools, args, inner),
@@ -160,53 +150,38 @@ def bench_case(name, case, trials, sweep, inner, smoke=False):
         for backend in ("pallas", "reference") if full and not smoke else ("pallas",):
             f = jax.jit(lambda s, k, v, q, p, b=backend: jk.append(s, None, k, v, q, p, rope=ROPE, backend=b),
                         donate_argnums=0)
-            paths.append((f"append() transition, {backend}", f, st, (k, v, seq, pos), inner if backend == "pallas"
-                          else 1))
+            paths.append((f"append() transition, {backend}", f, st, (k, v, seq, pos),
+                          inner if backend == "pallas" else 1))
     nbytes = traffic_bytes(k, ls, hs)
     return [dict(case=name, path=p, ms=device_ms(f, s, a, trials, n), bytes=nbytes, bytes_differ=bad)
             for p, f, s, a, n in paths]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out/write", help="output folder for the JSON")
-    ap.add_argument("--smoke", action="store_true", help="tiny cases (runs on CPU in interpret mode)")
+    ap = bench_parser(__doc__, out="bench/out/write")
     ap.add_argument("--iters", type=int, default=50, help="timed batches of 10 calls per row")
-    ap.add_argument("--quick", action="store_true", help="decode + prefill, default kernel vs XLA (no sweep, no "
-                    "20 GiB pool)")
-    ap.add_argument("--no-md", "--no-results-md", dest="no_md", action="store_true",
-                    help="do not append to bench/RESULTS.md")
+    ap.add_argument("--quick", action="store_true", help="decode + prefill only (no 20 GiB pool)")
     args = ap.parse_args(argv)
-    if not on_gpu() and not args.smoke:
-        print("write_bench: no GPU here; run on the H200 (or --smoke for a tiny interpret-mode run on CPU)")
+    if no_gpu("write_bench", args.smoke):
         return 0
-    if args.smoke:
-        cases, trials, sweep, inner = WRITE_SMOKE, 1, [], 1
-    else:
-        cases, trials, sweep, inner = WRITE_CASES[:2] if args.quick else WRITE_CASES, args.iters, SWEEP, 20
-    copy_tbs, copy_how = (4.3, "nominal (smoke)") if args.smoke else copy_bandwidth_tbs(torch_cuda())
-    rows = []
-    for case in cases:
-        rows += bench_case(case[0], case, trials, [] if args.quick else sweep, inner, args.smoke)
-    v = versions()
-    header = (f"{v['device']}, jax {v['jax']}, triton {v['triton']}, copy bandwidth {copy_tbs:.2f} TB/s "
-              f"({copy_how}, 2 GiB)")
-    lines = [header, "", "| case | path | time (us) | bytes (MB) | TB/s | x copy | bytes differing from the "
-             "reference on |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        tbs = r["bytes"] / r["ms"] / 1e9
-        lines.append(f"| {r['case']} | {r['path']} | {r['ms'] * 1e3:.1f} | {r['bytes'] / 1e6:.2f} | {tbs:.3f} | "
-                     f"{tbs / copy_tbs:.2f} | " + (" ".join(f"{d} {n}" for d, n in r["bytes_differ"].items())
-                                                    or "not here (tests/test_gpu_real_size.py)") + " |")
-    print("\n".join(lines))
-    write_json(args.out, "write_bench.json", dict(v, header=header, copy_tbs=copy_tbs, rows=rows, smoke=args.smoke))
+    cases, trials, inner = ((WRITE_SMOKE, 1, 1) if args.smoke
+                            else (WRITE_CASES[:2] if args.quick else WRITE_CASES, args.iters, 20))
+    copy_tbs, copy_how = copy_bandwidth(args.smoke)
+    rows = [r for case in cases for r in bench_case(case, trials, inner, args.smoke)]
+    meta = dict(versions(), date=utc_now(), copy_tbs=copy_tbs, copy_how=copy_how)
+    table = md_table(("case", "path", "time (us)", "bytes (MB)", "TB/s", "x copy", "bytes differing from the "
+                      "reference on"), [(r["case"], r["path"], f"{r['ms'] * 1e3:.1f}", f"{r['bytes'] / 1e6:.2f}",
+                                         f"{r['bytes'] / r['ms'] / 1e9:.3f}",
+                                         f"{r['bytes'] / r['ms'] / 1e9 / copy_tbs:.2f}",
+                                         " ".join(f"{d} {n}" for d, n in r["bytes_differ"].items()) or "-")
+                                        for r in rows])
+    print(table)
+    write_json(args.out, "write_bench.json", dict(meta, rows=rows, smoke=args.smoke))
     if not args.no_md and not args.smoke:
-        append_results(f"\n## write kernel (`bench/write_bench.py`), {utc_now()}\n\nmixed_nvfp4_bf16, first_n=64, "
-                       "last_n=64, page 32, 32 layers, 8 KV heads, head_dim 128, bf16, neox RoPE in-kernel. Bytes = "
-                       "K/V read + NVFP4 written + twin rows written; x copy against the in-run copy. "
-                       + "\n".join(lines) + "\n")
-    bad = any(n for r in rows for n in r["bytes_differ"].values())
-    return 1 if bad else 0
+        append_results(results_section("write kernel (`bench/write_bench.py`)", meta, (
+            f"mixed_nvfp4_bf16 first_n = last_n = 64, page 32, 32 layers, 8 KV heads, head_dim 128, bf16, neox RoPE "
+            f"in-kernel; copy {copy_tbs:.2f} TB/s ({copy_how}).\n\n{table}")))
+    return 1 if any(n for r in rows for n in r["bytes_differ"].values()) else 0
 
 
 if __name__ == "__main__":

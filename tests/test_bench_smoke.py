@@ -97,12 +97,3 @@ def test_sass_mix_counts_a_synthetic_export(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "1,100 executed" in text and "wait 30.0%" in text and "barrier 70.0%" in text
     assert json.loads(out_json.read_text())["executed"] == {"IMAD": 600, "R2UR": 400, "BRA": 100}
-
-
-def test_plot_decode_draws_rows(tmp_path):
-    import plot_decode
-    rows = [dict(batch=b, context=c, mixed_ms=0.01 * c / 1024, floor_nvfp4_ms=0.004 * c / 1024)
-            for b in (1, 16) for c in (4096, 32768)]
-    (tmp_path / "decode_bench-x.json").write_text(json.dumps(dict(rows=rows)))
-    assert plot_decode.main(["--json-dir", str(tmp_path)]) == 0
-    assert (tmp_path / "decode_attention.png").stat().st_size > 1000

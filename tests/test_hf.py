@@ -9,7 +9,7 @@ import torch
 import transformers                     # in the test extra (pip install -e .[test])
 from transformers import DynamicCache
 
-from interop.hf import ATTN_IMPLEMENTATION, JMixedKVCache
+from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache
 from jmixedkv import KVCacheConfig
 
 PAGE, MAX_LEN, BATCH = 16, 32, 6           # one cache geometry for the whole file: jitted transitions compile once
@@ -43,7 +43,7 @@ def _cache(model, kv, decode="stage"):
 
 
 def _generate(model, ids, mask, cache, **kw):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache,
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **{CACHE_KWARG: cache},
                          return_dict_in_generate=True, output_scores=True, **kw)
     return out.sequences, torch.stack(out.scores, 1).float()
 
@@ -77,7 +77,8 @@ def test_beam_search_reorders_by_fork(model, batch):
     forks = []
     orig = cache.cache.fork
     cache.cache.fork = lambda *a, **k: forks.append(a) or orig(*a, **k)
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, cache=cache)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False,
+                         **{CACHE_KWARG: cache})
     assert torch.equal(got, want)
     assert forks, "beam search never reordered the cache (no fork ran)"
     assert len(set(cache.slots.tolist())) == cache.slots.size == 6      # 2 rows x 3 beams, distinct slots
@@ -90,7 +91,7 @@ def test_prompt_lookup_decoding_crops(model, batch):
     crops = []
     orig = cache.crop
     cache.crop = lambda n: crops.append(n) or orig(n)
-    got = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache, prompt_lookup_num_tokens=3)
+    got = model.generate(ids, max_new_tokens=8, do_sample=False, **{CACHE_KWARG: cache}, prompt_lookup_num_tokens=3)
     assert torch.equal(got, want)
     assert any(n < 0 for n in crops), crops
     slot = int(cache.slots[0])
@@ -101,10 +102,10 @@ def test_crop_rewinds_lengths_and_refuses_too_much(model, batch):
     ids, mask = batch
     cache = _cache(model, BF16)
     with pytest.raises(ValueError, match="inference-only"):
-        model(ids, attention_mask=mask, cache=cache)
+        model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
     cache.reset()
     with torch.no_grad():
-        model(ids, attention_mask=mask, cache=cache)
+        model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
     lens = [cache.cache.kv_len(int(s)) for s in cache.slots]
     cache.crop(0)
     cache.crop(-2)
@@ -161,7 +162,7 @@ def test_fused_needs_the_jmixedkv_attention(model, batch):
     cache = JMixedKVCache(tkv, decode="fused")
     ids, mask = batch
     with pytest.raises(RuntimeError, match="did not run through attn_implementation='jmixedkv'"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache=cache)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **{CACHE_KWARG: cache})
     with pytest.raises(ValueError, match="decode must be"):
         _cache(model, MIXED, decode="sometimes")
 
@@ -172,10 +173,10 @@ def test_right_padding_and_wrong_shapes_refused(model):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     pos = torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]])                  # right padding
     with torch.no_grad(), pytest.raises(ValueError, match="right padding is not supported"):
-        model(ids, attention_mask=mask, position_ids=pos, cache=cache)
+        model(ids, attention_mask=mask, position_ids=pos, **{CACHE_KWARG: cache})
     small = JMixedKVCache.for_model(model, BF16, max_batch_size=1, max_cache_len=MAX_LEN, backend="reference")
     with torch.no_grad(), pytest.raises(Exception, match="free slots"):
-        model(ids, cache=small)
+        model(ids, **{CACHE_KWARG: small})
     other = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="layers, kv heads, head_dim"):

@@ -1,30 +1,17 @@
 #!/usr/bin/env bash
 # FlashInfer for the device machine, carried as wheels (it is not on the GPU image, and nothing can be fetched there).
 #
-#     bash bench/tools/pack_flashinfer.sh            # here, in the repository root; writes .whl/
+#     bash bench/tools/pack_flashinfer.sh            # here, in the repository root; writes .whl/ (git-ignored)
 #
-# Downloads `flashinfer-python` (the newest 0.7.x on the index) and `apache-tvm-ffi` (the range flashinfer's
-# Requires-Dist names) as py3.12 manylinux x86_64 wheels into .whl/ (git-ignored through .git/info/exclude), then
-# strips the flashinfer wheel to what `import flashinfer` and its decode JIT (FA2 batch decode, bf16 / FP8 KV; the
-# FA2 paged prefill for NVFP4 KV) need, and re-zips it as a valid wheel (RECORD rewritten):
-#
-#   * Python modules: the static import closure (function-level imports included) of `flashinfer/__init__.py`,
-#     `decode.py`, `prefill.py`, `page.py` and every module of `flashinfer/jit/`, plus each kept package's
-#     non-source data files (json configs, py.typed);
-#   * headers the JIT compiles against: `data/include`, `data/cccl`, `data/cutlass/include` and
-#     `data/cutlass/tools/util/include`, `data/spdlog`, and the top-level files of `data/csrc` (jinja templates,
-#     `batch_decode*.cu`, `batch_prefill*.cu`, `tvm_ffi_utils.h`); `data/csrc`'s subfolders (MoE, GEMM, ... kernels:
-#     ~390 MB unpacked) and the `.cu` sources inside the Python packages are dropped.
-#
-# The other Requires-Dist of flashinfer are on the image (torch, numpy, ninja, einops, click, tabulate, tqdm,
-# requests, packaging, nvidia-ml-py, cuda-bindings) or not needed by `import flashinfer` and the FA2 decode
-# (cuda-tile, nccl-extensions, nccl4py, nvidia-cudnn-frontend, nvidia-cutlass-dsl: checked on CPU, the import
-# loads none of them). On the device machine (carry .whl):
+# Downloads `flashinfer-python` (the newest 0.7.x) and the `apache-tvm-ffi` its Requires-Dist names as py3.12
+# manylinux x86_64 wheels, then strips the flashinfer wheel to what `import flashinfer` and its FA2 decode / paged
+# prefill JIT need (the static import closure of `__init__`, `decode`, `prefill`, `page` and `jit/`; the headers
+# under `data/include`, `cccl`, `cutlass`, `spdlog` and the top-level `data/csrc` files, not its ~390 MB of other
+# kernels) and re-zips it as a valid wheel (RECORD rewritten). Its other Requires-Dist are on the image or not
+# loaded by the import. Refuses (exit 1) a total over MAX_MIB (default 40). On the device machine (carry .whl):
 #
 #     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #         .whl/*.whl && export PYTHONPATH=/tmp/site || exit
-#
-# Prints every wheel's size and the total, and refuses (exit 1) a total over MAX_MIB (default 40).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PY=${PYTHON:-python3}
