@@ -6,11 +6,12 @@
 The same requests (lengths from `jmixedkv_demo/data/lengths.json`, prompts clipped to ``prompt_range`` and rounded
 up to ``prompt_multiple``, random prompt tokens, greedy decoding, no EOS) go through
 `jmixedkv_demo.serve.ServingLoop` once per cache, each at the same KV budget (pools and twin included). The model
-has random float32 weights of the geometry named by ``model``. Reported per cache: slots and pages the budget gives,
-the bytes of the pools actually allocated, measured peak concurrent sequences, output tokens/s (wall time, prefill
-included, compilation excluded), decode tokens/s, time per output token, time to first token, and the ratios to
-bf16. Writes ``DIR/serve_bench.json`` and prints the table (plain and markdown); it appends nothing to
-bench/RESULTS.md.
+has random weights of the geometry named by ``model``, in ``--weights-dtype`` (default bfloat16: bf16 x bf16
+projections with float32 accumulation, as a serving engine runs; float32 reads twice the bytes per step). Reported
+per cache: slots and pages the budget gives, the bytes of the pools actually allocated and of weights + pools,
+measured peak concurrent sequences, output tokens/s (wall time, prefill included, compilation excluded), decode
+tokens/s, time per output token, time to first token, and the ratios to bf16. Writes ``DIR/serve_bench.json`` and
+prints the table (plain and markdown); it appends nothing to bench/RESULTS.md.
 
 ``--shared-prefix N``: every prompt starts with the same N tokens (a shared system prompt) and the loop reuses the
 committed prefix pages (`jmixedkv.PrefixCache`) instead of prefilling them (``--no-prefix-reuse``: the baseline
@@ -30,8 +31,9 @@ import os
 import sys
 import time
 
-# the pools (40 GiB), the float32 weights (32 GB for Llama-3-8B) and prefill activations: more than XLA's default
-# 75% preallocation leaves room for on a smaller GPU; the process may take 90% of the device (kept if set)
+# the pools (40 GiB), the weights (16 GB in bfloat16 for Llama-3-8B, 32 GB in float32) and prefill activations:
+# more than XLA's default 75% preallocation leaves room for on a smaller GPU; the process may take 90% of the device
+# (kept if set)
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
 import jax  # noqa: E402
@@ -46,7 +48,7 @@ from common import utc_now, versions, write_json  # noqa: E402
 #: the H200 target: Llama-3-8B geometry, 40 GiB of KV cache, prompts of 8k-32k tokens
 SERVE = dict(model="llama3-8b-shape", kv_budget="40GiB", requests=80, prompt_range=(8192, 32768),
              prompt_multiple=4096, output_scale=1.0, page=32, max_chunk=4096, caches=serve.SERVE_CACHES, seed=0,
-             max_minutes=7.5, shared_prefix=0, prefix_reuse=True)
+             max_minutes=7.5, shared_prefix=0, prefix_reuse=True, weights_dtype="bfloat16")
 #: the CPU smoke: the tiny model
 SERVE_SMOKE = dict(SERVE, model="tiny", kv_budget="192KiB", requests=6, prompt_range=(16, 48), prompt_multiple=16,
                    output_scale=1 / 32, page=8, max_chunk=16, max_minutes=30.0)
@@ -63,10 +65,11 @@ def run(s: dict, out_dir: str) -> dict:
     print(f"serve_bench {info['date']}: device {info['device']}, jax {info['jax']}, jaxlib {info.get('jaxlib')}, "
           f"triton {info.get('triton')}", flush=True)
     model_cfg = serve.MODELS[s["model"]]
-    weights = serve.random_weights(model_cfg)
+    weights = serve.random_weights(model_cfg, s["weights_dtype"])
     jax.block_until_ready(weights)
-    print(f"model {s['model']}: {model_cfg} (random float32 weights, {time.perf_counter() - t_start:.0f} s)",
-          flush=True)
+    wbytes = serve.weight_bytes(weights)
+    print(f"model {s['model']}: {model_cfg} (random {s['weights_dtype']} weights, {cap.format_bytes(wbytes)}, "
+          f"{time.perf_counter() - t_start:.0f} s)", flush=True)
     budget = cap.parse_bytes(s["kv_budget"])
     reqs = serve.sample_requests(s["requests"], model_cfg.vocab_size, seed=s["seed"],
                                  prompt_range=tuple(s["prompt_range"]), prompt_multiple=s["prompt_multiple"],
@@ -85,8 +88,8 @@ def run(s: dict, out_dir: str) -> dict:
     for label, cfg in caches:
         c = cap.capacity(cfg, budget, shape, mean_len)
         print(f"  projection {label}: {c.sequences} sequences of {mean_len} tokens", flush=True)
-    result = dict(info, prompt_tokens=plen.tolist(), output_tokens=olen.tolist(), kv_budget_bytes=budget, rows=[],
-                  skipped=[])
+    result = dict(info, prompt_tokens=plen.tolist(), output_tokens=olen.tolist(), kv_budget_bytes=budget,
+                  weights_dtype=s["weights_dtype"], weight_bytes=wbytes, rows=[], skipped=[])
     rows, last_cost = [], 0.0
     for label, cfg in caches:
         elapsed = time.perf_counter() - t_start
@@ -105,6 +108,8 @@ def run(s: dict, out_dir: str) -> dict:
     for r in rows:                                              # same tokens as the first cache run
         r["same_tokens"] = float(np.mean([np.array_equal(a, b) for a, b in zip(r["outputs"], rows[0]["outputs"])]))
     headers, table = serve.serve_table([base] + [r for r in rows if r is not base])
+    print(f"{s['model']}, {s['weights_dtype']} weights ({cap.format_bytes(wbytes)}), KV budget "
+          f"{cap.format_bytes(budget)}, {len(reqs)} requests, prompts {plen.min()}-{plen.max()}:")
     print(cap.format_table(headers, table))
     print(markdown(headers, table))
     print(f"x first = ratio to {base['label']}; total {time.perf_counter() - t_start:.0f} s")
@@ -129,12 +134,14 @@ def main(argv=None):
     ap.add_argument("--caches", default=None, help=f"default {SERVE['caches']!r}")
     ap.add_argument("--seed", type=int, default=None, help="default 0")
     ap.add_argument("--max-minutes", type=float, default=None, help=f"default {SERVE['max_minutes']}")
+    ap.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default=None,
+                    help=f"dtype of the weight matrices (default {SERVE['weights_dtype']})")
     ap.add_argument("--shared-prefix", type=int, default=None, help="prompt tokens every request shares (default 0)")
     ap.add_argument("--no-prefix-reuse", action="store_true", help="prefill shared prefixes anyway (baseline)")
     a = ap.parse_args(argv)
     s = dict(SERVE_SMOKE if a.smoke else SERVE)
     for key in ("model", "kv_budget", "requests", "prompt_multiple", "output_scale", "page", "max_chunk", "caches",
-                "seed", "max_minutes", "shared_prefix"):
+                "seed", "max_minutes", "shared_prefix", "weights_dtype"):
         if getattr(a, key) is not None:
             s[key] = getattr(a, key)
     if a.no_prefix_reuse:

@@ -13,7 +13,9 @@ random-weight model and its table (`jmixedkv_demo.demo.run_demo`). ``--plot`` / 
 cache as a multiple of fp8's per text, mean and worst, and a per-position KL curve; `jmixedkv_demo.accuracy`).
 
 ``jmixedkv serve`` runs the same requests through a continuous-batching loop per cache at one KV budget
-(`jmixedkv_demo.serve`) and prints measured concurrency, tokens/s, time per output token and pool memory.
+(`jmixedkv_demo.serve`) and prints measured concurrency, tokens/s, time per output token and memory (weights and
+pools). Its ``--weights-dtype float32|bfloat16`` is the dtype the model runs in (default bfloat16 for random weights);
+the ``--weights-dtype`` of ``demo`` / ``capacity`` is the format counted in a ``--gpu-mem`` projection.
 
 Memory flags, one meaning in both commands: ``--gpu-mem`` is the GPU memory, from which the model's weights are
 subtracted to get the KV budget (`jmixedkv.capacity.kv_budget`); ``--kv-budget`` is the memory of the KV cache
@@ -173,6 +175,9 @@ def _serve_args(sub) -> None:
                         "seconds on a CPU (default smollm2)")
     s.add_argument("--kv-budget", type=_bytes, default=None,
                    help="KV cache memory, pools and twin included (default 40GiB; tiny 256KiB)")
+    s.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="dtype of the weight matrices; bfloat16: bf16 x bf16 projections, float32 accumulation "
+                        "(default: bfloat16 for random weights, float32 for the SmolLM2 GGUF's)")
     s.add_argument("--requests", type=_positive_int, default=None, help="requests (default 64; tiny 16)")
     s.add_argument("--cache", default=SERVE_CACHES,
                    help=f"comma-separated cache specs as in demo --caches (default {SERVE_CACHES!r})")
@@ -448,7 +453,7 @@ def cmd_serve(args) -> int:
         if pick(flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} {pick(flag)}: expected a number > 0")
     say = (lambda m: None) if args.no_progress else (lambda m: print(m, flush=True))  # noqa: E731
-    model_cfg, weights, how = serve.load_serve_model(args.model)
+    model_cfg, weights, how = serve.load_serve_model(args.model, args.weights_dtype)
     requests = serve.sample_requests(pick("requests"), model_cfg.vocab_size, seed=args.seed,
                                      prompt_scale=pick("prompt_scale"), output_scale=pick("output_scale"),
                                      prompt_range=prompt_range, prompt_multiple=args.prompt_multiple,
@@ -463,7 +468,8 @@ def cmd_serve(args) -> int:
     olen = np.array([r.max_new for r in requests])
     c = model_cfg
     print(f"jmixedkv serve: {args.model} (L={c.num_layers} d={c.d_model} Hq={c.num_heads} H_kv={c.num_kv_heads} "
-          f"D={c.head_dim} V={c.vocab_size}; {how}) on {jax.devices()[0].device_kind}, jax {jax.__version__}\n"
+          f"D={c.head_dim} V={c.vocab_size}; {how}, {cap.format_bytes(serve.weight_bytes(weights))}) on "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__}\n"
           f"{len(requests)} requests: prompts {plen.min()}-{plen.max()} tokens (mean {plen.mean():.0f}), outputs "
           f"{olen.min()}-{olen.max()} (mean {olen.mean():.0f}); KV budget {cap.format_bytes(budget)}, page {page}, "
           f"prefill chunks <= {max_chunk}; shared prefix {args.shared_prefix} tokens, prefix reuse "
@@ -477,14 +483,15 @@ def cmd_serve(args) -> int:
     headers, table = serve.serve_table(rows)
     print(cap.format_table(headers, table))
     print("slots / pages / pools: sized from the KV budget (jmixedkv.capacity; pools = bytes of the allocated pool "
-          "arrays, twin included); peak seqs = most sequences admitted at once; out tok/s = output tokens / wall "
-          "time (prefill included, compilation excluded); decode tok/s = tokens of decode steps / their time; "
-          "TPOT = mean per request of the time between its tokens; step ms = mean decode step (host work "
-          "included), host ms = its host check (CacheManager.reserve_append); x first = ratio to the first cache; "
+          "arrays, twin included); memory = the weights + the pools; peak seqs = most sequences admitted at once; "
+          "out tok/s = output tokens / wall time (prefill included, compilation excluded); decode tok/s = tokens of "
+          "decode steps / their time; TPOT = mean per request of the time between its tokens; step ms = mean "
+          "decode step (host work included), host ms = its host check (CacheManager.reserve_append); x first = ratio to the first cache; "
           "reused = prompt tokens admitted from the prefix index, not prefilled; same tokens = requests whose greedy "
           "tokens equal the first cache's")
     if args.json:
         out = {"model": args.model, "model_cfg": dataclasses.asdict(model_cfg), "weights": how,
+               "weights_dtype": serve.weights_dtype_of(weights), "weight_bytes": serve.weight_bytes(weights),
                "device": jax.devices()[0].device_kind, "jax": jax.__version__, "kv_budget_bytes": budget,
                "page_size": page, "max_chunk": max_chunk, "seed": args.seed, "shared_prefix": args.shared_prefix,
                "prefix_reuse": reuse,

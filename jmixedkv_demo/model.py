@@ -8,6 +8,11 @@ the init is scaled so the model is not flat: attention logits have a standard de
 make any error flip the output) and output logits have a standard deviation of about ``logit_gain`` (4: greedy
 argmax has a real margin), which makes token agreement with the bf16 run informative.
 
+Weights: float32 by default; with ``init_params(cfg, "bfloat16")`` (or `cast_weights`) every weight matrix
+(projections, embedding, output head) is stored in bfloat16 and each projection multiplies bfloat16 operands with
+float32 accumulation (`project`: the activation is rounded, the weight never converted); activations, the residual
+stream, norms, RoPE and softmax stay float32, as in a bf16 serving engine.
+
 RoPE is applied **in the model** to q and k (`jmixedkv.apply_rope`, float32, no FMA) and K is appended already
 rotated (``append(..., rope=None)``), so every cache dtype sees the same rows.
 
@@ -42,11 +47,14 @@ from jmixedkv.pools import pytree
 from jmixedkv.rope import RopeSpec, apply_rope
 from jmixedkv.state import GroupSpec, admit, append, init_state
 
-__all__ = ["ModelConfig", "Decoder", "init_params", "GenerationResult", "build_generate", "generate",
+__all__ = ["ModelConfig", "Decoder", "init_params", "WEIGHTS_DTYPES", "cast_weights", "project", "Linear",
+           "GenerationResult", "build_generate", "generate",
            "cache_shape", "exact_prefill", "score_decode", "sim_knobs", "calibrate",
            "token_metrics", "SimulatedDecodeSession"]
 
 ATTENTION_MODES = ("auto", "fused", "reference")
+#: dtypes of the weight matrices (projections, embedding, output head); norm scales stay float32
+WEIGHTS_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +173,34 @@ class RMSNorm(nn.Module):
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
 
 
+def project(x, w):
+    """``x f32[..., K] @ w [K, N] -> f32[..., N]``, a projection in the weights' dtype.
+
+    float32 ``w``: a float32 product (`flax.linen.Dense`'s ``dot_general``). bfloat16 ``w``: ``x`` rounded to
+    bfloat16, bf16 x bf16 operands, float32 accumulation and result (``preferred_element_type``); the weight
+    matrix itself is never converted."""
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    if w.dtype == jnp.float32:
+        return jax.lax.dot_general(x, w, dims)
+    return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32)
+
+
+class Linear(nn.Module):
+    """A bias-free projection ``f32[..., K] -> f32[..., features]`` through `project`; param ``kernel
+    f32[K, features]`` ~ N(0, ``stddev``) at init (`cast_weights` gives it another dtype)."""
+
+    features: int
+    stddev: float
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("kernel", nn.initializers.normal(stddev=self.stddev), (x.shape[-1], self.features),
+                       jnp.float32)
+        return project(x, w)
+
+
 def _dense(features, fan_in, gain=1.0, name=None):
-    return nn.Dense(features, use_bias=False, name=name,
-                    kernel_init=nn.initializers.normal(stddev=gain / fan_in ** 0.5))
+    return Linear(features, gain / fan_in ** 0.5, name=name)
 
 
 class Attention(nn.Module):
@@ -220,22 +253,54 @@ class Decoder(nn.Module):
     def __call__(self, tokens, positions, session, last_only: bool = False):
         c = self.cfg
         embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(1.0), name="embed")
-        x = embed(tokens)
+        x = embed(tokens).astype(jnp.float32)         # the gathered rows only (bfloat16 weights)
         for layer in range(c.num_layers):
             x = Block(c, layer, name=f"block{layer}")(x, positions, session)
         if last_only:
             x = x[:, -1:]
         x = RMSNorm(c.rms_eps, name="final_norm")(x)
         if c.tie_embeddings:              # output head = token embedding (SmolLM2 / GGUF without output.weight)
-            return embed.attend(x)
+            return project(x, embed.embedding.T)
         return _dense(c.vocab_size, c.d_model, c.logit_gain, "lm_head")(x)
 
 
-def init_params(cfg: ModelConfig):
-    """Deterministic float32 parameters from ``cfg.seed``."""
+def _check_weights_dtype(weights_dtype: str) -> None:
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
+
+
+def _cast_leaf(name, x, dtype):
+    """A parameter named ``name`` in ``dtype`` when it is a weight matrix (``kernel``, ``embedding``), else as is."""
+    return x.astype(dtype) if name in ("kernel", "embedding") else x
+
+
+def cast_weights(params, weights_dtype: str):
+    """``params`` (an `init_params` tree, blocks not stacked) with every weight matrix (``kernel``,
+    ``embedding``) in ``weights_dtype`` (round to nearest even); norm scales stay float32."""
+    _check_weights_dtype(weights_dtype)
+    dtype = jnp.dtype(weights_dtype)
+    return jax.tree_util.tree_map_with_path(lambda path, x: _cast_leaf(getattr(path[-1], "key", None), x, dtype),
+                                            params)
+
+
+def init_params(cfg: ModelConfig, weights_dtype: str = "float32"):
+    """Deterministic parameters from ``cfg.seed``: float32, or with ``weights_dtype="bfloat16"`` the float32
+    parameters with every weight matrix rounded to bfloat16 (`cast_weights`), one matrix at a time (at the peak
+    the float32 set plus one bfloat16 matrix)."""
+    _check_weights_dtype(weights_dtype)
     tokens = jnp.zeros((1, 4), jnp.int32)
     positions = jnp.arange(4, dtype=jnp.int32)[None]
-    return Decoder(cfg).init(jax.random.PRNGKey(cfg.seed), tokens, positions, DenseSession())
+    params = Decoder(cfg).init(jax.random.PRNGKey(cfg.seed), tokens, positions, DenseSession())
+    if weights_dtype == "float32":
+        return params
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    del params
+    names = [getattr(path[-1], "key", None) for path, _ in flat]
+    leaves = [x for _, x in flat]
+    del flat
+    for i, name in enumerate(names):          # each float32 matrix is freed as its bfloat16 copy replaces it
+        leaves[i] = _cast_leaf(name, leaves[i], jnp.dtype(weights_dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -421,7 +486,7 @@ def _scan_layers(params, cfg: ModelConfig, tokens, positions, make_session, emit
     to stack over layers; ``stacked``: `_stack_blocks` of ``params`` when already built. Returns ``(logits, carry,
     stacked outs)``."""
     p = params["params"]
-    x = jnp.take(p["embed"]["embedding"], tokens, axis=0)
+    x = jnp.take(p["embed"]["embedding"], tokens, axis=0).astype(jnp.float32)
 
     def body(xc, xs):
         x, c = xc
@@ -436,7 +501,7 @@ def _scan_layers(params, cfg: ModelConfig, tokens, positions, make_session, emit
     if last_only:
         x = x[:, -1:]
     x = RMSNorm(cfg.rms_eps).apply({"params": p["final_norm"]}, x)
-    logits = jnp.dot(x, p["embed"]["embedding"].T) if cfg.tie_embeddings else jnp.dot(x, p["lm_head"]["kernel"])
+    logits = project(x, p["embed"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"])
     return logits, carry, out
 
 

@@ -19,10 +19,13 @@ What a JAX serving engine does around a paged KV cache, small enough to copy:
 * **Decode**: one jitted step over all ``max_seqs`` slots (inactive slots are padding rows: slot -1, nothing
   appended, attention output zero), greedy ``argmax`` on the device; the host reads the new tokens, releases a
   sequence at EOS or at ``max_new`` tokens (its pages return to the pool) and admits more.
+* **Weights**: float32 or bfloat16 (`random_weights` / `load_serve_model` ``weights_dtype``; bfloat16: every
+  projection multiplies bf16 operands with float32 accumulation, `jmixedkv_demo.model.project`); their bytes are
+  reported next to the pools' (``weight_bytes``).
 * Every program is compiled ahead of the timed run (`ServingLoop.compile`): one decode step and one prefill
-  program per chunk length, per (model, cache config, attention, pool shapes), shared by every loop of that
-  config (`TRACES` / ``ServingLoop.traces`` count the traces). With prefix reuse a remainder's chunk length not
-  met ahead is compiled when first met, its time excluded from the run's times.
+  program per chunk length, per (model, cache config, attention, pool shapes, weight dtypes), shared by every loop
+  of that config (`TRACES` / ``ServingLoop.traces`` count the traces). With prefix reuse a remainder's chunk length
+  not met ahead is compiled when first met, its time excluded from the run's times.
 * Host work per decode step: `CacheManager.reserve_append` checks and accounts the step's tokens (vectorized over
   the running slots, reported as ``host_ms``), then one device sync for the tokens.
 * **Prefix reuse** (``prefix_reuse=True``, `jmixedkv.PrefixCache`), on the host at admission, between the jitted
@@ -58,11 +61,13 @@ from jmixedkv.manager import CacheManager
 from jmixedkv.prefix import PrefixCache
 from jmixedkv.state import describe_error, init_state
 
-from .model import ATTENTION_MODES, CacheSession, ModelConfig, _scan_layers, _stack_blocks, cache_shape, init_params
+from .model import (ATTENTION_MODES, WEIGHTS_DTYPES, CacheSession, ModelConfig, _scan_layers, _stack_blocks,
+                    cache_shape, cast_weights, init_params)
 
 __all__ = ["MODELS", "Request", "load_lengths", "sample_requests", "PoolPlan", "plan_pools", "prefill_chunks",
            "prepare_weights", "random_weights", "decode_step", "prefill_chunk", "TRACES", "ServingLoop", "ServeResult",
-           "serve_caches", "serve_table", "SERVE_DEFAULTS", "SERVE_CACHES", "load_serve_model"]
+           "serve_caches", "serve_table", "SERVE_DEFAULTS", "SERVE_CACHES", "load_serve_model", "weight_bytes",
+           "weights_dtype_of"]
 
 #: model geometries of ``jmixedkv serve`` (random weights; ``smollm2`` is SmolLM2-135M's architecture)
 MODELS = {
@@ -198,14 +203,25 @@ def prepare_weights(params, model_cfg: ModelConfig) -> dict:
     return {"top": top, "stacked": jax.jit(_stack_blocks, static_argnums=1)(params, model_cfg)}
 
 
-#: traces of the loop's programs: (model_cfg, cache_cfg, attention, state shapes, "decode" | "prefill", tokens)
-#: -> count
+def weight_bytes(weights) -> int:
+    """Bytes of every array of ``weights`` (`prepare_weights`' dict or a parameter tree)."""
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(weights)))
+
+
+def weights_dtype_of(weights: dict) -> str:
+    """The weight matrices' dtype name of `prepare_weights`' dict (``"float32"`` or ``"bfloat16"``)."""
+    return jnp.dtype(weights["top"]["params"]["embed"]["embedding"].dtype).name
+
+
+#: traces of the loop's programs: (model_cfg, cache_cfg, attention, state shapes + weight dtypes, "decode" |
+#: "prefill", tokens) -> count
 TRACES: collections.Counter = collections.Counter()
 
 
-def _shapes(state) -> tuple:
-    """The shapes of every array of ``state`` (a pool plan's signature)."""
-    return tuple(tuple(x.shape) for x in jax.tree.leaves(state))
+def _shapes(state, weights) -> tuple:
+    """The shapes of every array of ``state`` (a pool plan's signature) and the weights' dtypes."""
+    return (tuple(tuple(x.shape) for x in jax.tree.leaves(state))
+            + (tuple(sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(weights)})),))
 
 
 def _forward(weights, state, tokens, positions, slots, model_cfg: ModelConfig, attention: str):
@@ -224,7 +240,7 @@ def decode_step(weights, state, tokens, positions, active, *, model_cfg: ModelCo
     """One decode step over all slots (``state`` donated): ``tokens, positions i32[S]`` (the fed token and its
     position per slot), ``active bool[S]`` (inactive slots are padding rows) -> ``(state', greedy next tokens
     i32[S], error bits i32[])``."""
-    TRACES[(model_cfg, state.config, attention, _shapes(state), "decode", 1)] += 1
+    TRACES[(model_cfg, state.config, attention, _shapes(state, weights), "decode", 1)] += 1
     slots = jnp.where(active, jnp.arange(active.shape[0], dtype=jnp.int32), -1)
     state, logits = _forward(weights, state, tokens[:, None], positions[:, None], slots, model_cfg, attention)
     return state, jnp.argmax(logits, -1).astype(jnp.int32), state.error
@@ -234,7 +250,7 @@ def decode_step(weights, state, tokens, positions, active, *, model_cfg: ModelCo
 def prefill_chunk(weights, state, tokens, start, slot, *, model_cfg: ModelConfig, attention: str = "auto"):
     """One prefill chunk of one sequence (``state`` donated): ``tokens i32[1, T]`` at positions ``start + [0, T)``
     of ``slot i32[]`` -> ``(state', greedy token after the chunk i32[], error bits i32[])``."""
-    TRACES[(model_cfg, state.config, attention, _shapes(state), "prefill", tokens.shape[1])] += 1
+    TRACES[(model_cfg, state.config, attention, _shapes(state, weights), "prefill", tokens.shape[1])] += 1
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     state, logits = _forward(weights, state, tokens, positions, slot[None], model_cfg, attention)
     return state, jnp.argmax(logits[0]).astype(jnp.int32), state.error
@@ -303,9 +319,9 @@ class ServingLoop:
 
     @property
     def traces(self) -> dict:
-        """Traces of this loop's programs so far (this config and pool shapes): ``{"decode": n, "prefill T": n,
-        ...}`` (each 1 when every program is traced once)."""
-        key = (self.model_cfg, self.cache_cfg, self.attention, _shapes(self.manager.state))
+        """Traces of this loop's programs so far (this config, pool shapes and weight dtypes): ``{"decode": n,
+        "prefill T": n, ...}`` (each 1 when every program is traced once)."""
+        key = (self.model_cfg, self.cache_cfg, self.attention, _shapes(self.manager.state, self.weights))
         return {(k[4] if k[4] == "decode" else f"prefill {k[5]}"): v for k, v in TRACES.items() if k[:4] == key}
 
     def compile(self, requests: Sequence[Request]) -> float:
@@ -387,8 +403,8 @@ class ServingLoop:
         ``compile_s`` (ahead of the run, and of any prefill length first met during it: excluded from the times),
         ``evicted_pages`` (index pages evicted to make room), ``pool_bytes`` (bytes of the allocated pool arrays,
         twin and scales included), ``state_bytes`` (every array of the cache state: pools, page tables,
-        allocators), ``budget_bytes``, ``num_pages``, ``max_seqs``, ``free_pages_end`` (== ``num_pages``: every
-        page returned), ``traces``."""
+        allocators), ``weight_bytes`` / ``weights_dtype`` (the model's weights), ``budget_bytes``, ``num_pages``,
+        ``max_seqs``, ``free_pages_end`` (== ``num_pages``: every page returned), ``traces``."""
         self.check_requests(requests)
         compile_s = self.compile(requests)
         n, s_max = len(requests), self.plan.max_seqs
@@ -483,6 +499,7 @@ class ServingLoop:
             compile_s=compile_s + self._compile_s, evicted_pages=evicted,
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.manager.state.pools)),
             state_bytes=sum(x.nbytes for x in jax.tree.leaves(self.manager.state)),
+            weight_bytes=weight_bytes(self.weights), weights_dtype=weights_dtype_of(self.weights),
             budget_bytes=self.plan.budget_bytes, num_pages=self.plan.num_pages,
             max_seqs=s_max, free_pages_end=self.manager.free_pages,
             traces=self.traces)
@@ -598,25 +615,28 @@ def serve_caches(weights: dict, model_cfg: ModelConfig, caches: Sequence[tuple[s
 
 
 def serve_table(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
-    """``(headers, rows)`` of strings for `jmixedkv.capacity.format_table`, one row per cache."""
-    headers = ["kv cache", "slots", "pages", "pools", "peak seqs", "x first", "out tok/s", "x first",
+    """``(headers, rows)`` of strings for `jmixedkv.capacity.format_table`, one row per cache (``memory`` =
+    the model's weights + the allocated pools)."""
+    headers = ["kv cache", "slots", "pages", "pools", "memory", "peak seqs", "x first", "out tok/s", "x first",
                "decode tok/s", "TPOT ms", "step ms", "host ms", "TTFT s", "wall s", "reused", "same tokens"]
     base = rows[0] if rows else None
     out = []
     for r in rows:
         ratio = lambda k: f"{r[k] / base[k]:.2f}" if base[k] else "-"  # noqa: E731
         out.append([r["label"], f"{r['max_seqs']:,}", f"{r['num_pages']:,}", cap.format_bytes(r["pool_bytes"]),
-                    f"{r['peak_concurrent']:,}", ratio("peak_concurrent"), f"{r['tokens_per_s']:,.1f}",
-                    ratio("tokens_per_s"), f"{r['decode_tokens_per_s']:,.1f}", f"{r['tpot_ms']:.2f}",
+                    cap.format_bytes(r.get("weight_bytes", 0) + r["pool_bytes"]), f"{r['peak_concurrent']:,}",
+                    ratio("peak_concurrent"), f"{r['tokens_per_s']:,.1f}", ratio("tokens_per_s"),
+                    f"{r['decode_tokens_per_s']:,.1f}", f"{r['tpot_ms']:.2f}",
                     f"{r['step_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r['ttft_s']:.2f}", f"{r['wall_s']:.1f}",
                     f"{100 * r['reused_tokens'] / max(1, r['reused_tokens'] + r['prefill_tokens']):.0f}%",
                     f"{100 * r['same_tokens']:.0f}%"])
     return headers, out
 
 
-def random_weights(model_cfg: ModelConfig) -> dict:
-    """`prepare_weights` of the deterministic random float32 parameters of ``model_cfg`` (`init_params`)."""
-    return prepare_weights(init_params(model_cfg), model_cfg)
+def random_weights(model_cfg: ModelConfig, weights_dtype: str = "float32") -> dict:
+    """`prepare_weights` of the deterministic random parameters of ``model_cfg`` (`init_params`), weight matrices
+    in ``weights_dtype`` (``"float32"`` or ``"bfloat16"``)."""
+    return prepare_weights(init_params(model_cfg, weights_dtype), model_cfg)
 
 
 #: ``jmixedkv serve`` defaults per model: KV budget, workload scaling of the shipped lengths, page, prefill chunk
@@ -633,19 +653,26 @@ SERVE_DEFAULTS = {
 SERVE_CACHES = "bf16,fp8,mixed:4:64"
 
 
-def load_serve_model(name: str) -> tuple[ModelConfig, dict, str]:
-    """``(model_cfg, prepare_weights(params), how)`` of a `MODELS` name: random float32 weights, except
-    ``smollm2`` when its GGUF is installed (`jmixedkv_demo.gguf`), whose real weights are loaded."""
+def load_serve_model(name: str, weights_dtype: Optional[str] = "float32") -> tuple[ModelConfig, dict, str]:
+    """``(model_cfg, prepare_weights(params), how)`` of a `MODELS` name: random weights, except ``smollm2`` when
+    its GGUF is installed (`jmixedkv_demo.gguf`), whose real weights are loaded (dequantized to float32).
+
+    ``weights_dtype``: ``"float32"`` / ``"bfloat16"`` for the weight matrices (`cast_weights`), or None: bfloat16
+    for random weights, float32 for the GGUF's. ``how`` names the source and the dtype."""
     if name not in MODELS:
         raise ValueError(f"unknown serve model {name!r}; expected one of {sorted(MODELS)}")
+    if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES} or None, got {weights_dtype!r}")
     if name == "smollm2":
         from .gguf import ModelUnavailable, load_model
         try:
             m = load_model()
-            return m.cfg, prepare_weights(m.params, m.cfg), f"{m.name} weights from {m.path.name}"
+            dtype = weights_dtype or "float32"
+            return (m.cfg, prepare_weights(cast_weights(m.params, dtype), m.cfg),
+                    f"{m.name} weights from {m.path.name}, {dtype}")
         except ModelUnavailable as e:
             how = f"random weights (GGUF not installed: {e})"
     else:
         how = "random weights"
-    cfg = MODELS[name]
-    return cfg, random_weights(cfg), how
+    cfg, dtype = MODELS[name], weights_dtype or "bfloat16"
+    return cfg, random_weights(cfg, dtype), f"{how}, {dtype}"

@@ -9,6 +9,8 @@
   bit is raised as `CacheError`, never ignored;
 * EOS: sequences end at their first EOS (kept), the rest of the tokens unchanged, pages returned;
 * one compiled program per bucket: every program traced once across loops of the same config and pools;
+* bfloat16 weights: tokens equal `generate` with the same weights, all-high equals bf16, one decode program whose
+  projections are bf16 x bf16 -> float32 products with no weight converted; the CLI's ``--weights-dtype``;
 * the pure helpers (chunking, pool plan vs capacity arithmetic, the shipped length distribution) and the CLI.
 """
 from __future__ import annotations
@@ -240,6 +242,7 @@ def test_serve_bench_settings():
     assert s["model"] == "llama3-8b-shape" and cap.parse_bytes(s["kv_budget"]) == 40 * 2 ** 30
     assert s["prompt_range"] == (8192, 32768) and all(x % s["prompt_multiple"] == 0 for x in s["prompt_range"])
     assert s["prompt_multiple"] % s["max_chunk"] == 0                      # one prefill program per cache
+    assert s["weights_dtype"] == "bfloat16"                                # as a serving engine runs the model
     m = sv.MODELS[s["model"]]
     assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim) == (32, 32, 8, 128)
 
@@ -325,3 +328,105 @@ def test_prefix_cache_compile_changes_nothing():
     after = jax.tree.leaves(pc.state)
     assert len(after) == len(before) and all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, after))
     assert pc.manager.kv_len(slot) == 0 and pc.manager.free_slots() == list(range(1, lp.plan.max_seqs))
+
+
+# ---------------------------------------------------------------------------------------------- bfloat16 weights
+@functools.lru_cache(maxsize=None)
+def bf16_weights():
+    return sv.random_weights(CFG, "bfloat16")
+
+
+@functools.lru_cache(maxsize=None)
+def served_bf16_weights(cache_cfg=BF16, budget=BUDGET):
+    lp = sv.ServingLoop(bf16_weights(), CFG, cache_cfg, plan(cache_cfg, budget), max_chunk=CHUNK)
+    return lp.run(requests()), lp
+
+
+def test_bf16_weights_serve_the_tokens_of_generate_and_all_high_equals_bf16():
+    """bf16 weights through the loop: each request's tokens equal a lone `generate` with the same bf16 weights,
+    and an all-high mixed cache's tokens equal the bf16 cache's; the stats carry the weights' dtype and bytes
+    (float32 norm scales: 4 bytes each, every weight matrix 2 bytes per element)."""
+    import jax
+    res, lp = served_bf16_weights()
+    p16 = init_params(CFG, "bfloat16")
+    reqs = requests()
+    for i in (0, 1):                                                # prompts of 16 and of 32 tokens
+        want = generate(p16, reqs[i].prompt[None], CFG, BF16, reqs[i].max_new).tokens
+        np.testing.assert_array_equal(res.outputs[i], np.asarray(want[0]))
+    high, _ = served_bf16_weights(ALL_HIGH, 256 * 1024)
+    for a, b in zip(high.outputs, res.outputs):
+        np.testing.assert_array_equal(a, b)
+    s = res.stats
+    c = CFG
+    matrices = (c.num_layers * (c.d_model * c.head_dim * 2 * (c.num_heads + c.num_kv_heads) + 3 * c.d_model * c.ffn_dim)
+                + 2 * c.vocab_size * c.d_model)
+    norms = (2 * c.num_layers + 1) * c.d_model
+    assert s["weights_dtype"] == "bfloat16" and s["weight_bytes"] == 2 * matrices + 4 * norms
+    assert sv.weight_bytes(weights()) == 4 * (matrices + norms) == sum(x.nbytes for x in jax.tree.leaves(params()))
+    assert s["free_pages_end"] == s["num_pages"]
+
+
+def test_bf16_weight_decode_step_compiles_once_with_bf16_products():
+    """Two loops with bf16 weights share one decode and one prefill program (counted apart from the float32
+    weights' programs); the decode step's StableHLO multiplies bf16 x bf16 into float32 for every projection
+    (q, k, v, o, gate, up, down in the layer scan, and the output head) and converts no weight to float32."""
+    import re
+    import jax
+    import jax.numpy as jnp
+    served_bf16_weights()
+    lp = sv.ServingLoop(bf16_weights(), CFG, BF16, plan(), max_chunk=CHUNK)
+    lp.run(requests([(16, 3), (32, 4)], seed=5))
+    assert lp.traces == {"decode": 1, f"prefill {CHUNK}": 1}
+    s = lp.plan.max_seqs
+    i32 = jax.ShapeDtypeStruct((s,), jnp.int32)
+    text = sv.decode_step.lower(bf16_weights(), lp.manager.state, i32, i32, jax.ShapeDtypeStruct((s,), jnp.bool_),
+                                model_cfg=CFG, attention="auto").as_text()
+    assert lp.traces == {"decode": 1, f"prefill {CHUNK}": 1}          # lowering again hit the jit cache
+    dots = re.findall(r"stablehlo.dot_general .*: \(tensor<([0-9x]+)x(\w+)>, tensor<([0-9x]+)x(\w+)>\) -> "
+                      r"tensor<[0-9x]+x(\w+)>", text)
+    proj = [d for d in dots if d[1] == "bf16"]
+    assert len(proj) == 8 and all(d[3] == "bf16" and d[4] == "f32" for d in proj), dots
+    shapes = {"x".join(map(str, x.shape[k:])) for x in jax.tree.leaves(bf16_weights()) for k in range(x.ndim - 1)}
+    converts = re.findall(r"stablehlo.convert %\S+ : \(tensor<([0-9x]+)xbf16>\)", text)
+    assert converts and not [c for c in converts if re.sub(r"^(1x)+", "", c) in shapes], converts
+
+
+@pytest.mark.gpu
+def test_bf16_weights_stay_bf16_in_the_compiled_gpu_decode_step():
+    """On a GPU the compiled decode step holds no float32 copy of a weight matrix (no convert to a weight's
+    shape): its projections run as bf16 GEMMs."""
+    import re
+    import jax
+    import jax.numpy as jnp
+    lp = sv.ServingLoop(bf16_weights(), CFG, BF16, plan(), max_chunk=CHUNK)
+    s = lp.plan.max_seqs
+    i32 = jax.ShapeDtypeStruct((s,), jnp.int32)
+    hlo = sv.decode_step.lower(bf16_weights(), lp.manager.state, i32, i32, jax.ShapeDtypeStruct((s,), jnp.bool_),
+                               model_cfg=CFG, attention="auto").compile().as_text()
+    shapes = {",".join(map(str, x.shape[k:])) for x in jax.tree.leaves(bf16_weights()) if x.ndim >= 2
+              for k in range(x.ndim - 1)}
+    up = [m for m in re.findall(r"= f32\[([0-9,]+)\]\S* convert\(", hlo) if m in shapes]
+    assert not up, up
+
+
+def test_cli_serve_weights_dtype(tmp_path, capsys):
+    """--weights-dtype: random weights default to bfloat16; the JSON and the header carry the dtype and bytes."""
+    out = tmp_path / "serve.json"
+    argv = ["serve", "--model", "tiny", "--cache", "bf16", "--requests", "2", "--prompt-range", "16:16",
+            "--output-scale", "0.02", "--max-chunk", "16", "--kv-budget", "48KiB", "--json", str(out),
+            "--no-progress"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["weights_dtype"] == "bfloat16" and doc["results"][0]["weights_dtype"] == "bfloat16"
+    assert "bfloat16, 706.50 KiB" in text and doc["weight_bytes"] == sv.weight_bytes(bf16_weights())
+    r = doc["results"][0]
+    assert r["weight_bytes"] == doc["weight_bytes"]
+    assert main(argv + ["--weights-dtype", "float32"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["weights_dtype"] == "float32" and doc["weight_bytes"] == sv.weight_bytes(weights())
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--weights-dtype", "float16"])
+    assert e.value.code == 2 and "invalid choice: 'float16'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="weights_dtype must be one of .* got 'fp16'"):
+        sv.load_serve_model("tiny", "fp16")
