@@ -1,6 +1,7 @@
 """A whole decode step on the H200: 32 layers of attention + the all-layer append, mixed NVFP4 vs bf16 + cuDNN.
 
     PYTHONPATH=. python3 bench/step_bench.py --profile --out DIR   # GPU (``--page 32``: KVCacheConfig's default)
+    PYTHONPATH=. python3 bench/step_bench.py --levers --out DIR    # GPU: + the recommended levers' cost
     PYTHONPATH=. python3 bench/step_bench.py --smoke --out DIR     # CPU: tiny shapes, reference backend, XLA SDPA
 
 The step per generated token (`shapes.STEP`: Llama-3-8B attention, batch 64 x 8k), in one jit, the cache donated:
@@ -29,6 +30,10 @@ from jmixedkv.compat import on_gpu  # noqa: E402
 from common import (bench_parser, copy_bandwidth, gpu_kernel_profile, kv_bytes, no_gpu, random_fill,  # noqa: E402
                     random_mixed_state, time_each, time_threaded, utc_now, versions, write_json)
 from shapes import STEP, STEP_SMOKE  # noqa: E402
+
+
+#: the accuracy levers of `jmixedkv.KVCacheConfig.recommended` (its window aside): what ``--levers`` costs
+LEVERS = dict(rotation="hadamard", block_scale="4over6")
 
 
 def step_inputs(s):
@@ -108,6 +113,8 @@ def main(argv=None):
     ap = bench_parser(__doc__, out=".", md=False)
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--profile", action="store_true", help="jax profiler trace of 3 steps per path")
+    ap.add_argument("--levers", action="store_true", help="also the mixed step with recommended()'s levers (Hadamard "
+                    "rotation, 4over6): their cost in the append (step - attention) and in the decode")
     ap.add_argument("--page", type=int, default=STEP["page"], help="tokens per page of the mixed cache")
     args = ap.parse_args(argv)
     if no_gpu("step_bench", args.smoke):
@@ -121,17 +128,19 @@ def main(argv=None):
     res = dict(versions(), date=utc_now(), shape=s, copy_bandwidth_tbs=bw, floor_ms=floor, rows={})
     inputs = step_inputs(s)
 
-    cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=s["first_n"], last_n=s["last_n"], page_size=s["page"])
-    state = random_mixed_state(cfg, jm.GroupSpec(s["layers"], s["kv_heads"], s["head_dim"]), s["batch"],
-                               s["context"], spare_pages=4)
     step, attention = mixed_step_fns(s, backend)
-    rows, res["profile_mixed"], (state, _) = time_step("mixed_step", step, state, inputs, s, floor["mixed"],
-                                                       args.profile)
-    res["rows"].update(rows)
-    res["rows"]["mixed_step"]["error"] = int(state.error)
-    res["rows"]["mixed_attention_only"] = dict(ms=time_each(attention, state, inputs[0], iters=s["steps"]),
-                                               floor_ms=floor["mixed"])
-    del state, step
+    for name, levers in [("mixed", {})] + ([("mixed_levers", LEVERS)] if args.levers else []):
+        cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=s["first_n"], last_n=s["last_n"], page_size=s["page"],
+                               **levers)
+        state = random_mixed_state(cfg, jm.GroupSpec(s["layers"], s["kv_heads"], s["head_dim"]), s["batch"],
+                                   s["context"], spare_pages=4)
+        rows, res["profile_" + name], (state, _) = time_step(name + "_step", step, state, inputs, s, floor["mixed"],
+                                                             args.profile)
+        res["rows"].update(rows)
+        res["rows"][name + "_step"]["error"] = int(state.error)
+        res["rows"][name + "_attention_only"] = dict(ms=time_each(attention, state, inputs[0], iters=s["steps"]),
+                                                     floor_ms=floor["mixed"])
+        del state
     for padded in ((True, False) if not args.skip_bf16 else ()):
         name = "bf16_cudnn_step" + ("" if padded else "_nomask")
         try:
@@ -154,6 +163,13 @@ def main(argv=None):
                 res["speedup_mixed_vs_bf16" + mode] = r[bf + mode]["ms"] / r["mixed_step" + mode]["ms"]
                 ratio = res["speedup_mixed_vs_bf16" + mode]
                 lines.append(f"bf16 step / mixed step{mode.replace('_', ' ')}: {ratio:.2f}")
+    if args.levers:
+        for what in ("step", "step_pipelined", "attention_only"):
+            res[f"levers_over_plain_{what}"] = r[f"mixed_levers_{what}"]["ms"] / r[f"mixed_{what}"]["ms"]
+            lines.append(f"levers / plain, {what.replace('_', ' ')}: {res[f'levers_over_plain_{what}']:.3f}")
+        append = {n: r[f"{n}_step"]["ms"] - r[f"{n}_attention_only"]["ms"] for n in ("mixed", "mixed_levers")}
+        res["levers_over_plain_append"] = append["mixed_levers"] / append["mixed"]
+        lines.append(f"levers / plain, append (step - attention): {res['levers_over_plain_append']:.3f}")
     print("\n".join(lines))
     write_json(args.out, "step_bench.json", dict(res, table="\n".join(lines)))
     return 0

@@ -19,7 +19,7 @@ sys.path[:0] = [BENCH, os.path.join(BENCH, "tools")]
 #: this process
 SMOKE = {"write_bench": ["--smoke", "--out", "{out}"],
          "read_bench": ["--smoke", "--out", "{out}"],
-         "step_bench": ["--smoke", "--out", "{out}"],
+         "step_bench": ["--smoke", "--levers", "--out", "{out}"],
          "prefix_bench": ["--smoke", "--out", "{out}"],
          "nvfp4_bench": ["--smoke"],
          "decode_bench": ["--grid", "--smoke", "--geos", "4/16/1", "--out", "{out}"],
@@ -60,6 +60,10 @@ def test_bench_smoke(name, tmp_path):
     argv = [a.format(out=tmp_path) for a in SMOKE[name]]
     assert mod.main(argv) in (0, None)          # an exit code (serve_bench's main returns None on success)
     assert name == "nvfp4_bench" or any(tmp_path.iterdir()), f"{name} wrote nothing under {tmp_path}"
+    if name == "step_bench":                    # the levers' step ran beside the plain one, without an error bit
+        res = json.loads((tmp_path / "step_bench.json").read_text())
+        assert res["rows"]["mixed_levers_step"]["error"] == 0 == res["rows"]["mixed_step"]["error"]
+        assert res["levers_over_plain_attention_only"] > 0 and "levers_over_plain_append" in res
     if name.startswith("decode_bench"):         # a row's failure is recorded in its JSON, not raised
         (path,) = tmp_path.glob("decode_bench-*.json")
         rows = json.loads(path.read_text())["rows"]
