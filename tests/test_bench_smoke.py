@@ -82,6 +82,18 @@ def test_tp_bench_smoke_on_two_host_devices(tmp_path):
     assert res["rows"][0]["bit_equal"] is True and res["rows"][0]["collectives"] == {}
 
 
+def test_ab_kernels_smoke(tmp_path):
+    """The A/B tool times this tree's decode and append through the public API (tiny shapes, CPU)."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "tools", "ab_kernels.py"), "--tree", ROOT, "--label",
+                           "now", "--smoke", "--out", str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [len(res["decode"]), len(res["append"])] == [1, 1] and all(
+        r["ms"] > 0 for r in res["decode"] + res["append"]), res
+
+
 def test_sass_mix_counts_a_synthetic_export(tmp_path, capsys):
     import sass_mix
     header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
