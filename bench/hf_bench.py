@@ -108,6 +108,9 @@ def caches(model, batch, max_len, backend, which):
     for fmt, kw in JM.items():
         for decode in MODES:
             out[f"jmixedkv {fmt} ({decode})"] = (jm(kw, decode), fmt == "bf16" and decode == "stage")
+    unknown = set() if which == "all" else which - set(out)
+    if unknown:
+        raise SystemExit(f"hf_bench: unknown --caches {sorted(unknown)}; expected names from {sorted(out)}")
     return {k: v for k, v in out.items() if which == "all" or k in which}
 
 
