@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-demo demo test test-gpu test-gpu-parallel clean
+.PHONY: setup setup-demo demo test test-gpu test-gpu2 test-gpu-parallel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,10 +28,14 @@ test: setup
 	$(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile
 
 # On the GPU machine (its own image, nothing to install; it has no gguf, and test_gguf.py has no GPU test)
-GPU_TESTS := -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_gguf.py
+GPU_TESTS := -m pytest -q -m "gpu and not gpu2" -p no:cacheprovider --ignore=tests/test_gguf.py
 
 test-gpu:
 	PYTHONPATH=. $(PY) $(GPU_TESTS)
+
+# the tests that need two GPUs (the nvidia-h200-x2 machine)
+test-gpu2:
+	PYTHONPATH=. $(PY) -m pytest -q -m gpu2 -p no:cacheprovider
 
 # the same tests in 4 pytest-xdist workers on the one GPU (no XLA preallocation; the GiB-sized caches in one group)
 test-gpu-parallel:

@@ -1,11 +1,13 @@
 """Tensor-parallel decode attention: 1 GPU vs N GPUs (KV heads sharded with jax.shard_map), same batch and context.
 
     PYTHONPATH=. python3 bench/tp_bench.py --out DIR          # the 2-GPU H200 machine (nvidia-h200-x2)
+                                                              # (+ the whole 32-layer decode step; --no-step: not)
     python bench/tp_bench.py --smoke --no-md --out /tmp/tp    # CPU: tiny sizes, reference backend, 2 host devices
 
-Per batch (`shapes.TP`: 64 x 32k, page 64, then the batch sweep unless ``--no-sweep``): the sharded output is
-checked bit-equal to the single-device one (the split-K count is fixed from the global shape, so each shard runs
-the single-device program of its heads), then both are timed: ``ms`` pipelined (`common.time_jax`; q head-sharded
+Per batch (`shapes.TP`: 64 x 32k, page 64, then the batch sweep unless ``--no-sweep``), the default kernel
+(Mosaic GPU on Hopper): the sharded output is checked bit-equal to the single-device one (each shard chooses its
+tuning and splits for the whole head count, ``split_heads``, and merges splits in a fixed order), then both are
+timed: ``ms`` pipelined (`common.time_jax`; q head-sharded
 as it leaves a tensor-parallel QKV projection), ``blocking ms`` blocked per call, ``alone ms`` the per-shard
 problem on one device (the ideal). The compiled sharded program's collectives are counted (expected: none).
 Writes ``DIR/tp_bench.json``; on a GPU without ``--no-md`` a section of bench/RESULTS.md.
@@ -25,22 +27,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import sharding  # noqa: E402
 from jmixedkv.decode import decode_attention  # noqa: E402
-from pallas_kernels.decode.common import pages_per_block  # noqa: E402
-from pallas_kernels.decode.config import TRITON_BLOCK_K, triton_num_splits  # noqa: E402
-from common import (append_results, bench_parser, bits_equal, md_table, no_gpu, random_mixed_state,  # noqa: E402
-                    results_section, time_each, time_jax, utc_now, versions, write_json)
-from shapes import TP, TP_SMOKE  # noqa: E402
+from common import (append_results, bench_parser, bits_equal, md_table, no_gpu, random_fill,  # noqa: E402
+                    random_mixed_state, results_section, time_each, time_jax, time_threaded, utc_now, versions,
+                    write_json)
+from shapes import STEP, STEP_SMOKE, TP, TP_SMOKE  # noqa: E402
 
 #: HLO ops that move data between devices
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
                "collective-broadcast", "ragged-all-to-all", "copy-start", "send", "recv")
-
-
-def fixed_splits(shape, batch):
-    """The split-K count the single-device kernel picks for ``batch`` (all KV heads), used by every shard."""
-    pages = -(-shape["context"] // shape["page"])
-    blocks = max(1, -(-pages // pages_per_block(TRITON_BLOCK_K["nvfp4"], shape["page"])))
-    return triton_num_splits(batch, shape["kv_heads"], blocks)
 
 
 def head_slice(state, lo, hi, tp):
@@ -60,37 +54,79 @@ def measure(shape, batch, tp, backend, timing):
     cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=shape["first_n"], last_n=shape["last_n"],
                            page_size=shape["page"])
     hkv, hq, d = shape["kv_heads"], shape["q_heads"], shape["head_dim"]
-    splits = fixed_splits(shape, batch)
     state = random_mixed_state(cfg, jm.GroupSpec(1, hkv, d), batch, shape["context"], seed=batch)
     q = jax.random.normal(jax.random.PRNGKey(batch), (batch, 1, hq, d), jnp.float32).astype(jnp.bfloat16)
     seq = jnp.arange(batch, dtype=jnp.int32)
     dev0 = jax.devices()[0]
-    one = jax.jit(lambda st, q_, s_: decode_attention(st, 0, q_, s_, backend=backend, num_splits=splits))
+    one = jax.jit(lambda st, q_, s_: decode_attention(st, 0, q_, s_, backend=backend))
     mesh = sharding.make_mesh(tp)
-    sharded = jax.jit(lambda st, q_, s_: sharding.sharded_decode_attention(mesh, st, 0, q_, s_, backend=backend,
-                                                                           num_splits=splits))
+    sharded = jax.jit(lambda st, q_, s_: sharding.sharded_decode_attention(mesh, st, 0, q_, s_, backend=backend))
     a1 = jax.device_put((state, q, seq), dev0)
     an = (sharding.shard_state(state, mesh), jax.device_put(q, NamedSharding(mesh, P(None, None, sharding.AXIS))),
           jax.device_put(seq, NamedSharding(mesh, P())))
     alone = jax.device_put((head_slice(state, 0, hkv // tp, tp), q[:, :, :hq // tp], seq), dev0)
     del state
-    row = dict(batch=batch, num_splits=splits, bit_equal=bits_equal(one(*a1), sharded(*an)),
+    row = dict(batch=batch, bit_equal=bits_equal(one(*a1), sharded(*an)),
                collectives=collectives(sharded, *an))
     for name, fn, args in (("single", one, a1), ("sharded", sharded, an)):
         row[f"{name}_ms"] = time_jax(fn, *args, reps=timing["reps"], trials=timing["trials"])
         row[f"{name}_blocking_ms"] = time_each(fn, *args, iters=timing["iters"])
-    row["alone_ms"] = time_each(one, *alone, iters=timing["iters"])
+    shard_alone = jax.jit(lambda st, q_, s_: decode_attention(st, 0, q_, s_, backend=backend, split_heads=hkv))
+    row["alone_ms"] = time_each(shard_alone, *alone, iters=timing["iters"])    # as a shard splits
     row.update(speedup=row["single_ms"] / row["sharded_ms"],
                speedup_blocking=row["single_blocking_ms"] / row["sharded_blocking_ms"],
                ideal_speedup=row["single_blocking_ms"] / row["alone_ms"])
     return row
 
 
+def measure_step(shape, tp, backend, timing):
+    """The whole decode step (`shapes.STEP`: every layer's append, then every layer's decode, the state donated), 1
+    device vs ``tp`` devices: outputs and the written pools compared bitwise, both timed pipelined."""
+    layers, batch, hkv, hq, d = (shape[k] for k in ("layers", "batch", "kv_heads", "q_heads", "head_dim"))
+    cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=shape["first_n"], last_n=shape["last_n"],
+                           page_size=shape["page"])
+    spec = jm.GroupSpec(layers, hkv, d)
+    q = random_fill(7, (layers, batch, 1, hq, d), "bf16")
+    k, v = (random_fill(i, (layers, batch, hkv, d), "bf16") for i in (8, 9))
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    mesh = sharding.make_mesh(tp)
+
+    def step(append, attend):
+        def run(st, q_, k_, v_):
+            st = append(st, None, k_, v_, slots, st.kv_lens)
+            return st, jnp.stack([attend(st, layer, q_[layer], slots)[0] for layer in range(layers)])
+        return jax.jit(run, donate_argnums=0)
+    one = step(lambda *a: jm.append(*a, backend=backend),
+               lambda *a: decode_attention(*a, backend=backend))
+    sharded = step(lambda st, *a: sharding.sharded_append(mesh, st, *a, backend=backend),
+                   lambda st, *a: sharding.sharded_decode_attention(mesh, st, *a, backend=backend))
+    qs = jax.device_put(q, NamedSharding(mesh, P(None, None, None, sharding.AXIS)))
+    ks, vs = (jax.device_put(x, NamedSharding(mesh, P(None, None, sharding.AXIS))) for x in (k, v))
+    steps = shape["steps"]                                   # timed steps: each appends one token per sequence
+    spare = -(-(steps + 1) // shape["page"]) + 1
+    row = dict(layers=layers, batch=batch, context=shape["context"], steps=steps)
+    results = {}
+    for name, fn, make, args in (("single", one, lambda: random_mixed_state(cfg, spec, batch, shape["context"],
+                                                                            spare_pages=spare), (q, k, v)),
+                                 ("sharded", sharded, lambda: sharding.shard_state(random_mixed_state(
+                                     cfg, spec, batch, shape["context"], spare_pages=spare), mesh), (qs, ks, vs))):
+        st, out = fn(make(), *args)
+        results[name] = jax.device_get((out, st.pools))
+        run = lambda c, *a: fn(c[0], *a)  # noqa: E731
+        row[f"{name}_ms"], (st, out) = time_threaded(run, (st, out), *args, reps=steps, trials=1, warmup=0)
+        row[f"{name}_error"] = int(st.error)                 # 0: every timed append had its pages
+        del st, out
+    row.update(bit_equal=bits_equal(results["single"], results["sharded"]),
+               speedup=row["single_ms"] / row["sharded_ms"])
+    print(f"whole step: {row}", flush=True)
+    return row
+
+
 def table(rows, tp):
-    return md_table(("batch", "splits", "1 device ms", f"{tp} devices ms", "speed-up", "1 device blocking ms",
+    return md_table(("batch", "1 device ms", f"{tp} devices ms", "speed-up", "1 device blocking ms",
                      f"{tp} devices blocking ms", "blocking speed-up", "heads / N alone ms", "ideal speed-up",
                      "bit-equal", "collectives"),
-                    [(r["batch"], r["num_splits"], f"{r['single_ms']:.3f}", f"{r['sharded_ms']:.3f}",
+                    [(r["batch"], f"{r['single_ms']:.3f}", f"{r['sharded_ms']:.3f}",
                       f"{r['speedup']:.2f}x", f"{r['single_blocking_ms']:.3f}", f"{r['sharded_blocking_ms']:.3f}",
                       f"{r['speedup_blocking']:.2f}x", f"{r['alone_ms']:.3f}", f"{r['ideal_speedup']:.2f}x",
                       r["bit_equal"], sum(r["collectives"].values())) for r in rows])
@@ -100,6 +136,7 @@ def main(argv=None):
     ap = bench_parser(__doc__, out="bench/out/tp")
     ap.add_argument("--devices", type=int, default=2, help="devices of the sharded run (a power of two)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the main batch")
+    ap.add_argument("--no-step", dest="step", action="store_false", help="no whole decode step (`shapes.STEP`)")
     args = ap.parse_args(argv)
     if no_gpu("tp_bench", args.smoke):
         return 0
@@ -119,9 +156,20 @@ def main(argv=None):
             res["errors"].append(dict(batch=b, error=f"{type(e).__name__}: {e}"[:2000]))
             print(f"batch {b} FAILED: {res['errors'][-1]['error'][:300]}", flush=True)
         write_json(args.out, "tp_bench.json", res)
+    if args.step:
+        try:
+            res["step"] = measure_step(STEP_SMOKE if args.smoke else STEP, args.devices, backend, timing)
+        except Exception as e:  # noqa: BLE001 -- recorded, the per-call rows are kept
+            res["errors"].append(dict(step=True, error=f"{type(e).__name__}: {e}"[:2000]))
+        write_json(args.out, "tp_bench.json", res)
     text = (f"{args.devices} devices; mixed_nvfp4_bf16 first/last {shape['first_n']}, page {shape['page']}, context "
             f"{shape['context']}, {shape['kv_heads']} KV / {shape['q_heads']} q heads, D {shape['head_dim']}, "
             f"backend {backend}; KV heads sharded with jax.shard_map.\n\n{table(res['rows'], args.devices)}")
+    if "step" in res:
+        r = res["step"]
+        text += (f"\n\nwhole decode step, {r['layers']} layers, {r['batch']} x {r['context']}: 1 device "
+                 f"{r['single_ms']:.3f} ms, {args.devices} devices {r['sharded_ms']:.3f} ms ({r['speedup']:.2f}x), "
+                 f"bit-equal {r['bit_equal']}")
     print(text)
     if on_gpu and not args.no_md:
         append_results(results_section("tensor-parallel decode attention (`bench/tp_bench.py`)", res, text))

@@ -38,7 +38,7 @@ from .staging import stage_reference
 __all__ = ["decode_attention", "attention_reference", "paged_attention_reference", "merge_attention"]
 
 
-def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits):
+def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits, split_heads):
     spec, cfg = checks.check_group(state, group, "decode_attention"), state.config
     if layer is None or not checks.is_jax(layer):
         checks.host_int(layer, "layer", "decode_attention", 0, spec.num_layers)
@@ -52,13 +52,14 @@ def _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_
                          f"= {cfg.max_draft_len + 1}")
     checks.attention_query("decode_attention", spec, cfg, q, seq_slots, state.max_seqs)
     checks.attention_options("decode_attention", cfg, sm_scale, sliding_window, soft_cap)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"decode_attention: num_splits must be an int >= 1 or None, got {num_splits!r}")
+    for name, v in (("num_splits", num_splits), ("split_heads", split_heads)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"decode_attention: {name} must be an int >= 1 or None, got {v!r}")
 
 
 def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Optional[float] = None,
                      sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
-                     num_splits: Optional[int] = None, backend: str = "auto"):
+                     num_splits: Optional[int] = None, split_heads: Optional[int] = None, backend: str = "auto"):
     """Decode / verify attention of ``q`` against the cached history of ``seq_slots`` (one layer).
 
     Args:
@@ -70,6 +71,9 @@ def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Op
       seq_slots: i32[B] sequence slots (-1 = padding row: output zeros, LSE -inf).
       sm_scale: logit scale (default ``D ** -0.5``); sliding_window: keys ``pos - window < p <= pos``;
       soft_cap: logits ``c * tanh(logits / c)``; num_splits: split-K programs (kernel only; None = auto).
+      split_heads: the KV head count the kernel's default tuning and splits are chosen for (kernel only; None =
+        the state's): `jmixedkv.sharding.sharded_decode_attention` passes the whole count to every shard, so a
+        shard's outputs are bitwise the one-device ones.
       backend: ``"auto"`` | ``"pallas"`` | ``"reference"``.
 
     Returns:
@@ -81,15 +85,15 @@ def decode_attention(state, layer, q, seq_slots, *, group: int = 0, sm_scale: Op
     in a key or value the query sees propagates: that head's output and LSE are NaN, never those of an empty
     sequence (``out = 0, lse = -inf`` only when no key is visible).
     """
-    _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits)
+    _validate(state, layer, q, seq_slots, group, sm_scale, sliding_window, soft_cap, num_splits, split_heads)
     seq = checks.index_array(seq_slots, "seq_slots", "decode_attention")
     return _attend(state, layer, q, seq, group=group, sm_scale=sm_scale, sliding_window=sliding_window,
-                   soft_cap=soft_cap, num_splits=num_splits, backend=backend)
+                   soft_cap=soft_cap, num_splits=num_splits, split_heads=split_heads, backend=backend)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap", "num_splits",
-                                             "backend"))
-def _attend(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits, backend):
+                                             "split_heads", "backend"))
+def _attend(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits, split_heads, backend):
     """The body of `decode_attention` (validated arguments): one program with the rotation lever around the kernel."""
     rotation = state.config.rotation
     q = levers.unrotate(q, rotation, q.dtype)                     # q Hd: the basis of the stored keys
@@ -99,7 +103,7 @@ def _attend(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
     seq = jnp.where(bad, -1, seq)
     out, lse = dispatch(backend, _reference, _pallas)(state, layer_c, q, seq, group=group, sm_scale=sm_scale,
                                                       sliding_window=sliding_window, soft_cap=soft_cap,
-                                                      num_splits=num_splits)
+                                                      num_splits=num_splits, split_heads=split_heads)
     out = levers.unrotate(out, rotation, out.dtype)               # (p @ V Hd) Hd = p @ V: model space
     # a query that must see at least its own key but reports "no key" (lse = -inf) met a NaN logit: flag it
     tq = q.shape[1]
@@ -114,9 +118,10 @@ def _lens(state, seq):
     return jnp.where(seq >= 0, state.kv_lens[jnp.clip(seq, 0, state.max_seqs - 1)], 0)
 
 
-@functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap", "num_splits"))
-def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits):
-    del num_splits                                                          # a kernel tuning knob
+@functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap", "num_splits",
+                                             "split_heads"))
+def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits, split_heads):
+    del num_splits, split_heads                                             # kernel tuning knobs
     # NVFP4 groups: the decoded values exactly (float32 staging), as the fused kernel reads them
     exact = jnp.float32 if state.kinds[group] != "plain" else None
     staged = stage_reference(state, layer, seq, group, dtype=exact, as_stored=True)    # [B, kv, H, S, D] stored
@@ -130,8 +135,8 @@ def _reference(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_ca
 
 
 @functools.partial(jax.jit, static_argnames=("group", "sm_scale", "sliding_window", "soft_cap", "num_splits",
-                                             "interpret"))
-def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits, interpret):
+                                             "split_heads", "interpret"))
+def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, num_splits, split_heads, interpret):
     from pallas_kernels.decode import paged_decode_attention   # picks the backend (`choose_backend`)
     cfg, kind, pools = state.config, state.kinds[group], state.pools[group]
     s = jnp.clip(seq, 0, state.max_seqs - 1)
@@ -144,7 +149,7 @@ def _pallas(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
     return paged_decode_attention(
         q, page_table, lens, layer, low=low, high=high, plain=plain, high_table=ht, geom=twin,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
-        interpret=interpret, out_dtype=cfg.attention_dtype)
+        split_heads=split_heads, interpret=interpret, out_dtype=cfg.attention_dtype)
 
 
 def attention_reference(q, k, v, kv_lens, *, sm_scale=None, sliding_window=None, soft_cap=None):

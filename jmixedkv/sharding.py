@@ -146,9 +146,14 @@ def sharded_gather_rows(mesh: Mesh, state: CacheState, layer, seq_slots, indices
 
 def sharded_decode_attention(mesh: Mesh, state: CacheState, layer, q, seq_slots, group: int = 0, **kwargs):
     """`jmixedkv.decode.decode_attention` per shard: ``q [B, Tq, Hq, D]`` and the outputs sharded over
-    query heads (each shard holds the KV heads its query heads attend to)."""
+    query heads (each shard holds the KV heads its query heads attend to).
+
+    Each shard's kernel chooses its tuning and split-K count for the whole KV head count (``split_heads``, unless
+    given), as one device would: every (row, KV head) is split and reduced in the same order, so the outputs and
+    LSE are bitwise those of `decode_attention` on one device (tests/test_sharding.py; on GPUs, `gpu2` tests)."""
     from .decode import decode_attention
     seq_slots, _, layer = _host_checks(state, group, "sharded_decode_attention", layer, seq_slots)
+    kwargs.setdefault("split_heads", state.groups[group].num_kv_heads)     # the whole count (checked above)
     qspec = P(None, None, AXIS, None)
     return sharded(lambda st, l_, q_, s_: decode_attention(st, l_, q_, s_, group=group, **kwargs), mesh, state,
                    (jnp.asarray(layer, jnp.int32), q, seq_slots), (P(), qspec, P()),

@@ -80,6 +80,8 @@ def test_tp_bench_smoke_on_two_host_devices(tmp_path):
     res = json.load(open(tmp_path / "tp_bench.json"))
     assert res["errors"] == [] and [r["batch"] for r in res["rows"]] == [4], res
     assert res["rows"][0]["bit_equal"] is True and res["rows"][0]["collectives"] == {}
+    step = res["step"]                            # the whole decode step: outputs and written pools bit-equal
+    assert step["bit_equal"] is True and step["single_error"] == 0 == step["sharded_error"], step
 
 
 def test_ab_kernels_smoke(tmp_path):

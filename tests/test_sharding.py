@@ -105,3 +105,54 @@ def test_sharded_readers_match_unsharded(mesh):
             shard, q)
         b = jax.jit(lambda st, q_: jm.decode_attention(st, 1, q_, seq, backend=backend, **kw))(plain, q)
         assert_trees_bit_equal(jax.device_get(a), jax.device_get(b))
+
+
+def _long_state(b, page, max_pages, lens, rng):
+    """A mixed state of ``b`` sequences of ``lens`` tokens (one layer, ``H`` KV heads), appended unsharded."""
+    cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=3, last_n=5, page_size=page)
+    state = jm.init_state(cfg, jm.GroupSpec(1, H, D), b * max_pages, b, max_pages)
+    for s in range(b):
+        state = jm.admit(state, s)
+    seq = np.concatenate([[s] * n for s, n in enumerate(lens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    k, v = (jnp.asarray(rng.normal(size=(1, len(seq), H, D)), jnp.bfloat16) for _ in range(2))
+    state = jm.append(state, None, k, v, jnp.asarray(seq), jnp.asarray(pos), backend="reference")
+    assert int(state.error) == 0
+    return state
+
+
+def test_sharded_decode_splits_as_one_device(mesh):
+    """With its default tuning the fused kernel picks split counts from the KV heads it sees: a shard (here 1 of 4
+    heads) would split each (row, KV head) differently from one device. With ``split_heads`` = the whole count a
+    shard's kernel partials are bitwise one device's (for each head); without it they are not (so this test can
+    fail). `sharded_decode_attention` passes it: its outputs equal one device's (the merged LSE to 1e-6: XLA's CPU
+    code for the merge differs in the last bit between shapes; a `gpu2` test checks bits on GPUs)."""
+    from jmixedkv.pools import kernel_arrays
+    from pallas_kernels.decode import TritonConfig, triton
+    b, hq, page, max_pages = 17, 2 * H, 16, 48
+    rng = np.random.default_rng(3)
+    lens = rng.integers(600, 700, b)
+    state = _long_state(b, page, max_pages, lens, rng)
+    q = jnp.asarray(rng.normal(size=(b, 1, hq, D)), jnp.bfloat16)
+    low, high = kernel_arrays(state.pools[0].low), kernel_arrays(state.pools[0].high)
+
+    def partials(h0, h1, config):
+        head = lambda x: x[:, :, :, h0:h1] if x.ndim == 6 else x  # noqa: E731
+        return jax.device_get(triton.paged_decode_partials(
+            q[:, :, 2 * h0:2 * h1], state.page_table, jnp.asarray(lens, jnp.int32), 0, tuple(map(head, low)),
+            tuple(map(head, high)), None, state.high_table, geom=state.config.twin, interpret=True, config=config))
+    whole = partials(0, H, TritonConfig())
+    for i in range(H):
+        one_head = tuple(x[:, :, i:i + 1] for x in whole)
+        assert_trees_bit_equal(partials(i, i + 1, TritonConfig(split_heads=H)), one_head, f"head {i}")
+    assert partials(0, 1, TritonConfig())[0].shape[0] != whole[0].shape[0]      # its own count: other splits
+
+    shard = sharding.shard_state(state, mesh)
+    slots = jnp.arange(b, dtype=jnp.int32)
+    one = jax.device_get(jax.jit(lambda st, q_: jm.decode_attention(st, 0, q_, slots, backend="pallas"))(state, q))
+    tp = jax.device_get(jax.jit(lambda st, q_: sharding.sharded_decode_attention(mesh, st, 0, q_, slots,
+                                                                                 backend="pallas"))(shard, q))
+    np.testing.assert_allclose(np.asarray(tp[0], np.float32), np.asarray(one[0], np.float32), rtol=2 ** -7)
+    np.testing.assert_allclose(tp[1], one[1], rtol=1e-6)
+    with pytest.raises(ValueError, match="split_heads must be an int >= 1"):
+        jm.decode_attention(state, 0, q, slots, split_heads=0)

@@ -55,7 +55,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                            sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
                            interpret: bool = False, out_dtype=None,
                            config: Union[TritonConfig, MosaicConfig, None] = None,
-                           num_splits: Optional[int] = None):
+                           num_splits: Optional[int] = None, split_heads: Optional[int] = None):
     """Paged decode / verify attention over raw pool arrays (one layer).
 
     Args:
@@ -74,6 +74,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
       out_dtype: output dtype (default ``q.dtype``).
       config: `TritonConfig` or `MosaicConfig` (that backend); None = `choose_backend` with default tuning.
       num_splits: split-K programs per (row, KV head), replacing the config's (None: the config's / default).
+      split_heads: the KV head count the default tuning and splits are chosen for, replacing the config's (None:
+        the config's / the call's): a shard of the heads passes the whole count to get one device's bits.
 
     Returns:
       ``(out [B, Tq, Hq, D] out_dtype, lse f32[B, Tq, Hq])``: natural-log LSE of the scaled (capped) logits; rows
@@ -91,6 +93,8 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                          f"got {config!r}")
     if num_splits is not None:
         config = dataclasses.replace(config, num_splits=num_splits)
+    if split_heads is not None:
+        config = dataclasses.replace(config, split_heads=split_heads)
     if isinstance(config, MosaicConfig):
         if plain is not None or low is None or sliding_window is not None or soft_cap is not None:
             raise ValueError("paged_decode_attention: the Mosaic GPU backend takes NVFP4 pages (low=) without a "

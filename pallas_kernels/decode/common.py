@@ -22,7 +22,7 @@ from jax import lax
 from jmixedkv.layout import TwinGeometry
 from jmixedkv.numerics import next_pow2
 
-__all__ = ["LOW_DOMAIN", "M_INIT", "DEFAULT_NUM_SMS", "num_sms", "next_pow2", "group_queries", "ungroup_rows",
+__all__ = ["LOW_DOMAIN", "M_INIT", "DEFAULT_NUM_SMS", "num_sms", "next_pow2", "sum_splits", "group_queries", "ungroup_rows",
            "f16_queries", "interior_blocks", "pages_per_block", "merge_partials", "normalize_merged"]
 
 #: low rows dequantize to ``x / (gs * 2^7)`` in f16 (e2m1 * 2^-14 times e4m3 * 2^7: exact)
@@ -100,13 +100,23 @@ def interior_blocks(n, k_tok: int, tq: int, geom: Optional[TwinGeometry] = None,
     return (jnp.maximum(c_lo, 0) + k_tok - 1) // k_tok, jnp.maximum(c_hi, 0) // k_tok
 
 
+def sum_splits(x):
+    """``x[S, ...]`` summed over its leading (split) axis in a fixed order, ``((x0 + x1) + x2) + ...``: a reduce
+    may associate differently for different trailing shapes, so a shard of the heads would not reproduce one
+    device's bits (`jmixedkv.sharding.sharded_decode_attention`)."""
+    out = x[0]
+    for i in range(1, x.shape[0]):
+        out = out + x[i]
+    return out
+
+
 def merge_partials(o, m, l):
     """Merge split partials ``o f32[S,...,D]`` (unnormalized), ``m, l f32[S,...]`` -> ``(out f32[...,D], lse)``.
 
-    Rows that saw no key give ``out = 0`` and ``lse = -inf``."""
+    Rows that saw no key give ``out = 0`` and ``lse = -inf``. The sums run in a fixed order (`sum_splits`)."""
     m_g = m.max(axis=0)
     w = jnp.exp(m - m_g[None])
-    return normalize_merged((w[..., None] * o).sum(axis=0), m_g, (w * l).sum(axis=0))
+    return normalize_merged(sum_splits(w[..., None] * o), m_g, sum_splits(w * l))
 
 
 def normalize_merged(o_g, m_g, l_g):

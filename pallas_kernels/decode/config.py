@@ -107,6 +107,10 @@ class TritonConfig:
       col_groups: the MMA's padding query rows hold replicas of the real rows, replica ``j`` accumulating V's column
         group ``j`` (a power of two; the kernel checks that the shape fits it); None = the largest that fits with
         32-token steps, one warp and >= 1024 tokens per split, else 1.
+      split_heads: the KV head count the defaults above (tuning, splits) are chosen for; None = the call's. A
+        caller holding a shard of the heads passes the whole count, so every shard splits and tiles each
+        (row, KV head) as one device would and its outputs are bitwise the one-device ones
+        (`jmixedkv.sharding.sharded_decode_attention`).
     """
     block_k: Optional[int] = None
     num_warps: Optional[int] = None
@@ -117,10 +121,12 @@ class TritonConfig:
     keys_major: bool = False
     v_late: Optional[bool] = None
     col_groups: Optional[int] = None
+    split_heads: Optional[int] = None
 
     def __post_init__(self):
         name = "TritonConfig"
-        _positive(name, True, block_k=self.block_k, num_warps=self.num_warps, num_splits=self.num_splits)
+        _positive(name, True, block_k=self.block_k, num_warps=self.num_warps, num_splits=self.num_splits,
+                  split_heads=self.split_heads)
         _positive(name, False, num_stages=self.num_stages)
         _check(name, self.dequant in (None, "asm", "jnp"), "dequant", self.dequant, "'asm', 'jnp' or None")
         cg = self.col_groups
@@ -186,6 +192,8 @@ class MosaicConfig:
         None = `mosaic_qk_in_turn`.
       edge: the `TritonConfig` of the edge blocks' kernel (its ``num_splits`` None = `mosaic_edge_splits`; its
         ``block_k`` a whole number of pages, the interior counted in a common multiple of both kernels' blocks).
+      split_heads: the KV head count both kernels' default splits are chosen for (None = the call's; as
+        `TritonConfig.split_heads`).
     """
     num_splits: Optional[int] = None
     stages: int = 2
@@ -193,10 +201,11 @@ class MosaicConfig:
     min_km_rows: int = MIN_KM_ROWS
     qk_in_turn: Optional[bool] = None
     edge: TritonConfig = TritonConfig(block_k=EDGE_BLOCK_K, num_warps=EDGE_WARPS)
+    split_heads: Optional[int] = None
 
     def __post_init__(self):
         name = "MosaicConfig"
-        _positive(name, True, num_splits=self.num_splits)
+        _positive(name, True, num_splits=self.num_splits, split_heads=self.split_heads)
         _positive(name, False, stages=self.stages)
         _check(name, self.min_km_rows in (8, 16), "min_km_rows", self.min_km_rows, "8 or 16")
         for f in ("keys_on_m", "qk_in_turn"):

@@ -316,7 +316,8 @@ def _partials(q, page_table, kv_lens, layer, low, high, plain, high_table, *, ge
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     fmt_key = "nvfp4" if low is not None else "plain"
     m_rows = next_pow2(max(16, tq * group))
-    tuned_k, tuned_w, per_sm = triton_tuning(fmt_key, b, h, page, m_rows, tq * group, d)
+    hs = h if config.split_heads is None else config.split_heads     # the heads the defaults are chosen for
+    tuned_k, tuned_w, per_sm = triton_tuning(fmt_key, b, hs, page, m_rows, tq * group, d)
     block_k = tuned_k if config.block_k is None else config.block_k
     num_warps = tuned_w if config.num_warps is None else config.num_warps
     num_stages, keys_major = config.num_stages, config.keys_major
@@ -327,7 +328,7 @@ def _partials(q, page_table, kv_lens, layer, low, high, plain, high_table, *, ge
         raise ValueError(f"paged_decode_attention: interior_tokens={interior_tokens} needs skip_interior=True and a "
                          f"multiple of the block ({k_tok} tokens)")
     max_blocks = max(1, -(-page_table.shape[1] // nb))
-    splits = triton_num_splits(b, h, max_blocks, per_sm) if config.num_splits is None else int(config.num_splits)
+    splits = triton_num_splits(b, hs, max_blocks, per_sm) if config.num_splits is None else int(config.num_splits)
     sm_scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     parts = 2 if low is not None else 1          # NVFP4: even / odd columns (low / high nibbles) kept apart
     dp = d // parts
