@@ -160,14 +160,15 @@ def _block_max(ab3, R: tl.constexpr, NB: tl.constexpr):  # noqa: F821
     return tl.maximum(a, b)  # noqa: F821
 
 
-def _fp8_row(x, xbits, scale):
+def _fp8_row(x, sign, scale):
     """fp8 store form of float32 rows ``x`` (`jmixedkv.numerics.encode_rows`): the E4M3 byte (int32) of
-    ``clip(x / scale, +-448)``, RNE, NaN kept (0x7F with the sign of ``x``)."""
+    ``clip(x / scale, +-448)``, RNE, NaN kept (0x7F with the sign of ``x``). ``sign``: 0x80 where the 16-bit input
+    word is negative, else 0 (taken from its bits: a GPU's fp16 -> f32 conversion drops a NaN's sign)."""
     y = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)  # noqa: F821
     a = tl.abs(y)  # noqa: F821
     a = tl.where(a > 448.0, 448.0, a)  # noqa: F821   (NaN passes)
     byte, _ = _e4m3_encode(a)
-    return byte | ((xbits >> 24) & 0x80)
+    return byte | sign
 
 
 def _page_row(slot_ptr, tok, r_ok, lyr, kv, head, num_pages, HEADS: tl.constexpr, PAGE: tl.constexpr):  # noqa: F821
@@ -241,8 +242,8 @@ def _write_rows_kernel(k_ptr, v_ptr, k_st, k_sh, v_st, v_sh, low_slot_ptr, high_
         w_mask = w_ok[:, None] & col_ok[None, :]
         if ROW_FP8:
             rscale = tl.load(rscale_ptr + lyr * 2 + kv)  # noqa: F821
-            xbits = x.to(tl.int32, bitcast=True)  # noqa: F821
-            tl.store(rows_ptr + w_off, _fp8_row(x, xbits, rscale).to(tl.uint8), mask=w_mask)  # noqa: F821
+            sign = (u.to(tl.int32) >> 8) & 0x80  # noqa: F821   (bit 15 of the input word)
+            tl.store(rows_ptr + w_off, _fp8_row(x, sign, rscale).to(tl.uint8), mask=w_mask)  # noqa: F821
         else:
             tl.store(rows_ptr + w_off, u, mask=w_mask)  # noqa: F821
 
