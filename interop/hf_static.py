@@ -106,6 +106,7 @@ class JMixedStaticCache(Cache):
             _check_shape(config, paged)
             windows = hf.sliding_windows(config, paged.num_layers)
         self.paged, self._batch = paged, None
+        self._plans = {}                        # group -> (position_ids, StepPlan, layers that used it): eager steps
         super().__init__(layers=[JMixedStaticLayer(self, i, windows[i], paged.device)
                                  for i in range(paged.num_layers)])
         if not torch.compiler.is_compiling():
@@ -168,6 +169,7 @@ class JMixedStaticCache(Cache):
 
     def reset(self) -> None:
         """Every row empty; raises first if a step since the last check was refused."""
+        self._plans.clear()
         try:
             self.raise_errors()
         finally:
@@ -184,23 +186,42 @@ class JMixedStaticCache(Cache):
         n = -tokens_to_remove
         if n == 0:
             return
+        self._plans.clear()
         self.raise_errors()
         self.paged.rewind(n)
         for layer in self.layers:
             layer.cumulative_length.sub_(n)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._plans.clear()
         self.paged.select_rows(beam_idx.detach().cpu())
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._plans.clear()
         self.paged.select_rows(torch.as_tensor(indices).detach().cpu())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._plans.clear()
         if self._batch is None:
             raise ValueError("batch_repeat_interleave before the first step: the cache does not know the batch yet")
         self.paged.select_rows(torch.arange(self._batch).repeat_interleave(repeats))
 
     # ------------------------------------------------------------------ the attention function's side
+    def _plan(self, layer_idx: int, positions: torch.Tensor, batch: int):
+        """The step's `StepPlan` for ``layer_idx``'s group: made by the group's first layer of a forward, reused by
+        the others (the model passes every layer the same ``position_ids`` tensor), so a step does the bookkeeping
+        once per group, not once per layer. The group's last layer drops it: nothing outlives the forward (a
+        compiled step starts from the same empty memo every time)."""
+        group = self.paged.group_index(layer_idx)
+        memo = self._plans.get(group)
+        if memo is None or memo[0] is not positions or layer_idx in memo[2] or memo[1].batch != batch:
+            rows = positions.reshape(-1, positions.shape[-1])
+            memo = self._plans[group] = (positions, self.paged.plan_step(layer_idx, rows, batch), set())
+        memo[2].add(layer_idx)
+        if len(memo[2]) == len(self.paged.groups[group].layers):
+            del self._plans[group]
+        return memo[1]
+
     def _check_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         p = self.paged
         if k.requires_grad or v.requires_grad:
@@ -225,8 +246,7 @@ class JMixedStaticCache(Cache):
         if positions is None:
             raise ValueError("JMixedStaticCache: the model passed no position_ids to its attention; the cache stores "
                              "each token at its position")
-        positions = positions.reshape(-1, positions.shape[-1])
-        lens, bad = self.paged.append(layer.layer_idx, k, v, positions)
+        lens, bad = self.paged.append(layer.layer_idx, k, v, plan=self._plan(layer.layer_idx, positions, k.shape[0]))
         layer.cumulative_length.add_(k.shape[2])
         if not layer.prefilled:                 # the first step: attend over its own rows (exact), as engines do
             layer.prefilled = True

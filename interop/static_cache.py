@@ -43,7 +43,7 @@ from jmixedkv.config import KVCacheConfig
 from . import paged_ops, torch_nvfp4
 from .torch_paged import TorchPools
 
-__all__ = ["StaticPagedCache", "LayerGroup"]
+__all__ = ["StaticPagedCache", "LayerGroup", "StepPlan"]
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3fn": torch.uint8,
                  "float32": torch.float32}
@@ -70,6 +70,23 @@ class LayerGroup(NamedTuple):
     page_table: torch.Tensor
     pages_per_row: int
     window: Optional[int]
+
+
+class StepPlan(NamedTuple):
+    """A step's bookkeeping for one layer group (`StaticPagedCache.plan_step`), shared by its layers: ``group``
+    (index into ``groups``), ``batch`` x ``tokens``, ``before`` / ``lens i32[B]`` (lengths before and after),
+    ``bad bool[B]`` (refused rows), ``low_slot`` / ``high_slot i64[B * T]`` (-1: not written), ``bits i32[]``
+    (the error bits it sets)."""
+
+    group: int
+    batch: int
+    tokens: int
+    before: torch.Tensor
+    lens: torch.Tensor
+    bad: torch.Tensor
+    low_slot: torch.Tensor
+    high_slot: torch.Tensor
+    bits: torch.Tensor
 
 
 class StaticPagedCache:
@@ -168,6 +185,11 @@ class StaticPagedCache:
         g, i = self._where[layer]
         return self.groups[g], i
 
+    def group_index(self, layer: int) -> int:
+        """Index into ``groups`` of ``layer``'s group."""
+        self._check_layer(layer)
+        return self._where[layer][0]
+
     def tensors(self):
         """Every device tensor the ops read or write in place (mark them static for CUDA graphs)."""
         out = [self.high_table, self.kv_lens, self.written, self.error]
@@ -181,41 +203,75 @@ class StaticPagedCache:
         return sum(t.numel() * t.element_size() for grp in self.groups for t in grp.pools if t is not None)
 
     # ------------------------------------------------------------------ the hot path
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """Store a step's rows of ``layer``: ``k, v [B, H, T, D]`` (post-RoPE, model space, any float dtype),
-        ``positions i64[B, T]`` (``position_ids``: a row's real tokens are its last ``new`` ones, at positions
-        ``kv_lens, kv_lens + 1, ...``; tokens before them are left padding, not stored).
+    def plan_step(self, layer: int, positions: torch.Tensor, batch: int) -> "StepPlan":
+        """The bookkeeping of a step of ``batch`` rows at ``positions i64[B or 1, T]`` (``position_ids``: a row's
+        real tokens are its last ``new`` ones, at positions ``kv_lens, kv_lens + 1, ...``; tokens before them are
+        left padding, not stored) for ``layer``'s group, from ``layer``'s lengths: which rows are refused (positions
+        that do not continue a row, or run past ``max_cache_len``), the lengths after, and the slots written. Every
+        layer of the group can `append` with it (a model's layers step together). No host sync."""
+        grp, _ = self.group_of(layer)
+        b = batch
+        if positions.dim() != 2 or positions.shape[-1] < 1 or positions.shape[0] not in (1, b):
+            raise ValueError(f"StaticPagedCache: positions {list(positions.shape)}; expected [{b} or 1, T >= 1]")
+        t = positions.shape[-1]
+        pos = positions.to(device=self.device, dtype=torch.int64).expand(b, t)
+        before = self.kv_lens[layer, :b].clone()
+        before64 = before.to(torch.int64)
+        new = pos[:, -1] + 1 - before64                                  # real tokens of this step per row
+        j = torch.arange(t, device=self.device)[None, :]
+        first = (t - new)[:, None]
+        real = j >= first
+        want = before64[:, None] + j - first
+        too_long = pos[:, -1] >= self.max_cache_len
+        bad = (new < 0) | (new > t) | (real & (pos != want)).any(dim=1) | too_long
+        write = real & ~bad[:, None]
+        low_slot, high_slot = self._slots(grp.page_table[:b], pos, write)
+        lens = torch.where(bad, before64, before64 + new).to(torch.int32)
+        bits = (torch.where(too_long.any(), ERR_TOO_LONG, 0)
+                | torch.where((bad & ~too_long).any(), ERR_BAD_POSITION, 0)).to(torch.int32)
+        return StepPlan(self._where[layer][0], b, t, before, lens, bad, low_slot.reshape(-1), high_slot.reshape(-1),
+                        bits)
 
-        Returns ``(kv_lens i32[B] after the step, bad bool[B])``; a bad row (positions that do not continue it, or
-        past ``max_cache_len``) is left unchanged and sets an ``error`` bit. No host sync."""
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None, *,
+               plan: Optional["StepPlan"] = None):
+        """Store a step's rows of ``layer``: ``k, v [B, H, T, D]`` (post-RoPE, model space, any float dtype) at
+        ``positions i64[B or 1, T]`` (`plan_step` says how they are read), or with the ``plan`` another layer of
+        the group made for this step (`plan_step`; ``positions`` unused): a row whose length in this layer is not
+        the plan's is refused, as positions that do not continue it.
+
+        Returns ``(kv_lens i32[B] after the step, bad bool[B])``; a bad row is left unchanged and sets an ``error``
+        bit. No host sync."""
         grp, index = self.group_of(layer)
         b, h, t, d = k.shape
         if not 1 <= b <= self.max_batch_size or (h, d) != (self.num_kv_heads, self.head_dim) or v.shape != k.shape:
             raise ValueError(f"StaticPagedCache.append: k {list(k.shape)} / v {list(v.shape)}; expected "
                              f"[B <= {self.max_batch_size}, {self.num_kv_heads}, T, {self.head_dim}]")
-        if t < 1 or positions.dim() != 2 or positions.shape[-1] != t or positions.shape[0] not in (1, b):
-            raise ValueError(f"StaticPagedCache.append: positions {list(positions.shape)}; expected [{b} or 1, {t}]")
-        pos = positions.to(device=self.device, dtype=torch.int64).expand(b, t)
-        before = self.kv_lens[layer, :b].to(torch.int64)
-        new = pos[:, -1] + 1 - before                                    # real tokens of this step per row
-        j = torch.arange(t, device=self.device)[None, :]
-        first = (t - new)[:, None]
-        real = j >= first
-        want = before[:, None] + j - first
-        too_long = pos[:, -1] >= self.max_cache_len
-        bad = (new < 0) | (new > t) | (real & (pos != want)).any(dim=1) | too_long
-        write = real & ~bad[:, None]
-        low_slot, high_slot = self._slots(grp.page_table[:b], pos, write)
+        if plan is None:
+            if positions is None or positions.dim() != 2 or positions.shape[-1] != t:
+                raise ValueError(f"StaticPagedCache.append: positions "
+                                 f"{None if positions is None else list(positions.shape)}; expected [{b} or 1, {t}]")
+            plan = self.plan_step(layer, positions, b)
+            low_slot, high_slot, lens, bad, bits = plan.low_slot, plan.high_slot, plan.lens, plan.bad, plan.bits
+        else:
+            if plan.group != self._where[layer][0] or (plan.batch, plan.tokens) != (b, t):
+                raise ValueError(f"StaticPagedCache.append: layer {layer} (group {self._where[layer][0]}) with k "
+                                 f"{list(k.shape)} was given a plan of group {plan.group} for {plan.batch} rows x "
+                                 f"{plan.tokens} tokens")
+            before = self.kv_lens[layer, :b]
+            stale = plan.before != before                               # this layer is out of step with the plan
+            skip = stale[:, None].expand(b, t).reshape(-1)
+            low_slot = torch.where(skip, -1, plan.low_slot)
+            high_slot = torch.where(skip, -1, plan.high_slot)
+            lens = torch.where(stale, before, plan.lens)
+            bad = plan.bad | stale
+            bits = plan.bits | torch.where(stale.any(), ERR_BAD_POSITION, 0).to(torch.int32)
         rows_k = self._stored(k.transpose(1, 2).reshape(b * t, h, d))
         rows_v = self._stored(v.transpose(1, 2).reshape(b * t, h, d))
-        paged_ops.write_rows(grp.pools, index, rows_k, rows_v, low_slot.reshape(-1), high_slot.reshape(-1),
-                             self.page_size, self.config.block_scale)
-        lens = torch.where(bad, before, before + new).to(torch.int32)
+        paged_ops.write_rows(grp.pools, index, rows_k, rows_v, low_slot, high_slot, self.page_size,
+                             self.config.block_scale)
         self.kv_lens[layer, :b].copy_(lens)
         self.written[layer, :b].copy_(torch.maximum(self.written[layer, :b], lens))
-        bits = (torch.where(too_long.any(), ERR_TOO_LONG, 0)
-                | torch.where((bad & ~too_long).any(), ERR_BAD_POSITION, 0))
-        self.error.bitwise_or_(bits.to(torch.int32))
+        self.error.bitwise_or_(bits)
         return lens, bad
 
     def attend(self, layer: int, q: torch.Tensor, lens: torch.Tensor, bad: Optional[torch.Tensor] = None, *,

@@ -124,6 +124,7 @@ def test_decode_step_is_one_graph_compiled_once(model, batch):
     assert len(frames) == 1, f"{len(frames)} compilations for {NEW - 1} decode steps"
     ops = {str(n.target) for n in frames[0].graph.nodes if n.op == "call_function"}
     assert any("jmixedkv.paged_attention" in o for o in ops) and any("jmixedkv.write_rows_" in o for o in ops), ops
+    assert not cache._plans                                # the step's plan does not outlive the forward
     torch._dynamo.reset()
 
 
@@ -313,3 +314,65 @@ def test_chunked_prefill_reads_the_cache(model, batch):
     got, _ = _generate(model, ids, mask, cache, prefill_chunk_size=3)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
     assert cache.paged.kv_lens[:, :2].tolist() == [[PROMPT + NEW - 1] * 2] * 2
+
+
+def _pools(paged):
+    return [t.clone() for grp in paged.groups for t in grp.pools if t is not None]
+
+
+@pytest.mark.parametrize("kv", [MIXED, BF16], ids=["mixed", "bf16"])
+def test_one_plan_per_step_writes_what_per_layer_plans_write(model, batch, kv):
+    """An eager step (the prefill) plans its bookkeeping once per layer group and every layer appends with it: the
+    pools, lengths and outputs are bitwise those of planning per layer; a second forward with the same
+    position_ids tensor plans again."""
+    ids, mask = batch
+    pos = _positions(mask)
+    runs = []
+    for shared in (True, False):
+        cache = _static(model, kv)
+        calls = []
+        orig = cache.paged.plan_step
+        cache.paged.plan_step = lambda *a, **k: calls.append(a[0]) or orig(*a, **k)
+        if not shared:
+            cache._plan = lambda layer, p, b, paged=cache.paged: paged.plan_step(layer, p.reshape(-1, p.shape[-1]), b)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, **{CACHE_KWARG: cache}, position_ids=pos).logits
+            step = model(ids[:, :1], **{CACHE_KWARG: cache}, position_ids=pos[:, -1:] + 1).logits
+        runs.append((logits, step, _pools(cache.paged), cache.paged.kv_lens.clone(), calls))
+    (l1, s1, p1, n1, c1), (l2, s2, p2, n2, c2) = runs
+    assert c1 == [0, 0] and c2 == [0, 1, 0, 1]                    # one group, two layers, two forwards
+    assert torch.equal(l1, l2) and torch.equal(s1, s2) and torch.equal(n1, n2)
+    assert n1[:, :2].tolist() == [[PROMPT + 1, PROMPT - 3 + 1]] * 2
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+
+
+def test_plan_refuses_a_layer_out_of_step(model, batch):
+    """A layer whose length is not the plan's is refused for that row (nothing written, its length kept, error
+    bit); every other row and layer is bitwise unchanged; a plan of another shape or group raises."""
+    ids, mask = batch
+    cache = _static(model, MIXED)
+    paged = cache.paged
+    with torch.no_grad():
+        model(ids, attention_mask=mask, **{CACHE_KWARG: cache}, position_ids=_positions(mask))
+    paged.kv_lens[1, 1] -= 1                                       # layer 1, row 1 one token behind layer 0
+    k = torch.randn(2, 2, 1, 16, generator=torch.Generator().manual_seed(5)).bfloat16()
+    pos = paged.kv_lens[0, :2].long()[:, None]
+    plan = paged.plan_step(0, pos, 2)
+    paged.append(0, k, k, plan=plan)
+    pools, lens_before = _pools(paged), paged.kv_lens.clone()
+    lens, bad = paged.append(1, k, k, plan=plan)
+    assert bad.tolist() == [False, True] and lens.tolist() == [PROMPT + 1, PROMPT - 3 - 1]
+    assert paged.kv_lens[1, :2].tolist() == [PROMPT + 1, PROMPT - 3 - 1]
+    assert torch.equal(paged.kv_lens[0], lens_before[0])
+    rows = paged.groups[0].pools.low_data.shape[1] // BATCH
+    for old, new in zip(pools, _pools(paged)):
+        assert torch.equal(old[0], new[0])                         # layer 0: unchanged
+        per = old.shape[1] // BATCH
+        assert torch.equal(old[1, per:], new[1, per:])             # layer 1, rows 1..: unchanged
+    assert not torch.equal(pools[0][1, :rows], _pools(paged)[0][1, :rows])   # layer 1, row 0: written
+    with pytest.raises(ValueError, match="ERR_BAD_POSITION|position"):
+        paged.raise_errors()
+    with pytest.raises(ValueError, match="plan of group 0 for 2 rows x 1 tokens"):
+        paged.append(1, k[:1], k[:1], plan=plan)
+    with pytest.raises(ValueError, match=r"positions \[2, 3\]; expected \[2 or 1, 1\]"):
+        paged.append(1, k, k, torch.zeros(2, 3, dtype=torch.long))
