@@ -7,7 +7,8 @@ block_scale)` (op 1 of the torch hot-path contract):
 * NVFP4 of every row (16-element blocks, E4M3 block scales, ``gs = low_gs[layer, kv]``) into ``low_data`` /
   ``low_scales`` at ``low_slot``, in the pinned order of `jmixedkv.nvfp4` (``"max6"`` or ``"4over6"``);
 * the row's store form (`jmixedkv.numerics.encode_rows`: the 16-bit row itself, or
-  ``e4m3_saturate(f32(x) / scale)`` for an fp8 pool; a NaN keeps the sign of ``x``, as on the CPU) into
+  ``e4m3_saturate(f32(x) / scale)`` for an fp8 pool; a NaN keeps the sign bit of ``x``'s 16-bit word, as on the
+  CPU: a GPU's fp16 -> f32 conversion drops a NaN's sign) into
   ``high_rows`` at ``high_slot`` (the twin of a mixed cache) or into ``plain_rows`` at ``low_slot`` (a plain cache);
 * a slot of -1 skips the row (so does a slot past the pool: masked, and refused by the host check).
 

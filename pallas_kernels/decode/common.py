@@ -22,8 +22,8 @@ from jax import lax
 from jmixedkv.layout import TwinGeometry
 from jmixedkv.numerics import next_pow2
 
-__all__ = ["LOW_DOMAIN", "M_INIT", "DEFAULT_NUM_SMS", "num_sms", "next_pow2", "sum_splits", "group_queries", "ungroup_rows",
-           "f16_queries", "interior_blocks", "pages_per_block", "merge_partials", "normalize_merged"]
+__all__ = ["LOW_DOMAIN", "M_INIT", "DEFAULT_NUM_SMS", "num_sms", "next_pow2", "sum_splits", "group_queries",
+           "ungroup_rows", "f16_queries", "interior_blocks", "pages_per_block", "merge_partials", "normalize_merged"]
 
 #: low rows dequantize to ``x / (gs * 2^7)`` in f16 (e2m1 * 2^-14 times e4m3 * 2^7: exact)
 LOW_DOMAIN = 128.0
