@@ -1,15 +1,7 @@
-"""What every benchmark shares: timers, synthetic caches, the copy bandwidth, a GPU kernel profile, the command
-line, versions and the output files.
-
-* Timers (ms): `time_threaded` (median per call of batches of async calls, a donated carry threaded through),
-  `time_jax` / `time_each` (the same without a carry, batched / each call blocked), `time_in_step` (per call inside
-  one jitted loop, `step_loop`, as a model step runs a layer's kernel), `time_torch` (CUDA events),
-  `gpu_kernel_profile` / `gpu_busy` (GPU kernel time from a jax profiler trace).
-* `random_fill`, `random_mixed_state`: full caches of random NVFP4 bytes (no append), built quickly at 32k contexts.
-* `bits_equal`: two pytrees bit for bit. `kv_bytes` over `copy_bandwidth_tbs` / `copy_bandwidth`: a bytes floor.
-* `bench_parser`, `no_gpu`: the shared command line (``--out``, ``--smoke``, ``--no-md``) and the no-GPU exit.
-* `versions`, `utc_now`, `md_table`, `results_section`, `write_json`, `append_results` (bench/RESULTS.md).
-"""
+"""What every benchmark shares: timers (`time_threaded`, `time_jax`, `time_each`, `time_in_step`, `time_torch`,
+`gpu_busy` / `gpu_kernel_profile` from a profiler trace), full caches of random bytes (`random_mixed_state`), the
+bytes floor (`kv_bytes` over `copy_bandwidth`), the command line (`bench_parser`, `no_gpu`), versions and the
+output files (`write_json`, `md_table`, `results_section` / `append_results` for bench/RESULTS.md)."""
 from __future__ import annotations
 
 import argparse
@@ -240,10 +232,13 @@ def torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
-def copy_bandwidth_tbs(torch=None):
-    """Device-to-device copy bandwidth (bytes read + written), TB/s, and how it was measured: torch ``copy_`` of
-    2 GiB if torch with CUDA is given, else a jitted jnp ``x + 1`` (which measured well below torch's on the H200)."""
-    nbytes = 1 << 31
+def copy_bandwidth(smoke: bool):
+    """``(TB/s, how)``: the device-to-device copy bandwidth (bytes read + written), measured by torch ``copy_`` of
+    2 GiB where torch sees CUDA, else by a jitted jnp ``x + 1`` (which measured well below torch's on the H200);
+    `SMOKE_TBS` in a smoke run."""
+    if smoke:
+        return SMOKE_TBS, "nominal (smoke)"
+    torch, nbytes = torch_cuda(), 1 << 31
     if torch is not None:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -262,12 +257,6 @@ def kv_bytes(tokens, kv_heads, head_dim, fmt="nvfp4", twin_rows=0):
     ``twin_rows`` bf16 twin rows. Over the copy bandwidth, a bytes floor."""
     per = {"bf16": 2, "fp8": 1, "nvfp4": 0.5 + 1 / 16}[fmt]
     return 2 * kv_heads * head_dim * (tokens * per + twin_rows * 2)
-
-
-def copy_bandwidth(smoke: bool):
-    """``(TB/s, how)``: `copy_bandwidth_tbs` on the device (with torch where it sees CUDA), `SMOKE_TBS` in a smoke
-    run."""
-    return (SMOKE_TBS, "nominal (smoke)") if smoke else copy_bandwidth_tbs(torch_cuda())
 
 
 def versions(torch=None):

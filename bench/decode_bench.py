@@ -103,9 +103,10 @@ class RunOptions:
 
 
 # --------------------------------------------------------------------------------------------- inputs, kernels
-def row_inputs(g: BenchGeometry, b, ctx, tq, seed):
+def row_inputs(g: BenchGeometry, b, ctx, tq):
     """``(q bf16[b, tq, Hq, D], page_table, kv_lens, high_table, LowPool, RowPool)``: a full cache of ``b`` x ``ctx``
-    random tokens (decode global scale of amax 8, so scores stay moderate) and random queries."""
+    random tokens (decode global scale of amax 8, so scores stay moderate) and random queries, seeded per shape."""
+    seed = b * 1000 + ctx // 1024 + 7 * g.gqa + g.page + tq + g.head_dim
     st = random_mixed_state(g.cache, jm.GroupSpec(1, g.kv_heads, g.head_dim), b, ctx, seed=seed)
     pool = st.pools[0]
     low = dataclasses.replace(pool.low, gs=jnp.full_like(pool.low.gs, nvfp4.global_scale_from_amax(8.0)))
@@ -113,22 +114,12 @@ def row_inputs(g: BenchGeometry, b, ctx, tq, seed):
     return q, st.page_table, st.kv_lens, st.high_table, low, pool.high
 
 
-def floors(g: BenchGeometry, b, ctx, bw):
-    """``(NVFP4 floor ms, bf16 floor ms)`` over ``bw`` TB/s (`kv_bytes`, the twin's retained rows included)."""
-    twin = b * min(ctx, g.first_n + g.last_n)
-    return (kv_bytes(b * ctx, g.kv_heads, g.head_dim, "nvfp4", twin) / bw * 1e-9,
-            kv_bytes(b * ctx, g.kv_heads, g.head_dim, "bf16") / bw * 1e-9)
-
-
 def kernel_fn(g: BenchGeometry, opts: RunOptions, backend: str, config=None):
     """Jitted ``(q, pt, lens, ht, low, high) -> out``: ``backend`` ``"triton"`` or ``"mosaic"`` with ``config``
     (None: the backend's defaults)."""
-    if backend == "mosaic":
-        return jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.paged_decode_attention(
-            q, pt, lens, 0, kernel_arrays(low), kernel_arrays(high), ht, geom=g.cache.twin, config=config,
-            interpret=opts.interpret)[0])
-    return jax.jit(lambda q, pt, lens, ht, low, high: triton.paged_decode_attention(
-        q, pt, lens, 0, kernel_arrays(low), kernel_arrays(high), None, ht, geom=g.cache.twin, config=config,
+    kernel = mosaic_sm90 if backend == "mosaic" else triton
+    return jax.jit(lambda q, pt, lens, ht, low, high: kernel.paged_decode_attention(
+        q, pt, lens, 0, kernel_arrays(low), kernel_arrays(high), high_table=ht, geom=g.cache.twin, config=config,
         interpret=opts.interpret)[0])
 
 
@@ -200,26 +191,23 @@ def _close(got, want, what):
 
 
 def _row_start(torch, bw, g: BenchGeometry, b, ctx, tq):
-    """A row's keys, both floors and (with torch) cuDNN / flash SDPA over bf16."""
+    """A row's keys, the NVFP4 (the twin's retained rows included) and bf16 bytes floors over ``bw`` TB/s
+    (`kv_bytes`) and (with torch) cuDNN / flash SDPA over bf16."""
+    rows, twin = b * ctx, b * min(ctx, g.first_n + g.last_n)
     row = dict(batch=b, context=ctx, head_dim=g.head_dim, gqa=g.gqa, page=g.page, tq=tq, kv_heads=g.kv_heads,
-               copy_bandwidth_tbs=bw)
-    row["floor_nvfp4_ms"], row["floor_bf16_ms"] = floors(g, b, ctx, bw)
+               copy_bandwidth_tbs=bw, floor_nvfp4_ms=kv_bytes(rows, g.kv_heads, g.head_dim, "nvfp4", twin) / bw * 1e-9,
+               floor_bf16_ms=kv_bytes(rows, g.kv_heads, g.head_dim, "bf16") / bw * 1e-9)
     if torch is not None:
         s = torch_sdpa(torch, g, b, ctx, tq)
         row["cudnn_ms"], row["flash_ms"] = s.get("cudnn"), s.get("flash")
     return row
 
 
-def _seed(g: BenchGeometry, b, ctx, tq):
-    """A row's random seed, distinct per shape."""
-    return b * 1000 + ctx // 1024 + 7 * g.gqa + g.page + tq + g.head_dim
-
-
 def grid_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
     """One ``--grid`` row: the Triton kernel, the Mosaic GPU kernel (where `supported`), the default one end to end,
     in a step and GPU busy, cuDNN / flash SDPA over contiguous bf16, and both bytes floors."""
     row = _row_start(torch, bw, g, b, ctx, tq)
-    args = row_inputs(g, b, ctx, tq, _seed(g, b, ctx, tq))
+    args = row_inputs(g, b, ctx, tq)
     fns = dict(mixed=kernel_fn(g, opts, "triton"))
     out = _close(fns["mixed"](*args), None, "mixed")
     row["mixed_ms"] = opts.time(fns["mixed"], *args)
@@ -263,7 +251,7 @@ def geometry_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
     beside a Triton default, each per call in a jitted loop of ten (`step_loop`); the default's GPU busy time in
     that loop and its decode kernels' share; cuDNN / flash SDPA over bf16; both floors."""
     row = _row_start(torch, bw, g, b, ctx, tq)
-    args = row_inputs(g, b, ctx, tq, _seed(g, b, ctx, tq))
+    args = row_inputs(g, b, ctx, tq)
     row["backend"] = choose_backend(head_dim=g.head_dim, page=g.page, tq=tq, group=g.gqa,
                                     high_dtype=jnp.bfloat16, interpret=opts.interpret)
     loop = step_loop(kernel_fn(g, opts, row["backend"]))
@@ -404,10 +392,8 @@ def geometry_order(head_dims=None, groups=None, pages=None, tqs=None):
 
 def parse_shard(text):
     """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N`` (``None`` -> ``(0, 1)``)."""
-    if text is None:
-        return 0, 1
     try:
-        i, n = (int(x) for x in text.split("/"))
+        i, n = (0, 1) if text is None else (int(x) for x in text.split("/"))
     except ValueError:
         raise ValueError(f"--shard: expected I/N (e.g. 0/4), got {text!r}") from None
     if not 0 <= i < n:

@@ -41,7 +41,7 @@ from interop.dlpack import from_torch  # noqa: E402
 from interop.torch_nvfp4 import dequantize  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
 from jmixedkv.decode import decode_attention as jax_decode_attention  # noqa: E402
-from common import (append_results, bench_parser, copy_bandwidth_tbs, kv_bytes, md_table, results_section,  # noqa: E402
+from common import (append_results, bench_parser, copy_bandwidth, kv_bytes, md_table, results_section,  # noqa: E402
                     time_jax, time_torch, torch_cuda, utc_now, versions, write_json)
 
 #: (batch, context, KV heads, q heads, head_dim): 16 x 32k and 64 x 8k at Llama-3-8B's and SmolLM2's heads
@@ -239,13 +239,6 @@ def time_ours(cache, q, slots):
     return e2e, time_jax(fn, cache.state, qj)
 
 
-def time_triton(batch, context, h, hq, d, cfg):
-    """The torch-native Triton kernel's ms on its own random ``mixed_bf16`` pools of this geometry."""
-    from interop.triton_attention import bench_paged_attention
-    return bench_paged_attention(batch, context, h, hq // h, d, PAGE, fmt="mixed_bf16", first_n=cfg.first_n,
-                                 last_n=cfg.last_n)["ms"]
-
-
 # ------------------------------------------------------------------------------------------------ one case
 def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
     """Every config of one case: ours vs the CSR reference, FlashInfer (``fi`` not None) bf16 and FP8 vs both,
@@ -281,8 +274,10 @@ def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
         if timing:
             got["ours_e2e_ms"], got["ours_jit_ms"] = time_ours(cache, q, slots)
             got["stage_ms"] = time_torch(torch, lambda: cache.stage(0, slots, sync="stream", validate=False))
-            if name == "recommended":
-                got["triton_ms"] = time_triton(batch, context, h, hq, d, cfg)
+            if name == "recommended":       # the torch-native Triton kernel on its own random mixed_bf16 pools
+                from interop.triton_attention import bench_paged_attention
+                got["triton_ms"] = bench_paged_attention(batch, context, h, hq // h, d, PAGE, fmt="mixed_bf16",
+                                                         first_n=cfg.first_n, last_n=cfg.last_n)["ms"]
         row["configs"][name] = got
         del cache, staged, csr
         jax.clear_caches()
@@ -375,7 +370,7 @@ def main(argv=None):
     timing = cuda and not args.smoke
     fi, fi_status = load_flashinfer(cuda)
     print(f"flashinfer: {fi_status}")
-    copy_tbs, how = copy_bandwidth_tbs(torch) if timing else (1.0, "not measured (no timing)")
+    copy_tbs, how = copy_bandwidth(False) if timing else (1.0, "not measured (no timing)")
     meta = dict(versions(torch), date=utc_now(), copy_tbs=copy_tbs, copy_how=how, page=PAGE)
     skip, rows = set(), []
     for case in cases:                      # the JSON is rewritten after every case: a cut run keeps what it measured

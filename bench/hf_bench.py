@@ -1,6 +1,7 @@
 """transformers ``generate()`` through the cache, every format and decode mode (`JMixedKVCache` ``"stage"`` /
 ``"fused"``, the compileable `JMixedStaticCache` ``"static"``), beside DynamicCache (eager) and StaticCache
-(compiled), in one run; then TorchKVCache's per-call overhead.
+(compiled), in one run; then TorchKVCache's per-call overhead. ``--profile-prefill DIR`` instead: where the first
+step (prefill + one token) of each cache spends its time (`profile_prefill`).
 
 Per cache: ms per generated token, ms per decode step (a 1-token run subtracted), tokens/s, token agreement with
 DynamicCache, and the bridge's cost per layer, (decode step - the reference's) / layers. Models: `shapes.HF_MODELS`
@@ -9,6 +10,7 @@ with random bf16 weights built on the device (speed does not depend on the weigh
     python bench/hf_bench.py --model smollm2-shape --batch 4 --prompt 512 --new 32
     python bench/hf_bench.py --model llama3-8b-shape --batch 16 --prompt 8192 --new 16 \
         --caches "DynamicCache;StaticCache;jmixedkv mixed(4,64) (fused)" --skip-overhead
+    python bench/hf_bench.py --profile-prefill DIR --batch 4 --prompt 512   # StaticCache beside static mixed
     python bench/hf_bench.py --smoke --out /tmp/hf.json    # CPU: a 2-layer model, 3 tokens
 """
 from __future__ import annotations
@@ -42,6 +44,9 @@ PAGE = 16
 JM = {"bf16": dict(dtype="bf16"), "fp8": dict(dtype="fp8"), "nvfp4": dict(dtype="nvfp4"),
       "mixed(4,64)": dict(dtype="mixed_nvfp4_bf16", first_n=4, last_n=64), "recommended": None}
 MODES = ("stage", "fused", "static")
+#: ``--caches`` / ``--reps`` / ``--new`` when not given: for the generate table, for ``--profile-prefill``
+DEFAULTS = dict(caches="all", reps=1, new=64)
+PROFILE_DEFAULTS = dict(caches="StaticCache;jmixedkv mixed(4,64) (static)", reps=3, new=32)
 
 
 def load_model(name: str, device: str, layers: int | None):
@@ -186,21 +191,111 @@ def bench_overhead(args, device):
     return out
 
 
+def first_step_ms(model, ids, make, device, reps, reuse):
+    """ms of ``reps`` calls of prefill + one token: a fresh cache each (its construction timed), or one cache reset
+    (untimed) between calls."""
+    cache, out = (make() if reuse else None), []
+    for _ in range(reps):
+        if reuse:
+            cache.reset()
+        t0 = time.perf_counter()
+        generate(model, ids, cache if reuse else make(), 1, device)
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def append_pieces_us(model, args, device, reps=50):
+    """us per call of the pieces of one layer's prefill append into a mixed(4,64) `StaticPagedCache` of the model's
+    shape (reset, append, slot computation, the torch and the Triton row writes)."""
+    from interop import paged_ops, triton_write
+    from interop.static_cache import StaticPagedCache
+    cfg = model.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    kv = KVCacheConfig(dtype="mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=16, max_draft_len=4)
+    paged = StaticPagedCache(kv, cfg.num_hidden_layers, cfg.num_key_value_heads, hd, max_batch_size=args.batch,
+                             max_cache_len=args.prompt + args.new, device=device)
+    b, t, h = args.batch, args.prompt, cfg.num_key_value_heads
+    k = torch.randn(b, h, t, hd, dtype=torch.bfloat16, device=device)
+    pos = torch.arange(t, device=device)[None].expand(b, t)
+    grp, index = paged.group_of(0)
+    rows = k.transpose(1, 2).reshape(b * t, h, hd).contiguous()
+    write = torch.ones(b, t, dtype=torch.bool, device=device)
+    low, high = (x.reshape(-1) for x in paged._slots(grp.page_table[:b], pos, write))
+
+    def append():
+        paged.reset()
+        paged.append(0, k, k, pos)
+
+    pieces = {"reset": paged.reset, "append (incl. reset)": append,
+              "_slots": lambda: paged._slots(grp.page_table[:b], pos, write),
+              "paged_ops.write_rows": lambda: paged_ops.write_rows(grp.pools, index, rows, rows, low, high, 16,
+                                                                   "max6"),
+              "triton_write.write_rows_": lambda: triton_write.write_rows_(
+                  *grp.pools, index, rows, rows, low, high, 16, "max6", check_values=False)}
+    out = {}
+    for name, fn in pieces.items():
+        fn()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        out[name] = 1e6 * (time.perf_counter() - t0) / reps
+        print(f"micro {name:28s} {out[name]:9.1f} us/call", flush=True)
+    return out
+
+
+def profile_prefill(model, desc, args, device):
+    """``--profile-prefill DIR``: `append_pieces_us`, then per cache the first step's wall time with a fresh cache
+    per call and with one cache reset between calls (`first_step_ms`), and torch.profiler tables (self CPU and, on
+    CUDA, self CUDA time) of one fresh-cache call, printed and written as ``DIR/<cache>-<key>.txt``."""
+    os.makedirs(args.profile_prefill, exist_ok=True)
+    ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt),
+                        generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        append_pieces_us(model, args, device)
+        for name, (make, _) in caches(model, args.batch, args.prompt + args.new, args.backend,
+                                      set(args.caches.split(";"))).items():
+            for _ in range(2):
+                generate(model, ids, make(), 2, device)                # compile / warm
+            fresh, reused = (first_step_ms(model, ids, make, device, args.reps, r) for r in (False, True))
+            print(f"{name:34s} prefill+1 ms fresh cache {[round(x, 1) for x in fresh]} reused "
+                  f"{[round(x, 1) for x in reused]}", flush=True)
+            cuda = device.startswith("cuda")
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            with torch.profiler.profile(activities=acts) as prof:
+                generate(model, ids, make(), 1, device)
+            tag = name.replace(" ", "_").replace("(", "").replace(")", "").replace(",", "-")
+            for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if cuda else ()):
+                table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+                with open(os.path.join(args.profile_prefill, f"{tag}-{key}.txt"), "w") as f:
+                    f.write(f"{desc}, batch {args.batch} x prompt {args.prompt}, {name}\n{table}\n")
+                print(f"--- {name} by {key}\n" + "\n".join(table.splitlines()[:22]), flush=True)
+    return 0
+
+
 def main(argv=None):
     p = bench_parser(__doc__, out="bench/out/hf_bench.json", md=False)
     p.add_argument("--model", default="smollm2-shape", choices=sorted(HF_MODELS))
-    p.add_argument("--caches", default="all", help="'all' or names separated by ';' (see the table)")
+    p.add_argument("--caches", default=None, help="'all' or names separated by ';' (see the table; default all)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (a quick CPU run)")
-    for flag, default in (("--batch", 4), ("--prompt", 512), ("--new", 64), ("--reps", 1), ("--calls", 20)):
+    for flag, default in (("--batch", 4), ("--prompt", 512), ("--new", None), ("--reps", None), ("--calls", 20)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--backend", default="auto")
     p.add_argument("--skip-overhead", action="store_true", help="no per-call overhead table")
+    p.add_argument("--profile-prefill", metavar="DIR", default=None, help="profile the first step instead (defaults "
+                   f"{PROFILE_DEFAULTS}); its tables go to DIR")
     args = p.parse_args(argv)
+    for k, v in (PROFILE_DEFAULTS if args.profile_prefill else DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.smoke:      # 2 layers, batch 1, 16-token prompt, 3 new tokens, the mixed cache fused, recommended static
         args.layers, args.batch, args.prompt, args.new, args.skip_overhead = 2, 1, 16, 3, True
         args.caches = "jmixedkv mixed(4,64) (fused);jmixedkv recommended (static)"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, desc = load_model(args.model, device, args.layers)
+    if args.profile_prefill:
+        return profile_prefill(model, desc, args, device)
     env = dict(versions(torch), jax_devices=str(jax.devices()), transformers=transformers.__version__, model=desc,
                batch=args.batch, prompt=args.prompt, new=args.new, backend=args.backend)
     print(json.dumps(env), flush=True)

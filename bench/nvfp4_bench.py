@@ -25,8 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jmixedkv import nvfp4  # noqa: E402
 from pallas_kernels import nvfp4 as K  # noqa: E402
-from common import (append_results, bench_parser, copy_bandwidth_tbs, md_table, no_gpu,  # noqa: E402
-                    results_section, time_jax, torch_cuda, utc_now, versions, write_json)
+from common import (append_results, bench_parser, copy_bandwidth, md_table, no_gpu, results_section,  # noqa: E402
+                    time_jax, utc_now, versions, write_json)
 from shapes import NVFP4_ROWS  # noqa: E402
 
 #: (block_rows, sub_rows, num_warps, num_stages) tilings timed besides the defaults
@@ -89,7 +89,7 @@ def timings(rows, quick):
     n = rows * 128
     q_bytes = dq_bytes = 2 * n + n // 2 + n // 16
     packed, scales = want = jax.jit(nvfp4.quantize_reference)(x, gs)
-    copy_tbs, how = copy_bandwidth_tbs(torch_cuda())
+    copy_tbs, how = copy_bandwidth(False)
     out = [dict(kind="copy", name=how, tbs=copy_tbs)]
 
     def timed(kind, name, fn, args, nbytes, **extra):

@@ -26,7 +26,6 @@ caches that ran).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jmixedkv import capacity as cap  # noqa: E402
 from jmixedkv_demo import serve  # noqa: E402
 from jmixedkv_demo.specs import parse_cache_spec  # noqa: E402
-from common import utc_now, versions, write_json  # noqa: E402
+from common import bench_parser, md_table, utc_now, versions, write_json  # noqa: E402
 
 #: the H200 target: Llama-3-8B geometry, 40 GiB of KV cache, prompts of 8k-32k tokens
 SERVE = dict(model="llama3-8b-shape", kv_budget="40GiB", requests=80, prompt_range=(8192, 32768),
@@ -52,11 +51,6 @@ SERVE = dict(model="llama3-8b-shape", kv_budget="40GiB", requests=80, prompt_ran
 #: the CPU smoke: the tiny model
 SERVE_SMOKE = dict(SERVE, model="tiny", kv_budget="192KiB", requests=6, prompt_range=(16, 48), prompt_multiple=16,
                    output_scale=1 / 32, page=8, max_chunk=16, max_minutes=30.0)
-
-
-def markdown(headers, rows) -> str:
-    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-                     + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def run(s: dict, out_dir: str) -> dict:
@@ -111,7 +105,7 @@ def run(s: dict, out_dir: str) -> dict:
     print(f"{s['model']}, {s['weights_dtype']} weights ({cap.format_bytes(wbytes)}), KV budget "
           f"{cap.format_bytes(budget)}, {len(reqs)} requests, prompts {plen.min()}-{plen.max()}:")
     print(cap.format_table(headers, table))
-    print(markdown(headers, table))
+    print(md_table(headers, table))
     print(f"x first = ratio to {base['label']}; total {time.perf_counter() - t_start:.0f} s")
     result["rows"] = [{k: (str(v) if k == "config" else v) for k, v in r.items() if k != "outputs"} for r in rows]
     path = write_json(out_dir, "serve_bench.json", result)
@@ -119,31 +113,22 @@ def run(s: dict, out_dir: str) -> dict:
     return result
 
 
+#: the command line's overrides of `SERVE`: flag (``--`` + key) -> argparse keywords
+FLAGS = dict(model=dict(choices=sorted(serve.MODELS)), kv_budget={}, requests=dict(type=int),
+             prompt_range=dict(metavar="LO:HI"), prompt_multiple=dict(type=int), output_scale=dict(type=float),
+             page=dict(type=int), max_chunk=dict(type=int), caches={}, seed=dict(type=int),
+             max_minutes=dict(type=float), weights_dtype=dict(choices=("float32", "bfloat16")),
+             shared_prefix=dict(type=int, help="prompt tokens every request shares (default 0)"))
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, a few requests (runs on CPU)")
-    ap.add_argument("--model", choices=sorted(serve.MODELS), default=None, help=f"default {SERVE['model']}")
-    ap.add_argument("--kv-budget", default=None, help=f"default {SERVE['kv_budget']}")
-    ap.add_argument("--requests", type=int, default=None, help=f"default {SERVE['requests']}")
-    ap.add_argument("--prompt-range", default=None, metavar="LO:HI", help="default 8192:32768")
-    ap.add_argument("--prompt-multiple", type=int, default=None, help=f"default {SERVE['prompt_multiple']}")
-    ap.add_argument("--output-scale", type=float, default=None, help=f"default {SERVE['output_scale']}")
-    ap.add_argument("--page", type=int, default=None, help=f"default {SERVE['page']}")
-    ap.add_argument("--max-chunk", type=int, default=None, help=f"default {SERVE['max_chunk']}")
-    ap.add_argument("--caches", default=None, help=f"default {SERVE['caches']!r}")
-    ap.add_argument("--seed", type=int, default=None, help="default 0")
-    ap.add_argument("--max-minutes", type=float, default=None, help=f"default {SERVE['max_minutes']}")
-    ap.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default=None,
-                    help=f"dtype of the weight matrices (default {SERVE['weights_dtype']})")
-    ap.add_argument("--shared-prefix", type=int, default=None, help="prompt tokens every request shares (default 0)")
+    ap = bench_parser(__doc__, md=False)
+    for key, kw in FLAGS.items():
+        ap.add_argument("--" + key.replace("_", "-"), default=None, **{"help": f"default {SERVE[key]!r}", **kw})
     ap.add_argument("--no-prefix-reuse", action="store_true", help="prefill shared prefixes anyway (baseline)")
     a = ap.parse_args(argv)
     s = dict(SERVE_SMOKE if a.smoke else SERVE)
-    for key in ("model", "kv_budget", "requests", "prompt_multiple", "output_scale", "page", "max_chunk", "caches",
-                "seed", "max_minutes", "shared_prefix", "weights_dtype"):
-        if getattr(a, key) is not None:
-            s[key] = getattr(a, key)
+    s.update({k: getattr(a, k) for k in FLAGS if getattr(a, k) is not None})
     if a.no_prefix_reuse:
         s["prefix_reuse"] = False
     if a.prompt_range:

@@ -8,10 +8,8 @@
 # prefill JIT need (the static import closure of `__init__`, `decode`, `prefill`, `page` and `jit/`; the headers
 # under `data/include`, `cccl`, `cutlass`, `spdlog` and the top-level `data/csrc` files, not its ~390 MB of other
 # kernels) and re-zips it as a valid wheel (RECORD rewritten). Its other Requires-Dist are on the image or not
-# loaded by the import. Refuses (exit 1) a total over MAX_MIB (default 40). On the device machine (carry .whl):
-#
-#     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#         .whl/*.whl && export PYTHONPATH=/tmp/site || exit
+# loaded by the import. Refuses (exit 1) a total over MAX_MIB (default 40). Ends by printing the install command
+# for the device machine (carry .whl).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PY=${PYTHON:-python3}

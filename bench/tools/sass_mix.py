@@ -96,7 +96,8 @@ def main(argv=None):
     print(f"{len(rows)} SASS instructions, {total:,} executed (warp level); per {a.unit_name}: {total / a.units:.1f}")
     print(f"{'opcode':24s} {'executed':>14s} {'per unit':>9s} {'share':>6s} {'stall samples':>13s}")
     for op, e in executed.most_common(a.top):
-        print(f"{op:24s} {e:14,d} {e / a.units:9.1f} {100 * e / max(total, 1):5.1f}% {100 * stalls[op] / samples:12.1f}%")
+        print(f"{op:24s} {e:14,d} {e / a.units:9.1f} {100 * e / max(total, 1):5.1f}% "
+              f"{100 * stalls[op] / samples:12.1f}%")
     reasons = stall_reasons(header, rows)
     rs = max(1, sum(reasons.values()))
     print("stall reasons (share of samples): " + ", ".join(
