@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import torch_paged
 from .torch_paged import TorchPools
@@ -47,9 +48,14 @@ def _triton(x: Tensor) -> Optional[bool]:
     return True if _cpu["backend"] == "triton" else None
 
 
+def _eager(x: Tensor) -> bool:
+    """True when an op's body may run without the dispatcher (~85 us less host time per call on the H200's host):
+    eager, a plain tensor, no tracing or fake-tensor mode active. Compiled and traced code sees the op."""
+    return not torch.compiler.is_compiling() and type(x) is Tensor and _get_current_dispatch_mode() is None
+
+
 # ------------------------------------------------------------------------------------------------ write
-@torch.library.custom_op("jmixedkv::write_rows_", mutates_args=("low_data", "low_scales", "high_rows", "plain_rows"))
-def _write_rows_op(low_data: Optional[Tensor], low_scales: Optional[Tensor], low_gs: Optional[Tensor],
+def _write_rows_impl(low_data: Optional[Tensor], low_scales: Optional[Tensor], low_gs: Optional[Tensor],
                    high_rows: Optional[Tensor], high_scale: Optional[Tensor], plain_rows: Optional[Tensor],
                    plain_scale: Optional[Tensor], layer: int, k: Tensor, v: Tensor, low_slot: Tensor,
                    high_slot: Tensor, page_size: int, block_scale: str) -> None:
@@ -66,6 +72,10 @@ def _write_rows_op(low_data: Optional[Tensor], low_scales: Optional[Tensor], low
                     interpret=interpret, check_values=False)
 
 
+_write_rows_op = torch.library.custom_op("jmixedkv::write_rows_", _write_rows_impl,
+                                         mutates_args=("low_data", "low_scales", "high_rows", "plain_rows"))
+
+
 @_write_rows_op.register_fake
 def _(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, k, v, low_slot,
       high_slot, page_size, block_scale):
@@ -76,12 +86,12 @@ def write_rows(pools: TorchPools, layer: int, k: Tensor, v: Tensor, low_slot: Te
                page_size: int, block_scale: str) -> None:
     """Store ``k, v [T, H, D]`` (the attention dtype, as stored: rotated if the lever is on) of ``layer`` at
     ``low_slot`` / ``high_slot`` i64[T] (``page_id * page + row``; -1 skips), in place (op 1 of the contract)."""
-    _write_rows_op(*pools, layer, k, v, low_slot, high_slot, page_size, block_scale)
+    op = _write_rows_impl if _eager(k) else _write_rows_op
+    op(*pools, layer, k, v, low_slot, high_slot, page_size, block_scale)
 
 
 # ------------------------------------------------------------------------------------------------ attention
-@torch.library.custom_op("jmixedkv::paged_attention", mutates_args=())
-def _paged_attention_op(q: Tensor, low_data: Optional[Tensor], low_scales: Optional[Tensor], low_gs: Optional[Tensor],
+def _paged_attention_impl(q: Tensor, low_data: Optional[Tensor], low_scales: Optional[Tensor], low_gs: Optional[Tensor],
                         high_rows: Optional[Tensor], high_scale: Optional[Tensor], plain_rows: Optional[Tensor],
                         plain_scale: Optional[Tensor], layer: int, page_table: Tensor, high_table: Tensor,
                         kv_lens: Tensor, geom: List[int], sm_scale: float, sliding_window: Optional[int],
@@ -95,6 +105,9 @@ def _paged_attention_op(q: Tensor, low_data: Optional[Tensor], low_scales: Optio
     from .triton_attention import paged_attention as kernel
     return kernel(q, *pools, layer, page_table, high_table, kv_lens, g, sm_scale, sliding_window, soft_cap,
                   interpret=interpret)
+
+
+_paged_attention_op = torch.library.custom_op("jmixedkv::paged_attention", _paged_attention_impl, mutates_args=())
 
 
 @_paged_attention_op.register_fake
@@ -117,5 +130,5 @@ def paged_attention(pools: TorchPools, layer: int, q: Tensor, page_table: Tensor
         raise ValueError(f"paged_attention: the twin's page {g[0]} differs from page_size {page_size}")
     window = None if sliding_window is None else int(sliding_window)
     cap = None if soft_cap is None else float(soft_cap)
-    return _paged_attention_op(q, *pools, layer, page_table, high_table, kv_lens.to(torch.int32), g,
-                               float(sm_scale), window, cap)
+    op = _paged_attention_impl if _eager(q) else _paged_attention_op
+    return op(q, *pools, layer, page_table, high_table, kv_lens.to(torch.int32), g, float(sm_scale), window, cap)

@@ -76,8 +76,9 @@ class StepPlan(NamedTuple):
     """A step's bookkeeping for one layer group (`StaticPagedCache.plan_step`), shared by its layers: ``group``
     (index into ``groups``), ``batch`` x ``tokens``, ``before`` / ``lens i32[B]`` (lengths before and after),
     ``bad bool[B]`` (refused rows), ``low_slot`` / ``high_slot i64[B * T]`` (-1: not written), ``bits i32[]``
-    (the error bits it sets)."""
+    (the error bits it sets); ``owner`` the cache that made it."""
 
+    owner: "StaticPagedCache"
     group: int
     batch: int
     tokens: int
@@ -229,8 +230,8 @@ class StaticPagedCache:
         lens = torch.where(bad, before64, before64 + new).to(torch.int32)
         bits = (torch.where(too_long.any(), ERR_TOO_LONG, 0)
                 | torch.where((bad & ~too_long).any(), ERR_BAD_POSITION, 0)).to(torch.int32)
-        return StepPlan(self._where[layer][0], b, t, before, lens, bad, low_slot.reshape(-1), high_slot.reshape(-1),
-                        bits)
+        return StepPlan(self, self._where[layer][0], b, t, before, lens, bad, low_slot.reshape(-1),
+                        high_slot.reshape(-1), bits)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None, *,
                plan: Optional["StepPlan"] = None):
@@ -253,6 +254,8 @@ class StaticPagedCache:
             plan = self.plan_step(layer, positions, b)
             low_slot, high_slot, lens, bad, bits = plan.low_slot, plan.high_slot, plan.lens, plan.bad, plan.bits
         else:
+            if plan.owner is not self:
+                raise ValueError("StaticPagedCache.append: the plan was made by another StaticPagedCache")
             if plan.group != self._where[layer][0] or (plan.batch, plan.tokens) != (b, t):
                 raise ValueError(f"StaticPagedCache.append: layer {layer} (group {self._where[layer][0]}) with k "
                                  f"{list(k.shape)} was given a plan of group {plan.group} for {plan.batch} rows x "

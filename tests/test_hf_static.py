@@ -374,5 +374,41 @@ def test_plan_refuses_a_layer_out_of_step(model, batch):
         paged.raise_errors()
     with pytest.raises(ValueError, match="plan of group 0 for 2 rows x 1 tokens"):
         paged.append(1, k[:1], k[:1], plan=plan)
+    other = StaticPagedCache(MIXED, 2, 2, 16, max_batch_size=BATCH, max_cache_len=MAX_LEN)
+    with pytest.raises(ValueError, match="made by another StaticPagedCache"):
+        other.append(1, k, k, plan=plan)
+    assert not other.kv_lens.any()
     with pytest.raises(ValueError, match=r"positions \[2, 3\]; expected \[2 or 1, 1\]"):
         paged.append(1, k, k, torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_eager_calls_skip_the_dispatcher_with_the_ops_bits():
+    """Eager calls of `paged_ops.write_rows` / `paged_attention` run the ops' bodies directly; the registered ops
+    (what compiled code sees) give the same bits; traced code (a fake-tensor mode) goes through the ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from interop import paged_ops
+    paged = StaticPagedCache(MIXED, 2, 2, 16, max_batch_size=2, max_cache_len=MAX_LEN)
+    grp, index = paged.group_of(1)
+    g = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(10, 2, 16, generator=g).bfloat16() for _ in range(2))
+    low = torch.randperm(MAX_LEN // PAGE * PAGE, generator=g)[:10]
+    high = torch.where(torch.arange(10) % 3 == 0, -1, torch.randperm(paged.high_table.numel() * PAGE, generator=g)[:10])
+    pools = [None if t is None else t.clone() for t in grp.pools]
+    paged_ops.write_rows(grp.pools, index, k, v, low, high, PAGE, MIXED.block_scale)
+    direct = [None if t is None else t.clone() for t in grp.pools]
+    grp.pools.low_data.copy_(pools[0]), grp.pools.low_scales.copy_(pools[1]), grp.pools.high_rows.copy_(pools[3])
+    torch.ops.jmixedkv.write_rows_(*grp.pools, index, k, v, low, high, PAGE, MIXED.block_scale)
+    assert not torch.equal(direct[0], pools[0]) and not torch.equal(direct[3], pools[3])
+    assert all(a is None or torch.equal(a, b) for a, b in zip(direct, grp.pools))
+    q = torch.randn(2, 1, 4, 16, generator=g).bfloat16()
+    lens = torch.tensor([9, 33], dtype=torch.int32)
+    geom = MIXED.twin
+    args = (q, *grp.pools, index, grp.page_table[:2], paged.high_table[:2], lens,
+            [geom.page, geom.first_n, geom.last_n, geom.num_fixed, geom.num_ring], 0.25, None, None)
+    out, lse = paged_ops.paged_attention(grp.pools, index, q, grp.page_table[:2], paged.high_table[:2], lens, PAGE,
+                                         geom, 0.25, None, None)
+    out_op, lse_op = torch.ops.jmixedkv.paged_attention(*args)
+    assert torch.equal(out, out_op) and torch.equal(lse, lse_op) and torch.isfinite(out).all()
+    assert paged_ops._eager(q)
+    with FakeTensorMode():
+        assert not paged_ops._eager(torch.zeros(1))
