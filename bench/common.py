@@ -215,11 +215,28 @@ def random_mixed_state(cfg, spec, batch, ctx, *, spare_pages=0, seed=0):
 
 
 def bits_equal(a, b) -> bool:
-    """Whether pytrees ``a`` and ``b`` have the same leaves, shapes and bits (NaN payloads included)."""
+    """Whether pytrees ``a`` and ``b`` have the same leaves, shapes and bits (NaN payloads included), compared on
+    the device of ``a``'s leaf (no host copy of GiB-sized pools; ``b``'s leaf is moved there)."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        np.asarray(x).shape == np.asarray(y).shape
-        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for x, y in zip(la, lb))
+    return len(la) == len(lb) and all(_leaf_bits_equal(x, y) for x, y in zip(la, lb))
+
+
+def _leaf_bits_equal(x, y) -> bool:
+    if not (isinstance(x, jax.Array) and isinstance(y, jax.Array)):          # host data: compared on the host
+        x, y = np.asarray(x), np.asarray(y)
+        return x.shape == y.shape and np.array_equal(x.view(np.uint8), y.view(np.uint8))
+    if x.shape != y.shape or x.dtype.itemsize != y.dtype.itemsize:
+        return False
+    y = jax.device_put(y, next(iter(x.devices())))
+    x = jax.device_put(x, next(iter(x.devices())))          # one device (a sharded leaf is gathered there)
+    return bool(jnp.array_equal(_as_uint(x), _as_uint(y)))
+
+
+def _as_uint(x):
+    """``x``'s bits as unsigned integers of its width (bool as uint8)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
 # ------------------------------------------------------------------------------------------- device and output

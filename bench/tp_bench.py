@@ -111,7 +111,7 @@ def measure_step(shape, tp, backend, timing):
                                  ("sharded", sharded, lambda: sharding.shard_state(random_mixed_state(
                                      cfg, spec, batch, shape["context"], spare_pages=spare), mesh), (qs, ks, vs))):
         st, out = fn(make(), *args)
-        results[name] = jax.device_get((out, st.pools))
+        results[name] = jax.tree.map(jnp.copy, (out, st.pools))     # a device copy (the timing donates `st`)
         run = lambda c, *a: fn(c[0], *a)  # noqa: E731
         row[f"{name}_ms"], (st, out) = time_threaded(run, (st, out), *args, reps=steps, trials=1, warmup=0)
         row[f"{name}_error"] = int(st.error)                 # 0: every timed append had its pages

@@ -106,7 +106,7 @@ class JMixedStaticCache(Cache):
             _check_shape(config, paged)
             windows = hf.sliding_windows(config, paged.num_layers)
         self.paged, self._batch = paged, None
-        self._plans = {}                        # group -> (position_ids, StepPlan, layers that used it): eager steps
+        self._plans = {}                        # group -> (position_ids, StepPlan, layers that used it): `_plan`
         super().__init__(layers=[JMixedStaticLayer(self, i, windows[i], paged.device)
                                  for i in range(paged.num_layers)])
         if not torch.compiler.is_compiling():

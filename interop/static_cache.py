@@ -74,7 +74,7 @@ class LayerGroup(NamedTuple):
 
 class StepPlan(NamedTuple):
     """A step's bookkeeping for one layer group (`StaticPagedCache.plan_step`), shared by its layers: ``group``
-    (index into ``groups``), ``batch`` x ``tokens``, ``before`` / ``lens i32[B]`` (lengths before and after),
+    (index into ``groups``), ``batch`` x ``tokens``, ``before i64[B]`` / ``lens i32[B]`` (lengths before and after),
     ``bad bool[B]`` (refused rows), ``low_slot`` / ``high_slot i64[B * T]`` (-1: not written), ``bits i32[]``
     (the error bits it sets); ``owner`` the cache that made it."""
 
@@ -216,18 +216,17 @@ class StaticPagedCache:
             raise ValueError(f"StaticPagedCache: positions {list(positions.shape)}; expected [{b} or 1, T >= 1]")
         t = positions.shape[-1]
         pos = positions.to(device=self.device, dtype=torch.int64).expand(b, t)
-        before = self.kv_lens[layer, :b].clone()
-        before64 = before.to(torch.int64)
-        new = pos[:, -1] + 1 - before64                                  # real tokens of this step per row
+        before = self.kv_lens[layer, :b].to(torch.int64)                # a copy: the lengths before the step
+        new = pos[:, -1] + 1 - before                                  # real tokens of this step per row
         j = torch.arange(t, device=self.device)[None, :]
         first = (t - new)[:, None]
         real = j >= first
-        want = before64[:, None] + j - first
+        want = before[:, None] + j - first
         too_long = pos[:, -1] >= self.max_cache_len
         bad = (new < 0) | (new > t) | (real & (pos != want)).any(dim=1) | too_long
         write = real & ~bad[:, None]
         low_slot, high_slot = self._slots(grp.page_table[:b], pos, write)
-        lens = torch.where(bad, before64, before64 + new).to(torch.int32)
+        lens = torch.where(bad, before, before + new).to(torch.int32)
         bits = (torch.where(too_long.any(), ERR_TOO_LONG, 0)
                 | torch.where((bad & ~too_long).any(), ERR_BAD_POSITION, 0)).to(torch.int32)
         return StepPlan(self, self._where[layer][0], b, t, before, lens, bad, low_slot.reshape(-1),

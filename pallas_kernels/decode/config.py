@@ -20,7 +20,7 @@ from pallas_kernels.decode.common import next_pow2
 
 __all__ = ["TritonConfig", "MosaicConfig", "TRITON_BLOCK_K", "TRITON_NUM_WARPS", "WIDE_GRID_TUNING",
            "VERIFY_GRID_TUNING", "SMALL_HEAD_TUNING", "SMALL_HEAD_DIM", "SMALL_HEAD_MAX_PAGE", "triton_tuning",
-           "triton_num_splits", "KEYS_ON_M_ROWS", "MIN_KM_ROWS",
+           "triton_num_splits", "tuning_heads", "KEYS_ON_M_ROWS", "MIN_KM_ROWS",
            "MAX_SPLIT_BLOCKS", "EDGE_BLOCK_K", "EDGE_WARPS", "IN_TURN_ROWS", "IN_TURN_MAX_PAGE", "mosaic_num_splits",
            "mosaic_edge_splits", "mosaic_qk_in_turn"]
 
@@ -76,6 +76,12 @@ def triton_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows
     if t is not None:
         return t["block_k"], t["num_warps"], t["per_sm"]
     return TRITON_BLOCK_K[fmt_key], TRITON_NUM_WARPS[fmt_key], 4
+
+
+def tuning_heads(config, num_kv_heads: int) -> int:
+    """The KV head count ``config``'s default tuning and splits are chosen for: its ``split_heads`` (a shard of
+    the heads passes the whole count), else the call's ``num_kv_heads``."""
+    return num_kv_heads if config.split_heads is None else config.split_heads
 
 
 def triton_num_splits(batch: int, num_kv_heads: int, max_blocks: int, per_sm: int = 4) -> int:

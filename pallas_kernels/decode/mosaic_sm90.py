@@ -81,7 +81,7 @@ from pallas_kernels.decode import triton
 from pallas_kernels.decode.common import (LOW_DOMAIN, M_INIT, f16_queries, group_queries, interior_blocks,
                                           next_pow2, normalize_merged, pages_per_block, sum_splits, ungroup_rows)
 from pallas_kernels.decode.config import (KEYS_ON_M_ROWS, MosaicConfig, mosaic_edge_splits, mosaic_num_splits,
-                                          mosaic_qk_in_turn)
+                                          mosaic_qk_in_turn, tuning_heads)
 from pallas_kernels.decode.inline_sm90 import (BLOCK_K, HEAD_DIM, dequant_inline, key_max_inline, l_update_inline,
                                                store_keys_minor, store_transposed)
 from pallas_kernels.nvfp4_ops import e2m1_f16_halves
@@ -504,8 +504,7 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
     max_pages = page_table.shape[1]
     max_tokens = max_pages * page
     max_blocks = max(1, -(-max_tokens // BLOCK_K))
-    hs = h if config.split_heads is None else config.split_heads     # the heads the default splits are chosen for
-    splits = mosaic_num_splits(b, hs, max_blocks) if config.num_splits is None else int(config.num_splits)
+    splits = mosaic_num_splits(b, tuning_heads(config, h), max_blocks) if config.num_splits is None else int(config.num_splits)
     per_max = -(-max_blocks // splits)
     pages_needed = -(-(per_max * BLOCK_K) // page) + 1 + 3                   # + 3: the aligned first column
     # >= 64 ids (a floor from before the misaligned-copy fault was found; it costs nothing)
@@ -625,8 +624,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     # at or past n): the Triton kernel with the interior skipped; merged by LSE
     edge = config.edge
     if edge.num_splits is None:
-        edge = dataclasses.replace(edge, num_splits=mosaic_edge_splits(b, h if config.split_heads is None
-                                                                       else config.split_heads))
+        edge = dataclasses.replace(edge, num_splits=mosaic_edge_splits(b, tuning_heads(config, h)))
     oe, me, le = triton.paged_decode_partials(
         q, page_table, kv_lens, layer, low, high if use_high else None, None, high_table if use_high else None,
         geom=geom if use_high else None, sm_scale=f["sm_scale"], interpret=interpret, out_dtype=f["out_dtype"],
@@ -659,8 +657,8 @@ def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul):
     ``le`` f32 ``[Se, B, H, R']``; the first ``rows`` query rows are real, the rest never read. ``vmul``: the kernel's
     output scale (``gs_v * 2^-7``). -> ``(out f32[B, H, rows, D], lse f32[B, H, rows])``; a row that saw no key gives
     0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials are weighted and summed over its
-    splits in the layout it wrote them, in a fixed order (`sum_splits`: a shard's merge is one device's); the column permutation and the half
-    interleave then act within each row of the ``[B, H, rows, 2, 64]`` sum. (Concatenating both kernels' partials
+    splits in the layout it wrote them, in a fixed order (`sum_splits`: a shard's merge is one device's); the
+    column permutation and the half interleave then act within each row of the ``[B, H, rows, 2, 64]`` sum. (Concatenating both kernels' partials
     in natural column order and merging them with `merge_partials` cost a transpose of every split's tile; this form
     measured less GPU time per call at Tq 4 on the H200 and level at Tq 1, bench/RESULTS.md.)"""
     b, h = o.shape[1:3]

@@ -57,7 +57,7 @@ from jmixedkv.compat import pl, pltriton, triton_params
 from jmixedkv.layout import TwinGeometry, check_offsets
 from pallas_kernels.decode.common import (LOW_DOMAIN, M_INIT, f16_queries, group_queries, interior_blocks,
                                           merge_partials, next_pow2, pages_per_block, ungroup_rows)
-from pallas_kernels.decode.config import TritonConfig, triton_num_splits, triton_tuning
+from pallas_kernels.decode.config import TritonConfig, triton_num_splits, triton_tuning, tuning_heads
 from pallas_kernels.nvfp4_ops import E2M1_F16_PTX, e2m1_f16_halves
 
 __all__ = ["paged_decode_attention", "paged_decode_partials", "split_row_loads"]
@@ -316,7 +316,7 @@ def _partials(q, page_table, kv_lens, layer, low, high, plain, high_table, *, ge
     out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
     fmt_key = "nvfp4" if low is not None else "plain"
     m_rows = next_pow2(max(16, tq * group))
-    hs = h if config.split_heads is None else config.split_heads     # the heads the defaults are chosen for
+    hs = tuning_heads(config, h)
     tuned_k, tuned_w, per_sm = triton_tuning(fmt_key, b, hs, page, m_rows, tq * group, d)
     block_k = tuned_k if config.block_k is None else config.block_k
     num_warps = tuned_w if config.num_warps is None else config.num_warps
