@@ -1,7 +1,8 @@
 """What every benchmark shares: timers (`time_threaded`, `time_jax`, `time_each`, `time_in_step`, `time_torch`,
 `gpu_busy` / `gpu_kernel_profile` from a profiler trace), full caches of random bytes (`random_mixed_state`), the
-bytes floor (`kv_bytes` over `copy_bandwidth`), the command line (`bench_parser`, `no_gpu`), versions and the
-output files (`write_json`, `md_table`, `results_section` / `append_results` for bench/RESULTS.md)."""
+bytes floor (`kv_bytes` over `copy_bandwidth`), the command line (`bench_parser`, `parse_ints`, `no_gpu`), versions
+and the output (`write_json`, `md_table`, `append_results` for bench/RESULTS.md, `error_text`). Importing it puts
+the repository root on ``sys.path`` (second, after the script's folder), so a bench imports it before `jmixedkv`."""
 from __future__ import annotations
 
 import argparse
@@ -13,18 +14,23 @@ import gzip
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:            # behind sys.path[0]: an A/B tree put first stays first
+    sys.path.insert(1, ROOT)
 
-import jmixedkv as jm
-from jmixedkv.compat import on_gpu
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jmixedkv as jm  # noqa: E402
+from jmixedkv.compat import on_gpu  # noqa: E402
 
 #: the project's results file (sections titled by topic and date)
-RESULTS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+RESULTS_MD = os.path.join(ROOT, "bench", "RESULTS.md")
 #: random fills generate at most this many elements and tile them (no full-size random temporaries)
 CHUNK = 1 << 26
 #: the copy bandwidth a ``--smoke`` run assumes (TB/s; nothing is measured on the CPU)
@@ -32,9 +38,8 @@ SMOKE_TBS = 4.3
 
 
 def time_threaded(fn, carry, *args, reps=10, trials=15, warmup=2):
-    """Median ms per call of ``carry = fn(carry, *args)`` (``fn`` may donate its carry, e.g. a cache state updated in
-    place): ``trials`` batches of ``reps`` async calls, blocked at the end of each. Returns ``(ms, the last carry)``;
-    ``reps=1`` times blocked calls."""
+    """Median ms per call of ``carry = fn(carry, *args)`` (``fn`` may donate its carry): ``trials`` batches of
+    ``reps`` async calls, blocked at the end of each. Returns ``(ms, the last carry)``."""
     for _ in range(warmup):
         carry = fn(carry, *args)
     jax.block_until_ready(carry)
@@ -75,9 +80,8 @@ def step_loop(fn, calls=10, lens_arg=2):
 
 
 def time_in_step(fn, *args, calls=10, lens_arg=2, **timing):
-    """Median ms per call of ``fn(*args)`` in `step_loop` (``timing``: `time_jax`'s ``reps`` / ``trials`` /
-    ``warmup``). `time_jax` of a single call also pays the runtime's cost of launching an executable (23-28 us per
-    call on the H200, bench/RESULTS.md) that the calls inside one loop do not."""
+    """Median ms per call of ``fn(*args)`` in `step_loop` (``timing``: `time_jax`'s keywords), without the cost of
+    launching an executable that `time_jax` of a single call pays."""
     return time_jax(step_loop(fn, calls, lens_arg), *args, **timing) / calls
 
 
@@ -139,16 +143,15 @@ def gpu_kernel_profile(run, n, log_dir, top=25, between_us=300.0):
 
 
 def gpu_busy(fn, *args, steps=5, calls=1, match=None):
-    """GPU time of ``fn(*args)`` (``calls`` kernel calls per run) from a profiler trace (`gpu_kernel_profile`),
-    without the host's dispatch: ``{gpu_ms, match_ms, launches}`` per call (``match_ms``: the kernels whose name
-    matches the regex ``match``); ``{}`` off the GPU or when the profiler fails (a failure must not lose a row's
-    other timings). End-to-end time of a small shape measures the host; this does not."""
+    """GPU time of ``fn(*args)`` (``calls`` kernel calls per run) from `gpu_kernel_profile`, without the host's
+    dispatch: ``{gpu_ms, match_ms, launches}`` per call (``match_ms``: kernels whose name matches the regex
+    ``match``); ``{}`` off the GPU or when the profiler fails (a row keeps its other timings)."""
     if jax.default_backend() != "gpu":
         return {}
     try:
         prof = gpu_kernel_profile(lambda i: fn(*args), steps, tempfile.mkdtemp(prefix="trace_bench"), top=40)
     except Exception as e:
-        print(f"    gpu_busy: profiler failed ({type(e).__name__}: {str(e)[:100]})")
+        print(f"    gpu_busy: profiler failed ({error_text(e, 100)})")
         return {}
     if not prof["kernels"]:
         return {}
@@ -165,9 +168,8 @@ def _tile(x, *, shape, axis):
 
 
 def random_fill(seed, shape, kind, axis=1):
-    """Random ``kind`` of ``shape`` on the default device: "u8" (any byte), "e4m3" (E4M3 scales in [0.25, 3.75]:
-    finite, non-zero) or "bf16" (normal). One chunk of at most `CHUNK` elements is drawn on the host (NumPy, seeded
-    by ``seed``) and tiled along ``axis`` on the device (no full-size random temporaries, no RNG to compile)."""
+    """Random ``kind`` of ``shape`` on the default device: "u8" (any byte), "e4m3" (scales in [0.25, 3.75]) or
+    "bf16" (normal); one host chunk of at most `CHUNK` elements (NumPy, ``seed``) tiled along ``axis``."""
     per = int(np.prod(shape)) // shape[axis]
     n = max(1, min(shape[axis], CHUNK // max(per, 1)))
     cs = shape[:axis] + (n,) + shape[axis + 1:]
@@ -191,10 +193,9 @@ def _taken(alloc, n):
 
 
 def random_mixed_state(cfg, spec, batch, ctx, *, spare_pages=0, seed=0):
-    """A full cache of one mixed group (`jmixedkv.KVCacheConfig` ``cfg``, `jmixedkv.GroupSpec` ``spec``): ``batch``
-    sequences of ``ctx`` tokens of random NVFP4 bytes (valid E4M3 scales) and random twin rows, the used page ids a
-    random permutation of ``0 .. batch * ceil(ctx / page) - 1``, ``spare_pages`` free pages per sequence on the
-    allocator (so appends past ``ctx`` take new pages). `init_state` pads pools out of the offset hole."""
+    """A full cache of one mixed group (``cfg``, `jmixedkv.GroupSpec` ``spec``): ``batch`` sequences of ``ctx``
+    tokens of random NVFP4 bytes and twin rows on a random permutation of the used page ids, ``spare_pages`` free
+    pages per sequence on the allocator (appends past ``ctx`` take new pages)."""
     page = cfg.page_size
     full = -(-ctx // page)
     ppseq = full + spare_pages
@@ -216,7 +217,7 @@ def random_mixed_state(cfg, spec, batch, ctx, *, spare_pages=0, seed=0):
 
 def bits_equal(a, b) -> bool:
     """Whether pytrees ``a`` and ``b`` have the same leaves, shapes and bits (NaN payloads included), compared on
-    the device of ``a``'s leaf (no host copy of GiB-sized pools; ``b``'s leaf is moved there)."""
+    the device of ``a``'s leaf (no host copy of GiB-sized pools)."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(_leaf_bits_equal(x, y) for x, y in zip(la, lb))
 
@@ -227,16 +228,11 @@ def _leaf_bits_equal(x, y) -> bool:
         return x.shape == y.shape and np.array_equal(x.view(np.uint8), y.view(np.uint8))
     if x.shape != y.shape or x.dtype.itemsize != y.dtype.itemsize:
         return False
-    y = jax.device_put(y, next(iter(x.devices())))
-    x = jax.device_put(x, next(iter(x.devices())))          # one device (a sharded leaf is gathered there)
-    return bool(jnp.array_equal(_as_uint(x), _as_uint(y)))
-
-
-def _as_uint(x):
-    """``x``'s bits as unsigned integers of its width (bool as uint8)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8)
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    dev = next(iter(x.devices()))           # one device (a sharded leaf is gathered there)
+    x, y = (jax.device_put(a, dev) for a in (x, y))
+    as_uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")          # the bits as unsigned integers (bool as uint8)
+    return bool(jnp.array_equal(*(a.astype(as_uint) if a.dtype == jnp.bool_ else
+                                  jax.lax.bitcast_convert_type(a, as_uint) for a in (x, y))))
 
 
 # ------------------------------------------------------------------------------------------- device and output
@@ -250,9 +246,8 @@ def torch_cuda():
 
 
 def copy_bandwidth(smoke: bool):
-    """``(TB/s, how)``: the device-to-device copy bandwidth (bytes read + written), measured by torch ``copy_`` of
-    2 GiB where torch sees CUDA, else by a jitted jnp ``x + 1`` (which measured well below torch's on the H200);
-    `SMOKE_TBS` in a smoke run."""
+    """``(TB/s, how)``: the device copy bandwidth (bytes read + written) of 2 GiB, by torch ``copy_`` where torch
+    sees CUDA, else by a jitted jnp ``x + 1``; `SMOKE_TBS` in a smoke run."""
     if smoke:
         return SMOKE_TBS, "nominal (smoke)"
     torch, nbytes = torch_cuda(), 1 << 31
@@ -277,8 +272,9 @@ def kv_bytes(tokens, kv_heads, head_dim, fmt="nvfp4", twin_rows=0):
 
 
 def versions(torch=None):
-    """``{jax, jaxlib, triton, torch, device}`` of this process (``"n/a"`` where absent)."""
-    v = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
+    """``{jax, jaxlib, triton, torch, device, date}`` of this process (``"n/a"`` where absent; date in UTC)."""
+    v = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     for name in ("jaxlib", "triton"):
         try:
             v[name] = __import__(name).__version__
@@ -286,11 +282,6 @@ def versions(torch=None):
             v[name] = "n/a"
     v["torch"] = torch.__version__ if torch is not None else "n/a"
     return v
-
-
-def utc_now() -> str:
-    """The current time as ``YYYY-MM-DD HH:MM UTC`` (a results section's date)."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def bench_parser(doc: str, out: str = "bench/out", md: bool = True):
@@ -302,6 +293,15 @@ def bench_parser(doc: str, out: str = "bench/out", md: bool = True):
     if md:
         ap.add_argument("--no-md", action="store_true", help="do not append a section to bench/RESULTS.md")
     return ap
+
+
+def parse_ints(text, what: str, sep: str = ","):
+    """``"1,16,64"`` -> ``(1, 16, 64)`` (None -> None): integers separated by ``sep``; anything else is refused
+    naming the flag ``what``."""
+    try:
+        return None if text is None else tuple(int(x) for x in text.split(sep))
+    except ValueError:
+        raise ValueError(f"{what}: expected integers separated by {sep!r}, got {text!r}") from None
 
 
 def no_gpu(name: str, smoke: bool) -> bool:
@@ -318,13 +318,6 @@ def md_table(header, rows) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
-def results_section(title: str, meta: dict, text: str) -> str:
-    """A bench/RESULTS.md section: ``## title, date``, the device and versions of ``meta`` (`versions` + ``date``),
-    then ``text``."""
-    return (f"\n## {title}, {meta['date']}\n\n{meta['device']}, jax {meta['jax']}, triton {meta['triton']}, torch "
-            f"{meta['torch']}.\n\n{text}\n")
-
-
 def write_json(out_dir: str, name: str, obj) -> str:
     """Write ``obj`` as ``out_dir/name`` (folders created; non-JSON values as ``str``); returns the path."""
     os.makedirs(out_dir, exist_ok=True)
@@ -334,7 +327,15 @@ def write_json(out_dir: str, name: str, obj) -> str:
     return path
 
 
-def append_results(text: str, path: str = RESULTS_MD):
-    """Append ``text`` (a markdown section, its title naming topic and date) to the results file ``path``."""
+def append_results(title: str, meta: dict, text: str, path: str = RESULTS_MD):
+    """Append a section to the results file ``path``: ``## title, date``, the device and versions of ``meta``
+    (`versions`), then ``text``."""
     with open(path, "a") as f:
-        f.write(text)
+        f.write(f"\n## {title}, {meta['date']}\n\n{meta['device']}, jax {meta['jax']}, triton {meta['triton']}, "
+                f"torch {meta['torch']}.\n\n{text}\n")
+
+
+def error_text(e: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of ``e`` on one line (whitespace runs collapsed), at most ``limit`` characters: a failure
+    recorded in a row, not raised."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:limit]

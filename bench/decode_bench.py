@@ -1,18 +1,12 @@
-"""Decode-attention benchmark on the H200: the fused NVFP4 kernels against cuDNN / flash SDPA over bf16.
+"""Decode attention on the GPU: the fused NVFP4 kernels over a mixed cache of random bytes beside cuDNN / flash
+SDPA over bf16 and the NVFP4 / bf16 bytes floors (copy bandwidth measured in-run); timed outputs must be finite and
+within 1e-2 of the default's. A JSON under ``--out`` is rewritten after every row; no row starts after `BUDGET_S`.
 
-Every row fills a mixed NVFP4 + bf16-twin cache (`BenchGeometry`) with random bytes (`common.random_mixed_state`)
-and times the kernels over it beside the NVFP4 and bf16 bytes floors (over the copy bandwidth measured in-run).
-Timed outputs must be finite and within 1e-2 of the default's (correctness: the kernel tests). Modes, each writing
-a JSON under ``--out`` after every row (a time-budget cut keeps what was measured; no row starts after `BUDGET_S`):
-
-* ``--grid``: `shapes.DECODE_GRID` at head_dim 128, batch x context x ``--geos`` GQA/page/Tq: the Triton kernel
-  (``mixed``), the Mosaic GPU kernel (``mgpu``) and the default one end to end, per call inside a jitted loop of
-  ten (``step``) and GPU busy; cuDNN / flash SDPA beside; the decode-speed targets counted last.
+* ``--grid``: batch x context x ``--geos`` GQA/page/Tq at head_dim 128 (`shapes.DECODE_GRID`): the Triton and Mosaic
+  GPU kernels, the default end to end, in a jitted loop of ten and GPU busy; the speed targets counted last.
 * ``--geometry-grid``: head_dim x GQA x page x Tq at 16 x 32k (`GEOMETRY_SUBSET`, or the product of ``--head-dims
-  / --groups / --pages / --tqs``): the default backend in a jitted loop of ten, its GPU busy time and the decode
-  kernels' share, the Triton kernel beside a Mosaic default, each ``--variants`` Triton config beside a Triton one.
-* ``--shard I/N`` runs rows ``k % N == I`` (one process per GPU, or consecutive device calls); ``--merge A.json
-  B.json ...`` joins the shards. ``--smoke``: the rows at 2 x 256 tokens, 2 KV heads, interpret mode on the CPU.
+  / --groups / --pages / --tqs``): the default in a loop of ten, its GPU busy time, each ``--variants`` config.
+* ``--shard I/N`` runs rows ``k % N == I``; ``--merge A.json B.json ...`` joins the shards. ``--smoke``: CPU.
 
     python3 bench/decode_bench.py --grid --shard 0/3 --out $OUT      # then --grid --merge $OUT/*/decode_bench-grid.json
     python3 bench/decode_bench.py --geometry-grid --head-dims 64 --variants k64w2,k32w4 --out $OUT
@@ -30,11 +24,15 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Optional  # noqa: E402
 
+from common import (bench_parser, copy_bandwidth, error_text, gpu_busy, kv_bytes, md_table, no_gpu,  # noqa: E402
+                    parse_ints, random_fill, random_mixed_state, step_loop, time_in_step, time_jax, time_torch,
+                    torch_cuda, versions, write_json)
+from shapes import DECODE_GEOMETRY, grid_args  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv import nvfp4  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
@@ -43,15 +41,14 @@ from jmixedkv.pools import kernel_arrays  # noqa: E402
 from pallas_kernels.decode import TritonConfig, choose_backend, mosaic_sm90, triton  # noqa: E402
 from pallas_kernels.decode.common import pages_per_block  # noqa: E402
 from pallas_kernels.decode.config import triton_num_splits, triton_tuning  # noqa: E402
-from common import (bench_parser, copy_bandwidth, gpu_busy, kv_bytes, md_table, no_gpu, random_fill,  # noqa: E402
-                    random_mixed_state, step_loop, time_in_step, time_jax, time_torch, torch_cuda, utc_now,
-                    versions, write_json)
-from shapes import DECODE_GEOMETRY, grid_args  # noqa: E402
 
 HEAD_DIM = DECODE_GEOMETRY["head_dim"]      # every --grid row's
-#: ``--grid`` targets: 16 x 32k within 1.5x the NVFP4 bytes floor, rows of >= 512k tokens (batch x context) within
-#: 1.8x, rows of >= 128k tokens faster than cuDNN SDPA over bf16; ``--geometry-grid``: every row within 1.5x
-TARGET_16X32K, TARGET_512K, TOKENS_512K, TOKENS_128K, TARGET_GEOMETRY = 1.5, 1.8, 512 * 1024, 128 * 1024, 1.5
+#: ``--grid`` targets: (name, rows it applies to, the default's time over the NVFP4 floor at most / cuDNN's over
+#: the default's above); ``--geometry-grid``: every row within `TARGET_GEOMETRY` x the floor
+TARGETS = (("16 x 32k <= 1.5x floor", lambda r: r["batch"] == 16 and r["context"] == 32768, 1.5, None),
+           (">= 512k tokens <= 1.8x floor", lambda r: r["batch"] * r["context"] >= 512 * 1024, 1.8, None),
+           ("faster than cuDNN at >= 128k tokens", lambda r: r["batch"] * r["context"] >= 128 * 1024, None, 1.0))
+TARGET_GEOMETRY = 1.5
 #: the default ``--geometry-grid`` rows (head_dim, GQA, page, Tq) and the whole axes (what an axis flag selects from)
 GEOMETRY_SUBSET = tuple([(d, g, 16, 1) for d in (64, 128, 256) for g in (1, 2, 3, 4, 7, 8)]
                         + [(d, 4, p, 1) for d in (64, 128) for p in (32, 64, 128)]
@@ -87,9 +84,8 @@ class BenchGeometry:
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """A grid run: ``geometry`` (``--geometry-grid`` rows, else ``--grid``), ``kv_heads``, ``interpret`` (Pallas
-    interpret mode, ``--smoke``: no Mosaic GPU kernel), ``variants`` (``(name, fields)``, `parse_variant`),
-    ``shard`` (``I/N`` text, recorded), ``timing`` (`time_jax`'s ``reps`` / ``trials`` / ``warmup``)."""
+    """A grid run: ``geometry`` (``--geometry-grid``), ``interpret`` (``--smoke``: no Mosaic GPU kernel),
+    ``variants`` (`parse_variant`), ``shard`` (recorded), ``timing`` (`time_jax`'s keywords)."""
     geometry: bool = False
     kv_heads: int = DECODE_GEOMETRY["kv_heads"]
     interpret: bool = False
@@ -105,7 +101,7 @@ class RunOptions:
 # --------------------------------------------------------------------------------------------- inputs, kernels
 def row_inputs(g: BenchGeometry, b, ctx, tq):
     """``(q bf16[b, tq, Hq, D], page_table, kv_lens, high_table, LowPool, RowPool)``: a full cache of ``b`` x ``ctx``
-    random tokens (decode global scale of amax 8, so scores stay moderate) and random queries, seeded per shape."""
+    random tokens (global scale of amax 8: moderate scores) and random queries."""
     seed = b * 1000 + ctx // 1024 + 7 * g.gqa + g.page + tq + g.head_dim
     st = random_mixed_state(g.cache, jm.GroupSpec(1, g.kv_heads, g.head_dim), b, ctx, seed=seed)
     pool = st.pools[0]
@@ -166,18 +162,14 @@ def torch_sdpa(torch, g: BenchGeometry, b, ctx, tq):
             try:
                 times.append(time_torch(torch, f))
             except Exception as e:  # backend not available for this shape
-                print(f"    sdpa {name} enable_gqa={gqa}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                print(f"    sdpa {name} enable_gqa={gqa}: {error_text(e, 120)}")
         res[name] = min(times) if times else None
-    del q, qf, k, v
+    q = qf = k = v = None           # free before torch returns its cache
     torch.cuda.empty_cache()
     return res
 
 
 # --------------------------------------------------------------------------------------------- rows
-def _error(e) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-
-
 def _close(got, want, what):
     """``got`` as float32 NumPy; refuses a non-finite one or one off ``want`` (when given) by 1e-2 relative L2."""
     got = np.asarray(got, np.float32)
@@ -191,8 +183,7 @@ def _close(got, want, what):
 
 
 def _row_start(torch, bw, g: BenchGeometry, b, ctx, tq):
-    """A row's keys, the NVFP4 (the twin's retained rows included) and bf16 bytes floors over ``bw`` TB/s
-    (`kv_bytes`) and (with torch) cuDNN / flash SDPA over bf16."""
+    """A row's keys, its NVFP4 (twin included) and bf16 bytes floors over ``bw`` TB/s, cuDNN / flash SDPA (torch)."""
     rows, twin = b * ctx, b * min(ctx, g.first_n + g.last_n)
     row = dict(batch=b, context=ctx, head_dim=g.head_dim, gqa=g.gqa, page=g.page, tq=tq, kv_heads=g.kv_heads,
                copy_bandwidth_tbs=bw, floor_nvfp4_ms=kv_bytes(rows, g.kv_heads, g.head_dim, "nvfp4", twin) / bw * 1e-9,
@@ -220,7 +211,7 @@ def grid_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
             row["mgpu_gpu_ms"] = gpu_busy(fns["mgpu"], *args).get("gpu_ms")
             row["mgpu_ms"] = opts.time(fns["mgpu"], *args)
         except Exception as e:
-            row["mgpu_error"] = _error(e)
+            row["mgpu_error"] = error_text(e, 160)
             print(f"    mgpu: {row['mgpu_error']}")
     # what `jm.decode_attention` runs here: the Mosaic GPU kernel where `choose_backend` picks it
     use_mgpu = row.get("mgpu_ms") is not None and choose_backend(
@@ -230,7 +221,7 @@ def grid_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
     try:        # a failure here (e.g. memory for the loop) must not lose the row's other timings
         row["default_step_ms"] = opts.time(fns[row["default"]], *args, in_step=True)
     except Exception as e:
-        row["default_step_ms"], row["step_error"] = None, _error(e)
+        row["default_step_ms"], row["step_error"] = None, error_text(e, 160)
         print(f"    step: {row['step_error']}")
     row["default_ms"], row["default_gpu_ms"] = row[f"{row['default']}_ms"], row.get(f"{row['default']}_gpu_ms")
     for other in ("cudnn", "flash", "mgpu"):
@@ -270,7 +261,7 @@ def geometry_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
             row["variants"][name] = opts.time(lp, *args) / 10
         except Exception as e:   # a config that does not compile is recorded, not fatal
             row["variants"][name] = None
-            print(f"    {name}: {_error(e)}")
+            print(f"    {name}: {error_text(e, 160)}")
     ok = {k: v for k, v in row["variants"].items() if v}
     if ok:
         row["best_variant"] = min(ok, key=ok.get)
@@ -303,33 +294,18 @@ def grid_table(rows):
                       r.get("error", "")) for r in rows])
 
 
-def grid_targets(rows, key="default_ms"):
-    """The ``--grid`` targets counted by the default kernel's ``key`` time (end to end, in a step or GPU busy):
-    ``{target: (met, of), "misses": {target: [(batch, context, gqa, page, tq, value)]}}``; rows without it are not
-    counted."""
-    out = {"misses": {}}
-    checks = (("16x32k", lambda r: r["batch"] == 16 and r["context"] == 32768,
-               lambda r: r[key] / r["floor_nvfp4_ms"], lambda v: v <= TARGET_16X32K),
-              ("512k", lambda r: r["batch"] * r["context"] >= TOKENS_512K,
-               lambda r: r[key] / r["floor_nvfp4_ms"], lambda v: v <= TARGET_512K),
-              ("cudnn_128k", lambda r: r["batch"] * r["context"] >= TOKENS_128K and r.get("cudnn_ms"),
-               lambda r: r["cudnn_ms"] / r[key], lambda v: v > 1.0))
-    for name, applies, value, ok in checks:
-        counted = [(r, value(r)) for r in rows if r.get(key) and applies(r)]
-        out["misses"][name] = [(r["batch"], r["context"], r["gqa"], r["page"], r["tq"], round(v, 3))
-                               for r, v in counted if not ok(v)]
-        out[name] = (len(counted) - len(out["misses"][name]), len(counted))
-    return out
-
-
 def targets_text(rows):
-    """The ``--grid`` targets met, by end-to-end, in-step and GPU busy time."""
+    """The ``--grid`` `TARGETS` met (of the rows with that time) by the default's end-to-end, in-step and GPU busy
+    time."""
     lines = []
     for key, label in (("default_ms", "end to end"), ("default_step_ms", "in a step"), ("default_gpu_ms", "GPU busy")):
-        t = grid_targets(rows, key)
-        lines.append(f"targets by {label}: 16 x 32k <= {TARGET_16X32K}x floor {t['16x32k'][0]}/{t['16x32k'][1]}; "
-                     f">= 512k tokens <= {TARGET_512K}x {t['512k'][0]}/{t['512k'][1]}; faster than cuDNN at "
-                     f">= 128k tokens {t['cudnn_128k'][0]}/{t['cudnn_128k'][1]}")
+        counts = []
+        for name, applies, floor_x, cudnn_x in TARGETS:
+            rs = [r for r in rows if r.get(key) and applies(r) and (floor_x or r.get("cudnn_ms"))]
+            met = [r for r in rs if (r[key] / r["floor_nvfp4_ms"] <= floor_x if floor_x
+                                     else r["cudnn_ms"] / r[key] > cudnn_x)]
+            counts.append(f"{name} {len(met)}/{len(rs)}")
+        lines.append(f"targets by {label}: " + "; ".join(counts))
     return "\n".join(lines)
 
 
@@ -363,20 +339,13 @@ def _texts(geometry: bool, rows):
 
 
 # --------------------------------------------------------------------------------------------- row order, shards
-def _ints(text, what):
-    try:
-        return None if text is None else tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
-
-
 def grid_order(batches: str, contexts: str, geos: str):
     """The ``--grid`` rows ``(batch, context, head_dim, gqa, page, tq)`` in run order: geometry by geometry
     (``geos`` = ``"GQA/page/Tq,..."``), each over batch x context, so a time-budget cut loses the later ones."""
-    geo = [tuple(_ints(g.replace("/", ","), "--geos")) for g in geos.split(",")]
+    geo = [parse_ints(g, "--geos", "/") for g in geos.split(",")]
     if any(len(g) != 3 for g in geo):
         raise ValueError(f"--geos: expected GQA/page/Tq triples, got {geos!r}")
-    shapes = [(b, c) for b in _ints(batches, "--batches") for c in _ints(contexts, "--contexts")]
+    shapes = [(b, c) for b in parse_ints(batches, "--batches") for c in parse_ints(contexts, "--contexts")]
     return [(b, c, HEAD_DIM, *g) for g in geo for b, c in shapes]
 
 
@@ -392,49 +361,36 @@ def geometry_order(head_dims=None, groups=None, pages=None, tqs=None):
 
 def parse_shard(text):
     """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N`` (``None`` -> ``(0, 1)``)."""
-    try:
-        i, n = (0, 1) if text is None else (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ValueError(f"--shard: expected I/N (e.g. 0/4), got {text!r}") from None
-    if not 0 <= i < n:
-        raise ValueError(f"--shard: need 0 <= I < N, got {text!r}")
-    return i, n
+    shard = (0, 1) if text is None else parse_ints(text, "--shard", "/")
+    if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"--shard: expected I/N with 0 <= I < N (e.g. 0/4), got {text!r}")
+    return shard
 
 
 def _row_key(row):
     return tuple(row[k] for k in ("batch", "context", "head_dim", "gqa", "page", "tq"))
 
 
-def merge_grids(results, order):
-    """One grid result from the JSON dicts of its shards, rows in ``order``. Refuses shards of different devices or
-    versions and a row measured twice; the header gives the shards' copy bandwidth range; a row one shard skipped
-    and another measured is not listed as skipped."""
-    if not results:
-        raise ValueError("merge: no grid results given")
-    keys = ("grid", "device", "jax", "triton", "torch", "heads", "head_dim", "first_n", "last_n")
-    diff = {k: [r.get(k) for r in results] for k in keys if len({str(r.get(k)) for r in results}) > 1}
-    if diff:
-        raise ValueError(f"merge: shards differ in {diff}; their rows are not side by side")
-    rows = [row for r in results for row in r["rows"]]
-    seen = {_row_key(row) for row in rows}
-    if len(seen) < len(rows):
-        raise ValueError("merge: a row appears in more than one shard")
-    rank = {tuple(o): i for i, o in enumerate(order)}
-    rows.sort(key=lambda row: rank.get(_row_key(row), len(rank)))
-    bws = [x["copy_bandwidth_tbs"] for x in results]
-    return dict({k: results[0].get(k) for k in keys}, date=min(x["date"] for x in results), shards=len(results),
-                copy_bandwidth_tbs=min(bws), copy_bandwidth_range_tbs=[min(bws), max(bws)], rows=rows,
-                skipped=[s for x in results for s in x.get("skipped", []) if tuple(s) not in seen])
-
-
-# --------------------------------------------------------------------------------------------- runs
 def _json_name(geometry: bool) -> str:
     return "decode_bench-geometry.json" if geometry else "decode_bench-grid.json"
 
 
 def merge_main(paths, out_dir, geometry: bool, order):
-    """``--merge A.json B.json ...``: one grid JSON and table from the shards of one grid run."""
-    merged = merge_grids([json.load(open(p)) for p in paths], order)
+    """``--merge A.json B.json ...``: one JSON and table from the shards of one grid run, rows in ``order``. Refuses
+    shards of different devices or versions and a row measured twice; gives the shards' copy bandwidth range."""
+    results = [json.load(open(p)) for p in paths]
+    keys = ("grid", "device", "jax", "triton", "torch", "heads", "head_dim", "first_n", "last_n")
+    diff = {k: [r.get(k) for r in results] for k in keys if len({str(r.get(k)) for r in results}) > 1}
+    rows = [row for r in results for row in r["rows"]]
+    seen = {_row_key(row) for row in rows}
+    if diff or len(seen) < len(rows):
+        raise ValueError(f"merge: shards differ in {diff} or a row appears twice: not one grid run")
+    rank = {tuple(o): i for i, o in enumerate(order)}
+    bws = [x["copy_bandwidth_tbs"] for x in results]
+    merged = dict({k: results[0].get(k) for k in keys}, date=min(x["date"] for x in results), shards=len(results),
+                  copy_bandwidth_tbs=min(bws), copy_bandwidth_range_tbs=[min(bws), max(bws)],
+                  rows=sorted(rows, key=lambda row: rank.get(_row_key(row), len(rank))),
+                  skipped=[s for x in results for s in x.get("skipped", []) if tuple(s) not in seen])
     path = write_json(out_dir, _json_name(geometry), merged)
     print(f"{merged['device']}, jax {merged['jax']}, triton {merged['triton']}, copy bandwidth "
           f"{merged['copy_bandwidth_range_tbs']} TB/s ({merged['shards']} shards)")
@@ -450,7 +406,7 @@ def run_grid(order, out_dir, opts: RunOptions):
     info = versions(torch)
     print(f"{info['device']}, jax {info['jax']}, triton {info['triton']}, torch {info['torch']}, copy bandwidth "
           f"{bw:.2f} TB/s ({bw_how})")
-    result = dict(grid="geometry" if opts.geometry else "speed", date=utc_now(), **info, copy_bandwidth_tbs=bw,
+    result = dict(grid="geometry" if opts.geometry else "speed", **info, copy_bandwidth_tbs=bw,
                   copy_bandwidth_how=bw_how, heads=opts.kv_heads, head_dim=None if opts.geometry else HEAD_DIM,
                   first_n=DECODE_GEOMETRY["first_n"], last_n=DECODE_GEOMETRY["last_n"], shard=opts.shard,
                   variants=[n for n, _ in opts.variants], rows=[], skipped=[])
@@ -466,7 +422,7 @@ def run_grid(order, out_dir, opts: RunOptions):
                 raise MemoryError(f"needs more than {MEM_GIB} GiB")
             row = measure(torch, bw, g, b, c, tq, opts)
         except Exception as e:
-            row = dict(batch=b, context=c, head_dim=d, gqa=gqa, page=page, tq=tq, error=_error(e))
+            row = dict(batch=b, context=c, head_dim=d, gqa=gqa, page=page, tq=tq, error=error_text(e, 160))
         result["rows"].append(row)
         print(_texts(opts.geometry, [row])[0].splitlines()[-1], f"({time.time() - t0:.0f}s)", flush=True)
         write_json(out_dir, _json_name(opts.geometry), result)
@@ -490,7 +446,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         i, n = parse_shard(args.shard)
-        order = (geometry_order(*(_ints(getattr(args, a), a) for a in ("head_dims", "groups", "pages", "tqs")))
+        order = (geometry_order(*(parse_ints(getattr(args, a), a) for a in ("head_dims", "groups", "pages", "tqs")))
                  if args.geometry_grid else grid_order(args.batches, args.contexts, args.geos))
         variants = tuple(parse_variant(v) for v in args.variants.split(",") if v.strip())
     except ValueError as e:

@@ -1,19 +1,14 @@
 """FlashInfer's paged decode over the staged cache, checked against ours, and timed beside our decode kernels.
 
 Per case (batch x context, KV / q heads, head_dim; page 16) and config (`KVCacheConfig.recommended()`, ``bf16``,
-``nvfp4``): a one-layer `interop.TorchKVCache` of random rows, whose ``stage(0, slots)`` / ``flashinfer_csr()`` give
-FlashInfer's HND pages ``[N, 2, H, page, D]`` and CSR. For queries ``q [B, Hq, D]`` (x 2: a softmax that is not
-flat) three answers are compared (output within ``2^-6 * max|ref|``, natural-log LSE within ``2^-6``): ours
-(``cache.decode_attention``), a float32 torch reference over exactly what FlashInfer reads (`csr_attention`, base-2
-LSE) and FlashInfer itself (CUDA: FA2, bf16 pages and e4m3 pages with per-tensor scales). The ``nvfp4`` pool is
-also handed over as stored (`interop.layouts.nvfp4_pages`, CSR from ``cache.flashinfer_page_table``) and checked
-against its exact float32 dequantization; ``--flashinfer-nvfp4`` runs FlashInfer's NVFP4 KV decode on it too.
-
-On a GPU the paths are timed (CUDA events, ms per call; GB/s and x the in-run copy floor of the bytes each format
-must read): FlashInfer bf16 / FP8 / NVFP4, ours end to end and jitted, the torch-native Triton kernel and ``stage``.
-FlashInfer is not on the GPU image: carry it as wheels (``bash bench/tools/pack_flashinfer.sh``). A failing import
-or JIT is recorded (``flashinfer.error``, ``*_error``) and not tried again. Writes ``DIR/flashinfer_bench.json``
-(and on a GPU a RESULTS section unless ``--no-md``). Exit 0: checks passed; 1: a check failed; 2: no FlashInfer.
+``nvfp4``): a one-layer `interop.TorchKVCache` of random rows, staged as FlashInfer's HND pages and CSR
+(``stage`` / ``flashinfer_csr``). Three answers to the same queries are compared (output within ``2^-6 *
+max|ref|``, LSE within ``2^-6``): ours (``cache.decode_attention``), a float32 reference over exactly what
+FlashInfer reads (`csr_attention`, base-2 LSE) and FlashInfer's FA2 over bf16 pages and e4m3 pages (per-tensor
+scales). On a GPU all are timed (ms per call, GB/s and x the in-run copy floor), with ours jitted, the torch-native
+Triton kernel and ``stage``. FlashInfer travels as wheels (``bash bench/tools/pack_flashinfer.sh``); a failing
+import or JIT is recorded and not tried again. Writes ``DIR/flashinfer_bench.json`` (GPU: + a RESULTS section unless
+``--no-md``). Exit 0: checks passed; 1: a check failed; 2: no FlashInfer.
 
     PYTHONPATH=. python3 bench/flashinfer_bench.py --out DIR [--cases 16x32768:8/32/128]
 """
@@ -29,20 +24,18 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
+from common import (append_results, bench_parser, copy_bandwidth, kv_bytes, md_table, parse_ints,  # noqa: E402
+                    time_jax, time_torch, torch_cuda, versions, write_json)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from interop import TorchKVCache, lse_from_base2, lse_to_base2  # noqa: E402
-from interop import layouts  # noqa: E402
 from interop.dlpack import from_torch  # noqa: E402
-from interop.torch_nvfp4 import dequantize  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
 from jmixedkv.decode import decode_attention as jax_decode_attention  # noqa: E402
-from common import (append_results, bench_parser, copy_bandwidth, kv_bytes, md_table, results_section,  # noqa: E402
-                    time_jax, time_torch, torch_cuda, utc_now, versions, write_json)
 
 #: (batch, context, KV heads, q heads, head_dim): 16 x 32k and 64 x 8k at Llama-3-8B's and SmolLM2's heads
 CASES = ((16, 32768, 8, 32, 128), (64, 8192, 8, 32, 128), (16, 32768, 3, 9, 64), (64, 8192, 3, 9, 64))
@@ -54,8 +47,7 @@ NEEDS_CUDA = "needs CUDA"
 
 
 def configs():
-    """name -> `KVCacheConfig` of every cache the bench builds (page `PAGE`): the recommended mixed cache, plain
-    bf16, and plain NVFP4 (no lever: its pool is FlashInfer's paged NVFP4 KV as stored)."""
+    """name -> `KVCacheConfig` of every cache the bench builds (page `PAGE`): recommended, plain bf16, plain NVFP4."""
     return {"recommended": KVCacheConfig.recommended(page_size=PAGE), "bf16": KVCacheConfig("bf16", page_size=PAGE),
             "nvfp4": KVCacheConfig("nvfp4", page_size=PAGE)}
 
@@ -64,15 +56,12 @@ def parse_cases(text):
     """``"16x32768:8/32/128,..."`` -> ((batch, context, KV heads, q heads, head_dim), ...), each value checked."""
     out = []
     for item in text.split(","):
-        try:
-            bc, heads = item.split(":")
-            b, c = (int(x) for x in bc.split("x"))
-            h, hq, d = (int(x) for x in heads.split("/"))
-        except ValueError:
-            raise ValueError(f"--cases: {item!r} is not BATCHxCONTEXT:KV/Q/HEAD_DIM (e.g. 16x32768:8/32/128)")
-        if min(b, c, h, hq, d) < 1 or hq % h:
-            raise ValueError(f"--cases: {item!r} needs positive values and q heads a multiple of KV heads")
-        out.append((b, c, h, hq, d))
+        bc, _, heads = item.partition(":")
+        case = parse_ints(bc, "--cases BATCHxCONTEXT", "x") + parse_ints(heads, "--cases KV/Q/HEAD_DIM", "/")
+        if len(case) != 5 or min(case) < 1 or case[3] % case[2]:
+            raise ValueError(f"--cases: {item!r} is not BATCHxCONTEXT:KV/Q/HEAD_DIM (e.g. 16x32768:8/32/128) of "
+                             "positive values, q heads a multiple of KV heads")
+        out.append(case)
     return tuple(out)
 
 
@@ -147,13 +136,6 @@ def fp8_pages(pages):
     return out, scales[0], scales[1]
 
 
-def nvfp4_dense(nv):
-    """Float32 HND pages ``[P, 2, H, page, D]`` of `interop.layouts.NVFP4Pages` ``nv``, dequantized exactly
-    (`interop.torch_nvfp4.dequantize`: ``(e2m1 * f32(block scale)) * k_scale`` / ``v_scale``)."""
-    return torch.stack([dequantize(nv.k_data, nv.k_scales, nv.k_scale), dequantize(nv.v_data, nv.v_scales, nv.v_scale)],
-                       dim=1)
-
-
 # ------------------------------------------------------------------------------------------------ FlashInfer
 def jit_environment():
     """Point FlashInfer's JIT link at the CUDA libraries: ``CUDA_HOME`` (else taken from ``which nvcc``, wrong for
@@ -195,34 +177,30 @@ def load_flashinfer(cuda: bool):
 
 
 def flashinfer_decoder(fi, csr, hq, h, d, kv_dtype, q_dtype=torch.bfloat16):
-    """A planned ``BatchDecodeWithPagedKVCacheWrapper`` (HND, FA2: the JIT decode kernel; NVFP4 KV, ``kv_dtype``
-    uint8, takes FA2's tensor-core path, its prefill kernels) for the CSR."""
+    """A planned ``BatchDecodeWithPagedKVCacheWrapper`` (HND, FA2: the JIT decode kernel) for the CSR."""
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=csr[0].device)
-    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", backend="fa2", use_tensor_cores=kv_dtype == torch.uint8)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", backend="fa2")
     wrapper.plan(*csr, hq, h, d, PAGE, q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype,
                  sm_scale=d ** -0.5)
     return wrapper
 
 
-def run_flashinfer(fi, name, csr, q, pages, h, scales, ref, ours, timing, ours_checked=None, **run_kw):
-    """Plan / run FlashInfer on ``pages`` (a 5-D HND tensor or a ``(k, v)`` pair; ``scales``: ``(k_scale,
-    v_scale)`` of FP8 / NVFP4 pages or None; ``run_kw``: more ``run`` arguments, e.g. ``kv_cache_sf``); check its
-    output and LSE (base 2 -> natural log) against ``ref`` (the CSR reference over the same pages) and against
-    ``ours`` (checked by default for unscaled pages; for FP8 pages, whose rounding is coarser than the tolerance,
-    the error is recorded only); time it when ``timing``. Returns the row's fields (``{name}_error`` on failure)."""
+def run_flashinfer(fi, name, csr, q, pages, h, scales, ref, ours, timing):
+    """Plan / run FlashInfer on HND ``pages`` (``scales``: ``(k_scale, v_scale)`` of FP8 pages or None); check its
+    output and LSE (base 2 -> natural log) against ``ref`` (the CSR reference over the same pages) and ``ours``
+    (recorded only for FP8 pages, whose rounding is coarser than the tolerance); time it when ``timing``. Returns
+    the row's fields (``{name}_error`` on failure)."""
     b, hq, d = q.shape
-    kw = dict(run_kw) if scales is None else dict(run_kw, k_scale=scales[0], v_scale=scales[1])
-    ours_checked = scales is None if ours_checked is None else ours_checked
-    kv_dtype = pages[0].dtype if isinstance(pages, tuple) else pages.dtype
+    kw = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
     try:
-        wrapper = flashinfer_decoder(fi, csr, hq, h, d, kv_dtype)
+        wrapper = flashinfer_decoder(fi, csr, hq, h, d, pages.dtype)
         out, lse2 = wrapper.run(q, pages, return_lse=True, **kw)
         torch.cuda.synchronize()
     except Exception as e:
         traceback.print_exc()
         return {f"{name}_error": error_text(e)}
     row = {f"{name}_vs_reference": compare(out, lse_from_base2(lse2), *ref),
-           f"{name}_vs_ours": compare(out, lse_from_base2(lse2), *ours, checked=ours_checked)}
+           f"{name}_vs_ours": compare(out, lse_from_base2(lse2), *ours, checked=scales is None)}
     if timing:
         row[f"{name}_ms"] = time_torch(torch, lambda: wrapper.run(q, pages, return_lse=True, **kw))
     return row
@@ -240,11 +218,10 @@ def time_ours(cache, q, slots):
 
 
 # ------------------------------------------------------------------------------------------------ one case
-def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
-    """Every config of one case: ours vs the CSR reference, FlashInfer (``fi`` not None) bf16 and FP8 vs both,
-    (``timing``) the times, and for the NVFP4 config the pool export (`nvfp4_pool`). Returns the case's row.
-    ``skip``: the FlashInfer paths (``"flashinfer_bf16"`` / ``"_fp8"`` / ``"_nvfp4"``) that failed earlier (not
-    tried again: a failing JIT build takes minutes); a path that fails here is added to it."""
+def run_case(case, fi, device, timing, skip=None):
+    """Every config of one case: ours vs the CSR reference, FlashInfer (``fi`` not None) bf16 and FP8 vs both and
+    (``timing``) the times. ``skip``: the FlashInfer paths that failed earlier (not tried again: a failing JIT build
+    takes minutes); a path that fails here is added to it."""
     skip = set() if skip is None else skip
     batch, context, h, hq, d = case
     row = dict(batch=batch, context=context, kv_heads=h, q_heads=hq, head_dim=d, page=PAGE, configs={})
@@ -267,9 +244,6 @@ def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
             got.update(run_flashinfer(fi, "flashinfer_fp8", csr, q, p8, h, (ks, vs),
                                       (ref8[0], lse_from_base2(ref8[1])), (out, lse), timing))
             del p8
-        if name == "nvfp4":
-            got.update(nvfp4_pool(cache, cfg, q, slots, (out, lse), fi if fi_nvfp4 and "flashinfer_nvfp4" not in skip
-                                  else None, timing))
         skip.update(k[:-len("_error")] for k in got if k.endswith("_error"))
         if timing:
             got["ours_e2e_ms"], got["ours_jit_ms"] = time_ours(cache, q, slots)
@@ -279,25 +253,9 @@ def run_case(case, fi, device, timing, skip=None, fi_nvfp4=False):
                 got["triton_ms"] = bench_paged_attention(batch, context, h, hq // h, d, PAGE, fmt="mixed_bf16",
                                                          first_n=cfg.first_n, last_n=cfg.last_n)["ms"]
         row["configs"][name] = got
-        del cache, staged, csr
+        cache = staged = csr = None
         jax.clear_caches()
     return row
-
-
-def nvfp4_pool(cache, cfg, q, slots, ours, fi, timing):
-    """The NVFP4 pool as FlashInfer's paged NVFP4 KV (`interop.layouts.nvfp4_pages`, CSR from
-    ``cache.flashinfer_page_table``: history only, here the whole cache): ours against the float32 CSR reference
-    over the exactly dequantized pool, and FlashInfer's NVFP4 decode (``fi`` not None) against both."""
-    d, h = q.shape[2], cache.groups[0].num_kv_heads
-    nv = layouts.nvfp4_pages(cache.state.pools[0].low, 0, "HND", config=cfg)
-    csr = cache.flashinfer_page_table(slots)
-    ref_out, ref_lse2 = csr_attention(q, nvfp4_dense(nv), csr, d ** -0.5)
-    ref = (ref_out, lse_from_base2(ref_lse2))
-    got = dict(ours_vs_pool_reference=compare(*ours, *ref))
-    if fi is not None:
-        got.update(run_flashinfer(fi, "flashinfer_nvfp4", csr, q, (nv.k_data, nv.v_data), h, (nv.k_scale, nv.v_scale),
-                                  ref, ours, timing, ours_checked=True, kv_cache_sf=(nv.k_scales, nv.v_scales)))
-    return got
 
 
 def checks_failed(rows):
@@ -325,8 +283,6 @@ def timing_rows(rows, copy_tbs):
         rec, plain, nv = (r["configs"].get(n, {}) for n in ("recommended", "bf16", "nvfp4"))
         items = [("FlashInfer FA2, bf16 KV (staged pages)", rec.get("flashinfer_bf16_ms"), "bf16", None),
                  ("FlashInfer FA2, FP8 KV (per-tensor scales)", rec.get("flashinfer_fp8_ms"), "fp8", None),
-                 ("FlashInfer FA2 tensor cores, NVFP4 KV (nvfp4 pool)", nv.get("flashinfer_nvfp4_ms"), "nvfp4",
-                  "nvfp4"),
                  ("jmixedkv fused, recommended, jitted", rec.get("ours_jit_ms"), "nvfp4", "recommended"),
                  ("jmixedkv fused, recommended, TorchKVCache", rec.get("ours_e2e_ms"), "nvfp4", "recommended"),
                  ("Triton torch-native, mixed_bf16", rec.get("triton_ms"), "nvfp4", "recommended"),
@@ -359,7 +315,6 @@ def tables(rows, copy_tbs):
 def main(argv=None):
     ap = bench_parser(__doc__)
     ap.add_argument("--cases", default=None, help="BATCHxCONTEXT:KV/Q/HEAD_DIM,... (default: every case)")
-    ap.add_argument("--flashinfer-nvfp4", action="store_true", help="FlashInfer's NVFP4 KV decode too (slow JIT)")
     args = ap.parse_args(argv)
     cuda = torch_cuda() is not None and jax.default_backend() == "gpu"
     if not cuda and not args.smoke:
@@ -371,11 +326,11 @@ def main(argv=None):
     fi, fi_status = load_flashinfer(cuda)
     print(f"flashinfer: {fi_status}")
     copy_tbs, how = copy_bandwidth(False) if timing else (1.0, "not measured (no timing)")
-    meta = dict(versions(torch), date=utc_now(), copy_tbs=copy_tbs, copy_how=how, page=PAGE)
+    meta = dict(versions(torch), copy_tbs=copy_tbs, copy_how=how, page=PAGE)
     skip, rows = set(), []
     for case in cases:                      # the JSON is rewritten after every case: a cut run keeps what it measured
         t0 = time.perf_counter()
-        rows.append(run_case(case, fi, device, timing, skip, args.flashinfer_nvfp4))
+        rows.append(run_case(case, fi, device, timing, skip))
         errors = flashinfer_errors(rows)
         if errors:
             fi_status = dict(fi_status, status="failed", run_errors=errors)
@@ -387,10 +342,9 @@ def main(argv=None):
     t_md, c_md = tables(rows, copy_tbs)
     print(f"{t_md}\n{c_md}\nflashinfer: {fi_status}\nchecks failed: {'; '.join(failed) or 'none'}")
     if timing and not args.no_md:
-        append_results(results_section(
-            "FlashInfer decode on the staged cache beside ours", meta,
-            f"flashinfer {fi_status.get('version', fi_status['status'])}; copy {copy_tbs:.2f} TB/s ({how}). "
-            f"`bench/flashinfer_bench.py`; one layer, page {PAGE}; ms per call.\n\n{t_md}\n\n{c_md}"))
+        append_results("FlashInfer decode on the staged cache beside ours", meta,
+                       f"flashinfer {fi_status.get('version', fi_status['status'])}; copy {copy_tbs:.2f} TB/s ({how}). "
+                       f"`bench/flashinfer_bench.py`; one layer, page {PAGE}; ms per call.\n\n{t_md}\n\n{c_md}")
     if failed:
         return 1
     return 2 if fi_status["status"] not in ("imported", NEEDS_CUDA) or (cuda and fi is None) else 0

@@ -1,15 +1,12 @@
 """transformers ``generate()`` through the cache, every format and decode mode (`JMixedKVCache` ``"stage"`` /
-``"fused"``, the compileable `JMixedStaticCache` ``"static"``), beside DynamicCache (eager) and StaticCache
-(compiled), in one run; then TorchKVCache's per-call overhead. ``--profile-prefill DIR`` instead: where the first
-step (prefill + one token) of each cache spends its time (`profile_prefill`).
-
-Per cache: ms per generated token, ms per decode step (a 1-token run subtracted), tokens/s, token agreement with
-DynamicCache, and the bridge's cost per layer, (decode step - the reference's) / layers. Models: `shapes.HF_MODELS`
-with random bf16 weights built on the device (speed does not depend on the weights).
+``"fused"``, `JMixedStaticCache` ``"static"``), beside DynamicCache (eager) and StaticCache (compiled); per cache:
+ms per token, ms per decode step (a 1-token run subtracted), tokens/s, token agreement with DynamicCache and the
+bridge's cost per layer. Models: `shapes.HF_MODELS`, random bf16 weights. ``--profile-prefill DIR`` instead: where
+the first step (prefill + one token) of each cache spends its time (`profile_prefill`).
 
     python bench/hf_bench.py --model smollm2-shape --batch 4 --prompt 512 --new 32
     python bench/hf_bench.py --model llama3-8b-shape --batch 16 --prompt 8192 --new 16 \
-        --caches "DynamicCache;StaticCache;jmixedkv mixed(4,64) (fused)" --skip-overhead
+        --caches "DynamicCache;StaticCache;jmixedkv mixed(4,64) (fused)"
     python bench/hf_bench.py --profile-prefill DIR --batch 4 --prompt 512   # StaticCache beside static mixed
     python bench/hf_bench.py --smoke --out /tmp/hf.json    # CPU: a 2-layer model, 3 tokens
 """
@@ -23,20 +20,18 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")      # torch and JAX share the GPU
 
-import numpy as np
-import torch
-import transformers
-from transformers import DynamicCache, StaticCache
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import DynamicCache, StaticCache  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import bench_parser, error_text, versions, write_json  # noqa: E402
+from shapes import HF_MODELS  # noqa: E402
+
 import jax  # noqa: E402
 
 from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache  # noqa: E402
 from interop.hf_static import JMixedStaticCache  # noqa: E402
-from interop.torch_cache import TorchKVCache  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
-from common import bench_parser, versions, write_json  # noqa: E402
-from shapes import HF_MODELS  # noqa: E402
 
 #: every jmixedkv cache the bench can run: name -> KVCacheConfig kwargs (None: `KVCacheConfig.recommended`), in
 #: every decode mode
@@ -133,7 +128,7 @@ def bench_generate(model, args, device):
         try:
             t, t1, out = time_generate(model, ids, make, args.new, device, args.reps)
         except Exception as e:                                   # noqa: BLE001 -- reported in the table
-            rows.append(dict(cache=name, error=f"{type(e).__name__}: {e}"[:300]))
+            rows.append(dict(cache=name, error=error_text(e)))
             print(f"{name:30s} FAILED {rows[-1]['error']}", flush=True)
             continue
         step_ms = 1e3 * (t - t1) / (args.new - 1)               # decode steps only (prefill subtracted)
@@ -156,39 +151,6 @@ def bench_generate(model, args, device):
               f"{row['tokens_per_s']:9.1f} tok/s agree {agree:.3f} {extra}", flush=True)
     model.set_attn_implementation("sdpa")
     return rows
-
-
-def bench_overhead(args, device):
-    """Median wall ms per call of TorchKVCache's per-layer / per-step calls (``sync="stream", validate=False``; one
-    decode token per sequence over a 512-token history)."""
-    kv = KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=16, max_draft_len=4)
-    L, H, D, B, ctx = 30, 3, 64, args.batch, 512
-    c = TorchKVCache(kv, L, H, D, num_pages=B * (ctx // 16 + 8), max_seqs=B, max_pages_per_seq=ctx // 16 + 8,
-                     device=device, backend=args.backend, sync="stream", validate=False)
-    slots = torch.tensor([c.admit() for _ in range(B)], dtype=torch.int32)
-    kk = torch.randn(L, B * ctx, H, D, dtype=torch.bfloat16, device=device)
-    c.append(None, kk, kk, slots.repeat_interleave(ctx), torch.arange(ctx, dtype=torch.int32).repeat(B))
-    step = torch.randn(B, H, D, dtype=torch.bfloat16, device=device)
-    at = torch.full((B,), ctx, dtype=torch.int32)       # every call rewrites position ctx (legal: p0 <= kv_len)
-    step4 = step[:, :, None, :].contiguous()            # [B, H, 1, D]: transformers' layout
-    q4 = torch.randn(B, 3 * H, 1, D, dtype=torch.bfloat16, device=device)
-    plan = c.plan_step(slots, at, slots)
-    calls = {"append (1 layer)": lambda: c.append(0, step, step, slots, at),
-             "stage (1 layer)": lambda: c.stage(0, slots), "stage (all layers)": lambda: c.stage(None, slots),
-             "plan_step (once per step)": lambda: c.plan_step(slots, at, slots),
-             "step_attend (1 layer)": lambda: c.step_attend(0, step4, step4, q4, plan)}
-    out = []
-    for what, call in calls.items():
-        times = []
-        for _ in range(args.calls + 3):
-            _sync(device)
-            t0 = time.perf_counter()
-            call()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        out.append(dict(policy='sync="stream", validate=False', call=what, ms=float(np.median(times[3:])) * 1e3))
-        print(f"{what:28s} {out[-1]['ms']:8.3f} ms/call", flush=True)
-    return out
 
 
 def first_step_ms(model, ids, make, device, reps, reuse):
@@ -279,10 +241,9 @@ def main(argv=None):
     p.add_argument("--model", default="smollm2-shape", choices=sorted(HF_MODELS))
     p.add_argument("--caches", default=None, help="'all' or names separated by ';' (see the table; default all)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (a quick CPU run)")
-    for flag, default in (("--batch", 4), ("--prompt", 512), ("--new", None), ("--reps", None), ("--calls", 20)):
+    for flag, default in (("--batch", 4), ("--prompt", 512), ("--new", None), ("--reps", None)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--backend", default="auto")
-    p.add_argument("--skip-overhead", action="store_true", help="no per-call overhead table")
     p.add_argument("--profile-prefill", metavar="DIR", default=None, help="profile the first step instead (defaults "
                    f"{PROFILE_DEFAULTS}); its tables go to DIR")
     args = p.parse_args(argv)
@@ -290,7 +251,7 @@ def main(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.smoke:      # 2 layers, batch 1, 16-token prompt, 3 new tokens, the mixed cache fused, recommended static
-        args.layers, args.batch, args.prompt, args.new, args.skip_overhead = 2, 1, 16, 3, True
+        args.layers, args.batch, args.prompt, args.new = 2, 1, 16, 3
         args.caches = "jmixedkv mixed(4,64) (fused);jmixedkv recommended (static)"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, desc = load_model(args.model, device, args.layers)
@@ -300,8 +261,6 @@ def main(argv=None):
                batch=args.batch, prompt=args.prompt, new=args.new, backend=args.backend)
     print(json.dumps(env), flush=True)
     result = dict(env=env, generate=bench_generate(model, args, device))
-    if not args.skip_overhead:
-        result["overhead"] = bench_overhead(args, device)
     print("wrote", write_json(os.path.dirname(args.out) or ".", os.path.basename(args.out), result))
     return 0 if all("error" not in r for r in result["generate"]) else 1
 

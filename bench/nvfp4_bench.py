@@ -1,43 +1,26 @@
-"""NVFP4 quantize / dequantize kernels (`pallas_kernels.nvfp4`) on the GPU: bit-exactness first, then bandwidth
-against a device copy.
+"""NVFP4 quantize / dequantize kernels (`pallas_kernels.nvfp4`) at their default tilings: bit-exactness first
+(quantize at D 64 / 128 / 256 / 576, scalar and per-row gs, both block scales, against the XLA reference on the GPU
+and the pinned one on the host CPU; dequantize against the GPU reference), then time on ``bf16[rows, 128]``
+(`shapes.NVFP4_ROWS`, 1 GiB) beside the device copy and the XLA references (bytes = read + written).
 
-    PYTHONPATH=. python3 bench/nvfp4_bench.py [--quick] --out DIR   # H200 (--quick: the default tilings only)
-    PYTHONPATH=. python3 bench/nvfp4_bench.py --smoke               # CPU: 64 x 128 in interpret mode, bit for bit
-
-1. The library kernels (default tiling) bit for bit against the XLA reference on the GPU and the pinned reference
-   on the host CPU: quantize at D 64 / 128 / 256 / 576, scalar and per-row gs, 4099 rows, both block scales;
-   dequantize against the GPU reference.
-2. Timing on ``bf16[rows, 128]`` (`shapes.NVFP4_ROWS`, 1 GiB; `common.time_jax`): the device copy, the XLA
-   reference codec, the kernels at their defaults and over the tilings below (each quantize tiling checked
-   bit-exact on the timed input). Bytes = read + written; "of copy" = bytes/s over the copy's.
-Writes ``DIR/nvfp4_bench.json``; appends a section to bench/RESULTS.md unless ``--no-md``.
+    PYTHONPATH=. python3 bench/nvfp4_bench.py --out DIR   # GPU; appends a RESULTS section unless --no-md
+    PYTHONPATH=. python3 bench/nvfp4_bench.py --smoke     # CPU: 64 x 128 in interpret mode, bit for bit
 """
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jmixedkv import nvfp4  # noqa: E402
-from pallas_kernels import nvfp4 as K  # noqa: E402
-from common import (append_results, bench_parser, copy_bandwidth, md_table, no_gpu, results_section,  # noqa: E402
-                    time_jax, utc_now, versions, write_json)
-from shapes import NVFP4_ROWS  # noqa: E402
+from common import (append_results, bench_parser, copy_bandwidth, md_table, no_gpu, time_jax, versions,
+                    write_json)
+from shapes import NVFP4_ROWS
 
-#: (block_rows, sub_rows, num_warps, num_stages) tilings timed besides the defaults
-QUANT_TILINGS = [(32, 16, 4, 1), (64, 16, 4, 2), (16, 16, 2, 1), (32, 32, 4, 1), (32, 32, 2, 1), (32, 32, 8, 1),
-                 (128, 32, 4, 2), (256, 32, 4, 2), (512, 32, 4, 2), (64, 32, 4, 1), (64, 64, 8, 1), (128, 64, 8, 2)]
-DEQUANT_TILINGS = [(32, 32, 4, 1), (64, 64, 8, 1), (128, 128, 8, 1), (256, 32, 4, 2), (512, 32, 4, 2),
-                   (512, 64, 8, 2), (1024, 64, 8, 2), (1024, 32, 4, 3)]
-
-
-def tiling(t):
-    return dict(block_rows=t[0], sub_rows=t[1], num_warps=t[2], num_stages=t[3])
+from jmixedkv import nvfp4
+from pallas_kernels import nvfp4 as K
 
 
 def make_input(rows, d, seed):
@@ -82,7 +65,7 @@ def bit_exact_checks():
     return out
 
 
-def timings(rows, quick):
+def timings(rows):
     """Rows ``{kind, name, ms, bytes, tbs[, exact]}`` of the copy, the XLA references and the kernels."""
     x = jax.random.normal(jax.random.key(0), (rows, 128), jnp.bfloat16)
     gs = nvfp4.global_scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32))
@@ -99,35 +82,30 @@ def timings(rows, quick):
 
     timed("reference", "XLA quantize_reference", jax.jit(nvfp4.quantize_reference), (x, gs), q_bytes)
     timed("reference", "XLA dequantize_reference", jax.jit(nvfp4.dequantize_reference), want + (gs,), dq_bytes)
-    quant = [("defaults", K.QUANT_DEFAULTS, "max6"), ("defaults, 4over6", K.QUANT_DEFAULTS, "4over6")]
-    quant += [] if quick else [("br={} sub={} warps={} stages={}".format(*t), tiling(t), "max6") for t in QUANT_TILINGS]
-    for name, kw, block_scale in quant:
-        fn = jax.jit(functools.partial(K.quantize, block_scale=block_scale, **kw))
+    for name, block_scale in (("defaults", "max6"), ("defaults, 4over6", "4over6")):
+        fn = jax.jit(functools.partial(K.quantize, block_scale=block_scale, **K.QUANT_DEFAULTS))
         exact = {} if block_scale != "max6" else dict(exact=mismatch(fn(x, gs), want) == 0)
         timed("quantize", name, fn, (x, gs), q_bytes, **exact)
-    dequant = [("defaults", K.DEQUANT_DEFAULTS)]
-    dequant += [] if quick else [("br={} sub={} warps={} stages={}".format(*t), tiling(t)) for t in DEQUANT_TILINGS]
-    for name, kw in dequant:
-        timed("dequantize", name, jax.jit(functools.partial(K.dequantize, **kw)), (packed, scales, gs), dq_bytes)
+    timed("dequantize", "defaults", jax.jit(functools.partial(K.dequantize, **K.DEQUANT_DEFAULTS)),
+          (packed, scales, gs), dq_bytes)
     return out
 
 
 def markdown(res):
     bad = [c for c in res["bit_exact"] if c["vs_gpu_reference"] or c["vs_cpu_reference"] or c["dequantize"]]
     copy = res["timings"][0]
-    return results_section("NVFP4 quantize / dequantize kernels (`bench/nvfp4_bench.py`)", res, (
+    return (
         f"bf16[{res['rows']}, 128]; bytes = read + written; of copy = against the {copy['name']} copy, "
         f"{copy['tbs']:.2f} TB/s. Bit-exact (D 64 / 128 / 256 / 576, scalar and per-row gs, max6 and 4over6, vs the "
         "GPU and CPU references): " + ("**all OK**" if not bad else f"**{len(bad)} cases differ** (see the JSON)")
         + "\n\n" + md_table(("kind", "tiling", "ms", "TB/s", "of copy", "bit-exact on the timed input"),
                              [(r["kind"], r["name"], f"{r['ms']:.3f}", f"{r['tbs']:.2f}",
-                               f"{r['tbs'] / copy['tbs']:.1%}", r.get("exact", "-")) for r in res["timings"][1:]])))
+                               f"{r['tbs'] / copy['tbs']:.1%}", r.get("exact", "-")) for r in res["timings"][1:]]))
 
 
 def main(argv=None):
     ap = bench_parser(__doc__)
     ap.add_argument("--rows", type=int, default=NVFP4_ROWS, help="rows of the timed bf16[rows, 128]")
-    ap.add_argument("--quick", action="store_true", help="the default tilings only")
     args = ap.parse_args(argv)
     if args.smoke:
         x, gs = make_input(64, 128, 0), jnp.float32(1.0)
@@ -138,12 +116,12 @@ def main(argv=None):
         return 0 if not any(bad.values()) else 1
     if no_gpu("nvfp4_bench", False):
         return 0
-    res = dict(versions(), date=utc_now(), rows=args.rows, bit_exact=bit_exact_checks())
-    res["timings"] = timings(args.rows, args.quick)
+    res = dict(versions(), rows=args.rows, bit_exact=bit_exact_checks())
+    res["timings"] = timings(args.rows)
     print(markdown(res))
     print("wrote", write_json(args.out, "nvfp4_bench.json", res))
     if not args.no_md:
-        append_results(markdown(res))
+        append_results("NVFP4 quantize / dequantize kernels (`bench/nvfp4_bench.py`)", res, markdown(res))
     return 0
 
 

@@ -3,31 +3,27 @@
     PYTHONPATH=. python3 bench/prefix_bench.py --out DIR            # GPU (`shapes.PREFIX`; e.g. --requests 64)
     PYTHONPATH=. python3 bench/prefix_bench.py --smoke --out DIR    # CPU: `shapes.PREFIX_SMOKE`
 
-``requests`` prompts = one shared ``prompt``-token system prompt + a unique ``suffix``-token tail. Request 0 is
-prefilled and committed; the others are admitted in batches of ``batch`` live sequences. Without reuse every
-request appends its whole prompt; with reuse only what `PrefixCache.admit` did not match. Reports pages saved, hit
-rate and the prefill-append time of both (append only, and with admit / match / commit), after checking that
-reused sequences read bit-exactly what the others read. Writes ``DIR/prefix_bench.json`` (and on a GPU a RESULTS
-section unless ``--no-md``).
+Every prompt = one shared system prompt + a unique tail; request 0 is prefilled and committed, the others admitted
+in batches. Reports pages saved, hit rate and the prefill-append time with and without reuse, after checking that
+reused sequences read bit-exactly what the others read. Writes ``DIR/prefix_bench.json`` (GPU: + a RESULTS section
+unless ``--no-md``).
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
+
+from common import append_results, bench_parser, copy_bandwidth, md_table, no_gpu, versions, write_json
+from shapes import PREFIX, PREFIX_SMOKE
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jmixedkv import GroupSpec, KVCacheConfig, init_state, rows_reference  # noqa: E402
-from jmixedkv.compat import on_gpu  # noqa: E402
-from jmixedkv.prefix import PrefixCache  # noqa: E402
-from common import (append_results, bench_parser, copy_bandwidth, md_table, no_gpu, results_section,  # noqa: E402
-                    utc_now, versions, write_json)
-from shapes import PREFIX, PREFIX_SMOKE  # noqa: E402
+from jmixedkv import GroupSpec, KVCacheConfig, init_state, rows_reference
+from jmixedkv.compat import on_gpu
+from jmixedkv.prefix import PrefixCache
 
 
 def make_kv(s):
@@ -142,7 +138,7 @@ def main(argv=None):
                          total_ms=1e3 * total_s, floor_ms=appended * per_token / copy_tbs / 1e9))
     stats = runs["reuse"][0].stats()
     nr, ru = rows
-    sm = dict(versions(), date=utc_now(), shape=s, backend=backend, copy_tbs=copy_tbs, hit_rate=stats["hit_rate"],
+    sm = dict(versions(), shape=s, backend=backend, copy_tbs=copy_tbs, hit_rate=stats["hit_rate"],
               pages_saved_matched=stats["pages_saved"], low_pages_saved=nr["low_pages_used"] - ru["low_pages_used"],
               append_speedup=nr["append_ms"] / ru["append_ms"], total_speedup=nr["total_ms"] / ru["total_ms"],
               rows=rows)
@@ -150,7 +146,7 @@ def main(argv=None):
     print(text)
     write_json(args.out, "prefix_bench.json", sm)
     if on_gpu() and not args.no_md:
-        append_results(results_section("prefix reuse (`bench/prefix_bench.py`)", sm, text))
+        append_results("prefix reuse (`bench/prefix_bench.py`)", sm, text)
     return 0
 
 

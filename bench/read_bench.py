@@ -1,30 +1,27 @@
-"""Read paths on the H200: `stage` (staging copy) and `gather_rows` (sparse top-k gather + overlay), the Pallas
-kernels against the XLA reference path and the copy bandwidth measured in the same run.
+"""Read paths on the GPU: `stage` (staging copy) and `gather_rows` (sparse top-k gather + overlay), the Pallas
+kernels against the XLA reference path, each checked bit for bit first (`shapes.READ`, one layer of random bytes).
 
     PYTHONPATH=. python3 bench/read_bench.py --out DIR            # GPU
     PYTHONPATH=. python3 bench/read_bench.py --smoke --out DIR    # CPU: tiny shapes in interpret mode
 
-Cases (`shapes.READ`, one layer of random bytes, `common.random_mixed_state`): stage of 16 x 32k tokens; top-k 2048
-gather over 16 x 128k-token histories (MLA latent and 8 x 128 heads; bf16 and FP8 scratch). Each is checked Pallas
-== reference bit for bit first. Bytes = low bytes read + retained twin rows read + output written; ms = median of
-blocked calls. Writes ``DIR/read_bench.json`` and (GPU, unless ``--no-md``) a section of bench/RESULTS.md.
+Bytes = low bytes + retained twin rows read + output written; ms = median of blocked calls. Writes
+``DIR/read_bench.json`` and (GPU, unless ``--no-md``) a section of bench/RESULTS.md.
 """
 from __future__ import annotations
 
-import os
 import sys
+
+from common import (append_results, bench_parser, bits_equal, copy_bandwidth, md_table, no_gpu, random_mixed_state,
+                    time_each, versions, write_json)
+from shapes import READ, READ_SMOKE
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jmixedkv import gather, staging  # noqa: E402
-from jmixedkv.config import KVCacheConfig  # noqa: E402
-from jmixedkv.state import GroupSpec  # noqa: E402
-from common import (append_results, bench_parser, bits_equal, copy_bandwidth, md_table, no_gpu,  # noqa: E402
-                    random_mixed_state, results_section, time_each, utc_now, versions, write_json)
-from shapes import READ, READ_SMOKE  # noqa: E402
+from jmixedkv import gather, staging
+from jmixedkv.config import KVCacheConfig
+from jmixedkv.state import GroupSpec
 
 
 def topk_indices(batch, tokens, k, first_n, last_n, seed=0):
@@ -102,13 +99,13 @@ def main(argv=None):
                                 shape["gather_tokens"], shape["topk"], shape["scratch"], iters)
         jax.clear_caches()
     md = table(results, copy_tbs)
-    meta = dict(versions(), date=utc_now(), copy_tbs=copy_tbs, copy_how=how)
+    meta = dict(versions(), copy_tbs=copy_tbs, copy_how=how)
     print(md)
     write_json(args.out, "read_bench.json", dict(meta=meta, results=results))
     if not args.smoke and not args.no_md:
-        append_results(results_section("read paths (stage, gather_rows)", meta, (
+        append_results("read paths (stage, gather_rows)", meta, (
             f"copy {copy_tbs:.2f} TB/s ({how}). `bench/read_bench.py`; one layer; first_n 64, last_n 256, page 32; "
-            f"bytes = NVFP4 read + twin rows read + scratch/pages written.\n\n{md}")))
+            f"bytes = NVFP4 read + twin rows read + scratch/pages written.\n\n{md}"))
     return 0 if all(r["bitexact"] for r in results) else 1
 
 

@@ -3,46 +3,29 @@
     PYTHONPATH=. python3 bench/serve_bench.py --out DIR            # GPU: Llama-3-8B shape, 40 GiB KV, 8k-32k prompts
     PYTHONPATH=. python3 bench/serve_bench.py --smoke --out DIR    # CPU: the tiny model, a few requests
 
-The same requests (lengths from `jmixedkv_demo/data/lengths.json`, prompts clipped to ``prompt_range`` and rounded
-up to ``prompt_multiple``, random prompt tokens, greedy decoding, no EOS) go through
-`jmixedkv_demo.serve.ServingLoop` once per cache, each at the same KV budget (pools and twin included). The model
-has random weights of the geometry named by ``model``, in ``--weights-dtype`` (default bfloat16: bf16 x bf16
-projections with float32 accumulation, as a serving engine runs; float32 reads twice the bytes per step). Reported
-per cache: slots and pages the budget gives, the bytes of the pools actually allocated and of weights + pools,
-measured peak concurrent sequences, output tokens/s (wall time, prefill included, compilation excluded), decode
-tokens/s, time per output token, time to first token, and the ratios to bf16. Writes ``DIR/serve_bench.json`` and
-prints the table (plain and markdown); it appends nothing to bench/RESULTS.md.
-
-``--shared-prefix N``: every prompt starts with the same N tokens (a shared system prompt) and the loop reuses the
-committed prefix pages (`jmixedkv.PrefixCache`) instead of prefilling them (``--no-prefix-reuse``: the baseline
-that prefills them). The index keeps every committed prompt page until a sequence needs the room; its eviction
-(`jmixedkv.offload.select_victims`, a heap of leaves) costs milliseconds per admission at thousands of pages.
-
-Time (one H200, the defaults): every cache prefills the same ~1.2M prompt tokens (the mixed cache needs about that
-many to fill 40 GiB), so the run is mostly prefill: a few minutes in all, plus one decode and one prefill program
-compiled per cache (prompts are multiples of ``max_chunk``, so one prefill program). ``--max-minutes`` stops
-before a cache that the time already spent predicts would not finish in time, saying so (the JSON keeps the
-caches that ran).
+The same requests (lengths from `jmixedkv_demo/data/lengths.json`, random prompt tokens, greedy, no EOS) go through
+`jmixedkv_demo.serve.ServingLoop` once per cache at the same KV budget (pools and twin included), random weights in
+``--weights-dtype``. Per cache (`jmixedkv_demo.serve.serve_table`): slots, pages, bytes, peak concurrency, tokens/s,
+time per output token and to the first token, ratios to bf16. ``--shared-prefix N``: every prompt starts with the
+same N tokens, reused through `jmixedkv.PrefixCache` (``--no-prefix-reuse``: prefilled). ``--max-minutes`` skips a
+cache the time spent predicts would not finish. Writes ``DIR/serve_bench.json`` (nothing to bench/RESULTS.md).
 """
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-# the pools (40 GiB), the weights (16 GB in bfloat16 for Llama-3-8B, 32 GB in float32) and prefill activations:
-# more than XLA's default 75% preallocation leaves room for on a smaller GPU; the process may take 90% of the device
-# (kept if set)
+# 40 GiB of pools, the weights and prefill activations need more than XLA's default 75% (kept if set)
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+
+from common import bench_parser, md_table, parse_ints, versions, write_json  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jmixedkv import capacity as cap  # noqa: E402
 from jmixedkv_demo import serve  # noqa: E402
 from jmixedkv_demo.specs import parse_cache_spec  # noqa: E402
-from common import bench_parser, md_table, utc_now, versions, write_json  # noqa: E402
 
 #: the H200 target: Llama-3-8B geometry, 40 GiB of KV cache, prompts of 8k-32k tokens
 SERVE = dict(model="llama3-8b-shape", kv_budget="40GiB", requests=80, prompt_range=(8192, 32768),
@@ -55,7 +38,7 @@ SERVE_SMOKE = dict(SERVE, model="tiny", kv_budget="192KiB", requests=6, prompt_r
 
 def run(s: dict, out_dir: str) -> dict:
     t_start = time.perf_counter()
-    info = dict(versions(), date=utc_now(), settings={k: v for k, v in s.items()})
+    info = dict(versions(), settings=dict(s))
     print(f"serve_bench {info['date']}: device {info['device']}, jax {info['jax']}, jaxlib {info.get('jaxlib')}, "
           f"triton {info.get('triton')}", flush=True)
     model_cfg = serve.MODELS[s["model"]]
@@ -132,7 +115,7 @@ def main(argv=None):
     if a.no_prefix_reuse:
         s["prefix_reuse"] = False
     if a.prompt_range:
-        s["prompt_range"] = tuple(int(x) for x in a.prompt_range.split(":"))
+        s["prompt_range"] = parse_ints(a.prompt_range, "--prompt-range", ":")
     run(s, a.out)
 
 

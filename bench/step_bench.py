@@ -1,16 +1,14 @@
-"""A whole decode step on the H200: 32 layers of attention + the all-layer append, mixed NVFP4 vs bf16 + cuDNN.
+"""A whole decode step on the GPU: every layer's attention + the all-layer append, mixed NVFP4 vs bf16 + cuDNN.
 
     PYTHONPATH=. python3 bench/step_bench.py --profile --out DIR   # GPU (``--page 32``: KVCacheConfig's default)
     PYTHONPATH=. python3 bench/step_bench.py --levers --out DIR    # GPU: + the recommended levers' cost
     PYTHONPATH=. python3 bench/step_bench.py --smoke --out DIR     # CPU: tiny shapes, reference backend, XLA SDPA
 
-The step per generated token (`shapes.STEP`: Llama-3-8B attention, batch 64 x 8k), in one jit, the cache donated:
-``mixed`` is ``jm.append`` of every layer's new rows, then 32 x ``jm.decode_attention`` over mixed_nvfp4_bf16 pools
-(`common.random_mixed_state`); ``bf16`` the same over contiguous bf16 caches: a scatter, then 32 x cuDNN
-``jax.nn.dot_product_attention`` with ``key_value_seq_lengths`` (without, if cuDNN refuses the mask). Timed
-(`common.time_threaded`) blocked per step and pipelined, plus the mixed path's attention alone; ``--profile`` adds
-GPU time per kernel and idle time inside / between steps. Floors: K + V bytes per step / the in-run copy bandwidth.
-Writes ``DIR/step_bench.json``.
+The step (`shapes.STEP`: Llama-3-8B attention, batch 64 x 8k) in one jit, the cache donated: ``mixed`` is
+``jm.append`` of every layer's rows, then ``jm.decode_attention`` per layer over random mixed pools; ``bf16`` a
+scatter into contiguous bf16 caches, then cuDNN ``jax.nn.dot_product_attention`` per layer (``key_value_seq_lengths``;
+without, if cuDNN refuses). Timed blocked and pipelined, and the mixed attention alone; ``--profile`` adds GPU time
+per kernel and idle time. Floors: K + V bytes / the in-run copy bandwidth. Writes ``DIR/step_bench.json``.
 """
 from __future__ import annotations
 
@@ -21,16 +19,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
+from common import (bench_parser, copy_bandwidth, error_text, gpu_kernel_profile, kv_bytes, no_gpu,  # noqa: E402
+                    random_fill, random_mixed_state, time_each, time_threaded, versions, write_json)
+from shapes import STEP, STEP_SMOKE  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmixedkv as jm  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
-from common import (bench_parser, copy_bandwidth, gpu_kernel_profile, kv_bytes, no_gpu, random_fill,  # noqa: E402
-                    random_mixed_state, time_each, time_threaded, utc_now, versions, write_json)
-from shapes import STEP, STEP_SMOKE  # noqa: E402
-
 
 #: the accuracy levers of `jmixedkv.KVCacheConfig.recommended` (its window aside): what ``--levers`` costs
 LEVERS = dict(rotation="hadamard", block_scale="4over6")
@@ -125,7 +122,7 @@ def main(argv=None):
     rows, twin = s["layers"] * s["batch"] * s["context"], s["layers"] * s["batch"] * (s["first_n"] + s["last_n"])
     floor = dict(mixed=kv_bytes(rows, s["kv_heads"], s["head_dim"], "nvfp4", twin) / bw / 1e9,
                  bf16=kv_bytes(rows, s["kv_heads"], s["head_dim"], "bf16") / bw / 1e9)
-    res = dict(versions(), date=utc_now(), shape=s, copy_bandwidth_tbs=bw, floor_ms=floor, rows={})
+    res = dict(versions(), shape=s, copy_bandwidth_tbs=bw, floor_ms=floor, rows={})
     inputs = step_inputs(s)
 
     step, attention = mixed_step_fns(s, backend)
@@ -149,7 +146,7 @@ def main(argv=None):
             res["rows"].update(rows)
             break
         except Exception as e:  # without the padding mask every cache row (S_max) is read
-            res["rows"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            res["rows"][name] = dict(error=error_text(e))
             print(f"{name} failed: {res['rows'][name]['error']}", flush=True)
     lines = [f"decode step, {s['layers']} layers, batch {s['batch']} x {s['context']}, {s['kv_heads']} KV / "
              f"{s['q_heads']} q heads, D {s['head_dim']}, page {s['page']} ({res['device']}, jax {res['jax']}, "

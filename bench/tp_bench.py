@@ -1,15 +1,11 @@
 """Tensor-parallel decode attention: 1 GPU vs N GPUs (KV heads sharded with jax.shard_map), same batch and context.
 
-    PYTHONPATH=. python3 bench/tp_bench.py --out DIR          # the 2-GPU H200 machine (nvidia-h200-x2)
-                                                              # (+ the whole 32-layer decode step; --no-step: not)
+    PYTHONPATH=. python3 bench/tp_bench.py --out DIR          # 2 GPUs (+ the whole decode step unless --no-step)
     python bench/tp_bench.py --smoke --no-md --out /tmp/tp    # CPU: tiny sizes, reference backend, 2 host devices
 
-Per batch (`shapes.TP`: 64 x 32k, page 64, then the batch sweep unless ``--no-sweep``), the default kernel
-(Mosaic GPU on Hopper): the sharded output is checked bit-equal to the single-device one (each shard chooses its
-tuning and splits for the whole head count, ``split_heads``, and merges splits in a fixed order), then both are
-timed: ``ms`` pipelined (`common.time_jax`; q head-sharded
-as it leaves a tensor-parallel QKV projection), ``blocking ms`` blocked per call, ``alone ms`` the per-shard
-problem on one device (the ideal). The compiled sharded program's collectives are counted (expected: none).
+Per batch (`shapes.TP`, then its batch sweep unless ``--no-sweep``), the default kernel: the sharded output checked
+bit-equal to one device's, then both timed pipelined (``ms``, q head-sharded) and blocked per call, and the
+per-shard problem alone on one device (the ideal); the sharded program's collectives counted (expected: none).
 Writes ``DIR/tp_bench.json``; on a GPU without ``--no-md`` a section of bench/RESULTS.md.
 """
 from __future__ import annotations
@@ -19,18 +15,17 @@ import os
 import re
 import sys
 
+from common import (append_results, bench_parser, bits_equal, error_text, md_table, no_gpu, random_fill,
+                    random_mixed_state, time_each, time_jax, time_threaded, versions, write_json)
+from shapes import STEP, STEP_SMOKE, TP, TP_SMOKE
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jmixedkv as jm  # noqa: E402
-from jmixedkv import sharding  # noqa: E402
-from jmixedkv.decode import decode_attention  # noqa: E402
-from common import (append_results, bench_parser, bits_equal, md_table, no_gpu, random_fill,  # noqa: E402
-                    random_mixed_state, results_section, time_each, time_jax, time_threaded, utc_now, versions,
-                    write_json)
-from shapes import STEP, STEP_SMOKE, TP, TP_SMOKE  # noqa: E402
+import jmixedkv as jm
+from jmixedkv import sharding
+from jmixedkv.decode import decode_attention
 
 #: HLO ops that move data between devices
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
@@ -148,19 +143,19 @@ def main(argv=None):
     timing = dict(reps=2, trials=2, iters=2) if args.smoke else dict(reps=20, trials=15, iters=50)
     backend = "pallas" if on_gpu else "reference"
     batches = [shape["batch"]] + ([b for b in shape["sweep_batches"] if b != shape["batch"]] if args.sweep else [])
-    res = dict(versions(), date=utc_now(), shape=shape, devices=args.devices, backend=backend, rows=[], errors=[])
+    res = dict(versions(), shape=shape, devices=args.devices, backend=backend, rows=[], errors=[])
     for b in batches:
         try:
             res["rows"].append(measure(shape, b, args.devices, backend, timing))
         except Exception as e:  # one failed batch (e.g. out of memory) must not lose the others
-            res["errors"].append(dict(batch=b, error=f"{type(e).__name__}: {e}"[:2000]))
+            res["errors"].append(dict(batch=b, error=error_text(e, 2000)))
             print(f"batch {b} FAILED: {res['errors'][-1]['error'][:300]}", flush=True)
         write_json(args.out, "tp_bench.json", res)
     if args.step:
         try:
             res["step"] = measure_step(STEP_SMOKE if args.smoke else STEP, args.devices, backend, timing)
         except Exception as e:  # noqa: BLE001 -- recorded, the per-call rows are kept
-            res["errors"].append(dict(step=True, error=f"{type(e).__name__}: {e}"[:2000]))
+            res["errors"].append(dict(step=True, error=error_text(e, 2000)))
         write_json(args.out, "tp_bench.json", res)
     text = (f"{args.devices} devices; mixed_nvfp4_bf16 first/last {shape['first_n']}, page {shape['page']}, context "
             f"{shape['context']}, {shape['kv_heads']} KV / {shape['q_heads']} q heads, D {shape['head_dim']}, "
@@ -172,7 +167,7 @@ def main(argv=None):
                  f"bit-equal {r['bit_equal']}")
     print(text)
     if on_gpu and not args.no_md:
-        append_results(results_section("tensor-parallel decode attention (`bench/tp_bench.py`)", res, text))
+        append_results("tensor-parallel decode attention (`bench/tp_bench.py`)", res, text)
     return 1 if res["errors"] else 0
 
 

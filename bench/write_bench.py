@@ -1,15 +1,12 @@
-"""The fused write kernel (`pallas_kernels.write`) against the XLA reference path, on the H200.
+"""The fused write kernel (`pallas_kernels.write`) against the XLA reference path, on the GPU.
 
     PYTHONPATH=. python3 bench/write_bench.py [--quick] --out DIR   # GPU (--quick: decode + prefill only)
     PYTHONPATH=. python3 bench/write_bench.py --smoke --out DIR     # CPU: tiny cases in interpret mode
 
-Cases (`shapes.WRITE_CASES`, mixed_nvfp4_bf16 first_n = last_n = 64, neox RoPE in the kernel): a batch-64 decode
-step (every row also goes to the twin), an 8 x 1024-token prefill chunk, and the decode step on a 20 GiB pool
-(sequences on its last pages; its bit-exactness is tests/test_gpu_real_size.py's). Each case is first checked bit
-for bit against the reference (`write_rows_reference` after an eager `apply_rope`) on the GPU (XLA with IEEE
-division) and the host CPU. Kernel rows are device time (20 calls in one jitted ``fori_loop`` per dispatch), the
-reference rows per dispatch; pools donated. Bytes = K/V read + NVFP4 and twin rows written, against the in-run
-copy bandwidth. Writes ``DIR/write_bench.json`` and (GPU, unless ``--no-md``) a section of bench/RESULTS.md.
+Cases: `shapes.WRITE_CASES`. Each is first checked bit for bit against the reference (`write_rows_reference` after
+an eager `apply_rope`) on the GPU (XLA with IEEE division) and the host CPU. Kernel rows are device time (20 calls
+in one jitted ``fori_loop`` per dispatch), reference rows per dispatch; pools donated. Bytes = K/V read + NVFP4 and
+twin rows written. Writes ``DIR/write_bench.json`` and (GPU, unless ``--no-md``) a section of bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -17,21 +14,20 @@ import dataclasses
 import os
 import sys
 
+from common import append_results, bench_parser, copy_bandwidth, md_table, no_gpu, time_threaded, versions, write_json
+from shapes import WRITE_CASES, WRITE_SMOKE
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jmixedkv as jk  # noqa: E402
-from jmixedkv.allocator import allocate_mask  # noqa: E402
-from jmixedkv.compat import xla_flags_with_ieee_division  # noqa: E402
-from jmixedkv.pools import kernel_arrays  # noqa: E402
-from jmixedkv.state import GroupSpec, write_slots  # noqa: E402
-from jmixedkv.write import write_rows_reference  # noqa: E402
-from pallas_kernels import write as W  # noqa: E402
-from common import (append_results, bench_parser, copy_bandwidth, md_table, no_gpu, results_section,  # noqa: E402
-                    time_threaded, utc_now, versions, write_json)
-from shapes import WRITE_CASES, WRITE_SMOKE  # noqa: E402
+import jmixedkv as jk
+from jmixedkv.allocator import allocate_mask
+from jmixedkv.compat import xla_flags_with_ieee_division
+from jmixedkv.pools import kernel_arrays
+from jmixedkv.state import GroupSpec, write_slots
+from jmixedkv.write import write_rows_reference
+from pallas_kernels import write as W
 
 ROPE = jk.RopeSpec("neox", theta=500000.0)
 
@@ -168,7 +164,7 @@ def main(argv=None):
                             else (WRITE_CASES[:2] if args.quick else WRITE_CASES, args.iters, 20))
     copy_tbs, copy_how = copy_bandwidth(args.smoke)
     rows = [r for case in cases for r in bench_case(case, trials, inner, args.smoke)]
-    meta = dict(versions(), date=utc_now(), copy_tbs=copy_tbs, copy_how=copy_how)
+    meta = dict(versions(), copy_tbs=copy_tbs, copy_how=copy_how)
     table = md_table(("case", "path", "time (us)", "bytes (MB)", "TB/s", "x copy", "bytes differing from the "
                       "reference on"), [(r["case"], r["path"], f"{r['ms'] * 1e3:.1f}", f"{r['bytes'] / 1e6:.2f}",
                                          f"{r['bytes'] / r['ms'] / 1e9:.3f}",
@@ -178,9 +174,9 @@ def main(argv=None):
     print(table)
     write_json(args.out, "write_bench.json", dict(meta, rows=rows, smoke=args.smoke))
     if not args.no_md and not args.smoke:
-        append_results(results_section("write kernel (`bench/write_bench.py`)", meta, (
+        append_results("write kernel (`bench/write_bench.py`)", meta, (
             f"mixed_nvfp4_bf16 first_n = last_n = 64, page 32, 32 layers, 8 KV heads, head_dim 128, bf16, neox RoPE "
-            f"in-kernel; copy {copy_tbs:.2f} TB/s ({copy_how}).\n\n{table}")))
+            f"in-kernel; copy {copy_tbs:.2f} TB/s ({copy_how}).\n\n{table}"))
     return 1 if any(n for r in rows for n in r["bytes_differ"].values()) else 0
 
 

@@ -54,7 +54,7 @@ __all__ = ["quantize", "dequantize", "kernel_width", "QUANT_DEFAULTS", "DEQUANT_
            "tile_loop", "row_tiling", "gs_operand", "check_warps", "row_width", "resolve_interpret"]
 
 #: kernel tiling defaults (kernel rows are ``W`` wide, see `kernel_width`; W = 128 for D = 128): the fastest
-#: bit-exact tiling measured on the H200 (bench/nvfp4_bench.py; figures in bench/RESULTS.md): quantize, 1 GiB bf16
+#: bit-exact tiling of a sweep on the H200 (figures in bench/RESULTS.md): quantize, 1 GiB bf16
 #: with the three-line E2M1 encoder: 32 / 16 rows ahead of 32 / 32, 64 / 16 (2 stages), 16 / 16
 #: (2 warps), 128+ rows and 8 warps
 QUANT_DEFAULTS = dict(block_rows=32, sub_rows=16, num_warps=4, num_stages=1)

@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
-# FlashInfer for the device machine, carried as wheels (it is not on the GPU image, and nothing can be fetched there).
+# FlashInfer for the device machine, carried as wheels (not on the GPU image; nothing can be fetched there).
 #
 #     bash bench/tools/pack_flashinfer.sh            # here, in the repository root; writes .whl/ (git-ignored)
 #
-# Downloads `flashinfer-python` (the newest 0.7.x) and the `apache-tvm-ffi` its Requires-Dist names as py3.12
-# manylinux x86_64 wheels, then strips the flashinfer wheel to what `import flashinfer` and its FA2 decode / paged
-# prefill JIT need (the static import closure of `__init__`, `decode`, `prefill`, `page` and `jit/`; the headers
-# under `data/include`, `cccl`, `cutlass`, `spdlog` and the top-level `data/csrc` files, not its ~390 MB of other
-# kernels) and re-zips it as a valid wheel (RECORD rewritten). Its other Requires-Dist are on the image or not
-# loaded by the import. Refuses (exit 1) a total over MAX_MIB (default 40). Ends by printing the install command
-# for the device machine (carry .whl).
+# Downloads `flashinfer-python` 0.7.x and the `apache-tvm-ffi` it requires (py3.12 manylinux x86_64), strips the
+# flashinfer wheel to what `import flashinfer` and its FA2 decode / paged prefill JIT need (the import closure of
+# `__init__`, `decode`, `prefill`, `page` and `jit/`, and the JIT's headers) and re-zips it (RECORD rewritten).
+# Refuses (exit 1) a total over MAX_MIB (default 40); ends with the install command for the device machine.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PY=${PYTHON:-python3}
