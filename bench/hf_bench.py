@@ -33,11 +33,15 @@ from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache  # noqa: 
 from interop.hf_static import JMixedStaticCache  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
 
-#: every jmixedkv cache the bench can run: name -> KVCacheConfig kwargs (None: `KVCacheConfig.recommended`), in
-#: every decode mode
+#: every jmixedkv cache the bench can run: name -> `KVCacheConfig`, in every decode mode (K smoothing: the static
+#: cache only, the one that holds the K means itself)
 PAGE = 16
-JM = {"bf16": dict(dtype="bf16"), "fp8": dict(dtype="fp8"), "nvfp4": dict(dtype="nvfp4"),
-      "mixed(4,64)": dict(dtype="mixed_nvfp4_bf16", first_n=4, last_n=64), "recommended": None}
+JM = {"bf16": KVCacheConfig("bf16", page_size=PAGE, max_draft_len=4),
+      "fp8": KVCacheConfig("fp8", page_size=PAGE, max_draft_len=4),
+      "nvfp4": KVCacheConfig("nvfp4", page_size=PAGE, max_draft_len=4),
+      "mixed(4,64)": KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=PAGE, max_draft_len=4),
+      "recommended": KVCacheConfig.recommended(max_draft_len=4),
+      "recommended+k_smoothing": KVCacheConfig.recommended(max_draft_len=4, k_smoothing=True)}
 MODES = ("stage", "fused", "static")
 #: ``--caches`` / ``--reps`` / ``--new`` when not given: for the generate table, for ``--profile-prefill``
 DEFAULTS = dict(caches="all", reps=1, new=64)
@@ -85,10 +89,7 @@ def caches(model, batch, max_len, backend, which):
     """name -> (factory, must equal DynamicCache's tokens) for the names in ``which``."""
     cfg = model.config
 
-    def jm(kw, decode):
-        kv = (KVCacheConfig.recommended(max_draft_len=4) if kw is None
-              else KVCacheConfig(**kw, page_size=PAGE, max_draft_len=4))
-
+    def jm(kv, decode):
         def make():
             model.set_attn_implementation(ATTN_IMPLEMENTATION if decode != "stage" else "sdpa")
             if decode == "static":
@@ -105,9 +106,9 @@ def caches(model, batch, max_len, backend, which):
 
     out = {"DynamicCache": (plain(lambda: DynamicCache(config=cfg)), None),
            "StaticCache": (plain(lambda: StaticCache(config=cfg, max_cache_len=max_len)), True)}
-    for fmt, kw in JM.items():
-        for decode in MODES:
-            out[f"jmixedkv {fmt} ({decode})"] = (jm(kw, decode), fmt == "bf16" and decode == "stage")
+    for fmt, kv in JM.items():
+        for decode in MODES if not kv.k_smoothing else ("static",):
+            out[f"jmixedkv {fmt} ({decode})"] = (jm(kv, decode), fmt == "bf16" and decode == "stage")
     unknown = set() if which == "all" else which - set(out)
     if unknown:
         raise SystemExit(f"hf_bench: unknown --caches {sorted(unknown)}; expected names from {sorted(out)}")

@@ -19,7 +19,7 @@ reading the pages with its own attention kernel must then:
   (``(q Hd) . (k Hd) = q . k``) and multiply the attention output by ``Hd`` after it (``Hd @ Hd = I``).
   Without that, scores and outputs are wrong.
 * ``k_smoothing``: every stored key of a sequence is ``k - mean`` (a per-(layer, head, channel) mean frozen from
-  that sequence's prefill, held by the model, not the cache). Softmax attention is unchanged (each query's scores
+  that sequence's prefill, held by the model; `interop.StaticPagedCache` holds it itself). Softmax attention is unchanged (each query's scores
   shift by one constant) and needs nothing; raw scores are not (e.g. a sparse indexer's thresholds).
 * ``block_scale``: ``"max6"`` or ``"4over6"``: informational, the decoder is the same.
 

@@ -159,6 +159,10 @@ class JMixedKVCache(Cache):
         if decode not in DECODE_MODES:
             raise ValueError(f"JMixedKVCache: decode must be one of {DECODE_MODES}, got {decode!r}")
         spec = cache.groups[0]
+        if cache.config.k_smoothing:
+            raise ValueError("JMixedKVCache: k_smoothing=True, but this cache stores the model's keys as they are (in "
+                             "the JAX cache the caller subtracts the K mean, jmixedkv.levers); use "
+                             "interop.hf_static.JMixedStaticCache, which smooths K itself, or drop k_smoothing")
         if spec.kv_factor != 2:
             raise ValueError("JMixedKVCache needs a K/V group (kv_factor=2), not an MLA latent")
         windows = [None] * spec.num_layers

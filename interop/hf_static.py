@@ -29,6 +29,8 @@ Semantics:
   ``max_batch_size`` rows.
 * Sliding layers (``layer_types`` / ``sliding_window`` in the config) are marked ``is_sliding``, attend over their
   window and hold only it (a ring of pages per row), as transformers' own static sliding layers do.
+* ``KVCacheConfig(..., k_smoothing=True)``: the cache smooths K itself (each row's K mean frozen from its prefill,
+  `StaticPagedCache`); the model needs nothing. Refused for models with attention soft-capping (Gemma-2).
 """
 from __future__ import annotations
 
@@ -262,6 +264,11 @@ class JMixedStaticCache(Cache):
 
 def _check_shape(config, paged: StaticPagedCache) -> None:
     cfg, head_dim = hf.text_config(config)
+    cap = getattr(cfg, "attn_logit_softcapping", None)
+    if paged.k_mean is not None and cap:
+        raise ValueError(f"JMixedStaticCache: k_smoothing with attention soft-capping (attn_logit_softcapping={cap}): "
+                         f"a soft-cap does not commute with the smoothing shift; build the KVCacheConfig without "
+                         f"k_smoothing")
     want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
     have = (paged.num_layers, paged.num_kv_heads, paged.head_dim)
     if want != have:

@@ -102,13 +102,22 @@ class StaticPagedCache:
 
     Args:
       config: `KVCacheConfig` (raw-token dtypes: ``bf16`` / ``fp16`` / ``fp8`` plain pages, ``nvfp4``,
-        ``mixed_nvfp4_*``; no sparse or compressed algorithm; no ``k_smoothing``).
+        ``mixed_nvfp4_*``; no sparse or compressed algorithm). With ``k_smoothing=True`` the cache smooths K
+        itself (below).
       num_layers, num_kv_heads, head_dim: the model's attention geometry (head_dim a multiple of 16).
       max_batch_size, max_cache_len: rows and tokens per row.
       device: torch device of the pools.
       sliding_windows: per layer, its sliding window or None (default: every layer full).
       global_scale: NVFP4 decode global scale, a float or ``f32[L, 2]`` (K, V); high_scale: an FP8 twin's / FP8
         plain pool's scale, same shapes.
+
+    K smoothing (``config.k_smoothing``, `jmixedkv.levers`): a row's first stored tokens in a layer (its prefill, or
+    its first chunk) set that row's per-(KV head, channel) K mean ``k_mean f32[L, B, H, D]`` (model space,
+    post-RoPE, over the real tokens only); every key the row stores afterwards, twin rows included, is ``k -
+    mean`` (float32, one rounding to the attention dtype after the rotation). Softmax attention is unchanged
+    (each query's scores shift by ``sm_scale * q . mean``), so `attend` undoes nothing; its sinks use the
+    unshifted LSE, and a soft-cap, which does not commute with the shift, is refused. A row emptied by `rewind`
+    or `reset` takes a new mean at its next append; `select_rows` copies the means with the rows.
     """
 
     def __init__(self, config: KVCacheConfig, num_layers: int, num_kv_heads: int, head_dim: int, *,
@@ -146,6 +155,8 @@ class StaticPagedCache:
         self.kv_lens = torch.zeros(num_layers, b, dtype=torch.int32, device=self.device)
         self.written = torch.zeros(num_layers, b, dtype=torch.int32, device=self.device)
         self.error = torch.zeros((), dtype=torch.int32, device=self.device)
+        self.k_mean = (torch.zeros(num_layers, b, num_kv_heads, head_dim, dtype=torch.float32, device=self.device)
+                       if config.k_smoothing else None)
         self._hadamard = (torch_nvfp4.hadamard(head_dim, self.device) if config.rotation is not None else None)
 
     # ------------------------------------------------------------------ allocation
@@ -194,6 +205,8 @@ class StaticPagedCache:
     def tensors(self):
         """Every device tensor the ops read or write in place (mark them static for CUDA graphs)."""
         out = [self.high_table, self.kv_lens, self.written, self.error]
+        if self.k_mean is not None:
+            out.append(self.k_mean)
         for grp in self.groups:
             out += [t for t in grp.pools if t is not None] + [grp.page_table]
         return out
@@ -252,6 +265,7 @@ class StaticPagedCache:
                                  f"{None if positions is None else list(positions.shape)}; expected [{b} or 1, {t}]")
             plan = self.plan_step(layer, positions, b)
             low_slot, high_slot, lens, bad, bits = plan.low_slot, plan.high_slot, plan.lens, plan.bad, plan.bits
+            before = plan.before
         else:
             if plan.owner is not self:
                 raise ValueError("StaticPagedCache.append: the plan was made by another StaticPagedCache")
@@ -267,6 +281,8 @@ class StaticPagedCache:
             lens = torch.where(stale, before, plan.lens)
             bad = plan.bad | stale
             bits = plan.bits | torch.where(stale.any(), ERR_BAD_POSITION, 0).to(torch.int32)
+        if self.k_mean is not None:
+            k = self._smoothed(layer, k, low_slot.view(b, t) >= 0, before)
         rows_k = self._stored(k.transpose(1, 2).reshape(b * t, h, d))
         rows_v = self._stored(v.transpose(1, 2).reshape(b * t, h, d))
         paged_ops.write_rows(grp.pools, index, rows_k, rows_v, low_slot, high_slot, self.page_size,
@@ -284,6 +300,9 @@ class StaticPagedCache:
         logit per head on the scaled-logit scale (gpt-oss). A ``bad`` row (from `append`) gets NaN."""
         grp, index = self.group_of(layer)
         b, hq, tq, d = q.shape
+        if self.k_mean is not None and soft_cap is not None:
+            raise ValueError(f"StaticPagedCache.attend: soft_cap={soft_cap} on a K-smoothed cache; a soft-cap does "
+                             f"not commute with the smoothing shift (build the KVCacheConfig without k_smoothing)")
         if not 1 <= b <= self.max_batch_size or d != self.head_dim or hq % self.num_kv_heads or lens.shape != (b,):
             raise ValueError(f"StaticPagedCache.attend: q {list(q.shape)}, lens {list(lens.shape)}; expected q "
                              f"[B <= {self.max_batch_size}, a multiple of {self.num_kv_heads}, Tq, {self.head_dim}] "
@@ -297,6 +316,8 @@ class StaticPagedCache:
                                              self.page_size, self.geom, scale, sliding_window, soft_cap)
         if sinks is not None:
             s = sinks.to(device=out.device, dtype=torch.float32)[None, None, :]
+            if self.k_mean is not None:                               # the LSE of the unshifted keys
+                lse = lse + scale * self._mean_logit(layer, q)
             out = out * torch.sigmoid(lse - s)[..., None]            # lse = -inf (no key): weight 0
         if self._hadamard is not None:
             out = out @ self._hadamard
@@ -319,6 +340,8 @@ class StaticPagedCache:
         self.kv_lens.zero_()
         self.written.zero_()
         self.error.zero_()
+        if self.k_mean is not None:
+            self.k_mean.zero_()
 
     def rewind(self, n: int) -> None:
         """Drop the last ``n`` tokens of every row of every layer, within each row's rewind floor: at most
@@ -353,7 +376,7 @@ class StaticPagedCache:
                     continue
                 view = t.view(t.shape[0], b, per_row, *t.shape[2:])
                 view[:, :n] = view[:, src].clone()
-        for t in (self.kv_lens, self.written):
+        for t in (self.kv_lens, self.written) + (() if self.k_mean is None else (self.k_mean,)):
             old = t.clone()
             t.zero_()
             t[:, :n] = old[:, src]
@@ -411,10 +434,30 @@ class StaticPagedCache:
 
     def _stored(self, x: torch.Tensor) -> torch.Tensor:
         """Rows as stored: rotated (float32, one rounding to the attention dtype) when the lever is on."""
-        x = x.to(self.attention_dtype)
         if self._hadamard is None:
-            return x
+            return x.to(self.attention_dtype)
         return (x.float() @ self._hadamard).to(self.attention_dtype)
+
+    def _smoothed(self, layer: int, k: torch.Tensor, written: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """``k [B, H, T, D]`` minus each row's K mean, float32 (``k_smoothing``). A row with nothing stored before
+        the step (``before i64[B]`` = 0) and tokens written in it (``written bool[B, T]``) first takes the mean of
+        those tokens as its frozen mean."""
+        b = k.shape[0]
+        kf = k.float()
+        w = written[:, None, :, None].to(torch.float32)
+        count = w.sum(dim=2)                                             # [B, 1, 1]
+        mean = (kf * w).sum(dim=2) / count.clamp(min=1.0)                # [B, H, D]
+        take = ((before == 0) & (count[:, 0, 0] > 0))[:, None, None]
+        mean = torch.where(take, mean, self.k_mean[layer, :b])
+        self.k_mean[layer, :b].copy_(mean)
+        return kf - mean[:, :, None, :]
+
+    def _mean_logit(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``q . mean`` per query ``f32[B, Tq, Hq]`` for ``q [B, Hq, Tq, D]`` (model space): what K smoothing took
+        off every score of that query."""
+        b, hq = q.shape[:2]
+        mean = self.k_mean[layer, :b].repeat_interleave(hq // self.num_kv_heads, dim=1)      # [B, Hq, D]
+        return torch.einsum("bhtd,bhd->bth", q.float(), mean)
 
     def _slots(self, page_table: torch.Tensor, pos: torch.Tensor, write: torch.Tensor):
         """``(low_slot, high_slot) i64[B, T]`` of tokens at ``pos`` (``write`` False -> -1), with the twin's write
@@ -443,9 +486,6 @@ class StaticPagedCache:
 
 
 def _check_config(config: KVCacheConfig) -> None:
-    if getattr(config, "k_smoothing", False):
-        raise ValueError("StaticPagedCache: k_smoothing is a model-side lever (the model holds the mean); build the "
-                         "KVCacheConfig without it")
     if config.sparse_algorithm is not None:
         raise ValueError(f"StaticPagedCache holds raw-token pages for dense attention only; "
                          f"sparse_algorithm={config.sparse_algorithm!r}")

@@ -25,14 +25,13 @@ the config say so (`interop.dlpack.kv_transform`, docs/DESIGN.md §11). The thir
   and nothing is undone on read. Two things do change: the LSE a reader returns is that of the smoothed keys
   (``lse - sm_scale * q . mean``), so merging it with attention over other keys (`merge_attention`) needs those
   keys smoothed by the same mean; and a logit soft-cap does not commute with the shift, so `decode_attention`
-  refuses ``soft_cap`` on a K-smoothed cache. The mean lives with the caller (the model's generation loop carries it per
-  sequence): the cache stores only ``k - mean``. Speculative rollback is unaffected (the mean is frozen before any
-  draft token), but prefix reuse is not: a forked / prefix-shared sequence must reuse the owner's mean, since the
-  shared pages hold keys shifted by it. Deliberately *not* moved into the cache state / write path (yet): on SmolLM2
-  it lowers KL in 9 of 12 mixed-cache cases but its effect changes sign with the text and the other levers (with
-  the rotation alone it raises code KL by up to 1.44x; bench/RESULTS.md, 'accuracy levers'), and a cache-side mean needs
-  a rule for chunked prefill (which tokens define it) and per-sequence state that `fork` / prefix reuse must copy;
-  so it stays an experimental model-side option, off by default.
+  refuses ``soft_cap`` on a K-smoothed cache. In the JAX cache the mean lives with the caller (the model's
+  generation loop carries it per sequence): the cache stores only ``k - mean``. Speculative rollback is unaffected
+  (the mean is frozen before any draft token), but prefix reuse is not: a forked / prefix-shared sequence must
+  reuse the owner's mean, since the shared pages hold keys shifted by it; that per-sequence state, which `fork`,
+  prefix reuse and offload would have to carry, is why the JAX cache state does not hold it. The torch
+  `interop.StaticPagedCache` (no forks, no prefix sharing) holds the means itself. With the rotation and "4 over
+  6" it lowered KL on every text measured; without them its effect changes sign with the text (bench/RESULTS.md).
 
 Shapes: ``[..., D]`` with ``D`` a power of two (head_dim).
 """

@@ -106,12 +106,14 @@ def _positions(mask):
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def test_decode_step_is_one_graph_compiled_once(model, batch):
+@pytest.mark.parametrize("kv", [ALL_HIGH, ALL_HIGH.replace(k_smoothing=True)], ids=["all_high", "k_smoothing"])
+def test_decode_step_is_one_graph_compiled_once(model, batch, kv):
     """A decode step traces with fullgraph=True (no graph break: nothing syncs with the host) and later steps reuse
-    the compiled graph: the cache's lengths and counters are device tensors, its hot path torch ops."""
+    the compiled graph: the cache's lengths and counters are device tensors, its hot path torch ops (the K means of
+    ``k_smoothing`` too)."""
     ids, mask = batch
     want, _ = _reference(model, ids, mask)
-    cache = _static(model, ALL_HIGH)
+    cache = _static(model, kv)
     torch._dynamo.reset()
     frames = []
     def backend(gm, example_inputs):                      # counts compilations, runs the graph eagerly
@@ -196,8 +198,6 @@ def test_construction_refusals(model):
     with pytest.raises(ValueError, match="attention to be 'jmixedkv'"):
         JMixedStaticCache.for_model(model, ALL_HIGH, max_batch_size=2, max_cache_len=16)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    with pytest.raises(ValueError, match="k_smoothing"):
-        JMixedStaticCache.for_model(model, ALL_HIGH.replace(k_smoothing=True), max_batch_size=2, max_cache_len=16)
     with pytest.raises(ValueError, match="max_cache_len must be an integer >= 1, got 0"):
         JMixedStaticCache.for_model(model, ALL_HIGH, max_batch_size=2, max_cache_len=0)
     with pytest.raises(ValueError, match="global_scale must be finite"):
