@@ -30,7 +30,9 @@ SMOKE = {"write_bench": ["--smoke", "--out", "{out}"],
          "flashinfer_bench": ["--smoke", "--out", "{out}"],
          "serve_bench": ["--smoke", "--caches", "bf16,mixed:4:64", "--out", "{out}"],
          "accuracy": ["--texts", "prose", "--caches", "bf16,nvfp4", "--tokens", "64", "--window", "8", "--buckets",
-                      "2", "--out", "{out}/accuracy.json"]}
+                      "2", "--out", "{out}/accuracy.json"],
+         "accuracy:transformers": ["--transformers", "--texts", "prose", "--caches", "fp8,recommended+smooth",
+                                   "--tokens", "48", "--window", "4", "--out", "{out}/accuracy_transformers.json"]}
 
 
 def _bench_imports(path, names):
@@ -65,6 +67,10 @@ def test_bench_smoke(name, tmp_path):
         res = json.loads((tmp_path / "step_bench.json").read_text())
         assert res["rows"]["mixed_levers_step"]["error"] == 0 == res["rows"]["mixed_step"]["error"]
         assert res["levers_over_plain_attention_only"] > 0 and "levers_over_plain_append" in res
+    if name == "accuracy:transformers":         # KL of each cache against DynamicCache: finite, fp8's above zero
+        kl = json.loads((tmp_path / "accuracy_transformers.json").read_text())["kl"]["prose"]
+        assert set(kl) == {"fp8", "recommended+smooth"} and kl["fp8"] > 0 and all(
+            0 <= v < 10 for v in kl.values()), kl
     if name.startswith("decode_bench"):         # a row's failure is recorded in its JSON, not raised
         (path,) = tmp_path.glob("decode_bench-*.json")
         rows = json.loads(path.read_text())["rows"]
