@@ -80,13 +80,12 @@ def transformers_accuracy(model, texts: dict, specs: str, tokens: int, window: i
 
 def transformers_table(report: dict) -> str:
     """Markdown: KL as a multiple of fp8's per text, mean and worst."""
-    labels = list(next(iter(report.values())))
-    head = "| cache | " + " | ".join(report) + " | mean | worst |\n|---|" + "---:|" * (len(report) + 2) + "\n"
+    from common import md_table
     rows = []
-    for label in labels:
+    for label in next(iter(report.values())):
         r = [report[t][label] / report[t]["fp8"] for t in report]
-        rows.append(f"| {label} | " + " | ".join(f"{x:.3f}" for x in r) + f" | {sum(r) / len(r):.3f} | {max(r):.3f} |")
-    return head + "\n".join(rows)
+        rows.append([label] + [f"{x:.3f}" for x in r + [sum(r) / len(r), max(r)]])
+    return md_table(["cache", *report, "mean", "worst"], rows)
 
 
 def main(argv=None) -> int:

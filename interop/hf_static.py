@@ -105,7 +105,7 @@ class JMixedStaticCache(Cache):
                             f"{type(paged).__name__}")
         windows = [None] * paged.num_layers
         if config is not None:
-            _check_shape(config, paged)
+            _check_model(config, paged)
             windows = hf.sliding_windows(config, paged.num_layers)
         self.paged, self._batch = paged, None
         self._plans = {}                        # group -> (position_ids, StepPlan, layers that used it): `_plan`
@@ -262,7 +262,8 @@ class JMixedStaticCache(Cache):
         return out.to(query.dtype)
 
 
-def _check_shape(config, paged: StaticPagedCache) -> None:
+def _check_model(config, paged: StaticPagedCache) -> None:
+    """``paged`` fits the model of ``config``: its geometry, and no K smoothing under attention soft-capping."""
     cfg, head_dim = hf.text_config(config)
     cap = getattr(cfg, "attn_logit_softcapping", None)
     if paged.k_mean is not None and cap:

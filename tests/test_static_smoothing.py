@@ -14,6 +14,7 @@ from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG
 from interop.hf_static import JMixedStaticCache
 from interop.static_cache import StaticPagedCache
 from jmixedkv import KVCacheConfig
+from helpers import tiny_llama
 
 PAGE, MAX_LEN, H, D = 8, 32, 2, 16
 BF16 = KVCacheConfig("bf16", page_size=PAGE, max_draft_len=2, k_smoothing=True)
@@ -132,16 +133,9 @@ def test_attention_is_unchanged(kv, sinks):
         smoothed.attend(0, q, lens, bad, soft_cap=30.0)
 
 
-def _llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-
-
 def test_generate_and_beam_search_give_dynamic_cache_tokens():
     """All-high + k_smoothing through ``generate`` (left padding, then beam search): DynamicCache's tokens."""
-    model = _llama()
+    model = tiny_llama()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (2, 7), generator=g)
     mask = torch.ones_like(ids)

@@ -504,7 +504,8 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
     max_pages = page_table.shape[1]
     max_tokens = max_pages * page
     max_blocks = max(1, -(-max_tokens // BLOCK_K))
-    splits = mosaic_num_splits(b, tuning_heads(config, h), max_blocks) if config.num_splits is None else int(config.num_splits)
+    splits = (mosaic_num_splits(b, tuning_heads(config, h), max_blocks) if config.num_splits is None
+              else int(config.num_splits))
     per_max = -(-max_blocks // splits)
     pages_needed = -(-(per_max * BLOCK_K) // page) + 1 + 3                   # + 3: the aligned first column
     # >= 64 ids (a floor from before the misaligned-copy fault was found; it costs nothing)
@@ -658,9 +659,10 @@ def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul):
     output scale (``gs_v * 2^-7``). -> ``(out f32[B, H, rows, D], lse f32[B, H, rows])``; a row that saw no key gives
     0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials are weighted and summed over its
     splits in the layout it wrote them, in a fixed order (`sum_splits`: a shard's merge is one device's); the
-    column permutation and the half interleave then act within each row of the ``[B, H, rows, 2, 64]`` sum. (Concatenating both kernels' partials
-    in natural column order and merging them with `merge_partials` cost a transpose of every split's tile; this form
-    measured less GPU time per call at Tq 4 on the H200 and level at Tq 1, bench/RESULTS.md.)"""
+    column permutation and the half interleave then act within each row of the ``[B, H, rows, 2, 64]`` sum.
+    (Concatenating both kernels' partials in natural column order and merging them with `merge_partials` cost a
+    transpose of every split's tile; this form measured less GPU time per call at Tq 4 on the H200 and level at Tq
+    1, bench/RESULTS.md.)"""
     b, h = o.shape[1:3]
     m = m2[..., :rows] * (1.0 / _LOG2E)
     l, me, le = l[..., :rows], me[..., :rows], le[..., :rows]
