@@ -167,56 +167,14 @@ def first_step_ms(model, ids, make, device, reps, reuse):
     return out
 
 
-def append_pieces_us(model, args, device, reps=50):
-    """us per call of the pieces of one layer's prefill append into a mixed(4,64) `StaticPagedCache` of the model's
-    shape (reset, append, slot computation, the torch and the Triton row writes)."""
-    from interop import paged_ops, triton_write
-    from interop.static_cache import StaticPagedCache
-    cfg = model.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    kv = KVCacheConfig(dtype="mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=16, max_draft_len=4)
-    paged = StaticPagedCache(kv, cfg.num_hidden_layers, cfg.num_key_value_heads, hd, max_batch_size=args.batch,
-                             max_cache_len=args.prompt + args.new, device=device)
-    b, t, h = args.batch, args.prompt, cfg.num_key_value_heads
-    k = torch.randn(b, h, t, hd, dtype=torch.bfloat16, device=device)
-    pos = torch.arange(t, device=device)[None].expand(b, t)
-    grp, index = paged.group_of(0)
-    rows = k.transpose(1, 2).reshape(b * t, h, hd).contiguous()
-    write = torch.ones(b, t, dtype=torch.bool, device=device)
-    low, high = (x.reshape(-1) for x in paged._slots(grp.page_table[:b], pos, write))
-
-    def append():
-        paged.reset()
-        paged.append(0, k, k, pos)
-
-    pieces = {"reset": paged.reset, "append (incl. reset)": append,
-              "_slots": lambda: paged._slots(grp.page_table[:b], pos, write),
-              "paged_ops.write_rows": lambda: paged_ops.write_rows(grp.pools, index, rows, rows, low, high, 16,
-                                                                   "max6"),
-              "triton_write.write_rows_": lambda: triton_write.write_rows_(
-                  *grp.pools, index, rows, rows, low, high, 16, "max6", check_values=False)}
-    out = {}
-    for name, fn in pieces.items():
-        fn()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        _sync(device)
-        out[name] = 1e6 * (time.perf_counter() - t0) / reps
-        print(f"micro {name:28s} {out[name]:9.1f} us/call", flush=True)
-    return out
-
-
 def profile_prefill(model, desc, args, device):
-    """``--profile-prefill DIR``: `append_pieces_us`, then per cache the first step's wall time with a fresh cache
-    per call and with one cache reset between calls (`first_step_ms`), and torch.profiler tables (self CPU and, on
-    CUDA, self CUDA time) of one fresh-cache call, printed and written as ``DIR/<cache>-<key>.txt``."""
+    """``--profile-prefill DIR``: per cache, the first step's wall time with a fresh cache per call and with one
+    cache reset between calls (`first_step_ms`), and torch.profiler tables (self CPU and, on CUDA, self CUDA time)
+    of one fresh-cache call, printed and written as ``DIR/<cache>-<key>.txt``."""
     os.makedirs(args.profile_prefill, exist_ok=True)
     ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt),
                         generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
-        append_pieces_us(model, args, device)
         for name, (make, _) in caches(model, args.batch, args.prompt + args.new, args.backend,
                                       set(args.caches.split(";"))).items():
             for _ in range(2):
