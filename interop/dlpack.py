@@ -19,8 +19,10 @@ reading the pages with its own attention kernel must then:
   (``(q Hd) . (k Hd) = q . k``) and multiply the attention output by ``Hd`` after it (``Hd @ Hd = I``).
   Without that, scores and outputs are wrong.
 * ``k_smoothing``: every stored key of a sequence is ``k - mean`` (a per-(layer, head, channel) mean frozen from
-  that sequence's prefill, held by the model; `interop.StaticPagedCache` holds it itself). Softmax attention is unchanged (each query's scores
-  shift by one constant) and needs nothing; raw scores are not (e.g. a sparse indexer's thresholds).
+  that sequence's prefill, held by the cache: ``CacheState.k_means[group][layer, slot]`` f32[H, D] in the stored
+  frame, after the rotation; `interop.StaticPagedCache.k_mean`). Softmax attention is unchanged (each query's
+  scores shift by one constant) and needs nothing; the LSE and raw scores are not (add ``sm_scale * q . mean``,
+  e.g. for a sparse indexer's thresholds or a merge with other keys).
 * ``block_scale``: ``"max6"`` or ``"4over6"``: informational, the decoder is the same.
 
 What cannot be zero-copy, and what happens (``copy=False`` raises `ZeroCopyError`, a ``ValueError``, naming the

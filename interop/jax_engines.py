@@ -18,8 +18,8 @@ Neither kernel scales the logits: pass ``q * sm_scale`` (`decode_query`; `jmixed
 ``D ** -0.5`` by default). Both take one query token per sequence (``Tq = 1``). Rows of an empty sequence
 (``lengths = 0``): the GPU kernel returns zeros; the TPU kernel skips them and leaves its output block unwritten
 (undefined, NaN in interpret mode): mask them. Levers: a cache with ``rotation="hadamard"`` stores rotated rows
-(rotate ``q`` by ``jmixedkv.levers.hadamard(D)`` and the output back); ``k_smoothing`` needs nothing (a per-channel
-K shift changes every logit of a query by the same amount).
+(rotate ``q`` by ``jmixedkv.levers.hadamard(D)`` and the output back); ``k_smoothing`` needs nothing for the output (a
+per-channel K shift changes every logit of a query by the same amount; the means are ``CacheState.k_means``).
 
 ``reserve_page_zero=True`` shifts every staged page id by one and puts a zero page at 0 (MaxText's allocator never
 hands out page 0; vLLM's null block), in both exports alike.

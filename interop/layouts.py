@@ -46,8 +46,9 @@ consumer of a rotated cache must follow ``kv_transform`` (`jmixedkv.levers.hadam
 (``jmixedkv.staging.stage``, `interop.torch_cache.TorchStaged` and their CSR / block tables) follow stage's
 default: model space, the rotation already undone (float32, one rounding to the attention dtype), so FlashInfer /
 vLLM attend over them with the model's own q; ``stage(..., as_stored=True)`` keeps the stored basis and names it
-in ``StagedCache.rotation``. K smoothing needs nothing from any consumer (the output is unchanged; the LSE is that
-of the shifted keys).
+in ``StagedCache.rotation``. K smoothing: pool exports hold the shifted keys ``k - mean`` (the
+means: ``CacheState.k_means``, `interop.dlpack.kv_transform`); a consumer's output is unchanged, its LSE is lower by
+``sm_scale * q . mean``. Staged pages are raw keys by default (``as_stored=True``: shifted, ``StagedCache.k_mean``).
 """
 from __future__ import annotations
 

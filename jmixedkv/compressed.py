@@ -21,8 +21,8 @@ table's last column. Readers take a twin row only where it is retained *and* hel
 Levers: the rotation lever (``KVCacheConfig.rotation``) does not apply to compressed groups -- their write
 (`write_compressed_reference`) stores the compressor's rows as given and their readers return them as stored, so
 a reader sees the rows the caller wrote whatever the config (no ``as_stored`` choice to make). Nor does
-``block_scale`` (NVFP4 rows are written with the default ``"max6"``); K smoothing is the caller's, as for the
-raw-token groups.
+``block_scale`` (NVFP4 rows are written with the default ``"max6"``), nor K smoothing (``k_smoothing``: only the
+raw-token groups' `CacheState` holds K means; compressed rows are stored as given).
 
 State is a pytree (`CompressedCache`); every function is pure (cache in, cache out). Tables are set by the caller
 (`with_tables`, `release_twin_page`): page allocation for these groups belongs to the cache manager.

@@ -77,9 +77,12 @@ class KVCacheConfig:
         (``nvfp4``, ``fp8``, ``mixed_nvfp4_fp8``); default ``"bfloat16"``.
       rotation: accuracy lever (`jmixedkv.levers`): ``None`` or ``"hadamard"`` - stored K/V rows are rotated
         along head_dim after RoPE (``append`` does it); readers rotate q and un-rotate the output.
-      k_smoothing: accuracy lever: stored keys are ``k - mean``, a per-channel K mean frozen from each sequence's
-        prefill. In the JAX cache the caller subtracts it before ``append`` (`jmixedkv_demo.model` does it); the
-        torch `interop.StaticPagedCache` / `JMixedStaticCache` does it itself.
+      k_smoothing: accuracy lever: stored keys are ``k - mean``, a per-(layer, KV head, channel) K mean frozen from
+        each sequence's prefill (its first call from position 0). The cache holds the means and subtracts them
+        itself: the JAX `CacheState.k_means` (``append``), the torch `interop.StaticPagedCache` /
+        `JMixedStaticCache`; the caller passes raw keys and readers return model-space rows and the raw keys' LSE
+        (`jmixedkv.levers`). Refused by prefix reuse / offload, MLA latent groups, ``soft_cap`` and
+        `interop.hf.JMixedKVCache`.
       block_scale: NVFP4 block scaling on write (`jmixedkv.nvfp4.BLOCK_SCALES`): ``"max6"`` (default, the pinned
         order) or ``"4over6"`` (per block, the block max mapped to 6 or to 4, whichever dequantizes with the lower
         squared error). Same bytes and decoder: readers and exporters are unchanged.
@@ -223,9 +226,9 @@ class KVCacheConfig:
         bf16 twin), ``first_n=4``, ``last_n=32``, Hadamard ``rotation``, ``"4over6"`` block scaling, page 16. Of the
         swept configurations at <= 0.6 bytes per element that need nothing from the caller, it has the lowest worst
         text (SmolLM2-135M, 4096 tokens: KL 0.65x fp8's on average over the six texts, 0.98x on the worst) and a
-        mean level with the best; ``k_smoothing=True`` lowers that to 0.48x / 0.69x, but in the JAX cache the caller
-        subtracts the K mean (`jmixedkv.levers`), so it is left out (``recommended(k_smoothing=True)`` for the torch
-        `JMixedStaticCache`, which smooths K itself).
+        mean level with the best; ``k_smoothing=True`` lowers that to 0.48x / 0.69x, but prefix reuse / offload and
+        `interop.hf.JMixedKVCache` refuse it (`jmixedkv.levers`), so it is left out (``recommended(k_smoothing=True)``
+        turns it on).
 
         Memory (twin pages and scales included, any model shape): 0.594 bytes per K/V element at 4096 tokens per
         sequence, 0.578 at 8192 (``nvfp4`` alone: 0.5625; ``fp8``: 1.0). ``overrides`` replace fields (aliases such

@@ -17,10 +17,11 @@ float32 math, one rounding to the attention dtype: the kernels take q in that dt
 stored rows, and un-rotates the output (``Hd`` is its own inverse; float32 math, one more rounding), all in one
 jitted program. The LSE is unchanged (``(q Hd) . (k Hd) = q . k``). Against the same attention without rotation
 the output differs by the rounding of the rotated q (relative ``2^-8`` per element for bf16) and of the rotated
-output, i.e. within the attention dtype's rounding. With ``k_smoothing`` the stored keys are ``k - mean``: every
-logit of a query shifts by ``-sm_scale * q . mean``, so the softmax and the output are the model's, while the
-LSE is that of the smoothed keys (shifted by the same constant); a ``soft_cap`` does not commute with the shift
-and is refused on such a cache.
+output, i.e. within the attention dtype's rounding. With ``k_smoothing`` the stored keys are ``k - mean`` (the
+state's ``k_means``, stored frame): every logit of a query shifts by ``-sm_scale * q . mean``, so the softmax and
+the output are the model's; the LSE returned is that of the raw keys (the kernel's LSE plus
+``sm_scale * q . mean``, with the rotated q under a rotation lever), so it merges with attention over keys held
+elsewhere. A ``soft_cap`` does not commute with the shift and is refused on such a cache.
 """
 from __future__ import annotations
 
@@ -105,6 +106,8 @@ def _attend(state, layer, q, seq, *, group, sm_scale, sliding_window, soft_cap, 
                                                       sliding_window=sliding_window, soft_cap=soft_cap,
                                                       num_splits=num_splits, split_heads=split_heads)
     out = levers.unrotate(out, rotation, out.dtype)               # (p @ V Hd) Hd = p @ V: model space
+    if state.k_means is not None:                                 # the LSE of the raw keys, k = stored + mean
+        lse = lse + levers.mean_logit(state.k_means[group], layer_c, seq, q, sm_scale)
     # a query that must see at least its own key but reports "no key" (lse = -inf) met a NaN logit: flag it
     tq = q.shape[1]
     qpos = _lens(state, seq)[:, None] - tq + jnp.arange(tq, dtype=jnp.int32)[None, :]

@@ -14,7 +14,10 @@ so a consumer never needs to know the lever; ``as_stored=True`` returns the rows
 consumer applies ``jmixedkv.levers.unrotate(rows, state.config.rotation)`` itself (or rotates its queries). With a
 rotation, a model-space FP8 scratch takes its scale from the un-rotated rows (``2^e >= max|x| / 448``, the NVFP4
 block ceiling bounds the stored basis only), and `overlay_retained_rows` runs its jnp path (no in-place kernel:
-the twin's rows are un-rotated first). Without a rotation ``as_stored`` changes nothing.
+the twin's rows are un-rotated first). K smoothing (``k_smoothing``, the state's ``k_means``): model-space keys
+are the stored ``k - mean`` plus the slot's mean (float32, before the un-rotation and the one rounding; the same jnp
+paths as the rotation); ``as_stored=True`` gives the shifted keys, and ``state.k_means[group][layer, slot]`` is the
+mean to add. Without either lever ``as_stored`` changes nothing.
 
 Validation (`jmixedkv.checks`): concrete inputs are checked on the host (`checks.validate_read`); inside jit a batch
 row whose slot, length or layer is bad, or an index outside ``[-1, kv_len)``, gives NaN rows. Nothing ever reads
@@ -49,7 +52,8 @@ def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=N
     cfg, kind, pools, spec = state.config, state.kinds[group], state.pools[group], state.groups[group]
     dtype = cfg.attention_dtype if dtype is None else jnp.dtype(dtype)
     rotation = None if as_stored else cfg.rotation
-    out_dtype, dtype = dtype, (dtype if rotation is None else jnp.dtype(jnp.float32))   # un-rotate in float32
+    smoothed = not as_stored and state.k_means is not None
+    out_dtype, dtype = dtype, (dtype if rotation is None and not smoothed else jnp.dtype(jnp.float32))
     kv_lens = state.kv_lens if kv_lens is None else jnp.asarray(kv_lens, jnp.int32)
     page = cfg.page_size
     layer = checks.check_layer_arg(layer, spec.num_layers, "rows_reference", spec.name)
@@ -70,7 +74,8 @@ def rows_reference(state, layer, seq, pos, group: int = 0, kv_lens=None, dtype=N
         keep = cfg.twin.is_retained(pos, n) & held & valid
         high = read_row_pool(pools.high, layer, jnp.maximum(hpage, 0), row, dtype)
         out = jnp.where(keep[..., None, None, None], high, out)
-    out = levers.unrotate(out, rotation, out_dtype)
+    mean = state.k_means[group][layer][s] if smoothed else None                       # [..., H, D]
+    out = levers.to_model_space(out, rotation, mean, out_dtype)         # float32 math, one rounding
     out = jnp.where(valid[..., None, None, None], out, jnp.zeros((), out_dtype))
     return jnp.where(bad[..., None, None, None], jnp.array(jnp.nan, out_dtype), out)
 
@@ -140,10 +145,12 @@ def gather_rows(state, layer, seq_slots, indices, *, group: int = 0, scratch_dty
     flag, layer, seq = _flag_selection(state, layer, seq, indices, lens, group)
     impl = dispatch("reference" if state.kinds[group] == "plain" else backend, _gather_reference, _gather_pallas)
     rotation = None if as_stored else state.config.rotation
-    if rotation is not None:            # model space: float32 rows, un-rotated, then one rounding / FP8 encode
+    mean = _row_means(state, layer, seq, group, as_stored)
+    if rotation is not None or mean is not None:   # model space: float32 rows, mean added, un-rotated, one rounding
         ones = jnp.ones(seq.shape, jnp.float32)
-        rows = levers.rotate(impl(state, layer, seq, indices, lens, group, ones, False, overlay, jnp.float32),
-                             rotation)
+        rows = impl(state, layer, seq, indices, lens, group, ones, False, overlay, jnp.float32)
+        rows = levers.to_model_space(rows, rotation, None if mean is None else mean[:, None], jnp.float32)
+        rows = jnp.where(_selected(state, seq, indices, lens)[2][..., None, None, None], rows, 0.0)   # padding: 0
         scale = _rows_scale(rows) if fp8 else ones
         out = rows.astype(state.config.attention_dtype)
         out = encode_fp8_scratch(out, scale) if fp8 else out
@@ -152,6 +159,15 @@ def gather_rows(state, layer, seq_slots, indices, *, group: int = 0, scratch_dty
                  else jnp.ones(seq.shape, jnp.float32))
         out = impl(state, layer, seq, indices, lens, group, scale, fp8, overlay)
     return jnp.where(flag[..., None, None, None], checks.nan_like(out), out), scale
+
+
+def _row_means(state, layer, seq, group, as_stored):
+    """f32[B, H, D] K-smoothing means of batch rows ``seq`` (zeros for -1), None unless a model-space read of a
+    K-smoothed state."""
+    if as_stored or state.k_means is None:
+        return None
+    m = state.k_means[group][layer][jnp.clip(seq, 0, state.max_seqs - 1)]
+    return jnp.where((seq >= 0)[:, None, None], m, 0.0)
 
 
 def _rows_scale(rows):
@@ -214,26 +230,29 @@ def overlay_retained_rows(state, layer, scratch, seq_slots, indices, *, scale=No
     if state.kinds[group] == "mixed" and state.pools[group].high is not None:
         scale = jnp.ones(seq.shape, jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
         rotation = None if as_stored else state.config.rotation
-        impl = _overlay_reference if rotation is not None else dispatch(backend, _overlay_reference, _overlay_pallas)
-        out = impl(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation)
+        mean = _row_means(state, layer, seq, group, as_stored)
+        impl = (_overlay_reference if rotation is not None or mean is not None
+                else dispatch(backend, _overlay_reference, _overlay_pallas))
+        out = impl(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation, mean)
     return jnp.where(flag[..., None, None, None], checks.nan_like(out), out)
 
 
-def _overlay_reference(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation=None):
+def _overlay_reference(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation=None, mean=None):
     twin = state.config.twin
     _, row, valid, n = _selected(state, seq, indices, lens)
     hp, held = twin.twin_page(state.high_table, jnp.maximum(seq, 0)[:, None], twin.high_column(jnp.maximum(indices, 0)))
     keep = valid & twin.is_retained(indices, n) & held
     att = state.config.attention_dtype
     high = read_row_pool(state.pools[group].high, layer, jnp.maximum(hp, 0), row,
-                         att if rotation is None else jnp.float32)
-    high = levers.unrotate(high, rotation, att)
+                         att if rotation is None and mean is None else jnp.float32)
+    high = levers.to_model_space(high, rotation, None if mean is None else mean[:, None], att)
     high = encode_fp8_scratch(high, scale) if fp8 else high.astype(scratch.dtype)
     return jnp.where(keep[..., None, None, None], high, scratch)
 
 
-def _overlay_pallas(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation=None, *, interpret):
-    del rotation                                     # None here: a model-space rotated overlay runs the jnp path
+def _overlay_pallas(scratch, state, layer, seq, indices, scale, group, lens, fp8, rotation=None, mean=None, *,
+                    interpret):
+    del rotation, mean                                    # None here: a model-space rotated overlay runs the jnp path
     from pallas_kernels.gather import overlay_rows
     high = state.pools[group].high
     return overlay_rows(scratch, jnp.asarray(layer, jnp.int32).reshape(1), seq, lens, state.page_table,

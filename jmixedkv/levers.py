@@ -20,18 +20,24 @@ the config say so (`interop.dlpack.kv_transform`, docs/DESIGN.md §11). The thir
   views) are the stored rows and say so (``kv_transform``). Compressed groups (`jmixedkv.compressed`) are never
   rotated: the lever applies to the raw-token groups' write path only.
 * **K smoothing** (``k_smoothing=True``): a per-(layer, KV head, channel) mean of K, taken over the prefill of each
-  sequence (post-RoPE, post-rotation) and frozen for later tokens, is subtracted from every stored key, twin
-  included. Every score of one query shifts by the same ``q . mean``, so softmax and the output are unchanged
-  and nothing is undone on read. Two things do change: the LSE a reader returns is that of the smoothed keys
-  (``lse - sm_scale * q . mean``), so merging it with attention over other keys (`merge_attention`) needs those
-  keys smoothed by the same mean; and a logit soft-cap does not commute with the shift, so `decode_attention`
-  refuses ``soft_cap`` on a K-smoothed cache. In the JAX cache the mean lives with the caller (the model's
-  generation loop carries it per sequence): the cache stores only ``k - mean``. Speculative rollback is unaffected
-  (the mean is frozen before any draft token), but prefix reuse is not: a forked / prefix-shared sequence must
-  reuse the owner's mean, since the shared pages hold keys shifted by it; that per-sequence state, which `fork`,
-  prefix reuse and offload would have to carry, is why the JAX cache state does not hold it. The torch
-  `interop.StaticPagedCache` (no forks, no prefix sharing) holds the means itself. With the rotation and "4 over
-  6" it lowered KL on every text measured; without them its effect changes sign with the text (bench/RESULTS.md).
+  sequence (post-RoPE, post-rotation: the stored frame) and frozen for later tokens, is subtracted from every
+  stored key, twin included. The cache holds the means: `jmixedkv.state.CacheState.k_means` (f32[L, S, H, D] per
+  group). `append` (`smooth_rows`) applies RoPE and the rotation outside the write kernel; a slot's call that
+  writes its position 0 (its prefill or first prefill chunk, every layer) takes the float32 mean of that call's
+  keys of the slot (padding excluded); every key is stored as ``k - mean`` (float32, one rounding to ``k``'s
+  dtype). A refused call changes no mean; admit / release zero a slot's means; `fork` copies them (the shared
+  pages hold keys shifted by the source's mean); a rewind to 0 and a new append take a new mean; speculative
+  rollback above 0 keeps it (frozen before any draft token). Every score of one query shifts by the same
+  ``sm_scale * q . mean``, so softmax and the output are unchanged; readers undo the rest: `decode_attention` and
+  `chunk_attention` add ``sm_scale * q . mean`` to the LSE (`mean_logit`, q in the stored frame), so the LSE is the
+  raw keys' and merges with attention over keys held elsewhere (sinks in `jmixedkv.step` apply to it); `stage`,
+  `gather_rows`, `overlay_retained_rows` and `rows_reference` add the mean back to K (`to_model_space`) unless
+  ``as_stored=True`` (`StagedCache.k_mean` then holds the means to add). A logit soft-cap does not commute with the
+  shift, so ``soft_cap`` is refused. Prefix reuse and offload (`jmixedkv.prefix.PrefixCache`,
+  `admit_with_prefix`) refuse the lever: an index entry does not carry its owner's mean. An MLA latent group
+  (kv_factor=1) refuses it (the latent is also the value). Compressed groups (`jmixedkv.compressed`) are not
+  smoothed. The torch `interop.StaticPagedCache` holds its means likewise. With the rotation and "4 over 6" it
+  lowered KL on every text measured; without them its effect changes sign with the text (bench/RESULTS.md).
 
 Shapes: ``[..., D]`` with ``D`` a power of two (head_dim).
 """
@@ -43,7 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ROTATIONS", "hadamard", "hadamard_np", "rotate", "unrotate", "rotate_rows", "k_mean", "smooth_k"]
+__all__ = ["ROTATIONS", "hadamard", "hadamard_np", "rotate", "unrotate", "rotate_rows", "k_mean", "smooth_k",
+           "smooth_rows", "mean_logit", "to_model_space"]
 
 ROTATIONS = (None, "hadamard")
 
@@ -111,3 +118,60 @@ def rotate_rows(rotation, k, v, positions, rope=None):
     k = rotate(k, rotation).astype(k.dtype)
     v = None if v is None else rotate(v, rotation).astype(v.dtype)
     return k, v, None
+
+
+def smooth_rows(rotation, means, layer, k, v, seq, pos, fresh, rope=None):
+    """The write-path hook of `jmixedkv.state.append` under ``k_smoothing``: ``(k', v', means')``.
+
+    ``k`` is RoPE'd (if ``rope``; rounded to ``k``'s dtype like the plain path) and rotated (float32); every slot
+    with ``fresh bool[S]`` and at least one token here (``seq i32[T]``, -1 = padding) takes the float32 mean of its
+    tokens' keys as its frozen mean; every key becomes ``k - means'[layer, seq]`` in float32, rounded once to
+    ``k``'s dtype. ``v`` is rotated like `rotate_rows`. ``means f32[L, S, H, D]`` (stored frame: after the
+    rotation); ``layer`` i32[] with ``k [T, H, D]``, or None with ``k [L, T, H, D]`` (every layer)."""
+    from .rope import apply_rope
+    if rope is not None:
+        k = apply_rope(k, pos, rope).astype(k.dtype)
+    kf = rotate(k, rotation).astype(jnp.float32)
+    v = None if v is None else rotate(v, rotation).astype(v.dtype)
+    num_seqs = means.shape[1]
+    seg = jnp.where(seq >= 0, seq, num_seqs)                                   # padding -> dropped segment
+    tokens = kf if layer is not None else jnp.moveaxis(kf, 0, 1)               # [T, (L,) H, D]
+    sums = jax.ops.segment_sum(tokens, seg, num_segments=num_seqs + 1)[:num_seqs]
+    count = jax.ops.segment_sum(jnp.ones(seg.shape, jnp.float32), seg, num_segments=num_seqs + 1)[:num_seqs]
+    take = fresh & (count > 0)
+    fresh_mean = sums / jnp.maximum(count, 1.0).reshape((-1,) + (1,) * (sums.ndim - 1))
+    s = jnp.clip(seq, 0, num_seqs - 1)
+    if layer is not None:
+        cur = jnp.where(take[:, None, None], fresh_mean, means[layer])         # [S, H, D]
+        means = means.at[layer].set(cur)
+        k = (kf - cur[s]).astype(k.dtype)
+    else:
+        means = jnp.where(take[None, :, None, None], jnp.moveaxis(fresh_mean, 1, 0), means)   # [L, S, H, D]
+        k = (kf - means[:, s]).astype(k.dtype)
+    return k, v, means
+
+
+def mean_logit(means, layer, seq, q, sm_scale=None):
+    """``sm_scale * q . mean`` per query ``f32[B, Tq, Hq]``: what K smoothing took off every logit of a query.
+
+    ``means f32[L, S, H, D]``; ``layer`` i32[]; ``seq i32[B]`` (-1 rows give 0); ``q [B, Tq, Hq, D]`` in the
+    stored frame (rotated under a rotation lever), GQA groups of ``Hq // H`` consecutive query heads."""
+    b, tq, hq, d = q.shape
+    h = means.shape[2]
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    m = means[layer][jnp.clip(seq, 0, means.shape[1] - 1)]                      # [B, H, D]
+    m = jnp.where((seq >= 0)[:, None, None], m, 0.0)
+    qf = q.astype(jnp.float32).reshape(b, tq, h, hq // h, d)
+    dot = jnp.einsum("btkgd,bkd->btkg", qf, m, precision=jax.lax.Precision.HIGHEST)
+    return (dot * scale).reshape(b, tq, hq)
+
+
+def to_model_space(rows, rotation=None, k_mean=None, dtype=None):
+    """Stored rows ``rows [..., kv, H, D]`` back to model space in ``dtype`` (default ``rows``'s): the K mean
+    ``k_mean f32[..., H, D]`` (None: no smoothing) added to the keys (``kv`` index 0), then `unrotate`; float32
+    math, one rounding."""
+    dtype = rows.dtype if dtype is None else jnp.dtype(dtype)
+    if k_mean is not None:
+        rows = rows.astype(jnp.float32)
+        rows = jnp.concatenate([rows[..., :1, :, :] + k_mean[..., None, :, :], rows[..., 1:, :, :]], axis=-3)
+    return unrotate(rows, rotation, dtype)

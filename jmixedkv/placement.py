@@ -1,5 +1,5 @@
 """Placement of a `CacheState` on a ``("tp",)`` mesh: pool arrays ``[L, P, kv, H, page, X]`` sharded on their
-KV-head axis, the rest replicated. Imports no `jmixedkv` module, so `state` (``init_state(mesh=...)``) and
+KV-head axis (the K-smoothing means ``f32[L, S, H, D]`` on theirs), the rest replicated. Imports no `jmixedkv` module, so `state` (``init_state(mesh=...)``) and
 `sharding` (which imports `state`) both use it without a cycle (docs/DESIGN.md §7)."""
 from __future__ import annotations
 
@@ -19,12 +19,14 @@ def _pool_leaf_spec(leaf):
 
 
 def state_specs(state):
-    """PartitionSpec pytree for a `CacheState`: pool arrays on the head axis, everything else replicated."""
+    """PartitionSpec pytree for a `CacheState`: pool arrays and K-smoothing means on the head axis, everything else
+    replicated."""
     pools = jax.tree.map(_pool_leaf_spec, state.pools)
     rest = {f: jax.tree.map(lambda _: P(), getattr(state, f))
             for f in ("page_table", "high_table", "kv_lens", "active", "written", "floor", "step_lo",
                       "step_layers", "alloc", "high_alloc", "error")}
-    return dataclasses.replace(state, pools=pools, **rest)
+    k_means = jax.tree.map(lambda _: P(None, None, AXIS), state.k_means)     # f32[L, S, H, D]: the head axis
+    return dataclasses.replace(state, pools=pools, k_means=k_means, **rest)
 
 
 def check_divisible(state, tp: int):

@@ -35,8 +35,9 @@ the chunk ``T`` and in the context ``S`` (tests/test_prefill.py asserts it on th
 Levers (`jmixedkv.levers`): model-space ``q`` in, model-space output out, as `jmixedkv.decode.decode_attention`:
 with ``rotation="hadamard"`` the staged rows are the stored (rotated) rows, ``q`` is rotated (float32, one
 rounding to the attention dtype) and the float32 output un-rotated before its one rounding; the LSE is unchanged.
-With ``k_smoothing`` the LSE is that of the smoothed keys and ``soft_cap`` is refused (module docstring of
-`jmixedkv.decode`).
+With ``k_smoothing`` every stored key (the chunk's own and the history) is shifted by the slot's one frozen mean,
+so the output is the model's and the LSE is returned for the raw keys (``+ sm_scale * q . mean``); ``soft_cap`` is
+refused (module docstring of `jmixedkv.decode`).
 
 Bad input (`jmixedkv.checks`): host values out of range raise `ValueError` naming the value; inside jit a batch
 row whose slot is outside ``[-1, max_seqs)`` or not admitted, every row when the layer is out of range, and a query
@@ -188,6 +189,8 @@ def _attend(state, layer, q, seq, positions, *, group, sm_scale, sliding_window,
     else:
         out, lse = flash(*args)
     out = levers.unrotate(out, rotation, dtype)                    # (p @ V Hd) Hd = p @ V, one rounding
+    if state.k_means is not None:                                  # the LSE of the raw keys (k = stored + mean)
+        lse = lse + levers.mean_logit(state.k_means[group], layer_c, seq, q, sm_scale)
     bad = bad_row[:, None] | bad_q
     out = jnp.where(bad[..., None, None], jnp.array(jnp.nan, dtype), out)
     return out, jnp.where(bad[..., None], jnp.nan, lse)
@@ -340,4 +343,7 @@ def chunk_attention_reference(state, layer, q, seq_slots, positions=None, *, gro
     p = jnp.exp(logits - jnp.where(ok, lse, 0.0)[..., None])
     out = jnp.einsum("btkgs,bksd->btkgd", p, staged[:, 1], precision=hi)
     out = levers.rotate(jnp.where(ok[..., None], out, 0.0).reshape(b, t, hq, d), rotation)
-    return out, lse.reshape(b, t, hq)
+    lse = lse.reshape(b, t, hq)
+    if state.k_means is not None:                                  # raw keys' LSE, as `chunk_attention`
+        lse = lse + levers.mean_logit(state.k_means[group], layer, seq, q, sm_scale)
+    return out, lse

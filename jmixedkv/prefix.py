@@ -88,6 +88,14 @@ def copy_pages(state: CacheState, src_low, dst_low, src_high, dst_high) -> Cache
     return dataclasses.replace(out, error=state.error | err)
 
 
+def _refuse_smoothing(config, op: str) -> None:
+    """Prefix reuse and offload cannot carry K smoothing: shared / restored pages hold keys shifted by their owner's
+    mean (``CacheState.k_means``), which an index entry does not keep."""
+    if config.k_smoothing:
+        raise ValueError(f"{op}: k_smoothing=True: shared prefix pages hold keys shifted by their owner's K mean, "
+                         f"which prefix reuse and offload do not carry; build the KVCacheConfig without k_smoothing")
+
+
 def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, length) -> CacheState:
     """Admit ``seq_slot`` holding a shared prefix of ``length`` tokens.
 
@@ -107,6 +115,7 @@ def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, 
     cfg, page = state.config, state.page_size
     nf, nr = cfg.num_fixed_pages, state.high_table.shape[1] - cfg.num_fixed_pages
     op = "admit_with_prefix"
+    _refuse_smoothing(cfg, op)
     slot, in_range, none = checks.slot_in_range(checks.check_slot_arg(seq_slot, state.max_seqs, "seq_slot", op),
                                                 state.max_seqs)
     low_pages = checks.index_array(low_pages, "low_pages", op, -1, state.alloc.num_pages)
@@ -199,10 +208,12 @@ class PrefixCache:
       backend: append backend (``"auto"``, ``"reference"``, ``"pallas"``).
     Pools running short are refilled by evicting least-valuable leaf pages of the index (lowest priority, then
     least recently used; only pages no live sequence holds) to the host tier; a later match brings them back.
+    A K-smoothed state (``k_smoothing``) is refused with `ValueError`: an entry does not carry its owner's K mean.
     """
 
     def __init__(self, state: CacheState, salt=None, host_capacity_pages: Optional[int] = None,
                  backend: str = "auto"):
+        _refuse_smoothing(state.config, "PrefixCache")
         self.manager = CacheManager.wrap(state, backend)
         self.salt = salt
         self.host = offload.HostTier(host_capacity_pages)

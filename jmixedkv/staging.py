@@ -26,6 +26,11 @@ bf16 twin row comes back within one bf16 rounding of the row written plus the wr
 (`jmixedkv.levers.unrotate`), so an all-high rotated cache is not bit-exact but within bf16 rounding. The Pallas
 path stages rotated pages in float32 first (twice the staging buffer, transiently).
 
+K smoothing (``k_smoothing``): model-space pages hold the raw keys (the stored ``k - mean`` plus the slot's frozen
+mean, float32, before the un-rotation and the one rounding); ``as_stored=True`` pages hold the shifted keys and
+``StagedCache.k_mean`` the per-batch-row means to add (a backend attending over them gets the model's output; its
+LSE is lower by ``sm_scale * q . mean``).
+
 Validation (`jmixedkv.checks`): concrete inputs are checked on the host (`checks.validate_read`); inside jit a batch
 row whose slot, length or layer is bad gets one staged page of NaN (``kv_lens = page_size``) and reads nothing.
 """
@@ -48,12 +53,15 @@ __all__ = ["StagedCache", "stage", "stage_reference", "staged_page_table"]
 @pytree("rotation")
 class StagedCache:
     """A plain paged cache in the attention dtype (see the module docstring for the layout). ``rotation``: None
-    for model-space pages (the default of `stage`), else the rotation the pages are still stored in."""
+    for model-space pages (the default of `stage`), else the rotation the pages are still stored in. ``k_mean``:
+    None for model-space pages, else (``as_stored=True`` on a K-smoothed cache) the K mean each batch row's keys
+    are still shifted by, ``f32[B, H, D]`` (``[L, B, H, D]`` for every layer), in the stored frame."""
 
     pages: jax.Array
     page_table: jax.Array
     kv_lens: jax.Array
     rotation: Optional[str] = None
+    k_mean: Optional[jax.Array] = None
 
     @property
     def page_size(self) -> int:
@@ -139,22 +147,27 @@ def stage(state, layer, seq_slots, *, group: int = 0, backend: str = "auto", kv_
     num_staged = seq.shape[0] * width if num_staged_pages is None else num_staged_pages
     table = staged_page_table(batch_lens, width, state.page_size)
     table = jnp.where(table < num_staged, table, -1)
-    rotation = None if as_stored else state.config.rotation
     out = dispatch("reference" if state.kinds[group] == "plain" else backend,   # plain rows: already a row dtype
-                   _stage_reference_pages, _stage_pallas)(state, layer, seq, group, lens, table, num_staged, rotation)
+                   _stage_reference_pages, _stage_pallas)(state, layer, seq, group, lens, table, num_staged,
+                                                          as_stored)
     poison = jnp.where(bad, table[:, 0], num_staged)
     poison = jnp.where(poison >= 0, poison, num_staged)
     out = (out.at[:, poison] if layer is None else out.at[poison]).set(checks.nan_like(out), mode="drop")
-    return StagedCache(out, table, batch_lens, state.config.rotation if as_stored else None)
+    k_mean = None
+    if as_stored and state.k_means is not None:
+        m = state.k_means[group] if layer is None else state.k_means[group][layer]
+        m = jnp.take(m, jnp.clip(seq, 0, state.max_seqs - 1), axis=-3)
+        k_mean = jnp.where((seq >= 0)[:, None, None], m, 0.0)
+    return StagedCache(out, table, batch_lens, state.config.rotation if as_stored else None, k_mean)
 
 
-def _stage_reference_pages(state, layer, seq, group, lens, table, num_staged, rotation):
-    """Staged pages in the attention dtype, un-rotated when ``rotation`` (model space)."""
+def _stage_reference_pages(state, layer, seq, group, lens, table, num_staged, as_stored):
+    """Staged pages in the attention dtype, in model space unless ``as_stored``."""
     if layer is None:
-        return jnp.stack([_stage_reference_pages(state, i, seq, group, lens, table, num_staged, rotation)
+        return jnp.stack([_stage_reference_pages(state, i, seq, group, lens, table, num_staged, as_stored)
                           for i in range(state.groups[group].num_layers)])
     dense = stage_reference(state, layer, seq, group, lens, width=table.shape[1],
-                            as_stored=rotation is None)                      # [B, kv, H, W*page, D]
+                            as_stored=as_stored)                             # [B, kv, H, W*page, D]
     b, kv, h, s_max, d = dense.shape
     page, w = state.page_size, table.shape[1]
     per_page = jnp.transpose(dense.reshape(b, kv, h, w, page, d), (0, 3, 1, 2, 4, 5)).reshape(b * w, kv, h, page, d)
@@ -163,9 +176,29 @@ def _stage_reference_pages(state, layer, seq, group, lens, table, num_staged, ro
     return out.at[dst].set(per_page, mode="drop")
 
 
-def _stage_pallas(state, layer, seq, group, lens, table, num_staged, rotation, *, interpret):
-    """Staged pages from the kernel; with ``rotation`` it stages float32 pages and un-rotates them (model space)."""
+def _page_means(state, layer, seq, group, lens, table, num_staged):
+    """The K mean to add to every staged row, ``f32[N, page, H, D]`` (``[L, N, page, H, D]`` for ``layer=None``):
+    its batch row's slot mean at rows ``< kv_len``, zero elsewhere (unused pages, padding, rows past the length)."""
+    b, w = table.shape
+    page = state.page_size
+    dst = jnp.where(table >= 0, table, num_staged).reshape(-1)
+    owner = jnp.full((num_staged,), -1, jnp.int32).at[dst].set(jnp.repeat(jnp.arange(b, dtype=jnp.int32), w),
+                                                                mode="drop")
+    col = jnp.zeros((num_staged,), jnp.int32).at[dst].set(jnp.tile(jnp.arange(w, dtype=jnp.int32), b), mode="drop")
+    row_seq = jnp.where(owner >= 0, seq[jnp.maximum(owner, 0)], -1)                        # [N]
+    row_len = jnp.where(owner >= 0, lens[jnp.clip(row_seq, 0, state.max_seqs - 1)], 0)
+    held = (row_seq >= 0)[:, None] & (col[:, None] * page + jnp.arange(page)[None, :] < row_len[:, None])
+    means = state.k_means[group] if layer is None else state.k_means[group][layer]
+    m = jnp.take(means, jnp.clip(row_seq, 0, state.max_seqs - 1), axis=-3)               # [(L,) N, H, D]
+    return jnp.where(held[..., None, None], m[..., None, :, :], 0.0)
+
+
+def _stage_pallas(state, layer, seq, group, lens, table, num_staged, as_stored, *, interpret):
+    """Staged pages from the kernel; in model space under a lever it stages float32 pages, adds the K means and
+    un-rotates them, one rounding."""
     from pallas_kernels.stage import stage_pages
+    rotation = None if as_stored else state.config.rotation
+    smoothed = not as_stored and state.k_means is not None
     kind, pools, spec = state.kinds[group], state.pools[group], state.groups[group]
     layers = (jnp.arange(spec.num_layers, dtype=jnp.int32) if layer is None
               else jnp.asarray(layer, jnp.int32).reshape(1))
@@ -174,6 +207,11 @@ def _stage_pallas(state, layer, seq, group, lens, table, num_staged, rotation, *
                         low=(pools.low.data, pools.low.scales, pools.low.gs),
                         high=None if high is None else (high.rows, high.scale), geom=state.config.twin,
                         num_staged_pages=num_staged, interpret=interpret,
-                        out_dtype=state.config.attention_dtype if rotation is None else jnp.float32)
+                        out_dtype=state.config.attention_dtype if rotation is None and not smoothed else jnp.float32)
+    if smoothed:                                     # pages [L, N, kv, H, page, D]; the mean per [L, N, page, H, D]
+        mean = _page_means(state, None if layer is None else layers[0], seq, group, lens, table, num_staged)
+        mean = jnp.swapaxes(mean if layer is None else mean[None], -3, -2)               # [L, N, H, page, D]
+        pages = pages.astype(jnp.float32)
+        pages = jnp.concatenate([pages[:, :, :1] + mean[:, :, None], pages[:, :, 1:]], axis=2)
     pages = levers.unrotate(pages, rotation, state.config.attention_dtype)
     return pages if layer is None else pages[0]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks, layout
+from . import checks, layout, levers
 from .allocator import Allocator, allocate_mask, new_allocator, release_pages, retain_pages
 from .config import KVCacheConfig
 from .offload import gather_pages, scatter_pages
@@ -103,6 +103,9 @@ class CacheState:
         part (an accept between two layers' appends of one verify step).
       alloc / high_alloc: `Allocator` for the low and high pools.
       error: i32[] sticky error bits (``ERR_*``).
+      k_means: with ``config.k_smoothing``, one f32[L, S, H, D] per group: each slot's frozen per-(layer, KV
+        head, channel) K mean in the stored frame (after RoPE and the rotation lever), subtracted from every key
+        the slot stores (`append`; `jmixedkv.levers`); zero for a slot that stored nothing. None otherwise.
     """
 
     config: KVCacheConfig
@@ -120,6 +123,7 @@ class CacheState:
     alloc: Allocator
     high_alloc: Allocator
     error: jax.Array
+    k_means: Optional[tuple] = None
 
     @property
     def max_seqs(self) -> int:
@@ -250,7 +254,9 @@ def init_state(config: KVCacheConfig, groups: Union[GroupSpec, Sequence[GroupSpe
         step_lo=jnp.full((max_seqs,), -1, jnp.int32),
         step_layers=jnp.zeros((max_seqs, layer_offsets(groups)[-1]), bool),
         alloc=new_allocator(num_pages, page_order), high_alloc=new_allocator(max(num_high_pages, 1), high_page_order),
-        error=_order_error(page_order, num_pages) | _order_error(high_page_order, max(num_high_pages, 1)))
+        error=_order_error(page_order, num_pages) | _order_error(high_page_order, max(num_high_pages, 1)),
+        k_means=(tuple(jnp.zeros((g.num_layers, max_seqs, g.num_kv_heads, g.head_dim), jnp.float32) for g in groups)
+                 if config.k_smoothing else None))
     if mesh is not None:
         from .placement import shard_state
         state = shard_state(state, mesh)
@@ -259,8 +265,11 @@ def init_state(config: KVCacheConfig, groups: Union[GroupSpec, Sequence[GroupSpe
 
 def _check_groups(config: KVCacheConfig, groups, num_high_pages: int) -> None:
     """Refuse at construction what the first append would: a Hadamard rotation of a head_dim that is not a power
-    of two, and a mixed group with no twin page to admit a sequence into."""
+    of two, a K-smoothed MLA latent group, and a mixed group with no twin page to admit a sequence into."""
     for g in groups:
+        if config.k_smoothing and g.kv_factor == 1:
+            raise ValueError(f"init_state: k_smoothing=True on group {g.name!r}, an MLA latent (kv_factor=1): the "
+                             f"latent is both key and value, so a shifted key would shift the output")
         if config.rotation == "hadamard" and g.head_dim & (g.head_dim - 1):
             raise ValueError(f"init_state: rotation='hadamard' needs a power-of-two head_dim; group {g.name!r} has "
                              f"head_dim={g.head_dim}")
@@ -326,7 +335,15 @@ def _fresh_steps(state: CacheState, slot, length=0) -> dict:
     """The rewind bookkeeping of a slot that holds ``length`` rows no rewind may drop: ``written = floor =
     length``, no open step."""
     return dict(written=state.written.at[slot].set(length), floor=state.floor.at[slot].set(length),
-                step_lo=state.step_lo.at[slot].set(-1), step_layers=state.step_layers.at[slot].set(False))
+                step_lo=state.step_lo.at[slot].set(-1), step_layers=state.step_layers.at[slot].set(False),
+                k_means=_slot_means(state, slot, None))
+
+
+def _slot_means(state: CacheState, slot, src):
+    """``state.k_means`` with slot ``slot``'s means zeroed (``src`` None) or copied from slot ``src``."""
+    if state.k_means is None:
+        return None
+    return tuple(m.at[:, slot].set(0.0 if src is None else m[:, src]) for m in state.k_means)
 
 
 def admit(state: CacheState, seq_slot) -> CacheState:
@@ -468,6 +485,10 @@ def append(state: CacheState, layer, k, v, seq_slots, positions, group: int = 0,
     ``ERR_BAD_POSITION``, ``ERR_TOO_LONG``, ``ERR_SHARED_PAGE``, ``ERR_LOW_OOM``) nothing is written and every
     leaf but ``error`` is unchanged. Host (non-JAX) slots / positions / layer are range-checked first
     (`ValueError`).
+
+    With ``k_smoothing`` (`jmixedkv.levers.smooth_rows`): RoPE and the rotation are applied here, a slot whose
+    tokens in this call start at position 0 (its prefill or first chunk, for the layers written) takes their mean
+    as its frozen ``k_means`` entry, and every key is stored as ``k - mean``.
     """
     spec = checks.check_group(state, group, "append")
     seq = checks.index_array(seq_slots, "seq_slots", "append", -1, state.max_seqs, host=not checks.is_jax(seq_slots))
@@ -493,7 +514,14 @@ def _append(state: CacheState, layer, k, v, seq, pos, group, rope, backend) -> C
     err = err | oom
     seq = jnp.where(ok, seq, -1)
     low_slot, high_slot = write_slots(state, seq, pos)
-    pools = write_rows(state, layer_c, k, v, pos, low_slot, high_slot, group=group, rope=rope, backend=backend)
+    k_means = state.k_means
+    if k_means is not None:             # the lever: RoPE, rotation, mean (a slot's call from position 0), shift
+        k, v, means = levers.smooth_rows(state.config.rotation, k_means[group], layer_c, k, v, seq, pos,
+                                         first == 0, rope)
+        k_means = k_means[:group] + (jnp.where(ok, means, k_means[group]),) + k_means[group + 1:]
+        rope = None
+    pools = write_rows(state, layer_c, k, v, pos, low_slot, high_slot, group=group, rope=rope, backend=backend,
+                       transformed=k_means is not None)
     has = ok & (last >= 0)
     kv_lens = jnp.where(has, last + 1, state.kv_lens)
     written = jnp.where(has, jnp.maximum(state.written, last + 1), state.written)
@@ -501,7 +529,7 @@ def _append(state: CacheState, layer, k, v, seq, pos, group, rope, backend) -> C
     step_lo, step_layers = _track_step(state, group, layer_c, has, first, last)
     new_pools = state.pools[:group] + (pools,) + state.pools[group + 1:]
     return dataclasses.replace(state, pools=new_pools, kv_lens=kv_lens, written=written, floor=floor,
-                               step_lo=step_lo, step_layers=step_layers, error=state.error | err)
+                               step_lo=step_lo, step_layers=step_layers, error=state.error | err, k_means=k_means)
 
 
 def _track_step(state: CacheState, group: int, layer, has, first, last):
@@ -581,7 +609,7 @@ def fork(state: CacheState, src, dst) -> CacheState:
     out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
                   page_table=state.page_table.at[dst].set(dst_row),
                   high_table=state.high_table.at[dst].set(dst_hrow),
-                  active=state.active.at[dst].set(True), **copy)
+                  active=state.active.at[dst].set(True), k_means=_slot_means(state, dst, src), **copy)
     # the fresh destination pages are held once (allocated above): copy_pages' checks pass whenever ok
     src_l, dst_l = jnp.where(copy_low & ok, row, -1), jnp.where(copy_low & ok, new_low, -1)
     src_h, dst_h = jnp.where(copy_high & ok, hrow, -1), jnp.where(copy_high & ok, new_high, -1)

@@ -19,11 +19,13 @@ from .rope import apply_rope
 __all__ = ["write_rows", "write_rows_reference"]
 
 
-def write_rows(state, layer, k, v, pos, low_slot, high_slot, *, group: int, rope=None, backend: str = "auto"):
+def write_rows(state, layer, k, v, pos, low_slot, high_slot, *, group: int, rope=None, backend: str = "auto",
+               transformed: bool = False):
     """Store rows ``k`` / ``v`` (``[T, H, D]`` for ``layer``, ``[L, T, H, D]`` for ``layer=None``; ``v=None`` for an
     MLA latent) of group ``group`` at ``low_slot`` / ``high_slot`` i32[T] (-1 skip); returns the group's new
-    `GroupPools`. A rotation lever (`jmixedkv.levers`) rotates K and V after RoPE, before the store."""
-    if state.config.rotation is not None:
+    `GroupPools`. A rotation lever (`jmixedkv.levers`) rotates K and V after RoPE, before the store, unless
+    ``transformed`` (the caller applied the levers: `jmixedkv.levers.smooth_rows`)."""
+    if state.config.rotation is not None and not transformed:
         from .levers import rotate_rows
         k, v, rope = rotate_rows(state.config.rotation, k, v, pos, rope)
     return dispatch(backend, _reference, _pallas)(state.pools[group], state.groups[group].kv_factor, k, v, pos, rope,
