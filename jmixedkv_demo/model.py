@@ -111,24 +111,19 @@ class CacheSession:
     ``attention``: ``"auto"`` / ``"fused"`` read through the kernels -- `decode_attention` for one token,
     `jmixedkv.prefill.chunk_attention` (cuDNN or a blocked flash, memory linear in the chunk) for a prefill -- and
     ``"reference"`` through dense float32 `attention_reference` over `stage_reference` (``[B, H, T, S]`` logits:
-    small sizes only)."""
+    small sizes only). The levers are the cache's: ``append`` rotates and K-smooths (the cache holds each
+    sequence's K mean, `jmixedkv.levers`), the readers undo them."""
 
-    def __init__(self, state, seq_slots, attention: str = "auto", k_means=None):
+    def __init__(self, state, seq_slots, attention: str = "auto"):
         self.state, self.seq_slots, self.attention = state, seq_slots, attention
         self.outputs = []
-        self.k_means = k_means          # f32[L, B, H, D] frozen K means (k_smoothing), None: take them now
-        self.new_means = []
 
     def attend(self, layer: int, q, k, v, positions):
         b, t, h, d = k.shape
         cfg = self.state.config
-        if cfg.k_smoothing:             # lever: subtract the prefill's per-channel K mean (softmax unchanged)
-            mean = levers.k_mean(k) if self.k_means is None else self.k_means[layer]
-            self.new_means.append(mean)
-            k = levers.smooth_k(k, mean)
         seq = jnp.repeat(self.seq_slots, t)
         self.state = append(self.state, layer, k.reshape(b * t, h, d), v.reshape(b * t, h, d), seq,
-                            positions.reshape(-1))     # rotation (lever) is applied by append
+                            positions.reshape(-1))     # the levers (rotation, K smoothing) are applied by append
         dtype = cfg.attention_dtype
         # readers take queries in the attention dtype (as the fused kernel does)
         if t == 1 and self.attention != "reference":
@@ -348,18 +343,17 @@ def _generate_impl(params, prompts, teacher, forced, scales=None, *, model_cfg: 
     state = jax.lax.fori_loop(0, b, lambda i, s: admit(s, i), state)
     stacked = _stack_blocks(params, model_cfg)
 
-    def forward(state, tokens, positions, k_means=None):
-        """``(state', last-token logits f32[B, V], attention outputs f32[B, L, Hq, D] of the last token, K means
-        f32[L, B, H, D] or f32[0])``."""
+    def forward(state, tokens, positions):
+        """``(state', last-token logits f32[B, V], attention outputs f32[B, L, Hq, D] of the last token)``."""
         def emit(s):
-            return s.state, (s.outputs[0][:, -1], s.new_means[0] if s.new_means else jnp.zeros((0,), jnp.float32))
-        logits, state, (attn, means) = _scan_layers(
+            return s.state, s.outputs[0][:, -1]
+        logits, state, attn = _scan_layers(
             params, model_cfg, tokens, positions, emit=emit, carry=state, last_only=True, stacked=stacked,
-            make_session=lambda layer, st: CacheSession(st, slots, attention, k_means=k_means))
-        return state, logits[:, -1].astype(jnp.float32), jnp.swapaxes(attn, 0, 1), means
+            make_session=lambda layer, st: CacheSession(st, slots, attention))
+        return state, logits[:, -1].astype(jnp.float32), jnp.swapaxes(attn, 0, 1)
 
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    state, logits0, attn0, k_means = forward(state, prompts, positions)   # k_means frozen from the prefill
+    state, logits0, attn0 = forward(state, prompts, positions)      # the cache freezes K means (k_smoothing)
     vocab = logits0.shape[-1]
     tokens = jnp.zeros((b, num_new), jnp.int32).at[:, 0].set(jnp.argmax(logits0, -1).astype(jnp.int32))
     all_logits = jnp.zeros((b, num_new, vocab), jnp.float32).at[:, 0].set(logits0)
@@ -369,7 +363,7 @@ def _generate_impl(params, prompts, teacher, forced, scales=None, *, model_cfg: 
         state, tokens, all_logits, all_attn = carry
         fed = jnp.where(forced, teacher[:, i - 1], tokens[:, i - 1])
         pos = jnp.full((b, 1), p + i - 1, jnp.int32)
-        state, logits, attn, _ = forward(state, fed[:, None], pos, k_means if cache_cfg.k_smoothing else None)
+        state, logits, attn = forward(state, fed[:, None], pos)
         tokens = tokens.at[:, i].set(jnp.argmax(logits, -1).astype(jnp.int32))
         return state, tokens, all_logits.at[:, i].set(logits), all_attn.at[:, i].set(attn)
 

@@ -271,8 +271,8 @@ class ServingLoop:
     Args:
       weights: `prepare_weights` of the model's parameters.
       model_cfg: the `ModelConfig` (its KV geometry sizes the cache).
-      cache_cfg: the `KVCacheConfig` (``k_smoothing`` is refused: its K mean is frozen per sequence at prefill,
-        which the shared step does not track).
+      cache_cfg: the `KVCacheConfig` (with ``k_smoothing`` the cache freezes each sequence's K mean from its first
+        prefill chunk; ``prefix_reuse`` refuses it: `jmixedkv.PrefixCache`).
       plan: `plan_pools` for the budget.
       eos_id: token that ends a sequence (kept in its output), or None.
       max_chunk: longest prefill chunk (a power of two): prefill memory is linear in it.
@@ -283,9 +283,6 @@ class ServingLoop:
     def __init__(self, weights: dict, model_cfg: ModelConfig, cache_cfg: KVCacheConfig, plan: PoolPlan, *,
                  eos_id: Optional[int] = None, max_chunk: int = 2048, attention: str = "auto",
                  prefix_reuse: bool = False):
-        if cache_cfg.k_smoothing:
-            raise ValueError("ServingLoop: k_smoothing=True is not supported (the K mean is frozen per sequence at "
-                             "its prefill; the shared decode step does not carry one per slot)")
         if attention not in ATTENTION_MODES:
             raise ValueError(f"ServingLoop: attention must be one of {ATTENTION_MODES}, got {attention!r}")
         prefill_chunks(1, max_chunk)                                     # max_chunk: a power of two

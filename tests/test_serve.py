@@ -7,6 +7,7 @@
   even with more slots; every page is back in the pool at the end; the allocated pools fit the budget;
 * refusals before anything runs: a request that can never fit (named by its lengths), bad tokens; a device error
   bit is raised as `CacheError`, never ignored;
+* K smoothing (the cache holds the means): tokens equal `generate`'s; with prefix reuse refused;
 * EOS: sequences end at their first EOS (kept), the rest of the tokens unchanged, pages returned;
 * one compiled program per bucket: every program traced once across loops of the same config and pools;
 * bfloat16 weights: tokens equal `generate` with the same weights, all-high equals bf16, one decode program whose
@@ -135,9 +136,21 @@ def test_a_device_error_is_raised_not_ignored():
         lp.run(requests([(16, 2)]))
 
 
-def test_k_smoothing_and_bad_chunk_are_refused():
-    with pytest.raises(ValueError, match="k_smoothing"):
-        sv.ServingLoop(weights(), CFG, BF16.replace(k_smoothing=True), plan())
+def test_k_smoothing_serves_the_tokens_of_generate():
+    """The cache holds each sequence's K mean (frozen from its first prefill chunk: one-chunk prompts here, as
+    `generate`'s one-call prefill); prefix reuse cannot carry it and is refused."""
+    smooth = BF16.replace(k_smoothing=True)
+    lengths = [(16, 5), (16, 3), (16, 6)]
+    reqs = requests(lengths, seed=3)
+    res = loop(smooth).run(reqs)
+    for i, r in enumerate(reqs):
+        want = generate(params(), r.prompt[None], CFG, smooth, r.max_new).tokens
+        np.testing.assert_array_equal(res.outputs[i], np.asarray(want[0]))
+    with pytest.raises(ValueError, match="PrefixCache: k_smoothing=True"):
+        loop(smooth, prefix_reuse=True)
+
+
+def test_bad_chunk_is_refused():
     with pytest.raises(ValueError, match="max_chunk a power of two"):
         sv.ServingLoop(weights(), CFG, BF16, plan(), max_chunk=24)
 
