@@ -159,15 +159,11 @@ class JMixedKVCache(Cache):
         if decode not in DECODE_MODES:
             raise ValueError(f"JMixedKVCache: decode must be one of {DECODE_MODES}, got {decode!r}")
         spec = cache.groups[0]
-        if cache.config.k_smoothing:
-            raise ValueError("JMixedKVCache: k_smoothing=True, but this cache stores the model's keys as they are (in "
-                             "the JAX cache the caller subtracts the K mean, jmixedkv.levers); use "
-                             "interop.hf_static.JMixedStaticCache, which smooths K itself, or drop k_smoothing")
         if spec.kv_factor != 2:
             raise ValueError("JMixedKVCache needs a K/V group (kv_factor=2), not an MLA latent")
         windows = [None] * spec.num_layers
         if config is not None:
-            _check_config(config, spec, decode)
+            _check_config(config, spec, decode, cache.config.k_smoothing)
             windows = sliding_windows(config, spec.num_layers)
         self.cache, self.decode, self.spec = cache, decode, spec
         self.slots: Optional[np.ndarray] = None            # i32[B] slot of each batch row
@@ -416,8 +412,13 @@ def text_config(config):
     return cfg, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _check_config(config, spec, decode):
+def _check_config(config, spec, decode, k_smoothing=False):
     cfg, head_dim = text_config(config)
+    cap = getattr(cfg, "attn_logit_softcapping", None)
+    if decode == "fused" and k_smoothing and cap:
+        raise ValueError(f"JMixedKVCache(decode='fused'): k_smoothing with attention soft-capping "
+                         f"(attn_logit_softcapping={cap}): a soft-cap does not commute with the smoothing shift; use "
+                         f"decode='stage' (staged keys have the mean added back) or drop k_smoothing")
     want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
     have = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     if want != have:

@@ -254,10 +254,9 @@ def measure_serving(model: str, specs: str, page_size: int, budget_bytes=None, *
     ``budget_bytes`` of KV memory (default: the workload's), greedy, no EOS.
 
     ``model``: ``"smollm2"`` (its GGUF weights, `jmixedkv_demo.serve.load_serve_model`) or ``"random"`` (the
-    demo's random-weight model, ``quick``: the 2-layer one). The bf16 baseline runs first; caches the loop cannot
-    serve (``k_smoothing``) are left out and named in ``skipped``. Returns ``{"model", "platform",
-    "budget_bytes", "requests", "prompt_tokens", "output_tokens", "rows" (`serve_caches` dicts, outputs left out),
-    "skipped"}``."""
+    demo's random-weight model, ``quick``: the 2-layer one). The bf16 baseline runs first. Returns ``{"model",
+    "platform", "budget_bytes", "requests", "prompt_tokens", "output_tokens", "rows" (`serve_caches` dicts, outputs
+    left out)}``."""
     import jax
     import numpy as np
 
@@ -274,8 +273,6 @@ def measure_serving(model: str, specs: str, page_size: int, budget_bytes=None, *
                                  output_scale=w["output_scale"], prompt_multiple=w["prompt_multiple"])
     max_len = max(r.cache_len for r in reqs)
     caches = cache_list(specs, max_len, page_size, lambda c: c.dtype != "bf16")
-    skipped = [label for label, c in caches if c.k_smoothing]
-    caches = [(label, c) for label, c in caches if not c.k_smoothing]
     if budget_bytes is None:
         if w["kv_budget"] is not None:
             budget_bytes = cap.parse_bytes(w["kv_budget"])
@@ -288,7 +285,7 @@ def measure_serving(model: str, specs: str, page_size: int, budget_bytes=None, *
                               progress=progress)
     return {"model": f"{model} ({how})", "platform": platform, "budget_bytes": int(budget_bytes),
             "requests": len(reqs), "prompt_tokens": [len(r.prompt) for r in reqs],
-            "output_tokens": [r.max_new for r in reqs], "skipped": skipped,
+            "output_tokens": [r.max_new for r in reqs],
             "rows": [{k: (str(v) if k == "config" else v) for k, v in r.items() if k != "outputs"} for r in rows]}
 
 
@@ -297,11 +294,9 @@ def measured_text(measured: dict) -> str:
     from . import serve
     headers, rows = serve.serve_table(measured["rows"])
     p, o = measured["prompt_tokens"], measured["output_tokens"]
-    skipped = (f"; not served (k_smoothing: the loop has no per-slot K mean): {', '.join(measured['skipped'])}"
-               if measured["skipped"] else "")
     return (f"\n== MEASURED serving ({measured['platform']}): {measured['model']}, {measured['requests']} requests "
             f"(prompts {min(p)}-{max(p)} tokens, outputs {min(o)}-{max(o)}), KV budget "
-            f"{cap.format_bytes(measured['budget_bytes'])}, continuous batching (jmixedkv_demo.serve){skipped}\n"
+            f"{cap.format_bytes(measured['budget_bytes'])}, continuous batching (jmixedkv_demo.serve)\n"
             + cap.format_table(headers, rows)
             + "\npeak seqs = most sequences admitted at once within the budget; out tok/s = output tokens / wall "
               "time (prefill included, compilation excluded); decode tok/s = tokens of decode steps / their time; "

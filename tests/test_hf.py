@@ -181,5 +181,3 @@ def test_right_padding_and_wrong_shapes_refused(model):
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="layers, kv heads, head_dim"):
         JMixedKVCache(cache.cache, config=other)
-    with pytest.raises(ValueError, match="k_smoothing=True, but this cache stores the model's keys as they are"):
-        _cache(model, BF16.replace(k_smoothing=True))      # the JAX cache leaves the mean to the caller

@@ -73,20 +73,23 @@ def _generate(model, ids, cache):
 
 
 def _cache(model, decode):
-    if decode.startswith("static"):         # the compileable cache: torch-owned pools, torch ops
-        kv = ALL_HIGH.replace(k_smoothing=decode == "static_smoothed")
+    """``decode``: a `JMixedKVCache` mode or ``static`` (`JMixedStaticCache`), ``_smoothed``: with K smoothing."""
+    mode, _, smoothed = decode.partition("_")
+    kv = ALL_HIGH.replace(k_smoothing=smoothed == "smoothed")
+    if mode == "static":                    # the compileable cache: torch-owned pools, torch ops
         return JMixedStaticCache.for_model(model, kv, max_batch_size=BATCH, max_cache_len=MAX_LEN)
-    return JMixedKVCache.for_model(model, ALL_HIGH, max_batch_size=BATCH, max_cache_len=MAX_LEN, decode=decode,
+    return JMixedKVCache.for_model(model, kv, max_batch_size=BATCH, max_cache_len=MAX_LEN, decode=mode,
                                    backend="reference")
 
 
-@pytest.mark.parametrize("decode", ["stage", "fused", "static", "static_smoothed"])
+@pytest.mark.parametrize("decode", ["stage", "fused", "static", "stage_smoothed", "fused_smoothed",
+                                    "static_smoothed"])
 def test_all_high_cache_gives_dynamic_cache_tokens(family, decode):
     name, model, impl, ids = family
     want, want_scores = _generate(model, ids, DynamicCache(config=model.config))
-    model.set_attn_implementation(ATTN_IMPLEMENTATION if decode != "stage" else impl)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION if not decode.startswith("stage") else impl)
     try:
-        if decode == "static_smoothed" and name == "gemma2":       # soft-capping does not commute with the shift
+        if decode in ("fused_smoothed", "static_smoothed") and name == "gemma2":   # a soft-cap is not shift-invariant
             with pytest.raises(ValueError, match="k_smoothing with attention soft-capping"):
                 _cache(model, decode)
             return
@@ -99,6 +102,7 @@ def test_all_high_cache_gives_dynamic_cache_tokens(family, decode):
     assert torch.equal(finite, torch.isfinite(scores))
     scale = float(want_scores[finite].abs().max())
     tol = 1e-2 if decode == "stage" else 5e-2   # stage: the model's own attention on bit-exact rows; else float32
+    #                                             (or rows rounded once more: bf16(k - mean) + mean)
     np.testing.assert_allclose(scores[finite].numpy(), want_scores[finite].numpy(), atol=tol * scale)
     # the run went past the window, so a dropped option would have shown
     assert PROMPT + NEW > WINDOW + 2

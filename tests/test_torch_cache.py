@@ -519,3 +519,40 @@ def test_gpu_torch_cache_matches_jax(backend):
         np.testing.assert_allclose(out.float().cpu().numpy(), np.asarray(want.astype(jnp.float32)), atol=3e-2,
                                    rtol=2e-2)
         assert torch.isfinite(lse).all()
+
+
+def test_k_smoothing_means_are_the_caches_own():
+    """`k_smoothing=True` through the torch cache: the state holds each slot's prefill K mean; `decode_attention`
+    gives float64 attention over the RAW keys (output and natural-log LSE) and `stage` the raw keys, on an all-high
+    cache (no RoPE, no rotation: the stored frame is the model's). A cache that forgot the mean in its LSE or its
+    staged rows would miss by ``q . mean`` / ``mean``, far outside the tolerances (checked below)."""
+    cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=32, last_n=32, page_size=PAGE, max_draft_len=1, k_smoothing=True)
+    cache = TorchKVCache(cfg, 1, H, D, num_pages=8, max_seqs=2, max_pages_per_seq=4, backend="reference")
+    a, b = cache.admit(), cache.admit()
+    rng = np.random.default_rng(3)
+    lens = (20, 9)
+    seq = np.repeat(np.array([a, b], np.int32), lens)
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    k, v = _kv(rng, (seq.size, H, D))
+    k = k + torch.linspace(-4, 4, D, dtype=torch.bfloat16)          # a channel offset worth removing
+    cache.append(0, k, v, torch.from_numpy(seq), torch.from_numpy(pos))
+    means = np.asarray(cache.state.k_means[0])[0]                   # [S, H, D]
+    for s, n in zip((a, b), lens):
+        np.testing.assert_allclose(means[s], k[seq == s].double().mean(0).numpy(), rtol=1e-5, atol=1e-5)
+    q = torch.from_numpy(rng.standard_normal((2, HQ, D)).astype(np.float32)).to(torch.bfloat16)
+    out, lse = cache.decode_attention(0, q, torch.tensor([a, b], dtype=torch.int32))
+    kd, vd = cache.stage(0, [a, b]).dense()
+    for i, (s, n) in enumerate(zip((a, b), lens)):
+        keys, vals = k[seq == s].double().numpy(), v[seq == s].double().numpy()       # [n, H, D]
+        qh = q[i].double().numpy().reshape(H, HQ // H, D)
+        logits = np.einsum("hgd,nhd->hgn", qh, keys) * D ** -0.5
+        want_lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        p = np.exp(logits - want_lse[..., None])
+        want = np.einsum("hgn,nhd->hgd", p, vals).reshape(HQ, D)
+        np.testing.assert_allclose(out[i].float().numpy(), want, atol=2e-2 * np.abs(want).max())
+        np.testing.assert_allclose(lse[i].reshape(-1).numpy(), want_lse.reshape(-1), atol=2e-2)
+        shift = np.einsum("hgd,hd->hg", qh, means[s]) * D ** -0.5     # what a forgotten LSE term would miss
+        assert np.abs(shift).max() > 0.2
+        staged = kd[i, :, :n].float().numpy().transpose(1, 0, 2)       # [n, H, D]
+        np.testing.assert_allclose(staged, keys, atol=0.07)            # bf16(k - mean) + mean, rounded again
+        assert np.abs(means[s]).max() > 1.0                            # a stage without the mean would miss
