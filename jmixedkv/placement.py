@@ -1,6 +1,7 @@
 """Placement of a `CacheState` on a ``("tp",)`` mesh: pool arrays ``[L, P, kv, H, page, X]`` sharded on their
-KV-head axis (the K-smoothing means ``f32[L, S, H, D]`` on theirs), the rest replicated. Imports no `jmixedkv` module, so `state` (``init_state(mesh=...)``) and
-`sharding` (which imports `state`) both use it without a cycle (docs/DESIGN.md §7)."""
+KV-head axis (the K-smoothing means ``f32[L, S, H, D]`` on theirs), the rest replicated. Imports no `jmixedkv`
+module, so `state` (``init_state(mesh=...)``) and `sharding` (which imports `state`) both use it without a cycle
+(docs/DESIGN.md §7)."""
 from __future__ import annotations
 
 import dataclasses
