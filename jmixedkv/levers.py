@@ -33,8 +33,9 @@ the config say so (`interop.dlpack.kv_transform`, docs/DESIGN.md §11). The thir
   raw keys' and merges with attention over keys held elsewhere (sinks in `jmixedkv.step` apply to it); `stage`,
   `gather_rows`, `overlay_retained_rows` and `rows_reference` add the mean back to K (`to_model_space`) unless
   ``as_stored=True`` (`StagedCache.k_mean` then holds the means to add). A logit soft-cap does not commute with the
-  shift, so ``soft_cap`` is refused. Prefix reuse and offload (`jmixedkv.prefix.PrefixCache`,
-  `admit_with_prefix`) refuse the lever: an index entry does not carry its owner's mean. An MLA latent group
+  shift, so ``soft_cap`` is refused. Prefix reuse and offload carry the owner's mean: a `jmixedkv.prefix.PrefixCache`
+  entry keeps the id of the means its keys are shifted by, a match never mixes two, and `admit_with_prefix` writes
+  them as the reusing slot's. An MLA latent group
   (kv_factor=1) refuses it (the latent is also the value). Compressed groups (`jmixedkv.compressed`) are not
   smoothed. The torch `interop.StaticPagedCache` holds its means likewise. With the rotation and "4 over 6" it
   lowered KL on every text measured; without them its effect changes sign with the text (bench/RESULTS.md).

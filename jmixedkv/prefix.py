@@ -25,6 +25,10 @@ What is shared and what is not:
 Pages a sequence may still write (its partial last page, its ring) are therefore always exclusively owned.
 Committed pages must be final (accepted tokens only): commit after speculative verification.
 
+K smoothing (``k_smoothing``): shared pages hold keys shifted by their owner's K means, so a sequence reusing
+them must hold the same means (``admit_with_prefix(..., k_means=)``; `PrefixCache` keeps them per entry, on
+the host, and never matches pages of two means into one sequence).
+
 Transitions (`admit_with_prefix`, `copy_pages`; `fork` is `jmixedkv.state`'s) are pure ``state -> state``
 functions. `PrefixCache` composes a `jmixedkv.CacheManager` (which runs append / fork / release and keeps the
 host mirror) and keeps only the index, the host tier, eviction and statistics.
@@ -88,15 +92,26 @@ def copy_pages(state: CacheState, src_low, dst_low, src_high, dst_high) -> Cache
     return dataclasses.replace(out, error=state.error | err)
 
 
-def _refuse_smoothing(config, op: str) -> None:
-    """Prefix reuse and offload cannot carry K smoothing: shared / restored pages hold keys shifted by their owner's
-    mean (``CacheState.k_means``), which an index entry does not keep."""
-    if config.k_smoothing:
-        raise ValueError(f"{op}: k_smoothing=True: shared prefix pages hold keys shifted by their owner's K mean, "
-                         f"which prefix reuse and offload do not carry; build the KVCacheConfig without k_smoothing")
+def _prefix_means(state: CacheState, k_means, op: str):
+    """``admit_with_prefix``'s ``k_means`` as one f32[L, H, D] per group (None = zeros), or None without
+    ``k_smoothing``; host shapes and structure are checked (`ValueError`)."""
+    if state.k_means is None:
+        if k_means is not None:
+            raise ValueError(f"{op}: k_means given, but the cache has no K smoothing (k_smoothing=False)")
+        return None
+    want = [(g.num_layers, g.num_kv_heads, g.head_dim) for g in state.groups]
+    if k_means is None:
+        return tuple(jnp.zeros(w, jnp.float32) for w in want)
+    k_means = tuple(k_means)
+    if len(k_means) != len(want):
+        raise ValueError(f"{op}: k_means must hold one f32[L, H, D] per group ({len(want)}), got {len(k_means)}")
+    for g, (m, w) in enumerate(zip(k_means, want)):
+        if tuple(m.shape) != w:
+            raise ValueError(f"{op}: k_means[{g}] must have shape {w} (L, H, D), got {tuple(m.shape)}")
+    return tuple(jnp.asarray(m, jnp.float32) for m in k_means)
 
 
-def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, length) -> CacheState:
+def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, length, k_means=None) -> CacheState:
     """Admit ``seq_slot`` holding a shared prefix of ``length`` tokens.
 
     Args:
@@ -108,6 +123,10 @@ def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, 
         allocated and cover a full page of the prefix (``(j + 1) * page <= length``).
       length: i32 scalar in ``[0, max_pages * page]``, the new ``kv_lens`` (and ``written`` and the rewind
         ``floor``: the shared prefix is never rewound into, `correct_kv_lens` / `accept` refuse it).
+      k_means: with ``k_smoothing``, the slot's K means: a tuple (one per group) of f32[L, H, D], the means the
+        shared pages' keys are shifted by (their owner's, `PrefixCache` keeps them), or None = zeros (nothing
+        shared: the slot's first append from position 0 takes its own). Given without ``k_smoothing``:
+        `ValueError`.
     The R ring pages (and unshared fixed pages) are allocated fresh. Errors: ``ERR_BAD_SLOT`` (slot active or out
     of range), ``ERR_BAD_PAGE`` (ids / length inconsistent), ``ERR_HIGH_OOM``; on error nothing changes but
     ``state.error``. Host values breaking these rules raise `ValueError`.
@@ -115,7 +134,7 @@ def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, 
     cfg, page = state.config, state.page_size
     nf, nr = cfg.num_fixed_pages, state.high_table.shape[1] - cfg.num_fixed_pages
     op = "admit_with_prefix"
-    _refuse_smoothing(cfg, op)
+    means = _prefix_means(state, k_means, op)
     slot, in_range, none = checks.slot_in_range(checks.check_slot_arg(seq_slot, state.max_seqs, "seq_slot", op),
                                                 state.max_seqs)
     low_pages = checks.index_array(low_pages, "low_pages", op, -1, state.alloc.num_pages)
@@ -145,11 +164,13 @@ def admit_with_prefix(state: CacheState, seq_slot, low_pages, high_fixed_pages, 
     high_alloc = retain_pages(high_alloc, jnp.where(ok, shared_high, -1))
     err = jnp.where(none, 0, jnp.where(free_slot, jnp.where(pages_ok, jnp.where(ok, 0, ERR_HIGH_OOM),
                                                             checks.ERR_BAD_PAGE), ERR_BAD_SLOT))
+    steps = _fresh_steps(state, slot, length)
+    if means is not None:
+        steps["k_means"] = tuple(m.at[:, slot].set(x) for m, x in zip(state.k_means, means))
     out = _tables(state, ok, alloc=alloc, high_alloc=high_alloc,
                   page_table=state.page_table.at[slot].set(low_pages),
                   high_table=state.high_table.at[slot].set(jnp.where(need, ids, shared_high)),
-                  kv_lens=state.kv_lens.at[slot].set(length), active=state.active.at[slot].set(True),
-                  **_fresh_steps(state, slot, length))
+                  kv_lens=state.kv_lens.at[slot].set(length), active=state.active.at[slot].set(True), **steps)
     return dataclasses.replace(out, error=state.error | err)
 
 
@@ -185,7 +206,8 @@ _gather = jax.jit(offload.gather_pages)
 class Entry:
     """One committed page of the index: content ``key``, its ``parent`` key, page index ``j`` in the prefix,
     device ``low`` / ``high`` page ids (-1 when on host; ``high`` is -1 for ``j >= F``), retention
-    ``priority`` (0-100), ``last_used`` tick, and whether it lives in the host tier."""
+    ``priority`` (0-100), ``last_used`` tick, whether it lives in the host tier, and with ``k_smoothing`` the id
+    of the K means its keys are shifted by (`PrefixCache`'s host table; None without the lever)."""
 
     key: bytes
     parent: Optional[bytes]
@@ -195,6 +217,7 @@ class Entry:
     priority: int
     last_used: int
     on_host: bool = False
+    mean_id: Optional[int] = None
 
 
 class PrefixCache:
@@ -208,12 +231,19 @@ class PrefixCache:
       backend: append backend (``"auto"``, ``"reference"``, ``"pallas"``).
     Pools running short are refilled by evicting least-valuable leaf pages of the index (lowest priority, then
     least recently used; only pages no live sequence holds) to the host tier; a later match brings them back.
-    A K-smoothed state (``k_smoothing``) is refused with `ValueError`: an entry does not carry its owner's K mean.
+
+    K smoothing (``k_smoothing``): a page's keys are stored shifted by its owner's K means (`CacheState.k_means`),
+    so every entry carries the id of those means and a host table maps ids to them (NumPy f32[L, H, D] per
+    group). `commit` files a slot's pages under the id it adopted at `admit`, or, for a slot that reused nothing,
+    under a new id whose means are read from the device once (a slot's committed pages are final, so its means
+    are frozen). A match stops at the first entry whose id differs from the first entry's (pages shifted by two
+    means are never mixed in one sequence); `admit` writes the matched id's means as the slot's
+    (`admit_with_prefix`), so its later keys are shifted like the shared ones. Host-tier pages keep their id;
+    an id goes when no entry and no live slot uses it.
     """
 
     def __init__(self, state: CacheState, salt=None, host_capacity_pages: Optional[int] = None,
                  backend: str = "auto"):
-        _refuse_smoothing(state.config, "PrefixCache")
         self.manager = CacheManager.wrap(state, backend)
         self.salt = salt
         self.host = offload.HostTier(host_capacity_pages)
@@ -222,6 +252,10 @@ class PrefixCache:
         self._tick = 0
         self._pending: Dict[int, int] = {}    # slot -> length its first append after a reuse admit must reach
         self._tokens: Dict[int, np.ndarray] = {}   # slot -> the prompt token ids it was admitted with
+        self.means: Dict[int, tuple] = {}           # k_smoothing: mean id -> NumPy f32[L, H, D] per group
+        self._mean_refs: Dict[int, int] = {}        # mean id -> entries and live slots using it
+        self._slot_mean: Dict[int, int] = {}        # slot -> the mean id its keys are shifted by (once known)
+        self._next_mean = 0
         self._stats = dict(query_tokens=0, hit_tokens=0, pages_saved=0, evicted_pages=0, restored_pages=0,
                            dropped_pages=0, committed_pages=0)
 
@@ -259,6 +293,35 @@ class PrefixCache:
             raise ValueError(f"PrefixCache.{what}: slot {slot} is {'not ' if active else ''}active")
         return int(slot)
 
+    # ------------------------------------------------------------------ K means (k_smoothing)
+    def _hold_mean(self, mid: Optional[int]) -> None:
+        if mid is not None:
+            self._mean_refs[mid] += 1
+
+    def _drop_mean(self, mid: Optional[int]) -> None:
+        if mid is not None:
+            self._mean_refs[mid] -= 1
+            if not self._mean_refs[mid]:
+                del self._mean_refs[mid], self.means[mid]
+
+    def _set_mean(self, e: Entry, mid: Optional[int]) -> None:
+        self._hold_mean(mid)
+        self._drop_mean(e.mean_id)
+        e.mean_id = mid
+
+    def _slot_mean_id(self, slot: int) -> Optional[int]:
+        """The mean id of ``slot``'s keys: the one it adopted (or got at an earlier commit), else a new id whose
+        means are read from the device now. None without ``k_smoothing``."""
+        if self.state.k_means is None:
+            return None
+        mid = self._slot_mean.get(slot)
+        if mid is None:
+            mid, self._next_mean = self._next_mean, self._next_mean + 1
+            self.means[mid] = tuple(np.asarray(m[:, slot], np.float32) for m in self.state.k_means)
+            self._mean_refs[mid] = 1
+            self._slot_mean[slot] = mid
+        return mid
+
     def _keys(self, tokens) -> List[bytes]:
         return page_keys(tokens, self.page, self.salt)
 
@@ -281,7 +344,7 @@ class PrefixCache:
         out = []
         for key in self._keys(tokens)[:self.max_match_pages(len(tokens))]:
             entry = self.index.get(key)
-            if entry is None:
+            if entry is None or (out and entry.mean_id != out[0].mean_id):   # never two K means in one sequence
                 break
             out.append(entry)
         return out
@@ -343,6 +406,7 @@ class PrefixCache:
             self._stats["dropped_pages"] += 1
 
     def _forget(self, e: Entry) -> None:
+        self._set_mean(e, None)
         self.host.pop(e.key)
         del self.index[e.key]
         self.children.pop(e.key, None)
@@ -416,8 +480,16 @@ class PrefixCache:
             e.last_used = self._touch()
         m = len(entries) * self.page
         self._tokens[slot] = np.asarray(tokens, np.int64).reshape(-1).copy()
-        self.state = _admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m))
+        mid = entries[0].mean_id if entries else None
+        means = self.means[mid] if mid is not None else None
+        if self.state.k_means is not None and means is None:      # one program: zeros, not None
+            means = tuple(np.zeros((g.num_layers, g.num_kv_heads, g.head_dim), np.float32) for g in self.state.groups)
+        self.state = _admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m),
+                            None if means is None else tuple(jnp.asarray(x) for x in means))
         self._check("admit")
+        if mid is not None:
+            self._hold_mean(mid)
+            self._slot_mean[slot] = mid
         if m:
             self._pending[slot] = min(len(tokens), m + self.config.last_n)
         if count_stats:
@@ -455,7 +527,9 @@ class PrefixCache:
         hrow = np.asarray(self.state.high_table)[slot]
         nf = self.config.num_fixed_pages
         new_low, new_high, parent = [], [], None
-        for j, key in enumerate(self._keys(list(tokens)[:n])):
+        keys = self._keys(list(tokens)[:n])
+        mid = self._slot_mean_id(slot) if keys else None
+        for j, key in enumerate(keys):
             e = self.index.get(key)
             high = int(hrow[j]) if j < nf else -1
             if e is None:
@@ -466,6 +540,7 @@ class PrefixCache:
                 self.host.pop(key)
             if e.low < 0:                  # new, or back from the host tier: this sequence's device pages
                 e.low, e.high, e.on_host = int(row[j]), high, False
+                self._set_mean(e, mid)     # and its keys' K means
                 new_low.append(e.low)
                 new_high.append(high)
             e.priority = max(e.priority, priority)
@@ -500,6 +575,9 @@ class PrefixCache:
         self.manager.fork(src, dst)
         if src in self._tokens:
             self._tokens[dst] = self._tokens[src]
+        if src in self._slot_mean:         # `fork` copied the means
+            self._slot_mean[dst] = self._slot_mean[src]
+            self._hold_mean(self._slot_mean[dst])
 
     def release(self, slot: int) -> None:
         """Release ``slot``: its references go; committed pages stay held by the index."""
@@ -507,6 +585,7 @@ class PrefixCache:
         self._pending.pop(slot, None)
         self._tokens.pop(slot, None)
         self.manager.release(slot)
+        self._drop_mean(self._slot_mean.pop(slot, None))
 
     def compile(self, max_pages: int) -> None:
         """Compile the commit / evict page programs for every page-count bucket up to ``max_pages`` (run on

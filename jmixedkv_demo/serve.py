@@ -272,7 +272,7 @@ class ServingLoop:
       weights: `prepare_weights` of the model's parameters.
       model_cfg: the `ModelConfig` (its KV geometry sizes the cache).
       cache_cfg: the `KVCacheConfig` (with ``k_smoothing`` the cache freezes each sequence's K mean from its first
-        prefill chunk; ``prefix_reuse`` refuses it: `jmixedkv.PrefixCache`).
+        prefill chunk; with ``prefix_reuse`` a request reusing a prefix takes its owner's: `jmixedkv.PrefixCache`).
       plan: `plan_pools` for the budget.
       eos_id: token that ends a sequence (kept in its output), or None.
       max_chunk: longest prefill chunk (a power of two): prefill memory is linear in it.

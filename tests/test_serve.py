@@ -7,7 +7,8 @@
   even with more slots; every page is back in the pool at the end; the allocated pools fit the budget;
 * refusals before anything runs: a request that can never fit (named by its lengths), bad tokens; a device error
   bit is raised as `CacheError`, never ignored;
-* K smoothing (the cache holds the means): tokens equal `generate`'s; with prefix reuse refused;
+* K smoothing (the cache holds the means): tokens equal `generate`'s; with prefix reuse the owner's means are
+  carried (tokens equal the run without reuse);
 * EOS: sequences end at their first EOS (kept), the rest of the tokens unchanged, pages returned;
 * one compiled program per bucket: every program traced once across loops of the same config and pools;
 * bfloat16 weights: tokens equal `generate` with the same weights, all-high equals bf16, one decode program whose
@@ -138,7 +139,7 @@ def test_a_device_error_is_raised_not_ignored():
 
 def test_k_smoothing_serves_the_tokens_of_generate():
     """The cache holds each sequence's K mean (frozen from its first prefill chunk: one-chunk prompts here, as
-    `generate`'s one-call prefill); prefix reuse cannot carry it and is refused."""
+    `generate`'s one-call prefill)."""
     smooth = BF16.replace(k_smoothing=True)
     lengths = [(16, 5), (16, 3), (16, 6)]
     reqs = requests(lengths, seed=3)
@@ -146,8 +147,6 @@ def test_k_smoothing_serves_the_tokens_of_generate():
     for i, r in enumerate(reqs):
         want = generate(params(), r.prompt[None], CFG, smooth, r.max_new).tokens
         np.testing.assert_array_equal(res.outputs[i], np.asarray(want[0]))
-    with pytest.raises(ValueError, match="PrefixCache: k_smoothing=True"):
-        loop(smooth, prefix_reuse=True)
 
 
 def test_bad_chunk_is_refused():
@@ -290,6 +289,21 @@ def test_prefix_reuse_skips_the_shared_prefill_and_keeps_the_tokens(cache_cfg, b
     assert s["free_pages_end"] == s["num_pages"] and lp.manager.free_high_pages == high
     assert not lp.prefix.index and lp.manager.free_slots() == list(range(lp.plan.max_seqs))
     assert set(lp.traces.values()) == {1}
+
+
+@pytest.mark.parametrize("cache_cfg, budget", [(BF16, BUDGET), (MIXED, 256 * 1024)])
+def test_prefix_reuse_carries_the_k_means(cache_cfg, budget):
+    """K smoothing with reuse: a request reusing the shared chunk takes its owner's means, which are those its own
+    first chunk (the same shared tokens) would have frozen, so the tokens equal the run without reuse."""
+    smooth = cache_cfg.replace(k_smoothing=True)
+    reqs = shared_requests([(32, 6), (32, 10), (48, 1), (32, 7)], seed=5)
+    base = loop(smooth, budget).run(reqs)
+    lp = loop(smooth, budget, prefix_reuse=True)
+    res = lp.run(reqs)
+    assert res.stats["reused_tokens"] == (len(reqs) - 1) * SHARED
+    for a, b in zip(res.outputs, base.outputs):
+        np.testing.assert_array_equal(a, b)
+    assert not lp.prefix.index and not lp.prefix.means
 
 
 def test_prefix_reuse_counts_shared_pages_once():

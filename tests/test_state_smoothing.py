@@ -10,8 +10,12 @@
   give the output and the LSE of the raw keys (float64 reference, all-high and mixed caches, with and without the
   rotation); `stage` / `gather_rows` give the raw keys unless ``as_stored=True`` (then the shifted keys and, for
   `stage`, ``StagedCache.k_mean``); `append_attend` equals append + `decode_attention`.
-* A refused append changes no mean and no other leaf; prefix reuse and offload refuse the lever by name; a sharded
-  state (2 of the 4 CPU devices; no rotation) equals the unsharded one bitwise.
+* A refused append changes no mean and no other leaf; a sharded state (2 of the 4 CPU devices; no rotation) equals
+  the unsharded one bitwise.
+* Prefix reuse (`PrefixCache`) carries the owner's means: a reusing request (pages on the device, or offloaded to
+  the host and restored) holds them bitwise and reads attention over the raw keys (float64 reference; all-high,
+  and mixed with the rotation); a match never mixes pages of two means (the cut); unused means go; a refused
+  `admit_with_prefix` changes no leaf but ``error``.
 """
 import dataclasses
 
@@ -25,6 +29,7 @@ from jmixedkv import levers
 from jmixedkv.prefill import chunk_attention, chunk_attention_reference
 from jmixedkv.rope import RopeSpec, apply_rope
 from jmixedkv.speculative import correct_kv_lens
+from jmixedkv.checks import ERR_BAD_PAGE
 from jmixedkv.state import ERR_BAD_POSITION, append_traced
 from jmixedkv.step import append_attend, apply_sinks
 
@@ -311,13 +316,130 @@ def test_mla_latent_group_refused():
         jm.init_state(_config(), jm.GroupSpec(1, 1, 32, kv_factor=1), num_pages=4, max_seqs=1)
 
 
-def test_prefix_reuse_and_offload_refused():
-    from jmixedkv.prefix import PrefixCache, admit_with_prefix
-    s = _init(_config())
-    with pytest.raises(ValueError, match="PrefixCache: k_smoothing=True"):
-        PrefixCache(s, backend="reference")
-    with pytest.raises(ValueError, match="admit_with_prefix: k_smoothing=True"):
-        admit_with_prefix(s, 0, np.full(MAX_PAGES, -1, np.int32), np.full(s.config.num_fixed_pages, -1, np.int32), 0)
+# ----------------------------------------------------------------------------------------------------- prefix reuse
+def _reuse_config(rotation=None, all_high=True):
+    """All-high: every row in the fixed high pages (first_n spans the sequence; a short window so prefixes match)."""
+    return jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=MAX_PAGES * PAGE if all_high else PAGE, last_n=PAGE,
+                            page_size=PAGE, rotation=rotation, k_smoothing=True)
+
+
+def _prefix_cache(cfg, host_capacity=None):
+    from jmixedkv.prefix import PrefixCache
+    return PrefixCache(_init(cfg), host_capacity_pages=host_capacity, backend="reference")
+
+
+def _feed(pc, slot, tokens, start, seed):
+    """`PrefixCache.admit` ``slot`` for ``tokens`` (expecting ``start`` reused tokens) and append the rest (all
+    layers, one call); returns the raw keys / values appended ``[L, n - start, H, D]``."""
+    assert pc.admit(slot, tokens) == start
+    k, v = _kv(seed, len(tokens) - start)
+    pos = jnp.arange(start, len(tokens), dtype=jnp.int32)
+    pc.append(None, k, v, jnp.full(pos.shape, slot, jnp.int32), pos, rope=ROPE)
+    assert int(pc.state.error) == 0
+    return k, v, pos
+
+
+def _raw64(k, pos):
+    return np.asarray(apply_rope(k, pos, ROPE).astype(k.dtype), np.float64)
+
+
+def _check_decode(state, slot, keys, vals, all_high, seed):
+    """`decode_attention` of ``slot`` (one query) against float64 attention over raw ``keys, vals [L, n, H, D]``."""
+    q = jnp.asarray(np.random.default_rng(seed).normal(size=(1, 1, HQ, D)), jnp.bfloat16)
+    for layer in range(L):
+        out, lse = jm.decode_attention(state, layer, q, jnp.array([slot], jnp.int32), backend="reference")
+        want, want_lse = _attention64(q[0], keys[layer], vals[layer])
+        out_tol, lse_tol = (0.03 * np.abs(want).max(), 0.03) if all_high else (0.25 * np.abs(want).max(), 0.3)
+        np.testing.assert_allclose(np.asarray(out[0], np.float64), want, rtol=0, atol=out_tol)
+        np.testing.assert_allclose(np.asarray(lse[0], np.float64), want_lse, rtol=0, atol=lse_tol)
+
+
+REUSE_CASES = [(None, True), ("hadamard", False)]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("rotation,all_high", REUSE_CASES)
+def test_prefix_reuse_adopts_the_owners_means(rotation, all_high, offload):
+    """A request reusing a committed prefix (on the device, or after its owner left and the pages went to the
+    host and came back) takes the owner's means and reads attention over the raw keys of prompt + its own rest."""
+    pc = _prefix_cache(_reuse_config(rotation, all_high))
+    owner = list(range(12))
+    ko, vo, po = _feed(pc, 0, owner, 0, seed=20)
+    assert pc.commit(0, owner) == 3 and len(pc.means) == 1
+    owner_means = np.asarray(pc.state.k_means[0][:, 0])
+    assert np.abs(owner_means).max() > 1.0                                  # the offset: a mean worth carrying
+    if offload:
+        pc.release(0)
+        assert pc.evict(3) == 3 and pc.stats()["host_entries"] == 3 and len(pc.means) == 1
+    prompt = owner[:8] + [100, 101, 102, 103]                              # matches 2 pages, recomputes 4 tokens
+    kr, vr, pr = _feed(pc, 1, prompt, 8, seed=21)
+    assert pc.stats()["restored_pages"] == (2 if offload else 0)
+    np.testing.assert_array_equal(np.asarray(pc.state.k_means[0][:, 1]), owner_means)
+    keys = np.concatenate([_raw64(ko, po)[:, :8], _raw64(kr, pr)], axis=1)
+    vals = np.concatenate([np.asarray(vo, np.float64)[:, :8], np.asarray(vr, np.float64)], axis=1)
+    _check_decode(pc.state, 1, keys, vals, all_high, seed=22)
+    pc.fork(1, 2)                                                          # the fork's commit files the same id
+    assert pc._slot_mean[2] == pc._slot_mean[1]
+    pc.release(1)
+    assert pc.commit(2, prompt) == 1 and {e.mean_id for e in pc.index.values()} == set(pc.means)
+    assert len(pc.means) == 1
+
+
+def test_prefix_match_never_mixes_two_means():
+    """Owners A and B share their first page but not their means (B reused nothing): B's later pages sit under
+    A's first page in the index. A request matching A's page and B's next two takes only A's page (the cut), with
+    A's means, and reads attention over the raw keys; once no entry or slot uses them the means go."""
+    cfg = _reuse_config()
+    pc = _prefix_cache(cfg, host_capacity=0)
+    a = list(range(12))
+    b = a[:4] + list(range(20, 28))
+    ka, va, pa = _feed(pc, 0, a, 0, seed=30)
+    assert pc.commit(0, a) == 3
+    kb, _, _ = _feed(pc, 1, b[:4], 0, seed=31)                            # 4 tokens: too short to match
+    k2, v2 = _kv(32, 8)
+    pos = jnp.arange(4, 12, dtype=jnp.int32)
+    pc.append(None, k2, v2, jnp.ones((8,), jnp.int32), pos, rope=ROPE)
+    assert pc.commit(1, b) == 2                                            # page 0: A's entry keeps its page
+    mean_a, mean_b = (np.asarray(pc.state.k_means[0][:, s]) for s in (0, 1))
+    assert np.abs(mean_a - mean_b).max() > 0.1 and len(pc.means) == 2
+    prompt = b + [5, 5, 5, 5]                                              # 16 tokens: up to 3 pages may match
+    keys_b = pc._keys(prompt)[:3]
+    assert [k in pc.index for k in keys_b] == [True, True, True]
+    assert pc.index[keys_b[0]].mean_id != pc.index[keys_b[1]].mean_id == pc.index[keys_b[2]].mean_id
+    assert pc.match_prefix(prompt)[0] == PAGE                              # the cut: A's page only
+    kc, vc, pc_pos = _feed(pc, 2, prompt, PAGE, seed=33)
+    np.testing.assert_array_equal(np.asarray(pc.state.k_means[0][:, 2]), mean_a)
+    keys = np.concatenate([_raw64(ka, pa)[:, :PAGE], _raw64(kc, pc_pos)], axis=1)
+    vals = np.concatenate([np.asarray(va, np.float64)[:, :PAGE], np.asarray(vc, np.float64)], axis=1)
+    _check_decode(pc.state, 2, keys, vals, True, seed=34)
+    for slot in range(3):
+        pc.release(slot)
+    pc.evict(len(pc.index))                                                # host capacity 0: forgotten
+    assert not pc.index and not pc.means and not pc._mean_refs
+
+
+def test_refused_admit_with_prefix_changes_nothing():
+    from jmixedkv.prefix import admit_with_prefix
+    s, _, _ = _fill(_config())
+    nf = s.config.num_fixed_pages
+    low = np.full(MAX_PAGES, -1, np.int32)
+    low[:2] = np.asarray(s.page_table[0, :2])
+    means = (jnp.asarray(np.random.default_rng(40).normal(size=(L, H, D)), jnp.float32),)
+    admit = jax.jit(admit_with_prefix)
+    good = admit(s, jnp.int32(2), jnp.asarray(low), jnp.full((nf,), -1, jnp.int32), jnp.int32(2 * PAGE), means)
+    assert int(good.error) == 0
+    np.testing.assert_array_equal(np.asarray(good.k_means[0][:, 2]), np.asarray(means[0]))
+    np.testing.assert_array_equal(np.asarray(good.k_means[0][:, :2]), np.asarray(s.k_means[0][:, :2]))
+    zero = admit(s, jnp.int32(2), jnp.asarray(low), jnp.full((nf,), -1, jnp.int32), jnp.int32(2 * PAGE), None)
+    assert int(zero.error) == 0 and not np.asarray(zero.k_means[0][:, 2]).any()
+    bad = admit(s, jnp.int32(2), jnp.asarray(low), jnp.full((nf,), -1, jnp.int32), jnp.int32(3 * PAGE), means)
+    assert int(bad.error) & ERR_BAD_PAGE
+    assert_trees_bit_equal(dataclasses.replace(bad, error=s.error), s, "refused admit_with_prefix")
+    with pytest.raises(ValueError, match=r"k_means\[0\] must have shape \(2, 2, 32\)"):
+        admit_with_prefix(s, 2, low, np.full(nf, -1, np.int32), 2 * PAGE, (jnp.zeros((L, D), jnp.float32),))
+    plain = jm.admit(_init(_config(smoothing=False)), 0)
+    with pytest.raises(ValueError, match="k_means given, but the cache has no K smoothing"):
+        admit_with_prefix(plain, 1, np.full(MAX_PAGES, -1, np.int32), np.full(nf, -1, np.int32), 0, means)
 
 
 # ----------------------------------------------------------------------------------------------------- row readers
