@@ -546,6 +546,8 @@ class PrefixCache:
             e.priority = max(e.priority, priority)
             e.last_used = self._touch()
             parent = key
+        if mid is not None and self._mean_refs[mid] == 1:    # no entry took it: read again at the next commit
+            self._drop_mean(self._slot_mean.pop(slot))     # (the slot's pages are all its own: it may rewind to 0)
         if new_low:
             k = offload.page_bucket(len(new_low))
             self.state = _retain(self.state, self._ids(new_low, k), self._ids(new_high, k))

@@ -412,6 +412,10 @@ def test_prefix_match_never_mixes_two_means():
     keys = np.concatenate([_raw64(ka, pa)[:, :PAGE], _raw64(kc, pc_pos)], axis=1)
     vals = np.concatenate([np.asarray(va, np.float64)[:, :PAGE], np.asarray(vc, np.float64)], axis=1)
     _check_decode(pc.state, 2, keys, vals, True, seed=34)
+    pc.release(2)                                  # a slot whose pages the index already has keeps no mean id
+    _feed(pc, 2, a[:4], 0, seed=35)
+    pc.append(None, k2, v2, jnp.full((8,), 2, jnp.int32), pos, rope=ROPE)
+    assert pc.commit(2, a) == 0 and 2 not in pc._slot_mean and len(pc.means) == 2
     for slot in range(3):
         pc.release(slot)
     pc.evict(len(pc.index))                                                # host capacity 0: forgotten
