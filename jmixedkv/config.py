@@ -227,7 +227,8 @@ class KVCacheConfig:
         swept configurations at <= 0.6 bytes per element that need nothing from the caller, it has the lowest worst
         text (SmolLM2-135M, 4096 tokens: KL 0.65x fp8's on average over the six texts, 0.98x on the worst) and a
         mean level with the best; ``k_smoothing=True`` lowers that to 0.48x / 0.69x, but a logit soft-cap refuses
-        it (`jmixedkv.levers`), so it is left out (``recommended(k_smoothing=True)`` turns it on).
+        it (`jmixedkv.levers`) and its GPU cost is not measured, so it is left out (``recommended(k_smoothing=True)``
+        turns it on).
 
         Memory (twin pages and scales included, any model shape): 0.594 bytes per K/V element at 4096 tokens per
         sequence, 0.578 at 8192 (``nvfp4`` alone: 0.5625; ``fp8``: 1.0). ``overrides`` replace fields (aliases such
