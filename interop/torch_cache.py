@@ -311,8 +311,8 @@ class TorchKVCache:
         ``layer=None`` stages every layer of the group in one call (``pages [L, N, kv, H, page, D]``)."""
         sync, _, seq = self._read_args("stage", layer, group, seq_slots, sync, all_layers=True)
         self._validate_read(layer, seq, None, group, "stage", validate)
-        st = _stage_jit(self.state, None if layer is None else np.int32(layer), seq, group=group,
-                        backend=self.backend, validate=False)
+        layer_j = None if layer is None else self._device_layer(layer, group, "stage")
+        st = _stage_jit(self.state, layer_j, seq, group=group, backend=self.backend, validate=False)
         return TorchStaged(to_torch(st.pages, sync=sync), to_torch(st.page_table, sync=sync),
                            to_torch(st.kv_lens, sync=sync))
 
@@ -330,7 +330,7 @@ class TorchKVCache:
         if scratch_dtype not in (None, "fp8", "float8_e4m3fn"):
             raise ValueError(f"gather_rows: scratch_dtype must be None or 'fp8', got {scratch_dtype!r}")
         self._validate_read(layer, seq, idx, group, "gather_rows", validate)
-        rows, scale = _gather_jit(self.state, np.int32(layer), seq, idx, group=group,
+        rows, scale = _gather_jit(self.state, self._device_layer(layer, group, "gather_rows"), seq, idx, group=group,
                                   scratch_dtype=scratch_dtype, backend=self.backend, validate=False)
         k = to_torch(rows[:, :, 0], sync=sync)
         v = to_torch(rows[:, :, 1], sync=sync) if spec.kv_factor == 2 else None
@@ -350,8 +350,8 @@ class TorchKVCache:
         squeeze = q.dim() == 3
         self._validate_read(layer, seq, None, group, "decode_attention", validate)
         qj = from_torch(q.unsqueeze(1) if squeeze else q, copy=None, sync=sync)
-        out, lse = _jax_decode_attention(self.state, np.int32(layer), qj, seq, group=group,
-                                         sm_scale=sm_scale, backend=self.backend)
+        out, lse = _jax_decode_attention(self.state, self._device_layer(layer, group, "decode_attention"), qj, seq,
+                                         group=group, sm_scale=sm_scale, backend=self.backend)
         out, lse = to_torch(out, sync=sync), to_torch(lse, sync=sync)
         return (out[:, 0], lse[:, 0]) if squeeze else (out, lse)
 
@@ -426,13 +426,16 @@ class TorchKVCache:
         return from_torch(k, copy=None, sync=sync), None if v is None else from_torch(v, copy=None, sync=sync)
 
     def _layer_id(self, layer: int, plan: "StepPlan"):
+        return self._device_layer(layer, plan.group, "step")
+
+    def _device_layer(self, layer: int, group: int, what: str):
         """``layer`` as a device int32 scalar, made once per (group, layer): a host scalar argument would cost a
         host-to-device copy in every call (measured on the H200: ~170 us of a ~450 us call)."""
-        key = (plan.group, layer)
+        key = (group, layer)
         got = self._layer_ids.get(key)
         if got is None:
-            spec = self.state.groups[plan.group]
-            self._layer(layer, spec, "step")
+            spec = self.state.groups[group]
+            self._layer(layer, spec, what)
             got = self._layer_ids[key] = jax.device_put(np.int32(layer), next(iter(self.state.kv_lens.devices())))
         return got
 

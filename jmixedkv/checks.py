@@ -245,20 +245,29 @@ def _segment(xp, op: str, num: int, idx, vals, init):
     return (out.min if op == "min" else out.max)(vals, mode="drop")
 
 
-def position_rule(seq, pos, kv_lens, num_seqs: int, xp=jnp):
+def _sort_pairs(xp, key, pos):
+    """``(key, pos)`` sorted by key, then position: NumPy's ``lexsort`` on the host; inside jit one two-key
+    ``lax.sort`` (no index array and no gathers: this runs in every prefill append)."""
+    if xp is np:
+        order = np.lexsort((pos, key))
+        return key[order], pos[order]
+    return jax.lax.sort((key, pos), num_keys=2)
+
+
+def position_rule(seq, pos, kv_lens, num_seqs: int, xp=jnp, per_slot: bool = True):
     """The legal-position rule of one append call (module docstring), written once for the host (``xp=np``,
     `CacheManager.check_append`) and inside jit (``xp=jnp``, `append_position_errors`).
 
     Args: ``seq`` int[T] slots (in range, or -1 = padding), ``pos`` int[T], ``kv_lens`` int[S].
     Returns per slot ``(broken bool[S], off bool[S], first int[S], last int[S])``: positions not distinct and
     contiguous; a range ``[first, last]`` that does not satisfy ``first <= kv_len <= last + 1``; the smallest /
-    largest position (``INT32_MAX`` / -1 for a slot without tokens). Negative positions are the caller's check."""
+    largest position (``INT32_MAX`` / -1 for a slot without tokens). Negative positions are the caller's check.
+    ``per_slot=False``: ``broken`` is one bool (any slot broken), without the per-slot scatter."""
     seq, pos = xp.asarray(seq), xp.asarray(pos)
     key = xp.where(seq >= 0, seq, num_seqs)
-    order = xp.lexsort((pos, key))
-    skey, spos = key[order], pos[order]
-    gap = ((skey[1:] == skey[:-1]) & (spos[1:] != spos[:-1] + 1)).astype(xp.int32)
-    broken = _segment(xp, "max", num_seqs, skey[1:], gap, 0) > 0
+    skey, spos = _sort_pairs(xp, key, pos)
+    gap = ((skey[1:] == skey[:-1]) & (skey[1:] < num_seqs) & (spos[1:] != spos[:-1] + 1)).astype(xp.int32)
+    broken = _segment(xp, "max", num_seqs, skey[1:], gap, 0) > 0 if per_slot else xp.any(gap > 0)
     first = _segment(xp, "min", num_seqs, key, pos.astype(xp.int32), INT32_MAX)
     last = _segment(xp, "max", num_seqs, key, pos.astype(xp.int32), -1)
     off = (last >= 0) & ((first > kv_lens) | (last + 1 < kv_lens))
@@ -268,9 +277,9 @@ def position_rule(seq, pos, kv_lens, num_seqs: int, xp=jnp):
 def append_position_errors(seq, pos, kv_lens, num_seqs: int):
     """`position_rule` inside jit, reduced: ``(bad bool[], first i32[S], last i32[S])`` -- whether any slot's
     positions are illegal (negative positions included), and each slot's smallest / largest position."""
-    broken, off, first, last = position_rule(seq, pos, kv_lens, num_seqs)
+    broken, off, first, last = position_rule(seq, pos, kv_lens, num_seqs, per_slot=False)
     neg = jnp.any((seq >= 0) & (pos < 0))
-    return jnp.any(broken) | neg | jnp.any(off), first, last
+    return broken | neg | jnp.any(off), first, last
 
 
 def page_ids_ok(ids, num_pages: int):

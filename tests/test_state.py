@@ -703,6 +703,7 @@ def test_adversarial_state_machine_2000_steps():
 from jmixedkv import checks as checks_mod  # noqa: E402
 
 _jit_rule = jax.jit(lambda s, p, n: checks_mod.position_rule(s, p, n, 3))
+_jit_any = jax.jit(lambda s, p, n: checks_mod.position_rule(s, p, n, 3, per_slot=False)[0])
 
 
 @settings(max_examples=60, deadline=None)
@@ -718,6 +719,7 @@ def test_position_rule_one_definition_host_and_jit(toks, lens):
     dev = _jit_rule(jnp.asarray(seq), jnp.asarray(pos), jnp.asarray(n))
     for h, d in zip(host, dev):
         np.testing.assert_array_equal(h, np.asarray(d))
+    assert bool(_jit_any(jnp.asarray(seq), jnp.asarray(pos), jnp.asarray(n))) == bool(host[0].any())
     for s in range(3):
         p = np.sort(pos[seq == s])
         assert host[0][s] == bool(p.size and (np.diff(p) != 1).any())

@@ -36,12 +36,12 @@ if not os.path.abspath(jm.__file__).startswith(os.path.abspath(args.tree) + os.s
     sys.exit(f"ab_kernels: jmixedkv came from {jm.__file__}, not from --tree {args.tree}")
 
 
-def mixed(page, last_n=64):
-    return jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=last_n, page_size=page)
+def mixed(page, last_n=64, tq=1):
+    return jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=last_n, page_size=page, max_draft_len=tq - 1)
 
 
 def decode_ms(batch, ctx, kv_heads, q_heads, head_dim, page, tq=1):
-    st = random_mixed_state(mixed(page), jm.GroupSpec(1, kv_heads, head_dim), batch, ctx)
+    st = random_mixed_state(mixed(page, tq=tq), jm.GroupSpec(1, kv_heads, head_dim), batch, ctx)
     q = random_fill(3, (batch, tq, q_heads, head_dim), "bf16")
     slots = jnp.arange(batch, dtype=jnp.int32)
 
