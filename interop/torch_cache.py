@@ -189,7 +189,9 @@ class TorchKVCache:
         (a power-of-two count crosses without a copy).
       validate: before every read, check the page tables, lengths and indices on the host
         (``jmixedkv.checks.validate_read``; costs a device-to-host copy of the tables). Default for every call;
-        each call takes ``validate=`` too.
+        each call takes ``validate=`` too. Without it, ``decode_attention`` takes a torch slot tensor as it is
+        (no copy to the host, which would wait for the GPU) and checks its range inside the program: a row whose
+        slot is outside ``[-1, max_seqs)`` reads as NaN instead of raising.
       sync: ``True`` | ``"stream"`` | ``False``, the DLPack stream policy (`interop.dlpack`); default for every
         call, each call takes ``sync=`` too (``"stream"`` keeps a hot loop on torch's current stream).
       reserve_null_page: keep low page 0 out of the allocator (vLLM's null block), so ``block_table(pad=0)``
@@ -345,7 +347,8 @@ class TorchKVCache:
         GQA: ``Hq % H == 0``. Returns ``(out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])`` (no ``Tq`` axis
         for a 3-D ``q``); ``lse`` is the **natural-log** LSE of the scaled logits (FlashInfer's is base 2: see
         `lse_to_base2`); padding rows give zeros and LSE -inf."""
-        sync, spec, seq = self._read_args("decode_attention", layer, group, seq_slots, sync)
+        sync, spec, seq = self._read_args("decode_attention", layer, group, seq_slots, sync,
+                                          slots_on_host=self._validates(validate))
         self._check_query(q, spec, seq.shape[0])
         squeeze = q.dim() == 3
         self._validate_read(layer, seq, None, group, "decode_attention", validate)
@@ -509,12 +512,16 @@ class TorchKVCache:
         return layouts.positions_from_slots(np.asarray(slots), np.asarray(self.state.page_table), self.page_size)
 
     # ------------------------------------------------------------------ validation helpers
-    def _read_args(self, what, layer, group, seq_slots, sync, all_layers: bool = False):
-        """``(sync, group spec, host slots)`` of a read, each checked (``layer=None`` only with ``all_layers``)."""
+    def _read_args(self, what, layer, group, seq_slots, sync, all_layers: bool = False, slots_on_host: bool = True):
+        """``(sync, group spec, slots)`` of a read, each checked (``layer=None`` only with ``all_layers``). The slots
+        are host int32, range-checked, unless ``slots_on_host=False`` and they are a torch tensor: then they cross
+        as they are (`_slots_as_they_are`)."""
         sync = self._sync(sync, what)
         spec = checks.check_group(self.state, group, what)
         if layer is not None or not all_layers:
             self._layer(layer, spec, what)
+        if not slots_on_host and isinstance(seq_slots, torch.Tensor):
+            return sync, spec, self._slots_as_they_are(seq_slots, sync, what)
         return sync, spec, self._slots(seq_slots, what)
 
     def _layer(self, layer, spec, what):
@@ -592,11 +599,28 @@ class TorchKVCache:
             raise ValueError(f"decode_attention: Tq={tq} query tokens per sequence; expected 1..max_draft_len+1 = "
                              f"{self.config.max_draft_len + 1} (use stage() for prefill attention)")
 
+    def _validates(self, validate) -> bool:
+        return self.validate if validate is None else validate
+
     def _validate_read(self, layer, seq, indices, group, what, validate=None):
         """Host checks of the tables and of ``indices`` (`jmixedkv.checks.validate_read`), unless switched off."""
-        if not (self.validate if validate is None else validate):
+        if not self._validates(validate):
             return
         checks.validate_read(self.state, layer, seq, indices, group=group, op=what)
+
+    def _slots_as_they_are(self, seq_slots: torch.Tensor, sync, what):
+        """A slot tensor read without host validation: ``i32[B]`` JAX array over the same memory (DLPack; no copy
+        to the host, which would wait for every kernel queued before it). Its values are checked inside the
+        program (a row whose slot is outside ``[-1, max_seqs)`` reads as NaN); int64 values are first clamped to
+        ``[-2, max_seqs]`` on the tensor's device, so no value wraps into range."""
+        if seq_slots.dtype not in INDEX_INPUTS or seq_slots.dim() != 1:
+            raise ValueError(f"{what}: seq_slots must be an int32 (or int64) tensor [B], got {seq_slots.dtype} "
+                             f"{list(seq_slots.shape)}")
+        if not _same_device(seq_slots.device, self.device):
+            raise ValueError(f"{what}: seq_slots is on {seq_slots.device}, the cache is on {self.device}")
+        if seq_slots.dtype != torch.int32:
+            seq_slots = seq_slots.clamp(-2, self.max_seqs).to(torch.int32)
+        return from_torch(seq_slots.detach(), copy=None, sync=sync)
 
     def _sync(self, sync, what):
         sync = self.sync if sync is None else sync

@@ -171,6 +171,42 @@ def test_decode_attention_bit_exact_vs_jax(tq):
         assert torch.equal(out3, out[:, 0]) and torch.equal(lse3, lse[:, 0])
 
 
+def test_decode_attention_takes_slot_tensors_as_they_are_without_validation(monkeypatch):
+    """``validate=False`` with a torch slot tensor: no host copy of the slots (it would wait for the GPU); equal to
+    the host-checked read, bitwise; a slot out of range -- int64 values that would wrap into range as int32
+    included -- reads as NaN on its own row, every other row bitwise unchanged, the state untouched; with
+    validation the same slots raise, naming the value."""
+    cache, state, _ = _pair()
+    rng = np.random.default_rng(5)
+    q = torch.from_numpy(rng.standard_normal((SEQ.size, 2, HQ, D)).astype(np.float32)).to(torch.bfloat16)
+    want_out, want_lse = cache.decode_attention(1, q, SEQ)
+    before = [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(cache.state)]
+    n = cache.max_seqs
+    with monkeypatch.context() as m:
+        m.setattr(cache, "_indices", lambda *a, **k: pytest.fail("slots were copied to the host"))
+        for dtype in (torch.int32, torch.int64):
+            out, lse = cache.decode_attention(1, q, torch.from_numpy(SEQ).to(dtype), validate=False)
+            np.testing.assert_array_equal(_bytes(out), _bytes(want_out))
+            np.testing.assert_array_equal(lse.numpy(), want_lse.numpy())
+        bad_slots = ((torch.int32, n), (torch.int32, -7), (torch.int64, 2 ** 32 + 2), (torch.int64, -2 ** 40))
+        for dtype, bad_value in bad_slots:
+            slots = torch.from_numpy(SEQ).to(dtype).clone()              # SEQ itself stays as it is
+            slots[3] = bad_value                                       # 2**32 + 2 would wrap to slot 2
+            out, lse = cache.decode_attention(1, q, slots, validate=False)
+            assert torch.isnan(out[3].float()).all() and torch.isnan(lse[3]).all(), (dtype, bad_value)
+            keep = np.arange(SEQ.size) != 3
+            np.testing.assert_array_equal(_bytes(out[keep]), _bytes(want_out[keep]))
+            np.testing.assert_array_equal(lse[keep].numpy(), want_lse[keep].numpy())
+    for a, b in zip(before, jax.tree_util.tree_leaves(cache.state)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    slots = torch.from_numpy(SEQ).clone()
+    slots[3] = n
+    with pytest.raises(ValueError, match=f"seq_slots.*{n}"):
+        cache.decode_attention(1, q, slots)
+    with pytest.raises(ValueError, match="int32 .or int64. tensor"):
+        cache.decode_attention(1, q, torch.from_numpy(SEQ).float(), validate=False)
+
+
 def test_stage_all_layers_in_one_call():
     cache, state, _ = _pair()
     st = cache.stage(None, torch.from_numpy(SEQ), sync="stream", validate=False)
