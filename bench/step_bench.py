@@ -29,8 +29,10 @@ import jax.numpy as jnp  # noqa: E402
 import jmixedkv as jm  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 
-#: the accuracy levers of `jmixedkv.KVCacheConfig.recommended` (its window aside): what ``--levers`` costs
+#: the accuracy levers of `jmixedkv.KVCacheConfig.recommended` (its window aside), then with K smoothing: what
+#: ``--levers`` costs
 LEVERS = dict(rotation="hadamard", block_scale="4over6")
+LEVER_SETS = (("mixed_levers", LEVERS), ("mixed_levers_smooth", dict(LEVERS, k_smoothing=True)))
 
 
 def step_inputs(s):
@@ -44,7 +46,8 @@ def step_inputs(s):
 
 
 def mixed_step_fns(s, backend):
-    """Jitted ``(step(state, q, k, v) -> (state, out), attention_only(state, q) -> out)`` of the mixed cache."""
+    """Jitted ``(step(state, q, k, v) -> (state, out), attention_only(state, q) -> out, append_only(state, k, v)
+    -> state)`` of the mixed cache (``step`` and ``append_only`` donate the state)."""
     slots = jnp.arange(s["batch"], dtype=jnp.int32)
     attend_backend = "reference" if backend == "reference" else "pallas"
 
@@ -52,10 +55,13 @@ def mixed_step_fns(s, backend):
         return jnp.stack([jm.decode_attention(state, layer, q[layer], slots, backend=attend_backend)[0]
                           for layer in range(s["layers"])])
 
+    def append(state, k, v):
+        return jm.append(state, None, k, v, slots, state.kv_lens, backend=backend)
+
     def step(state, q, k, v):
-        state = jm.append(state, None, k, v, slots, state.kv_lens, backend=backend)
+        state = append(state, k, v)
         return state, attention(state, q)
-    return jax.jit(step, donate_argnums=0), jax.jit(attention)
+    return jax.jit(step, donate_argnums=0), jax.jit(attention), jax.jit(append, donate_argnums=0)
 
 
 def bf16_step_fn(s, padded, impl):
@@ -111,7 +117,7 @@ def main(argv=None):
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--profile", action="store_true", help="jax profiler trace of 3 steps per path")
     ap.add_argument("--levers", action="store_true", help="also the mixed step with recommended()'s levers (Hadamard "
-                    "rotation, 4over6): their cost in the append (step - attention) and in the decode")
+                    "rotation, 4over6), then with K smoothing too: their cost in the append and in the decode")
     ap.add_argument("--page", type=int, default=STEP["page"], help="tokens per page of the mixed cache")
     args = ap.parse_args(argv)
     if no_gpu("step_bench", args.smoke):
@@ -125,18 +131,20 @@ def main(argv=None):
     res = dict(versions(), shape=s, copy_bandwidth_tbs=bw, floor_ms=floor, rows={})
     inputs = step_inputs(s)
 
-    step, attention = mixed_step_fns(s, backend)
-    for name, levers in [("mixed", {})] + ([("mixed_levers", LEVERS)] if args.levers else []):
+    step, attention, append = mixed_step_fns(s, backend)
+    for name, levers in (("mixed", {}),) + (LEVER_SETS if args.levers else ()):
         cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=s["first_n"], last_n=s["last_n"], page_size=s["page"],
                                **levers)
         state = random_mixed_state(cfg, jm.GroupSpec(s["layers"], s["kv_heads"], s["head_dim"]), s["batch"],
-                                   s["context"], spare_pages=4)
+                                   s["context"], spare_pages=5)
         rows, res["profile_" + name], (state, _) = time_step(name + "_step", step, state, inputs, s, floor["mixed"],
                                                              args.profile)
         res["rows"].update(rows)
         res["rows"][name + "_step"]["error"] = int(state.error)
         res["rows"][name + "_attention_only"] = dict(ms=time_each(attention, state, inputs[0], iters=s["steps"]),
                                                      floor_ms=floor["mixed"])
+        ms, state = time_threaded(append, state, *inputs[1:], reps=4, trials=3, warmup=1)
+        res["rows"][name + "_append_only"] = dict(ms=ms, floor_ms=floor["mixed"], error=int(state.error))
         del state
     for padded in ((True, False) if not args.skip_bf16 else ()):
         name = "bf16_cudnn_step" + ("" if padded else "_nomask")
@@ -150,8 +158,8 @@ def main(argv=None):
             print(f"{name} failed: {res['rows'][name]['error']}", flush=True)
     lines = [f"decode step, {s['layers']} layers, batch {s['batch']} x {s['context']}, {s['kv_heads']} KV / "
              f"{s['q_heads']} q heads, D {s['head_dim']}, page {s['page']} ({res['device']}, jax {res['jax']}, "
-             f"triton {res['triton']}, copy {bw:.2f} TB/s)", f"{'path':>30} {'ms':>8} {'floor ms':>9} {'x floor':>8}"]
-    lines += [f"{k:>30} {v['ms']:8.3f} {v['floor_ms']:9.3f} {v['ms'] / v['floor_ms']:8.2f}"
+             f"triton {res['triton']}, copy {bw:.2f} TB/s)", f"{'path':>36} {'ms':>8} {'floor ms':>9} {'x floor':>8}"]
+    lines += [f"{k:>36} {v['ms']:8.3f} {v['floor_ms']:9.3f} {v['ms'] / v['floor_ms']:8.2f}"
               for k, v in res["rows"].items() if "ms" in v]
     r = res["rows"]
     for mode in ("", "_pipelined"):
@@ -160,13 +168,10 @@ def main(argv=None):
                 res["speedup_mixed_vs_bf16" + mode] = r[bf + mode]["ms"] / r["mixed_step" + mode]["ms"]
                 ratio = res["speedup_mixed_vs_bf16" + mode]
                 lines.append(f"bf16 step / mixed step{mode.replace('_', ' ')}: {ratio:.2f}")
-    if args.levers:
-        for what in ("step", "step_pipelined", "attention_only"):
-            res[f"levers_over_plain_{what}"] = r[f"mixed_levers_{what}"]["ms"] / r[f"mixed_{what}"]["ms"]
-            lines.append(f"levers / plain, {what.replace('_', ' ')}: {res[f'levers_over_plain_{what}']:.3f}")
-        append = {n: r[f"{n}_step"]["ms"] - r[f"{n}_attention_only"]["ms"] for n in ("mixed", "mixed_levers")}
-        res["levers_over_plain_append"] = append["mixed_levers"] / append["mixed"]
-        lines.append(f"levers / plain, append (step - attention): {res['levers_over_plain_append']:.3f}")
+    for name, _ in LEVER_SETS if args.levers else ():
+        for what in ("step", "step_pipelined", "attention_only", "append_only"):
+            res[f"{name}_over_plain_{what}"] = ratio = r[f"{name}_{what}"]["ms"] / r[f"mixed_{what}"]["ms"]
+            lines.append(f"{name} / plain, {what.replace('_', ' ')}: {ratio:.3f}")
     print("\n".join(lines))
     write_json(args.out, "step_bench.json", dict(res, table="\n".join(lines)))
     return 0

@@ -63,10 +63,11 @@ def test_bench_smoke(name, tmp_path):
     argv = [a.format(out=tmp_path) for a in SMOKE[name]]
     assert mod.main(argv) in (0, None)          # an exit code (serve_bench's main returns None on success)
     assert name == "nvfp4_bench" or any(tmp_path.iterdir()), f"{name} wrote nothing under {tmp_path}"
-    if name == "step_bench":                    # the levers' step ran beside the plain one, without an error bit
+    if name == "step_bench":                    # the levers' steps and appends ran beside the plain ones, no error bit
         res = json.loads((tmp_path / "step_bench.json").read_text())
-        assert res["rows"]["mixed_levers_step"]["error"] == 0 == res["rows"]["mixed_step"]["error"]
-        assert res["levers_over_plain_attention_only"] > 0 and "levers_over_plain_append" in res
+        for cfg in ("mixed", "mixed_levers", "mixed_levers_smooth"):
+            assert res["rows"][cfg + "_step"]["error"] == 0 == res["rows"][cfg + "_append_only"]["error"], cfg
+        assert res["mixed_levers_smooth_over_plain_append_only"] > 0 and res["mixed_levers_over_plain_step"] > 0
     if name == "accuracy:transformers":         # KL of each cache against DynamicCache: finite, fp8's above zero
         kl = json.loads((tmp_path / "accuracy_transformers.json").read_text())["kl"]["prose"]
         assert set(kl) == {"fp8", "recommended+smooth"} and kl["fp8"] > 0 and all(
