@@ -189,9 +189,9 @@ class TorchKVCache:
         (a power-of-two count crosses without a copy).
       validate: before every read, check the page tables, lengths and indices on the host
         (``jmixedkv.checks.validate_read``; costs a device-to-host copy of the tables). Default for every call;
-        each call takes ``validate=`` too. Without it, ``decode_attention`` takes a torch slot tensor as it is
-        (no copy to the host, which would wait for the GPU) and checks its range inside the program: a row whose
-        slot is outside ``[-1, max_seqs)`` reads as NaN instead of raising.
+        each call takes ``validate=`` too. Without it, ``decode_attention`` and ``stage`` take a torch slot tensor
+        as it is (no copy to the host, which would wait for the GPU) and check its range inside the program: a row
+        whose slot is outside ``[-1, max_seqs)`` reads as NaN (its output, or one staged page) instead of raising.
       sync: ``True`` | ``"stream"`` | ``False``, the DLPack stream policy (`interop.dlpack`); default for every
         call, each call takes ``sync=`` too (``"stream"`` keeps a hot loop on torch's current stream).
       reserve_null_page: keep low page 0 out of the allocator (vLLM's null block), so ``block_table(pad=0)``
@@ -311,7 +311,8 @@ class TorchKVCache:
         retained positions are the high rows bit-for-bit, others dequantized NVFP4; see `TorchStaged`.
 
         ``layer=None`` stages every layer of the group in one call (``pages [L, N, kv, H, page, D]``)."""
-        sync, _, seq = self._read_args("stage", layer, group, seq_slots, sync, all_layers=True)
+        sync, _, seq = self._read_args("stage", layer, group, seq_slots, sync, all_layers=True,
+                                       slots_on_host=self._validates(validate))
         self._validate_read(layer, seq, None, group, "stage", validate)
         layer_j = None if layer is None else self._device_layer(layer, group, "stage")
         st = _stage_jit(self.state, layer_j, seq, group=group, backend=self.backend, validate=False)

@@ -207,6 +207,27 @@ def test_decode_attention_takes_slot_tensors_as_they_are_without_validation(monk
         cache.decode_attention(1, q, torch.from_numpy(SEQ).float(), validate=False)
 
 
+def test_stage_takes_slot_tensors_as_they_are_without_validation(monkeypatch):
+    """``stage(validate=False)`` with a torch slot tensor: no host copy; the same staged cache as the host-checked
+    call, bitwise; an out-of-range slot stages one page of NaN for its row, the other rows' K/V bitwise unchanged."""
+    cache, _, _ = _pair()
+    want = cache.stage(1, SEQ)
+    want_k, want_v = want.dense()
+    with monkeypatch.context() as m:
+        m.setattr(cache, "_indices", lambda *a, **k: pytest.fail("slots were copied to the host"))
+        got = cache.stage(1, torch.from_numpy(SEQ).clone(), validate=False)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(_bytes(a), _bytes(b))
+        slots = torch.from_numpy(SEQ).to(torch.int64)
+        slots[2] = 2 ** 32                                     # slot 0 once wrapped to int32
+        bad = cache.stage(1, slots, validate=False)
+    k, v = bad.dense()
+    assert torch.isnan(k[2, :, :PAGE].float()).all() and torch.isnan(v[2, :, :PAGE].float()).all()
+    keep = np.arange(SEQ.size) != 2
+    np.testing.assert_array_equal(_bytes(k[keep]), _bytes(want_k[keep]))
+    np.testing.assert_array_equal(_bytes(v[keep]), _bytes(want_v[keep]))
+
+
 def test_stage_all_layers_in_one_call():
     cache, state, _ = _pair()
     st = cache.stage(None, torch.from_numpy(SEQ), sync="stream", validate=False)
