@@ -189,9 +189,10 @@ class TorchKVCache:
         (a power-of-two count crosses without a copy).
       validate: before every read, check the page tables, lengths and indices on the host
         (``jmixedkv.checks.validate_read``; costs a device-to-host copy of the tables). Default for every call;
-        each call takes ``validate=`` too. Without it, ``decode_attention`` and ``stage`` take a torch slot tensor
-        as it is (no copy to the host, which would wait for the GPU) and check its range inside the program: a row
-        whose slot is outside ``[-1, max_seqs)`` reads as NaN (its output, or one staged page) instead of raising.
+        each call takes ``validate=`` too. Without it, ``decode_attention``, ``stage`` and ``gather_rows`` take
+        torch slot (and index) tensors as they are (no copy to the host, which would wait for the GPU) and check
+        them inside the program: a row whose slot is outside ``[-1, max_seqs)`` reads as NaN (its output, one
+        staged page, its gathered rows) instead of raising.
       sync: ``True`` | ``"stream"`` | ``False``, the DLPack stream policy (`interop.dlpack`); default for every
         call, each call takes ``sync=`` too (``"stream"`` keeps a hot loop on torch's current stream).
       reserve_null_page: keep low page 0 out of the allocator (vLLM's null block), so ``block_table(pad=0)``
@@ -326,8 +327,13 @@ class TorchKVCache:
         Returns ``(k, v, scale)``: ``k, v [B, K, H, D]`` (``v`` None for a latent group) in the attention dtype, or
         float8_e4m3fn with ``scratch_dtype="fp8"`` (value = f32(row) * scale[b]); ``scale f32[B]``. Positions
         outside ``[0, n)`` read as zero."""
-        sync, spec, seq = self._read_args("gather_rows", layer, group, seq_slots, sync)
-        idx = self._indices(indices, "gather_rows", "indices", ndim=2)
+        on_host = self._validates(validate)
+        sync, spec, seq = self._read_args("gather_rows", layer, group, seq_slots, sync, slots_on_host=on_host)
+        if on_host or not isinstance(indices, torch.Tensor):
+            idx = self._indices(indices, "gather_rows", "indices", ndim=2)
+        else:                                       # positions outside [0, n) read as zero inside the program
+            idx = self._index_tensor(indices, sync, "gather_rows", "indices", 2, -checks.INT32_MAX - 1,
+                                     checks.INT32_MAX)
         if idx.shape[0] != seq.shape[0]:
             raise ValueError(f"gather_rows: indices has {idx.shape[0]} rows for {seq.shape[0]} sequences")
         if scratch_dtype not in (None, "fp8", "float8_e4m3fn"):
@@ -612,16 +618,20 @@ class TorchKVCache:
     def _slots_as_they_are(self, seq_slots: torch.Tensor, sync, what):
         """A slot tensor read without host validation: ``i32[B]`` JAX array over the same memory (DLPack; no copy
         to the host, which would wait for every kernel queued before it). Its values are checked inside the
-        program (a row whose slot is outside ``[-1, max_seqs)`` reads as NaN); int64 values are first clamped to
-        ``[-2, max_seqs]`` on the tensor's device, so no value wraps into range."""
-        if seq_slots.dtype not in INDEX_INPUTS or seq_slots.dim() != 1:
-            raise ValueError(f"{what}: seq_slots must be an int32 (or int64) tensor [B], got {seq_slots.dtype} "
-                             f"{list(seq_slots.shape)}")
-        if not _same_device(seq_slots.device, self.device):
-            raise ValueError(f"{what}: seq_slots is on {seq_slots.device}, the cache is on {self.device}")
-        if seq_slots.dtype != torch.int32:
-            seq_slots = seq_slots.clamp(-2, self.max_seqs).to(torch.int32)
-        return from_torch(seq_slots.detach(), copy=None, sync=sync)
+        program (a row whose slot is outside ``[-1, max_seqs)`` reads as NaN)."""
+        return self._index_tensor(seq_slots, sync, what, "seq_slots", 1, -2, self.max_seqs)
+
+    def _index_tensor(self, x: torch.Tensor, sync, what, name, ndim, lo, hi):
+        """An index tensor as an int32 JAX array without a host copy (`_slots_as_they_are`); int64 values are first
+        clamped to ``[lo, hi]`` on the tensor's device (just outside the legal range), so none wraps into range."""
+        if x.dtype not in INDEX_INPUTS or x.dim() != ndim:
+            raise ValueError(f"{what}: {name} must be an int32 (or int64) tensor of {ndim} dims, got {x.dtype} "
+                             f"{list(x.shape)}")
+        if not _same_device(x.device, self.device):
+            raise ValueError(f"{what}: {name} is on {x.device}, the cache is on {self.device}")
+        if x.dtype != torch.int32:
+            x = x.clamp(lo, hi).to(torch.int32)
+        return from_torch(x.detach(), copy=None, sync=sync)
 
     def _sync(self, sync, what):
         sync = self.sync if sync is None else sync

@@ -14,7 +14,7 @@ from interop import torch_cache as tc
 from interop.dlpack import to_torch
 from interop.torch_cache import CacheCapacityError, TorchKVCache
 from jmixedkv import CacheManager, GroupSpec, KVCacheConfig, append, init_state, rows_reference, stage_reference
-from jmixedkv import gather, speculative, staging
+from jmixedkv import checks as checks_mod, gather, speculative, staging
 from jmixedkv.decode import decode_attention
 from jmixedkv.state import admit
 
@@ -226,6 +226,34 @@ def test_stage_takes_slot_tensors_as_they_are_without_validation(monkeypatch):
     keep = np.arange(SEQ.size) != 2
     np.testing.assert_array_equal(_bytes(k[keep]), _bytes(want_k[keep]))
     np.testing.assert_array_equal(_bytes(v[keep]), _bytes(want_v[keep]))
+
+
+def test_gather_rows_takes_index_tensors_as_they_are_without_validation(monkeypatch):
+    """``gather_rows(validate=False)`` with torch slot and index tensors: no host copy, the host-checked call's rows
+    bitwise; an int64 index that would wrap into range as int32 reads as an out-of-range one does (the host path's
+    ``INT32_MAX``), an out-of-range slot gives NaN rows for its row only."""
+    cache, _, _ = _pair()
+    seq = np.array([5, 3, -1, 1], np.int32)
+    idx = np.array([[0, 1, 2, -1], [0, 4, 5, 14], [-1, -1, -1, -1], [0, -1, -1, 0]], np.int32)
+    far = idx.copy()
+    far[1, 2] = checks_mod.INT32_MAX
+    want = cache.gather_rows(1, seq, far, validate=False)          # host arrays: copied, checked to fit int32 only
+    with monkeypatch.context() as m:
+        m.setattr(cache, "_indices", lambda *a, **k: pytest.fail("indices were copied to the host"))
+        same = cache.gather_rows(1, torch.from_numpy(seq.copy()), torch.from_numpy(far.copy()), validate=False)
+        wrapping = torch.from_numpy(idx.astype(np.int64))
+        wrapping[1, 2] = 2 ** 32 + 5                              # position 5 once wrapped to int32
+        got = cache.gather_rows(1, torch.from_numpy(seq.astype(np.int64)), wrapping, validate=False)
+        bad_seq = torch.from_numpy(seq.copy())
+        bad_seq[3] = cache.max_seqs
+        bad = cache.gather_rows(1, bad_seq, torch.from_numpy(idx.copy()), validate=False)
+    for a, b, c in zip(same, got, want):
+        np.testing.assert_array_equal(_bytes(a), _bytes(c))
+        np.testing.assert_array_equal(_bytes(b), _bytes(c))
+    plain = cache.gather_rows(1, seq, idx)
+    assert torch.isnan(bad[0][3].float()).all() and torch.isnan(bad[1][3].float()).all()
+    for a, b in zip(bad[:2], plain[:2]):
+        np.testing.assert_array_equal(_bytes(a[:3]), _bytes(b[:3]))
 
 
 def test_stage_all_layers_in_one_call():
