@@ -70,7 +70,7 @@ from jmixedkv.config import KVCacheConfig
 from .torch_cache import CacheCapacityError, TorchKVCache
 
 __all__ = ["JMixedKVCache", "JMixedLayer", "jmixedkv_attention", "dense_attention", "text_config", "sliding_windows",
-           "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
+           "check_model_fits", "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
 
 ATTN_IMPLEMENTATION = "jmixedkv"
 # The keyword a transformers model / ``generate`` takes the cache by: ``cache`` from transformers 5.2x on
@@ -412,17 +412,26 @@ def text_config(config):
     return cfg, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _check_config(config, spec, decode, k_smoothing=False):
+def check_model_fits(config, what: str, have: tuple, smoothed: bool, instead: str):
+    """The model of ``config`` fits a cache: its (layers, KV heads, head_dim) equal ``have``, and no K smoothing
+    (``smoothed``: the cache attends over smoothed keys) under attention soft-capping, which does not commute with
+    the shift (``instead``: what to do). Returns the text config; `ValueError` names the mismatch."""
     cfg, head_dim = text_config(config)
     cap = getattr(cfg, "attn_logit_softcapping", None)
-    if decode == "fused" and k_smoothing and cap:
-        raise ValueError(f"JMixedKVCache(decode='fused'): k_smoothing with attention soft-capping "
-                         f"(attn_logit_softcapping={cap}): a soft-cap does not commute with the smoothing shift; use "
-                         f"decode='stage' (staged keys have the mean added back) or drop k_smoothing")
+    if smoothed and cap:
+        raise ValueError(f"{what}: k_smoothing with attention soft-capping (attn_logit_softcapping={cap}): a "
+                         f"soft-cap does not commute with the smoothing shift; {instead}")
     want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-    have = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-    if want != have:
-        raise ValueError(f"JMixedKVCache: the model has (layers, kv heads, head_dim) = {want}, the cache {have}")
+    if want != tuple(have):
+        raise ValueError(f"{what}: the model has (layers, kv heads, head_dim) = {want}, the cache {tuple(have)}")
+    return cfg
+
+
+def _check_config(config, spec, decode, k_smoothing=False):
+    what = "JMixedKVCache(decode='fused')" if decode == "fused" else "JMixedKVCache"
+    cfg = check_model_fits(config, what, (spec.num_layers, spec.num_kv_heads, spec.head_dim),
+                           decode == "fused" and k_smoothing,
+                           "use decode='stage' (staged keys have the mean added back) or drop k_smoothing")
     impl = getattr(cfg, "_attn_implementation", None)
     if decode == "fused" and impl != ATTN_IMPLEMENTATION:
         raise ValueError(f"JMixedKVCache(decode='fused') needs the model's attention to be 'jmixedkv' (got {impl!r}): "

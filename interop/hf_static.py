@@ -264,13 +264,5 @@ class JMixedStaticCache(Cache):
 
 def _check_model(config, paged: StaticPagedCache) -> None:
     """``paged`` fits the model of ``config``: its geometry, and no K smoothing under attention soft-capping."""
-    cfg, head_dim = hf.text_config(config)
-    cap = getattr(cfg, "attn_logit_softcapping", None)
-    if paged.k_mean is not None and cap:
-        raise ValueError(f"JMixedStaticCache: k_smoothing with attention soft-capping (attn_logit_softcapping={cap}): "
-                         f"a soft-cap does not commute with the smoothing shift; build the KVCacheConfig without "
-                         f"k_smoothing")
-    want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-    have = (paged.num_layers, paged.num_kv_heads, paged.head_dim)
-    if want != have:
-        raise ValueError(f"JMixedStaticCache: the model has (layers, kv heads, head_dim) = {want}, the cache {have}")
+    hf.check_model_fits(config, "JMixedStaticCache", (paged.num_layers, paged.num_kv_heads, paged.head_dim),
+                        paged.k_mean is not None, "build the KVCacheConfig without k_smoothing")

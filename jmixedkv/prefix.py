@@ -481,11 +481,8 @@ class PrefixCache:
         m = len(entries) * self.page
         self._tokens[slot] = np.asarray(tokens, np.int64).reshape(-1).copy()
         mid = entries[0].mean_id if entries else None
-        means = self.means[mid] if mid is not None else None
-        if self.state.k_means is not None and means is None:      # one program: zeros, not None
-            means = tuple(np.zeros((g.num_layers, g.num_kv_heads, g.head_dim), np.float32) for g in self.state.groups)
-        self.state = _admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m),
-                            None if means is None else tuple(jnp.asarray(x) for x in means))
+        means = _prefix_means(self.state, self.means.get(mid), "PrefixCache.admit")   # zeros, not None: one program
+        self.state = _admit(self.state, jnp.int32(slot), jnp.asarray(low), jnp.asarray(fixed), jnp.int32(m), means)
         self._check("admit")
         if mid is not None:
             self._hold_mean(mid)
