@@ -282,6 +282,14 @@ def append_position_errors(seq, pos, kv_lens, num_seqs: int):
     return broken | neg | jnp.any(off), first, last
 
 
+def select_if(ok, new, old):
+    """``new`` where ``ok`` (a traced bool) else ``old``, leaf by leaf, for all-or-nothing transitions. A leaf the
+    transition passed through (``new`` is ``old``: a pool that admit / release never touches) is returned as it is,
+    never selected: a select of a pool against itself would cost a pool-sized buffer on devices where XLA does not
+    fold it away (the donated input and the output alive together)."""
+    return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, old)
+
+
 def page_ids_ok(ids, num_pages: int):
     """bool: every id in ``[-1, num_pages)``."""
     return jnp.all((ids >= -1) & (ids < num_pages))

@@ -246,14 +246,9 @@ def _slot_checks(state: HybridState, seq):
     return safe, live, row_ok, jnp.any(counts > 1)
 
 
-def _select(ok, new, old):
-    """``new`` where ``ok`` else ``old``, leaf by leaf (leaves a transition did not replace are passed through)."""
-    return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, old)
-
-
 def _commit(old: HybridState, new: HybridState, added) -> HybridState:
     """All or nothing: ``new`` if its transition added no error bit, else ``old``; ``added`` OR-ed into the bits."""
-    out = _select(added == 0, new, old)
+    out = checks.select_if(added == 0, new, old)
     return dataclasses.replace(out, attn=dataclasses.replace(out.attn, error=old.attn.error | added))
 
 

@@ -27,8 +27,8 @@ from .rope import RopeSpec
 
 __all__ = ["CacheManager", "CacheError", "CacheCapacityError"]
 
-_admit = jax.jit(st.admit, donate_argnums=0)
-_release = jax.jit(st.release, donate_argnums=0)
+_admit = st.tables_only(st.admit)                  # tables donated, pools never copied (see `tables_only`)
+_release = st.tables_only(st.release)
 _fork = jax.jit(st.fork, donate_argnums=0)
 
 

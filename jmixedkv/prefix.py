@@ -48,7 +48,7 @@ from .allocator import allocate_mask, release_pages, retain_pages
 from .checks import CacheCapacityError, CacheError
 from .manager import CacheManager
 from .state import (ERR_BAD_SLOT, ERR_HIGH_OOM, ERR_LOW_OOM, CacheState, _fresh_steps, _tables, describe_error,
-                    fork_pages_needed)
+                    fork_pages_needed, tables_only)
 
 __all__ = ["page_keys", "admit_with_prefix", "copy_pages", "Entry", "PrefixCache"]
 
@@ -193,10 +193,10 @@ def _refs(update):
 
 
 # the index's own transitions, donated as `CacheManager`'s (append / fork / release run there)
-_admit = jax.jit(admit_with_prefix, donate_argnums=0)
-_alloc = jax.jit(_alloc_pages, donate_argnums=0)
-_retain = jax.jit(_refs(retain_pages), donate_argnums=0)
-_release_ids_jit = jax.jit(_refs(release_pages), donate_argnums=0)
+_admit = tables_only(admit_with_prefix)             # tables only: the pools are never copied (`tables_only`)
+_alloc = tables_only(_alloc_pages)
+_retain = tables_only(_refs(retain_pages))
+_release_ids_jit = tables_only(_refs(release_pages))
 _restore_jit = jax.jit(offload.scatter_pages, donate_argnums=0)
 _gather = jax.jit(offload.gather_pages)
 

@@ -13,6 +13,7 @@ range-checked first and raise `ValueError`. The rule and the bits live in `jmixe
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence, Union
 
 import jax
@@ -141,6 +142,31 @@ class CacheState:
     def layer_offsets(self) -> tuple:
         """Static first column of each group in ``step_layers`` (and the total, last)."""
         return layer_offsets(self.groups)
+
+
+def tables_only(transition):
+    """``transition`` (``state, *args -> state`` or ``(state, *extras)``) jitted for a transition that changes
+    tables only (admit, release, page references): the tables are donated; the pools enter the program as plain
+    inputs and the caller gets its own pool arrays back, never a program output. A donated pool returned unchanged
+    is not reliably aliased: XLA on the GPU may copy it into a fresh buffer (a 40 GiB pool on an 80 GiB card then
+    fails to allocate), and an undonated one is always copied. Raises ``TypeError`` at trace time if
+    ``transition`` changed a pool."""
+    @functools.partial(jax.jit, donate_argnums=0)
+    def run(rest, pools, *args):
+        out = transition(dataclasses.replace(rest, pools=pools), *args)
+        new = out[0] if isinstance(out, tuple) else out
+        if not all(a is b for a, b in zip(jax.tree.leaves(new.pools), jax.tree.leaves(pools), strict=True)):
+            raise TypeError(f"tables_only: {getattr(transition, '__name__', transition)} changed a pool")
+        new = dataclasses.replace(new, pools=None)
+        return (new,) + tuple(out[1:]) if isinstance(out, tuple) else new
+
+    @functools.wraps(transition)
+    def call(state, *args):
+        out = run(dataclasses.replace(state, pools=None), state.pools, *args)
+        if isinstance(out, tuple):
+            return (dataclasses.replace(out[0], pools=state.pools),) + tuple(out[1:])
+        return dataclasses.replace(out, pools=state.pools)
+    return call
 
 
 def layer_offsets(groups) -> tuple:
@@ -321,10 +347,6 @@ def _order_error(order, count):
     return jnp.where(ok, 0, ERR_BAD_PAGE).astype(jnp.int32)
 
 
-def _select(ok, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-
 def _slot(state: CacheState, seq_slot, op: str = "transition"):
     """(clipped slot, in range, is the -1 "none" sentinel). Host values outside [-1, max_seqs) raise."""
     slot = checks.check_slot_arg(seq_slot, state.max_seqs, "seq_slot", op)
@@ -361,7 +383,7 @@ def admit(state: CacheState, seq_slot) -> CacheState:
         state, high_table=state.high_table.at[slot].set(ids), kv_lens=state.kv_lens.at[slot].set(0),
         page_table=state.page_table.at[slot].set(-1), active=state.active.at[slot].set(True),
         high_alloc=high_alloc, **_fresh_steps(state, slot))
-    out = _select(ok, new, state)
+    out = checks.select_if(ok, new, state)
     return dataclasses.replace(out, error=state.error | err)
 
 
@@ -377,7 +399,7 @@ def release(state: CacheState, seq_slot) -> CacheState:
         page_table=state.page_table.at[slot].set(-1), high_table=state.high_table.at[slot].set(-1),
         kv_lens=state.kv_lens.at[slot].set(0), active=state.active.at[slot].set(False),
         **_fresh_steps(state, slot))
-    out = _select(ok, new, state)
+    out = checks.select_if(ok, new, state)
     return dataclasses.replace(out, error=state.error | jnp.where(ok | none, 0, ERR_BAD_SLOT))
 
 
@@ -563,8 +585,7 @@ def append_traced(state: CacheState, layer, k, v, seq, pos, *, group: int = 0, r
 
 def _tables(state, ok, **new):
     """Apply table / allocator updates only where ``ok`` (pools are never selected: no copies)."""
-    return dataclasses.replace(state, **{k: jax.tree.map(lambda a, b: jnp.where(ok, a, b), v, getattr(state, k))
-                                         for k, v in new.items()})
+    return dataclasses.replace(state, **{k: checks.select_if(ok, v, getattr(state, k)) for k, v in new.items()})
 
 
 def fork(state: CacheState, src, dst) -> CacheState:

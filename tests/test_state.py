@@ -724,3 +724,69 @@ def test_position_rule_one_definition_host_and_jit(toks, lens):
         p = np.sort(pos[seq == s])
         assert host[0][s] == bool(p.size and (np.diff(p) != 1).any())
         assert host[1][s] == bool(p.size and not p[0] <= n[s] <= p[-1] + 1)
+
+
+def _pool_sized_ops(fn, *args):
+    """Equations of ``fn``'s jaxpr (nested ones included) that make a pool-sized array by select or copy."""
+    state = args[0]
+    pool_shapes = {x.shape for x in jax.tree.leaves(state.pools) if x.size > 1024}
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("select_n", "copy", "copy_p") and any(
+                    getattr(v.aval, "shape", None) in pool_shapes for v in eqn.outvars):
+                found.append(str(eqn)[:120])
+            for sub in jax.core.subjaxprs(eqn.params) if hasattr(jax.core, "subjaxprs") else ():
+                walk(sub)
+            for p in eqn.params.values():
+                if hasattr(p, "jaxpr") and hasattr(p.jaxpr, "eqns"):
+                    walk(p.jaxpr)
+                elif hasattr(p, "eqns"):
+                    walk(p)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["bf16", "mixed_nvfp4_bf16"])
+def test_table_transitions_never_select_a_pool(kind):
+    """admit / release / fork / accept / trim / correct_kv_lens change tables only: a pool must pass through them
+    untouched, never through a select or copy of itself (on the GPU a 40 GiB pool selected against itself
+    allocated a second 40 GiB in `release`)."""
+    cfg = jm.KVCacheConfig(kind, first_n=4, last_n=16, page_size=8, max_draft_len=3) if kind != "bf16" else \
+        jm.KVCacheConfig(kind, page_size=8, max_draft_len=3)
+    state = jm.init_state(cfg, jm.GroupSpec(2, 2, 64), num_pages=64, max_seqs=4, max_pages_per_seq=8)
+    state = jm.admit(state, 0)
+    slots = jnp.arange(2, dtype=jnp.int32)
+    cases = dict(admit=(jm.admit, state, 1), release=(jm.release, state, 0), fork=(jm.fork, state, 0, 1),
+                 accept=(jm.speculative.accept, state, slots, jnp.ones(2, jnp.int32), jnp.full(2, 3, jnp.int32)),
+                 trim=(jm.speculative.trim, state), correct=(jm.speculative.correct_kv_lens, state,
+                                                             jnp.zeros(4, jnp.int32)))
+    for name, (fn, *args) in cases.items():
+        assert _pool_sized_ops(fn, *args) == [], name
+
+
+@pytest.mark.parametrize("kind", ["bf16", "mixed_nvfp4_bf16"])
+def test_manager_and_prefix_transitions_keep_the_pool_arrays(kind):
+    """`CacheManager` / `PrefixCache` admit, release and page-reference updates hand back the very pool arrays
+    they were given (no program output, so no copy on any device), and `tables_only` refuses a pool change."""
+    cfg = jm.KVCacheConfig(kind, first_n=4, last_n=16, page_size=8) if kind != "bf16" else \
+        jm.KVCacheConfig(kind, page_size=8)
+    m = jm.CacheManager(cfg, jm.GroupSpec(2, 2, 64), num_pages=64, max_seqs=4, max_pages_per_seq=8)
+    pools = jax.tree.leaves(m.state.pools)
+    same = lambda: all(a is b for a, b in zip(jax.tree.leaves(m.state.pools), pools, strict=True))  # noqa: E731
+    slot = m.admit()
+    assert same() and m.state.active[slot]
+    m.release(slot)
+    assert same() and not bool(m.state.active[slot])
+    prefix = jm.PrefixCache(m.state, host_capacity_pages=0)
+    tokens = np.arange(20, dtype=np.int32)
+    prefix.admit(0, tokens)
+    prefix.release(0)
+    assert all(a is b for a, b in zip(jax.tree.leaves(prefix.manager.state.pools), pools, strict=True))
+
+    def writes_pool(state, slot):
+        return dataclasses.replace(state, pools=jax.tree.map(lambda x: x + 0 if x.ndim else x, state.pools))
+    with pytest.raises(TypeError, match="writes_pool changed a pool"):
+        jm.state.tables_only(writes_pool)(m.state, np.int32(0))
