@@ -15,7 +15,7 @@ _EXPORTS = {
     "KVCacheConfig": "config",
     "RopeSpec": "rope", "apply_rope": "rope",
     "CacheState": "state", "GroupSpec": "state", "admit": "state", "append": "state", "describe_error": "state",
-    "init_state": "state", "release": "state",
+    "init_state": "state", "release": "state", "tables_only": "state",
     "CacheError": "checks", "CacheCapacityError": "checks", "CacheManager": "manager",
     "StagedCache": "staging", "stage": "staging", "stage_reference": "staging",
     "gather_rows": "gather", "overlay_retained_rows": "gather", "rows_reference": "gather",
