@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -457,3 +458,18 @@ def test_cli_serve_weights_dtype(tmp_path, capsys):
     assert e.value.code == 2 and "invalid choice: 'float16'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="weights_dtype must be one of .* got 'fp16'"):
         sv.load_serve_model("tiny", "fp16")
+
+
+@pytest.mark.parametrize("cache_cfg", [BF16, MIXED], ids=["bf16", "mixed"])
+def test_programs_update_the_pools_in_place(cache_cfg):
+    """The loop's compiled decode step and prefill chunk alias every pool byte to their outputs (donated and
+    written in place), and admit / release hand the pool arrays back untouched: no program copies a pool."""
+    lp = loop(cache_cfg)
+    pools = jax.tree.leaves(lp.manager.state.pools)
+    pool_bytes = sum(x.nbytes for x in pools)
+    for kind, n in (("decode", 1), ("prefill", CHUNK)):
+        m = lp._program(kind, n).memory_analysis()
+        assert m.alias_size_in_bytes >= pool_bytes, (kind, m.alias_size_in_bytes, pool_bytes)
+    slot = lp.manager.admit()
+    lp.manager.release(slot)
+    assert all(a is b for a, b in zip(jax.tree.leaves(lp.manager.state.pools), pools, strict=True))
