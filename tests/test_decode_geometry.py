@@ -23,7 +23,7 @@ from jmixedkv.pools import kernel_arrays
 from pallas_kernels import decode as entry
 from pallas_kernels.decode import MosaicConfig, TritonConfig, mosaic_sm90, triton as tk
 from pallas_kernels.decode.common import num_sms
-from pallas_kernels.decode.config import SMALL_HEAD_TUNING, WIDE_GRID_TUNING, triton_tuning
+from pallas_kernels.decode.config import LARGE_HEAD_TUNING, SMALL_HEAD_TUNING, WIDE_GRID_TUNING, triton_tuning
 from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state, rel_l2
 
 HEAD_DIMS = (64, 128, 256)
@@ -113,10 +113,11 @@ def test_mosaic_config_refused_by_name_outside_its_head_dim(d):
 
 def test_triton_defaults_per_head_dim():
     """`triton_tuning`: NVFP4 pages at head_dim 64 on the wide grid with <= 8 real query rows of 16 take
-    `SMALL_HEAD_TUNING` at pages up to 64; head_dim 128 and 256 keep the rules measured at 128."""
+    `SMALL_HEAD_TUNING` at pages up to 64, at head_dim 256 `LARGE_HEAD_TUNING` at pages of 16; head_dim 128 keeps
+    the rules measured at 128."""
     wide_b = -(-(num_sms() // 2) // 8)
-    small, wide = (tuple(t[k] for k in ("block_k", "num_warps", "per_sm")) for t in (SMALL_HEAD_TUNING,
-                                                                                       WIDE_GRID_TUNING))
+    small, wide, large = (tuple(t[k] for k in ("block_k", "num_warps", "per_sm"))
+                          for t in (SMALL_HEAD_TUNING, WIDE_GRID_TUNING, LARGE_HEAD_TUNING))
     for page in (16, 32, 64):
         for rows in (1, 3, 7, 8):
             assert triton_tuning("nvfp4", wide_b, 8, page, 16, rows, head_dim=64) == small
@@ -125,10 +126,14 @@ def test_triton_defaults_per_head_dim():
     assert triton_tuning("nvfp4", wide_b, 8, 16, 16, 16, head_dim=64) != small           # 16 real rows
     assert triton_tuning("nvfp4", wide_b, 8, 16, 32, 32, head_dim=64) != small           # 32 query rows
     assert triton_tuning("plain", wide_b, 8, 16, 16, 4, head_dim=64) != small
-    for d in (128, 256):
-        assert triton_tuning("nvfp4", wide_b, 8, 16, 16, 4, head_dim=d) == wide
-        assert triton_tuning("nvfp4", wide_b, 8, 64, 16, 4, head_dim=d) != small
+    assert triton_tuning("nvfp4", wide_b, 8, 16, 16, 4, head_dim=128) == wide
+    assert triton_tuning("nvfp4", wide_b, 8, 64, 16, 4, head_dim=128) != small
     assert triton_tuning("nvfp4", wide_b, 8, 16, 16, 4) == wide                          # head_dim 128 by default
+    for rows in (1, 4, 8):                             # head_dim 256: 64-token steps, four warps at pages of 16
+        assert triton_tuning("nvfp4", wide_b, 8, 16, 16, rows, head_dim=256) == large
+    assert triton_tuning("nvfp4", wide_b, 8, 32, 16, 4, head_dim=256) == wide            # pages of 32: not measured
+    assert triton_tuning("nvfp4", wide_b, 8, 16, 16, 16, head_dim=256) != large          # 16 real rows
+    assert triton_tuning("nvfp4", wide_b - 1, 8, 16, 16, 4, head_dim=256) != large       # narrow grid
 
 
 # ------------------------------------------------------------------------------------------ GPU (H200)

@@ -19,7 +19,8 @@ from pallas_kernels.decode import common
 from pallas_kernels.decode.common import next_pow2
 
 __all__ = ["TritonConfig", "MosaicConfig", "TRITON_BLOCK_K", "TRITON_NUM_WARPS", "WIDE_GRID_TUNING",
-           "VERIFY_GRID_TUNING", "SMALL_HEAD_TUNING", "SMALL_HEAD_DIM", "SMALL_HEAD_MAX_PAGE", "triton_tuning",
+           "VERIFY_GRID_TUNING", "SMALL_HEAD_TUNING", "SMALL_HEAD_DIM", "SMALL_HEAD_MAX_PAGE", "LARGE_HEAD_TUNING",
+           "LARGE_HEAD_DIM", "LARGE_HEAD_MAX_PAGE", "triton_tuning",
            "triton_num_splits", "tuning_heads", "KEYS_ON_M_ROWS", "MIN_KM_ROWS",
            "MAX_SPLIT_BLOCKS", "EDGE_BLOCK_K", "EDGE_WARPS", "IN_TURN_ROWS", "IN_TURN_MAX_PAGE", "mosaic_num_splits",
            "mosaic_edge_splits", "mosaic_qk_in_turn"]
@@ -58,6 +59,14 @@ VERIFY_GRID_TUNING = dict(block_k=32, num_warps=2, per_sm=4)
 #: 4 warps, 128-token steps and twice the splits measured slower (bench/data/decode_geometry-hd64-*.json).
 SMALL_HEAD_TUNING = dict(block_k=64, num_warps=1, per_sm=4)
 SMALL_HEAD_DIM, SMALL_HEAD_MAX_PAGE = 64, 64
+#: NVFP4 pages at head_dim >= `LARGE_HEAD_DIM` on the wide grid with at most 8 real query rows of 16 and pages of at
+#: most `LARGE_HEAD_MAX_PAGE` tokens: 64-token steps, four warps (`WIDE_GRID_TUNING`'s one warp holds a 256-wide
+#: accumulator). On the H100 at 16 x 32k, 8 KV heads, page 16, Tq 1 (per call in a jitted loop of ten): 1.050-1.052 ms
+#: against 1.279-1.399 for `WIDE_GRID_TUNING` (GQA 1 / 4 / 8); 32 / 2 1.114, 32 / 4 1.286, 64 / 2 1.335-1.339,
+#: 128 / 4 1.398-1.401, 64 / 8 1.557, 16 / 4 2.260, 32 / 8 2.593 (bench/data/decode_geometry-2026-12-05-h100-hd256*.json).
+#: Larger pages were not measured and keep the older rules.
+LARGE_HEAD_TUNING = dict(block_k=64, num_warps=4, per_sm=4)
+LARGE_HEAD_DIM, LARGE_HEAD_MAX_PAGE = 256, 16
 
 
 def triton_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows: int, rows: Optional[int] = None,
@@ -65,12 +74,15 @@ def triton_tuning(fmt_key: str, batch: int, num_kv_heads: int, page: int, m_rows
     """``(block_k, num_warps, programs per SM)`` the Triton kernel uses when the config leaves them out: `fmt_key`
     ``"nvfp4"`` | ``"plain"``, ``m_rows`` = query rows per program (``Tq * G`` padded to a power of two >= 16),
     ``rows`` = the real ones, ``Tq * G`` (default ``m_rows``), ``head_dim`` the K / V rows' (`SMALL_HEAD_TUNING`
-    at <= 64)."""
+    at <= 64, `LARGE_HEAD_TUNING` at >= 256)."""
     rows = m_rows if rows is None else rows
     many = fmt_key == "nvfp4" and batch * num_kv_heads >= common.num_sms() // 2
     wide = many and page <= 32
-    small = many and head_dim <= SMALL_HEAD_DIM and page <= SMALL_HEAD_MAX_PAGE and m_rows == 16 and rows <= 8
+    few_rows = m_rows == 16 and rows <= 8
+    small = many and head_dim <= SMALL_HEAD_DIM and page <= SMALL_HEAD_MAX_PAGE and few_rows
+    large = many and head_dim >= LARGE_HEAD_DIM and page <= LARGE_HEAD_MAX_PAGE and few_rows
     t = (SMALL_HEAD_TUNING if small else
+         LARGE_HEAD_TUNING if large else
          WIDE_GRID_TUNING if (wide and m_rows == 16 and rows <= 8) else
          VERIFY_GRID_TUNING if (wide and m_rows == 32) else None)
     if t is not None:
@@ -99,7 +111,7 @@ class TritonConfig:
     Attributes:
       block_k: tokens per inner step (whole pages, at least 16 tokens: `common.pages_per_block`); None =
         `triton_tuning` (64 for NVFP4 pages, 128 for plain row pages, 32 on the wide grids, 64 with one warp on the
-        wide grid at head_dim <= 64).
+        wide grid at head_dim <= 64, 64 with four warps there at head_dim >= 256 and pages of 16).
       num_warps: Triton warps per program; None = `triton_tuning`.
       num_stages: software-pipelining depth of the interior loop.
       num_splits: split-K programs per (row, KV head); None = `triton_num_splits` (~4 programs per SM).
