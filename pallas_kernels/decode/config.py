@@ -63,7 +63,7 @@ SMALL_HEAD_DIM, SMALL_HEAD_MAX_PAGE = 64, 64
 #: most `LARGE_HEAD_MAX_PAGE` tokens: 64-token steps, four warps (`WIDE_GRID_TUNING`'s one warp holds a 256-wide
 #: accumulator). On the H100 at 16 x 32k, 8 KV heads, page 16, Tq 1 (per call in a jitted loop of ten): 1.050-1.052 ms
 #: against 1.279-1.399 for `WIDE_GRID_TUNING` (GQA 1 / 4 / 8); 32 / 2 1.114, 32 / 4 1.286, 64 / 2 1.335-1.339,
-#: 128 / 4 1.398-1.401, 64 / 8 1.557, 16 / 4 2.260, 32 / 8 2.593 (bench/data/decode_geometry-2026-12-05-h100-hd256*.json).
+#: 128 / 4 1.398-1.401, 64 / 8 1.557, 16 / 4 2.260, 32 / 8 2.593 (bench/RESULTS.md, "head_dim 256 decode tuning").
 #: Larger pages were not measured and keep the older rules.
 LARGE_HEAD_TUNING = dict(block_k=64, num_warps=4, per_sm=4)
 LARGE_HEAD_DIM, LARGE_HEAD_MAX_PAGE = 256, 16
