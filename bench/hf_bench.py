@@ -1,7 +1,8 @@
 """transformers ``generate()`` through the cache, every format and decode mode (`JMixedKVCache` ``"stage"`` /
 ``"fused"``, `JMixedStaticCache` ``"static"``), beside DynamicCache (eager) and StaticCache (compiled); per cache:
 ms per token, ms per decode step (a 1-token run subtracted), tokens/s, token agreement with DynamicCache and the
-bridge's cost per layer. Models: `shapes.HF_MODELS`, random bf16 weights. ``--profile-prefill DIR`` instead: where
+bridge's cost per layer (``--profile-host N``: and where its host time goes, `host_profile`). Models:
+`shapes.HF_MODELS`, random bf16 weights. ``--profile-prefill DIR`` instead: where
 the first step (prefill + one token) of each cache spends its time (`profile_prefill`).
 
     python bench/hf_bench.py --model smollm2-shape --batch 4 --prompt 512 --new 32
@@ -12,9 +13,11 @@ the first step (prefill + one token) of each cache spends its time (`profile_pre
 """
 from __future__ import annotations
 
+import cProfile
 import gc
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -146,12 +149,38 @@ def bench_generate(model, args, device):
         for base in ("DynamicCache", "StaticCache"):             # the bridge's cost per layer, against each
             if base in ref and name != base:
                 row[f"us_per_layer_vs_{base}"] = 1e3 * (step_ms - ref[base]) / layers
+        if args.profile_host:
+            row["host_profile"] = host_profile(model, ids, make, args.new, device, args.profile_host)
         rows.append(row)
         extra = " ".join(f"{k[-12:]}={v:+.0f}us" for k, v in row.items() if k.startswith("us_per_layer"))
         print(f"{name:30s} {row['ms_per_token']:8.2f} ms/token {step_ms:8.2f} ms/step "
               f"{row['tokens_per_s']:9.1f} tok/s agree {agree:.3f} {extra}", flush=True)
     model.set_attn_implementation("sdpa")
     return rows
+
+
+def host_profile(model, ids, make, new, device, top):
+    """``--profile-host N``: cProfile one ``generate()`` of ``new`` tokens (after the timed runs) and return / print the
+    ``N`` functions with the most own time and the bridge's (``interop`` / ``jmixedkv`` / DLPack) by cumulative time,
+    each ``{function, calls, own_s, cum_s}``. A host-bound bridge shows as own time spread over the host; a call that
+    waits on the GPU shows as one function's own time."""
+    cache = make()
+    prof = cProfile.Profile()
+    prof.enable()
+    generate(model, ids, cache, new, device)
+    prof.disable()
+    st = pstats.Stats(prof)
+    bridge_files = (os.sep + "interop" + os.sep, os.sep + "jmixedkv" + os.sep, "dlpack")
+    rows = [dict(function=f"{os.path.basename(f)}:{line}({fn})", calls=nc, own_s=tt, cum_s=ct,
+                 bridge=any(k in f for k in bridge_files)) for (f, line, fn), (_, nc, tt, ct, _) in st.stats.items()]
+    own = sorted(rows, key=lambda r: -r["own_s"])[:top]
+    bridge = sorted((r for r in rows if r["bridge"]), key=lambda r: -r["cum_s"])[:top]
+    print(f"  host profile, {st.total_tt:.3f} s in one generate() of {new} tokens; own / cumulative s, calls:")
+    for label, part in (("most own time", own), ("the bridge by cumulative time", bridge)):
+        print(f"    {label}:")
+        for r in part:
+            print(f"      {r['own_s']:8.4f} {r['cum_s']:8.4f} {r['calls']:7d}  {r['function']}")
+    return dict(total_s=st.total_tt, own=own, bridge=bridge)
 
 
 def first_step_ms(model, ids, make, device, reps, reuse):
@@ -203,6 +232,8 @@ def main(argv=None):
     for flag, default in (("--batch", 4), ("--prompt", 512), ("--new", None), ("--reps", None)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--profile-host", metavar="N", type=int, default=0,
+                   help="after each cache's timing, cProfile one generate() and list the N heaviest host functions")
     p.add_argument("--profile-prefill", metavar="DIR", default=None, help="profile the first step instead (defaults "
                    f"{PROFILE_DEFAULTS}); its tables go to DIR")
     args = p.parse_args(argv)
