@@ -150,7 +150,8 @@ def tables_only(transition):
     inputs and the caller gets its own pool arrays back, never a program output. A donated pool returned unchanged
     is not reliably aliased: XLA on the GPU may copy it into a fresh buffer (a 40 GiB pool on an 80 GiB card then
     fails to allocate), and an undonated one is always copied. Raises ``TypeError`` at trace time if
-    ``transition`` changed a pool."""
+    ``transition`` changed a pool. Each call of `tables_only` makes a new jitted program: wrap once, call many times
+    (the input state's tables are donated: use the returned state)."""
     @functools.partial(jax.jit, donate_argnums=0)
     def run(rest, pools, *args):
         out = transition(dataclasses.replace(rest, pools=pools), *args)
