@@ -153,20 +153,18 @@ def tables_only(transition):
     ``transition`` changed a pool. Each call of `tables_only` makes a new jitted program: wrap once, call many times
     (the input state's tables are donated: use the returned state)."""
     @functools.partial(jax.jit, donate_argnums=0)
-    def run(rest, pools, *args):
+    def run(rest, pools, *args):                   # -> (state without pools, *extras)
         out = transition(dataclasses.replace(rest, pools=pools), *args)
-        new = out[0] if isinstance(out, tuple) else out
+        new, *extras = out if isinstance(out, tuple) else (out,)
         if not all(a is b for a, b in zip(jax.tree.leaves(new.pools), jax.tree.leaves(pools), strict=True)):
             raise TypeError(f"tables_only: {getattr(transition, '__name__', transition)} changed a pool")
-        new = dataclasses.replace(new, pools=None)
-        return (new,) + tuple(out[1:]) if isinstance(out, tuple) else new
+        return (dataclasses.replace(new, pools=None), *extras)
 
     @functools.wraps(transition)
     def call(state, *args):
-        out = run(dataclasses.replace(state, pools=None), state.pools, *args)
-        if isinstance(out, tuple):
-            return (dataclasses.replace(out[0], pools=state.pools),) + tuple(out[1:])
-        return dataclasses.replace(out, pools=state.pools)
+        new, *extras = run(dataclasses.replace(state, pools=None), state.pools, *args)
+        new = dataclasses.replace(new, pools=state.pools)
+        return (new, *extras) if extras else new
     return call
 
 
