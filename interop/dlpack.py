@@ -58,8 +58,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from jmixedkv import compat
+
 __all__ = ["to_torch", "from_torch", "same_buffer", "nvfp4_to_torch", "NVFP4Tensors", "kv_transform", "torch_dtype",
-           "ZeroCopyError", "ZERO_COPY_DTYPES", "torch_device_of"]
+           "ZeroCopyError", "ZERO_COPY_DTYPES", "torch_device_of", "HotBridge"]
 
 CPU_ALIGNMENT = 64
 
@@ -123,6 +125,45 @@ def to_torch(x: jax.Array, *, sync: Sync = True, check: bool = True) -> torch.Te
         raise ZeroCopyError(f"to_torch: export of {x.dtype}{list(x.shape)} was not zero-copy "
                             f"(jax {x.unsafe_buffer_pointer():#x} vs torch {t.data_ptr():#x})")
     return t
+
+
+class HotBridge:
+    """The ``sync="stream"`` crossings of a per-layer hot loop for one device, without the per-call Python of
+    `from_torch` / `to_torch` (~50-100 us each on a GPU host: device lookup, dtype canonicalization, a new
+    ``torch.cuda.ExternalStream`` and ``Event`` per call). Same stream protocol: `to_jax` makes JAX's ready-events
+    stream wait for torch's current stream, `to_torch` makes torch's current stream wait until the array is ready.
+
+    `to_jax` takes the fast path only for a tensor that crosses zero-copy as it is (a dtype of `ZERO_COPY_DTYPES`,
+    contiguous, on this device, not requiring grad); anything else goes through ``from_torch(t, copy=None,
+    sync="stream")`` and its checks. `to_torch` takes single-device arrays of this device (the outputs of the
+    caller's own programs)."""
+
+    def __init__(self, device: jax.Device):
+        self.device = device
+        self.torch_device = torch_device_of(device)
+        self.cuda = self.torch_device.type == "cuda"
+        if self.cuda:
+            self.stream = device.get_stream_for_external_ready_events()
+            self._jax_stream = torch.cuda.ExternalStream(self.stream, device=self.torch_device)
+            self._event = torch.cuda.Event()
+            self._dl_type = 2                                  # kDLCUDA
+        else:
+            self.stream, self._dl_type = None, 1               # kDLCPU
+
+    def to_jax(self, t: torch.Tensor) -> jax.Array:
+        """torch -> JAX, zero-copy (module docstring: never write ``t`` while JAX uses it)."""
+        if (t.dtype not in _TORCH_TO_JAX or t.requires_grad or not t.is_contiguous() or t.device != self.torch_device
+                or (not self.cuda and t.data_ptr() % CPU_ALIGNMENT)):
+            return from_torch(t, copy=None, sync="stream")
+        if self.cuda:                                          # JAX's stream waits for torch's current one
+            self._event.record(torch.cuda.current_stream(self.torch_device))
+            self._jax_stream.wait_event(self._event)
+        return compat.dlpack_import(torch._C._to_dlpack(t), self.device, self.stream, self._dl_type)
+
+    def to_torch(self, x: jax.Array) -> torch.Tensor:
+        """JAX -> torch, zero-copy; torch's current stream waits until ``x`` is ready (do not write into it)."""
+        stream = torch.cuda.current_stream(self.torch_device).cuda_stream if self.cuda else None
+        return torch.utils.dlpack.from_dlpack(compat.dlpack_export(x, stream))
 
 
 def _is_compact(t: torch.Tensor) -> bool:

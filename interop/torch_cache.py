@@ -56,10 +56,10 @@ from jmixedkv.config import KVCacheConfig
 from jmixedkv.manager import CacheCapacityError, CacheManager
 from jmixedkv.offload import page_bucket
 from jmixedkv.rope import RopeSpec
-from jmixedkv.state import GroupSpec
+from jmixedkv.state import AppendPlan, GroupSpec
 
 from . import layouts
-from .dlpack import from_torch, to_torch, torch_device_of, torch_dtype
+from .dlpack import HotBridge, from_torch, to_torch, torch_device_of, torch_dtype
 
 __all__ = ["TorchKVCache", "TorchStaged", "StepPlan", "CacheCapacityError", "cache_from_handle", "lse_to_base2",
            "lse_from_base2"]
@@ -90,13 +90,15 @@ def lse_from_base2(lse2):
 class StepPlan(NamedTuple):
     """One engine step's tokens, checked and accounted for once (`TorchKVCache.plan_step`), on the device:
     ``seq`` / ``pos`` i32[T] (slot -1 = padding token), ``rows`` i32[B] the batch rows' slots, ``width`` the
-    pages per row that cover the longest row after the step (a power of two: one program per bucket), ``group``."""
+    pages per row that cover the longest row after the step (a power of two: one program per bucket), ``group``,
+    ``append`` the step's write targets (`jmixedkv.state.AppendPlan`: pages allocated, lengths counted once)."""
 
     seq: jax.Array
     pos: jax.Array
     rows: jax.Array
     width: int
     group: int
+    append: Optional[AppendPlan] = None
 
 
 class TorchStaged(NamedTuple):
@@ -219,8 +221,11 @@ class TorchKVCache:
         self.handle = next(_HANDLE_IDS)          # for the torch.library ops (see the end of this module)
         _HANDLES[self.handle] = weakref.ref(self)
         self._layer_ids: dict = {}             # (group, layer) -> device i32 scalar (`_layer_id`)
+        self._split = None                     # (state, group, rest) of the last layer program (`_run_layer`)
         jax_dev = next(iter(self.manager.state.kv_lens.devices()))     # CacheManager committed the state there
         self.device = torch_device_of(jax_dev)
+        self._hot = HotBridge(jax_dev)         # the step methods' crossings under sync="stream"
+        self._attention_dtype = torch_dtype(config.attention_dtype)
         if device is not None and not _same_device(torch.device(device), self.device):
             raise ValueError(f"TorchKVCache: device {device} does not match the JAX device {jax_dev} the cache "
                              f"lives on (torch {self.device}); set JAX's default device or pass device={self.device}")
@@ -257,7 +262,7 @@ class TorchKVCache:
 
     @property
     def attention_dtype(self) -> torch.dtype:
-        return torch_dtype(self.config.attention_dtype)
+        return self._attention_dtype
 
     def kv_lens(self) -> torch.Tensor:
         """i32[max_seqs] corrected lengths (a zero-copy view of the device state; read-only)."""
@@ -372,7 +377,9 @@ class TorchKVCache:
         tokens). ``seq_slots`` / ``positions`` int ``[T]`` (slot -1 = padding token), ``rows`` int ``[B]`` the slot
         of each batch row the step reads (-1 = padding row). Refusals are those of `append` (`ValueError` naming
         the value, `CacheCapacityError`), raised before anything changes. A refusal the device met inside an
-        earlier step's program (it changed nothing) is raised here as a `CacheError`."""
+        earlier step's program (it changed nothing) is raised here as a `CacheError`. On the device the plan
+        allocates the step's pages and counts its lengths once (`jmixedkv.step.plan_append`); each layer's call
+        then only stores its rows and reads (`jmixedkv.step.layer_append` / ``layer_dense`` / ``layer_attend``)."""
         self._raise_device_error("plan_step")
         checks.check_group(self.state, group, "plan_step")
         seq, pos = self._index_pair(seq_slots, positions, "plan_step")
@@ -382,7 +389,9 @@ class TorchKVCache:
         width = min(max(1, page_bucket(-(-longest // self.page_size))), self.state.max_pages_per_seq)
         dev = next(iter(self.state.kv_lens.devices()))
         seq_j, pos_j, rows_j = jax.device_put((seq, pos, rows), dev)
-        return StepPlan(seq_j, pos_j, rows_j, width, group)
+        state, targets = step.plan_append(self.state, seq_j, pos_j, group=group)
+        self.manager.install(state)
+        return StepPlan(seq_j, pos_j, rows_j, width, group, targets)
 
     def step_append(self, layer: int, k: torch.Tensor, v: Optional[torch.Tensor], plan: "StepPlan", *,
                     sync: Union[bool, str, None] = None) -> None:
@@ -390,53 +399,78 @@ class TorchKVCache:
         is the plan's token ``b * T + t``) or ``[T, H, D]``; ``v=None``: ``k`` is ``[B, 2 H, T, D]``, K and V
         packed along the head axis (one crossing). One donated program, no host round trip."""
         kj, vj = self._step_kv(k, v, sync)
-        self.manager.install(step.append_only(self.state, self._layer_id(layer, plan), kj, vj, plan.seq, plan.pos,
-                                              group=plan.group, backend=self.backend, packed=vj is None))
+        self._run_layer(plan, step.layer_append, self._layer_id(layer, plan), kj, vj, plan.append, group=plan.group,
+                        backend=self.backend, packed=vj is None)
 
     def step_dense(self, layer: int, k: torch.Tensor, v: Optional[torch.Tensor], plan: "StepPlan", *,
                    sync: Union[bool, str, None] = None):
         """`step_append`, then the dense cache of the plan's rows as ``(k, v)`` each ``[B, H, width * page, D]``
-        in the attention dtype (`jmixedkv.step.append_dense`; zero past each row's length), in one program."""
+        in the attention dtype (`jmixedkv.step.layer_dense`; zero past each row's length), in one program."""
         kj, vj = self._step_kv(k, v, sync)
-        state, kd, vd = step.append_dense(self.state, self._layer_id(layer, plan), kj, vj, plan.seq, plan.pos,
-                                          plan.rows, width=plan.width, group=plan.group, backend=self.backend,
-                                          packed=vj is None)
-        self.manager.install(state)
-        sync = self._sync(sync, "step_dense")
-        return to_torch(kd, sync=sync, check=False), to_torch(vd, sync=sync, check=False)   # (zero-copy: tested)
+        kd, vd = self._run_layer(plan, step.layer_dense, self._layer_id(layer, plan), kj, vj, plan.append, plan.rows,
+                                 width=plan.width, group=plan.group, backend=self.backend, packed=vj is None)
+        out = self._out(self._sync(sync, "step_dense"))
+        return out(kd), out(vd)                                                            # (zero-copy: tested)
 
     def step_attend(self, layer: int, k: torch.Tensor, v: Optional[torch.Tensor], q: Optional[torch.Tensor],
                     plan: "StepPlan", *, sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                     soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                     sync: Union[bool, str, None] = None, return_lse: bool = True):
         """`step_append`, then decode attention of ``q [B, Hq, Tq, D]`` (transformers' layout, the attention
-        dtype) for the plan's rows, in one program (`jmixedkv.step.append_attend`). ``v=None, q=None``: ``k`` is
+        dtype) for the plan's rows, in one program (`jmixedkv.step.layer_attend`). ``v=None, q=None``: ``k`` is
         ``[B, 2 H + Hq, T, D]``, K, V and Q packed along the head axis (one crossing instead of three). Returns
         ``(out [B, Tq, Hq, D] attention dtype, lse f32[B, Tq, Hq])`` (natural-log LSE; None unless
         ``return_lse``). ``sinks`` ``[Hq]``: per-head attention-sink logits (gpt-oss)."""
         sync = self._sync(sync, "step_attend")
         opts = dict(group=plan.group, backend=self.backend, sm_scale=sm_scale, sliding_window=sliding_window,
                     soft_cap=soft_cap)
-        sj = None if sinks is None else from_torch(sinks.detach().float().contiguous(), copy=None, sync=sync)
+        imp = self._in(sync)
+        sj = None if sinks is None else imp(sinks.detach().float().contiguous())
         layer_id = self._layer_id(layer, plan)
         if v is None and q is None:
-            state, out, lse = step.append_attend_packed(
-                self.state, layer_id, from_torch(k, copy=None, sync=sync), plan.seq, plan.pos, plan.rows, sj,
-                num_kv_heads=self.state.groups[plan.group].num_kv_heads, **opts)
+            kj, vj, qj = imp(k), None, None
         else:
-            kj, vj = self._step_kv(k, v, sync)
-            state, out, lse = step.append_attend(self.state, layer_id, kj, vj, plan.seq, plan.pos,
-                                                 from_torch(q, copy=None, sync=sync), plan.rows, sj, **opts)
-        self.manager.install(state)
-        return (to_torch(out, sync=sync, check=False),
-                to_torch(lse, sync=sync, check=False) if return_lse else None)
+            (kj, vj), qj = self._step_kv(k, v, sync), imp(q)
+        out, lse = self._run_layer(plan, step.layer_attend, layer_id, kj, vj, qj, plan.append, plan.rows, sj,
+                                   num_kv_heads=self.state.groups[plan.group].num_kv_heads, **opts)
+        exp = self._out(sync)
+        return exp(out), exp(lse) if return_lse else None
+
+    def _run_layer(self, plan: "StepPlan", program, *args, **kwargs):
+        """Run a layer program of `jmixedkv.step` (``layer_append`` / ``layer_dense`` / ``layer_attend``) on the
+        current state split in two (`jmixedkv.step.split_layer_state`: the read-only rest is split once per step
+        and group, the part a layer changes is donated), install the result, and return the program's outputs."""
+        state, group = self.state, plan.group
+        split = self._split
+        if split is None or split[0] is not state or split[1] != group:
+            rest, mine = step.split_layer_state(state, group)
+        else:
+            rest, mine = split[2], step.layer_part(state, group)
+        mine, *outs = program(rest, mine, *args, **kwargs)
+        new = step.join_layer_state(rest, mine, group)
+        self.manager.install(new)
+        self._split = (new, group, rest)
+        return outs
 
     def _step_kv(self, k, v, sync):
-        sync = self._sync(sync, "step")
-        return from_torch(k, copy=None, sync=sync), None if v is None else from_torch(v, copy=None, sync=sync)
+        imp = self._in(self._sync(sync, "step"))
+        return imp(k), None if v is None else imp(v)
+
+    def _in(self, sync):
+        """The step methods' torch -> JAX crossing under ``sync`` (`HotBridge` for ``"stream"``)."""
+        if sync == "stream":
+            return self._hot.to_jax
+        return lambda t: from_torch(t, copy=None, sync=sync)
+
+    def _out(self, sync):
+        """The step methods' JAX -> torch crossing of their own outputs under ``sync``."""
+        if sync == "stream":
+            return self._hot.to_torch
+        return lambda x: to_torch(x, sync=sync, check=False)
 
     def _layer_id(self, layer: int, plan: "StepPlan"):
-        return self._device_layer(layer, plan.group, "step")
+        got = self._layer_ids.get((plan.group, layer))
+        return self._device_layer(layer, plan.group, "step") if got is None else got
 
     def _device_layer(self, layer: int, group: int, what: str):
         """``layer`` as a device int32 scalar, made once per (group, layer): a host scalar argument would cost a

@@ -13,6 +13,10 @@
   ``plgpu.transpose_ref`` on 0.10), `mgpu_load` (0.10's ``plgpu.load`` takes an index), `mgpu_interpret_params`.
 * `cudnn_attention_lse`: cuDNN fused attention with its float32 LSE (a private entry point; the public
   ``jax.nn.dot_product_attention`` rounds the LSE to bf16).
+* `dlpack_import` / `dlpack_export`: jaxlib's DLPack capsule <-> array entry points (private; what
+  ``jax.dlpack.from_dlpack`` / ``Array.__dlpack__`` call after ~50-100 us of Python checks per call), for the
+  per-layer hot path of `interop.dlpack.HotBridge`; the import's signature changed with jaxlib's extension
+  version 467 (the DLPack device type argument).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["pl", "pltriton", "plgpu", "HAVE_MGPU", "mgpu_transposed", "mgpu_load", "mgpu_interpret_params",
            "triton_params", "on_gpu", "on_hopper", "shard_map", "cross_lower_cuda", "silence_triton_deprecation", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
-           "cuda_plugin_installed", "cudnn_attention_lse"]
+           "cuda_plugin_installed", "cudnn_attention_lse", "dlpack_import", "dlpack_export"]
 
 #: LLVM option (NVPTX backend) for IEEE float32 division, passed through ``--xla_backend_extra_options``
 IEEE_DIVISION_OPTION = "-nvptx-prec-divf32=2"
@@ -140,3 +144,20 @@ def cudnn_attention_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool,
     out, lse = fa.dot_product_attention(q, k, v, q_seqlen=q_lens, kv_seqlen=kv_lens, scale=scale, mask_type=mask,
                                         sliding_window_length=window, return_residual=True)
     return out, jax.numpy.transpose(lse, (0, 2, 1)).astype(jax.numpy.float32)
+
+
+def dlpack_import(capsule, device, stream, dl_device_type: int):
+    """A DLPack capsule (a producer's ``__dlpack__`` / ``torch._C._to_dlpack``) -> ``jax.Array`` on ``device``,
+    zero-copy. ``stream``: the JAX device's ready-events stream the producer has made wait for its writes (None on
+    CPU). No dtype canonicalization: the caller passes only dtypes JAX holds as is."""
+    from jax._src.lib import _jax, jaxlib_extension_version
+    if jaxlib_extension_version >= 467:
+        return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, False, dl_device_type)
+    return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, False)
+
+
+def dlpack_export(x, stream):
+    """A single-device ``jax.Array`` -> DLPack capsule, zero-copy; ``stream`` (the consumer's CUDA stream, None on
+    CPU) is made to wait until ``x`` is ready."""
+    from jax._src.lib import _jax
+    return _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)

@@ -31,7 +31,7 @@ from .rope import RopeSpec
 from .write import write_rows
 
 __all__ = ["GroupSpec", "CacheState", "init_state", "admit", "release", "append", "fork", "fork_shares",
-           "fork_pages_needed", "step_complete", "ERR_LOW_OOM",
+           "fork_pages_needed", "step_complete", "AppendPlan", "plan_append_traced", "write_layer_traced", "ERR_LOW_OOM",
            "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER", "ERR_BAD_POSITION",
            "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "describe_error"]
 
@@ -165,6 +165,7 @@ def tables_only(transition):
         new, *extras = run(dataclasses.replace(state, pools=None), state.pools, *args)
         new = dataclasses.replace(new, pools=state.pools)
         return (new, *extras) if extras else new
+    call.program = run                             # the jitted program (its compilations, lowering)
     return call
 
 
@@ -580,6 +581,71 @@ def append_traced(state: CacheState, layer, k, v, seq, pos, *, group: int = 0, r
     """`append`'s transition without its host checks, for a caller's own jitted program (`jmixedkv.step`):
     ``layer`` / ``seq`` / ``pos`` may be traced; bad values set ``state.error`` with every sequence unchanged."""
     return _append(state, layer, k, v, seq, pos, group, rope, backend)
+
+
+@pytree()
+class AppendPlan:
+    """One append step's targets, made once for every layer of a group (`plan_append_traced`) and read by each
+    layer's `write_layer_traced`. ``seq`` / ``pos`` / ``low_slot`` / ``high_slot`` i32[T] (slot -1: padding, or
+    every token of a refused step); ``fresh`` bool[S] slots whose rows start at position 0 (K smoothing takes
+    their mean); ``marks`` bool[S] slots whose step the layers record in ``step_layers``; ``ok`` bool[] the step
+    was accepted."""
+
+    seq: jax.Array
+    pos: jax.Array
+    low_slot: jax.Array
+    high_slot: jax.Array
+    fresh: jax.Array
+    marks: jax.Array
+    ok: jax.Array
+
+
+def plan_append_traced(state: CacheState, seq, pos, *, group: int = 0):
+    """The per-step half of `append` for an engine whose every layer appends the same tokens (`jmixedkv.step`):
+    ``(state, AppendPlan)``. Every refusal, the page allocation and the length bookkeeping (``kv_lens``,
+    ``written``, ``floor``, ``step_lo``) happen here once; each layer then only stores its rows
+    (`write_layer_traced`). Applying the plan and then `write_layer_traced` for layers ``l_1, l_2, ...`` leaves the
+    state `append_traced` for those layers would, bit for bit. A refused step sets ``state.error`` with every
+    sequence unchanged, and its plan writes nothing. Pools are not touched (`tables_only`)."""
+    err, first, last = _write_errors(state, seq, pos, jnp.bool_(True))
+    state, ok, oom = _ensure_pages(state, seq, pos, err == 0)
+    err = err | oom
+    seq = jnp.where(ok, seq, -1)
+    low_slot, high_slot = write_slots(state, seq, pos)
+    has = ok & (last >= 0)
+    opens = has & (last + 1 > state.kv_lens)          # as `_track_step`: a new step, recorded by no layer yet
+    covers = has & ~opens & (state.step_lo >= 0) & (first <= state.step_lo)
+    new = dataclasses.replace(
+        state, kv_lens=jnp.where(has, last + 1, state.kv_lens),
+        written=jnp.where(has, jnp.maximum(state.written, last + 1), state.written),
+        floor=jnp.where(has, jnp.maximum(state.floor, last + 1 - state.config.max_draft_len), state.floor),
+        step_lo=jnp.where(opens, first, state.step_lo),
+        step_layers=jnp.where(opens[:, None], False, state.step_layers), error=state.error | err)
+    return new, AppendPlan(seq, pos, low_slot, high_slot, first == 0, opens | covers, ok & (err == 0))
+
+
+def write_layer_traced(state: CacheState, layer, k, v, plan: AppendPlan, *, group: int = 0,
+                       rope: Optional[RopeSpec] = None, backend: str = "auto") -> CacheState:
+    """The per-layer half of `append` (after `plan_append_traced`): store ``k, v [T, H, D]`` of ``layer`` (may be
+    traced) at the plan's targets and record the layer in ``step_layers``. Changes only the group's pools, its K
+    means (K smoothing), ``step_layers`` and ``error``. A ``layer`` outside the group sets ``ERR_BAD_LAYER`` and
+    stores nothing (the plan's lengths stand: range-check layers on the host, as `interop.TorchKVCache` does)."""
+    layer_c, layer_ok = checks.layer_in_range(layer, state.groups[group].num_layers)
+    seq = jnp.where(layer_ok, plan.seq, -1)
+    low_slot, high_slot = jnp.where(layer_ok, plan.low_slot, -1), jnp.where(layer_ok, plan.high_slot, -1)
+    k_means = state.k_means
+    if k_means is not None:
+        k, v, means = levers.smooth_rows(state.config.rotation, k_means[group], layer_c, k, v, seq, plan.pos,
+                                         plan.fresh, rope)
+        k_means = k_means[:group] + (jnp.where(plan.ok & layer_ok, means, k_means[group]),) + k_means[group + 1:]
+        rope = None
+    pools = write_rows(state, layer_c, k, v, plan.pos, low_slot, high_slot, group=group, rope=rope,
+                       backend=backend, transformed=k_means is not None)
+    col = state.layer_offsets[group] + layer_c
+    step_layers = state.step_layers.at[:, col].set(state.step_layers[:, col] | (plan.marks & layer_ok))
+    return dataclasses.replace(state, pools=state.pools[:group] + (pools,) + state.pools[group + 1:],
+                               step_layers=step_layers, k_means=k_means,
+                               error=state.error | jnp.where(layer_ok, 0, ERR_BAD_LAYER).astype(jnp.int32))
 
 
 def _tables(state, ok, **new):

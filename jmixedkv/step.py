@@ -20,6 +20,7 @@ NaN outputs for the rows it refuses (`decode_attention`), as the unfused ops do.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -31,7 +32,8 @@ from .decode import decode_attention
 from .rope import RopeSpec
 from .staging import stage
 
-__all__ = ["append_only", "append_attend", "append_attend_packed", "append_dense", "dense_rows", "apply_sinks"]
+__all__ = ["append_only", "append_attend", "append_attend_packed", "append_dense", "dense_rows", "apply_sinks",
+           "plan_append", "split_layer_state", "layer_part", "join_layer_state", "layer_append", "layer_attend", "layer_dense"]
 
 
 def _tokens(x):
@@ -132,3 +134,96 @@ def dense_rows(state, layer, rows, *, width: int, group: int = 0, backend: str =
     ok = (table[:, p // page] >= 0) & (p[None, :] < staged.kv_lens[:, None])     # [B, S]
     got = jnp.where(ok[None, :, None, :, None], got, jnp.zeros((), got.dtype))
     return got[0], got[-1]
+
+
+# ---------------------------------------------------------------------------------------- one plan, then layers
+# The per-layer programs above repeat, in every layer, what is the same for all of them (the refusal checks, the
+# page allocation, the length bookkeeping) and donate and return the whole state: ~20 arrays in and out per call,
+# a few microseconds of host time each, and a kernel launch per piece of bookkeeping. `plan_append` does the shared
+# part once per step; `layer_append` / `layer_attend` / `layer_dense` then take the state split in two
+# (`split_layer_state`): what a layer changes (its group's pools, ``step_layers``, ``error``, its group's K means;
+# donated) and the rest (read only, neither donated nor returned). Plan + layers leave the state the per-layer
+# programs would, bit for bit (tests/test_step.py).
+
+_PLAN_PROGRAMS: dict = {}
+
+
+def plan_append(state, seq, pos, *, group: int = 0):
+    """`jmixedkv.state.plan_append_traced` as a tables-only program (`jmixedkv.state.tables_only`: the tables are
+    donated, the pools never copied): ``(state, AppendPlan)`` for one step's tokens ``seq`` / ``pos`` i32[T]."""
+    run = _PLAN_PROGRAMS.get(group)
+    if run is None:
+        run = _PLAN_PROGRAMS[group] = st.tables_only(functools.partial(st.plan_append_traced, group=group))
+    return run(state, seq, pos)
+
+
+def split_layer_state(state, group: int = 0):
+    """``(rest, mine)``: ``mine = (pools[group], step_layers, error, k_means[group] or None)``, what a layer's
+    write changes; ``rest`` the state with those set to None (every other group's pools stay in it, untouched)."""
+    km = state.k_means
+    rest = dataclasses.replace(state, pools=state.pools[:group] + (None,) + state.pools[group + 1:],
+                               step_layers=None, error=None,
+                               k_means=None if km is None else km[:group] + (None,) + km[group + 1:])
+    return rest, layer_part(state, group)
+
+
+def layer_part(state, group: int = 0):
+    """``mine`` of `split_layer_state` alone (what a layer program takes and returns)."""
+    km = state.k_means
+    return state.pools[group], state.step_layers, state.error, None if km is None else km[group]
+
+
+def join_layer_state(rest, mine, group: int = 0):
+    """The inverse of `split_layer_state`."""
+    pools, step_layers, error, km = mine
+    k_means = rest.k_means if km is None else rest.k_means[:group] + (km,) + rest.k_means[group + 1:]
+    return dataclasses.replace(rest, pools=rest.pools[:group] + (pools,) + rest.pools[group + 1:],
+                               step_layers=step_layers, error=error, k_means=k_means)
+
+
+def _write(rest, mine, layer, k, v, plan, group, rope, backend, packed):
+    k, v = _unpack(k, v, packed)
+    state = join_layer_state(rest, mine, group)
+    return st.write_layer_traced(state, layer, _tokens(k), _tokens(v), plan, group=group, rope=rope, backend=backend)
+
+
+def _mine(state, group):
+    return split_layer_state(state, group)[1]
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("group", "rope", "backend", "packed"))
+def layer_append(rest, mine, layer, k, v, plan, *, group: int = 0, rope: Optional[RopeSpec] = None,
+                 backend: str = "auto", packed: bool = False):
+    """Store one layer's rows of a planned step (`plan_append`): ``k, v`` as in `append_only`; returns ``(mine,)``,
+    the new `split_layer_state` part (``mine`` donated), as the other layer programs return ``(mine, *outputs)``."""
+    return (_mine(_write(rest, mine, layer, k, v, plan, group, rope, backend, packed), group),)
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("num_kv_heads",) + _ATTEND_STATIC)
+def layer_attend(rest, mine, layer, k, v, q, plan, rows, sinks=None, *, num_kv_heads: Optional[int] = None,
+                 group: int = 0, rope: Optional[RopeSpec] = None, backend: str = "auto",
+                 sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
+                 soft_cap: Optional[float] = None):
+    """`append_attend` for a planned step -> ``(mine, out [B, Tq, Hq, D], lse f32[B, Tq, Hq])``; ``mine`` donated.
+    ``k, v, q`` as in `append_attend`, or (``v`` and ``q`` None) ``k = kvq [B, 2 H + Hq, T, D]``, K, V and Q
+    packed along the head axis (`append_attend_packed`; ``num_kv_heads`` = H)."""
+    if v is None and q is None:
+        h = num_kv_heads
+        k, v, q = k[:, :h], k[:, h:2 * h], k[:, 2 * h:]
+    if k.ndim == 4:
+        q = jnp.swapaxes(q, 1, 2)
+    state = _write(rest, mine, layer, k, v, plan, group, rope, backend, False)
+    out, lse = decode_attention(state, layer, q, rows, group=group, sm_scale=sm_scale, sliding_window=sliding_window,
+                                soft_cap=soft_cap, backend=backend)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    return _mine(state, group), out, lse
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnames=("width", "group", "rope", "backend", "packed"))
+def layer_dense(rest, mine, layer, k, v, plan, rows, *, width: int, group: int = 0,
+                rope: Optional[RopeSpec] = None, backend: str = "auto", packed: bool = False):
+    """`append_dense` for a planned step: ``(mine, k [B, H, width * page, D], v [...])``; ``mine`` donated."""
+    state = _write(rest, mine, layer, k, v, plan, group, rope, backend, packed)
+    return (_mine(state, group),) + dense_rows(state, layer, rows, width=width, group=group, backend=backend)
+

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from interop.dlpack import (ZeroCopyError, from_torch, nvfp4_to_torch, same_buffer, to_torch)
+from interop.dlpack import (HotBridge, ZeroCopyError, from_torch, nvfp4_to_torch, same_buffer, to_torch)
 from jmixedkv import nvfp4
 
 DTYPES = [(jnp.bfloat16, torch.bfloat16), (jnp.float16, torch.float16), (jnp.float32, torch.float32),
@@ -158,6 +158,39 @@ def test_nvfp4_crosses_as_bytes():
         nvfp4_to_torch(data[..., :16], scales)
 
 
+@pytest.mark.parametrize("jdt,tdt", DTYPES, ids=[str(t).split(".")[1] for _, t in DTYPES])
+def test_hot_bridge_round_trip_zero_copy(jdt, tdt):
+    bridge = HotBridge(jax.devices("cpu")[0])
+    t = torch.from_dlpack(_random(jdt, (4, 15, 1, 64), seed=2)).clone()       # torch-owned memory
+    y = bridge.to_jax(t)
+    assert y.dtype == jnp.dtype(jdt) and y.shape == tuple(t.shape) and y.unsafe_buffer_pointer() == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint8).reshape(4, -1), _bytes(t).reshape(4, -1))
+    back = bridge.to_torch(y)
+    assert back.dtype == tdt and back.data_ptr() == t.data_ptr()
+    torch.testing.assert_close(back, t, rtol=0, atol=0)
+
+
+def test_hot_bridge_falls_back_to_the_checked_crossing():
+    """What the fast path cannot take as is goes through ``from_torch(copy=None)``: a copy where one is allowed
+    (strided, int64 with a range check), the same refusals otherwise (requires_grad)."""
+    bridge = HotBridge(jax.devices("cpu")[0])
+    base = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    strided = base[:, ::2]
+    y = bridge.to_jax(strided)
+    np.testing.assert_array_equal(np.asarray(y), strided.numpy())
+    assert y.unsafe_buffer_pointer() != base.data_ptr()
+    wide = torch.tensor([1, -2, 3], dtype=torch.int64)
+    y = bridge.to_jax(wide)
+    assert y.dtype == jnp.int32 and np.asarray(y).tolist() == [1, -2, 3]
+    with pytest.raises(ValueError, match="do not fit in int32"):
+        bridge.to_jax(torch.tensor([2 ** 40], dtype=torch.int64))
+    with pytest.raises(ValueError, match="requires grad"):
+        bridge.to_jax(torch.ones(4, requires_grad=True))
+    misaligned = torch.zeros(65, dtype=torch.float32)[1:]
+    y = bridge.to_jax(misaligned)
+    assert y.shape == (64,) and y.unsafe_buffer_pointer() != misaligned.data_ptr()
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 def _cuda_pair():
     if not torch.cuda.is_available():
@@ -232,3 +265,30 @@ def test_gpu_jax_producer_is_finished_before_torch_side_stream_reads():
     with torch.cuda.stream(side):
         ok = bool((t == 3.0).all())
     assert ok
+
+
+@pytest.mark.gpu
+def test_gpu_hot_bridge_orders_both_ways():
+    """`HotBridge` on the GPU: zero-copy, JAX reads what slow work on torch's current (side) stream wrote, and
+    torch's current stream reads a slow JAX result only once it is ready."""
+    tdev, jdev = _cuda_pair()
+    bridge = HotBridge(jdev)
+    out = torch.zeros(1 << 24, device=tdev)
+    torch.cuda.synchronize(tdev)
+    side = torch.cuda.Stream(tdev)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        out.fill_(7.0)
+        x = bridge.to_jax(out)
+        assert x.unsafe_buffer_pointer() == out.data_ptr()
+        total = float(jnp.sum(x))
+    assert total == 7.0 * (1 << 24)
+    a = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((4096, 4096)), jnp.float32), jdev)
+    f = jax.jit(lambda a: (a @ a @ a @ a) * 0 + 3.0)
+    y = f(a)                                            # queued on JAX's stream, not finished
+    with torch.cuda.stream(side):
+        t = bridge.to_torch(y)
+        assert t.data_ptr() == y.unsafe_buffer_pointer()
+        ok = bool((t == 3.0).all())
+    assert ok
+

@@ -141,22 +141,28 @@ def test_sinks_are_one_lse_term():
 
 
 def test_fused_path_compiles_once_per_shape():
-    """Every decode step of every layer runs one program (`step.append_attend_packed`): one compilation for a
-    generate() run, none for a second run of the same shapes; prefill appends compile once too."""
+    """Every decode step of every layer runs one program (`step.layer_attend`) after one plan per step
+    (`step.plan_append`): one compilation each for a generate() run (the plan: one for the prompt's tokens, one for
+    a decode step's), none for a second run of the same shapes; prefill appends (`step.layer_append`) compile once."""
     torch.manual_seed(0)
     model = _llama().to(torch.bfloat16).eval()
     ids = torch.randint(0, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(3))
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def sizes():
+        plan = step._PLAN_PROGRAMS.get(0)
+        return (step.layer_attend._cache_size(), step.layer_append._cache_size(),
+                0 if plan is None else plan.program._cache_size())
     try:
         # a geometry no other test uses, so the counts start from zero
         kv = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=8, page_size=PAGE, max_draft_len=3)
         runs = []
         for _ in range(2):
-            before = (step.append_attend_packed._cache_size(), step.append_only._cache_size())
+            before = sizes()
             cache = JMixedKVCache.for_model(model, kv, max_batch_size=BATCH, max_cache_len=MAX_LEN, decode="fused",
                                             backend="reference")
             _generate(model, ids, cache)
-            runs.append((step.append_attend_packed._cache_size() - before[0], step.append_only._cache_size() - before[1]))
+            runs.append(tuple(a - b for a, b in zip(sizes(), before)))
     finally:
         model.set_attn_implementation("sdpa")
-    assert runs == [(1, 1), (0, 0)], runs
+    assert runs == [(1, 1, 2), (0, 0, 0)], runs
