@@ -13,7 +13,12 @@ programs per layer cost two dispatches and an intermediate state; these fuse the
   width.
 
 Both are jitted with the state donated (the pools update in place) and ``layer`` traced (every layer of a group
-shares one compilation; a new program per distinct static option or shape only). They do no host checks: the
+shares one compilation; a new program per distinct static option or shape only).
+
+For an engine whose every layer appends the same tokens, the hot path splits a step instead: `plan_append` once
+per step (refusals, page allocation, lengths), then per layer `layer_append` / `layer_attend` / `layer_dense`,
+which donate and return only what a layer changes (`split_layer_state`) and leave the state the programs above
+would, bit for bit (`interop.TorchKVCache.plan_step` and its ``step_*`` calls). They do no host checks: the
 caller (`interop.TorchKVCache.plan_step`) validates a step's slots and positions once on the host, and a bad
 value met inside the program sets ``state.error`` with every sequence unchanged (`jmixedkv.state.append`) and
 NaN outputs for the rows it refuses (`decode_attention`), as the unfused ops do.

@@ -23,17 +23,29 @@ from jmixedkv.state import (ERR_BAD_LAYER, ERR_BAD_POSITION, ERR_BAD_SLOT, ERR_H
 
 L, H, D = 2, 2, 32
 T_PAD = 16  # every append is padded to this many tokens (one compile per config)
+ROWS_PAD = 64  # the longest sequence a CacheMachine config holds (max_pages 8 x page 8)
 
 _admit = jax.jit(jm.admit)
 _release = jax.jit(jm.release)
 _stage = jax.jit(jm.stage_reference, static_argnames=("group",))
 
 
+@functools.partial(jax.jit, static_argnames="att")
+def _round_trip(stored, gs, att):
+    """NVFP4 round trip of ``stored`` (per 16-element block, so row by row), decoded to ``att``."""
+    return nvfp4.dequantize_reference(*nvfp4.quantize_reference(stored, gs), gs, att)
+
+
 def expected_rows(cfg, rows, n, gs=1.0):
-    """What a reader must see for one sequence: rows f32[n, L, kv, H, D] -> [L, kv, H, n, D] bits."""
+    """What a reader must see for one sequence: rows f32[n, L, kv, H, D] -> [L, kv, H, n, D] bits.
+
+    The round trip runs jitted on the rows padded to a fixed count (it is row by row, so the first ``n`` rows do
+    not depend on the padding): one compile per attention dtype, not one per sequence length."""
     att = cfg.attention_dtype
-    stored = jnp.asarray(rows, jnp.float32).astype(jnp.bfloat16)   # appends are bf16
-    low = nvfp4.dequantize_reference(*nvfp4.quantize_reference(stored, gs), gs, att)
+    stored = np.asarray(rows, np.float32).astype(jnp.bfloat16)   # appends are bf16
+    padded_rows = np.zeros((ROWS_PAD, *stored.shape[1:]), stored.dtype)
+    padded_rows[:n] = stored
+    low = np.asarray(_round_trip(padded_rows, gs, jnp.dtype(att)))[:n]
     if cfg.dtype in ("bf16", "fp16"):
         out = stored.astype(att)
     elif cfg.dtype == "nvfp4":
@@ -41,7 +53,7 @@ def expected_rows(cfg, rows, n, gs=1.0):
     else:
         p = np.arange(n)
         keep = (p < cfg.first_n) | (p >= n - cfg.last_n)
-        out = jnp.where(keep[:, None, None, None, None], stored.astype(att), low)
+        out = np.where(keep[:, None, None, None, None], stored.astype(att), low)
     return np.transpose(np.asarray(out), (1, 2, 3, 0, 4))
 
 
@@ -373,23 +385,37 @@ def test_decode_loop_compiles_once():
 @given(n=st.integers(1, 40), first_n=st.integers(0, 12), last_n=st.integers(0, 12), page=st.sampled_from([1, 4, 8]),
        draft=st.integers(0, 3))
 def test_retained_set_is_exact(n, first_n, last_n, page, draft):
-    """Rows read from the twin are exactly {p < first_n} U {n - last_n <= p < n}: planted markers show it."""
+    """Rows read from the twin are exactly {p < first_n} U {n - last_n <= p < n}: planted markers show it.
+
+    Each append call is padded to 5 tokens (slot -1) and the readers are jitted: one compile per config."""
     cfg = jm.KVCacheConfig("mixed_nvfp4_bf16", first_n=first_n, last_n=last_n, page_size=page, max_draft_len=draft)
     g = jm.GroupSpec(1, 1, 16)
-    state = jm.admit(jm.init_state(cfg, g, 64, 1, 64), 0)
-    # a value NVFP4 cannot represent exactly: high rows differ from low rows
-    x = jnp.full((n, 1, 16), 1.1, jnp.bfloat16) * (1 + jnp.arange(n, dtype=jnp.bfloat16)[:, None, None] / 64)
+    state = _admit(jm.init_state(cfg, g, 64, 1, 64), 0)
+    x, low = _retained_markers()
+    x, low = x[:n], low[:n]
     for t in range(0, n, 5):  # several appends: the ring wraps
         m = min(5, n - t)
-        state = jm.append(state, 0, x[t:t + m], x[t:t + m], jnp.zeros(m, jnp.int32), jnp.arange(t, t + m),
-                        backend="reference")
-    got = np.asarray(jm.stage_reference(state, 0, jnp.array([0]))[0, 0, 0, :n, 0], np.float32)
+        rows = np.zeros((5, 1, 16), x.dtype)
+        rows[:m] = x[t:t + m]
+        seq, pos = np.full(5, -1, np.int32), np.zeros(5, np.int32)
+        seq[:m], pos[:m] = 0, np.arange(t, t + m)
+        state = jm.append(state, 0, rows, rows, seq, pos, backend="reference")
+    got = np.asarray(_stage(state, 0, jnp.array([0], jnp.int32))[0, 0, 0, :n, 0], np.float32)
     exact = got == np.asarray(x[:, 0, 0], np.float32)
     p = np.arange(n)
     retained = (p < first_n) | (p >= n - last_n)
     assert (exact[retained]).all()
-    low = np.asarray(nvfp4.dequantize_reference(*nvfp4.quantize_reference(x[:, 0]), 1.0, jnp.float32))[:, 0]
     np.testing.assert_array_equal(got[~retained], low[~retained])
+
+
+@functools.lru_cache(maxsize=None)
+def _retained_markers(n=40):
+    """``(x, low)`` of `test_retained_set_is_exact` for its longest sequence (row ``i`` does not depend on ``n``):
+    x bf16[n, 1, 16], a value NVFP4 cannot represent exactly (high rows differ from low rows), and low,
+    its NVFP4 round trip (first element of each row, f32[n])."""
+    x = jnp.full((n, 1, 16), 1.1, jnp.bfloat16) * (1 + jnp.arange(n, dtype=jnp.bfloat16)[:, None, None] / 64)
+    low = np.asarray(nvfp4.dequantize_reference(*nvfp4.quantize_reference(x[:, 0]), 1.0, jnp.float32))[:, 0]
+    return np.asarray(x), low
 
 
 # ------------------------------------------------------------------------------------------------ adversarial machine
