@@ -38,7 +38,8 @@ from .rope import RopeSpec
 from .staging import stage
 
 __all__ = ["append_only", "append_attend", "append_attend_packed", "append_dense", "dense_rows", "apply_sinks",
-           "plan_append", "split_layer_state", "layer_part", "join_layer_state", "layer_append", "layer_attend", "layer_dense"]
+           "plan_append", "split_layer_state", "layer_part", "join_layer_state", "layer_append", "layer_attend",
+           "layer_dense"]
 
 
 def _tokens(x):

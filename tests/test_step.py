@@ -53,8 +53,11 @@ def _steps():
     ver = [(0, 8), (0, 9), (0, 10), (1, 5), (1, 6), (1, 7)]
     rew = [(0, 9), (0, 10), (1, 6), (1, 7), (-1, 0)]
     dec2 = [(0, 11), (1, 8), (2, 1)]
-    as_arrays = lambda toks: (jnp.asarray([s for s, _ in toks], jnp.int32), jnp.asarray([p for _, p in toks], jnp.int32))
-    return [as_arrays(t) for t in (pre, dec, ver)], [as_arrays(t) for t in (rew, dec2)]
+    return [_arrays(t) for t in (pre, dec, ver)], [_arrays(t) for t in (rew, dec2)]
+
+
+def _arrays(toks):
+    return jnp.asarray([s for s, _ in toks], jnp.int32), jnp.asarray([p for _, p in toks], jnp.int32)
 
 
 def _kv(seed, t, h=H):
