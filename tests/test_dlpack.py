@@ -240,16 +240,20 @@ def test_gpu_side_stream_producer_is_finished_before_jax_reads():
 
 
 @pytest.mark.gpu
-def test_gpu_stream_protocol_on_current_stream():
-    """sync='stream': work on the *current* torch stream is ordered before JAX's read by the DLPack protocol."""
-    tdev, _ = _cuda_pair()
+@pytest.mark.parametrize("importer", ["from_torch", "hot_bridge"])
+def test_gpu_stream_protocol_on_current_stream(importer):
+    """sync='stream' (`from_torch` and `HotBridge.to_jax`): work on the *current* torch stream is ordered before
+    JAX's read, zero-copy."""
+    tdev, jdev = _cuda_pair()
+    to_jax = HotBridge(jdev).to_jax if importer == "hot_bridge" else lambda t: from_torch(t, sync="stream")
     out = torch.zeros(1 << 24, device=tdev)
     torch.cuda.synchronize(tdev)
     side = torch.cuda.Stream(tdev)
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)
         out.fill_(7.0)
-        x = from_torch(out, sync="stream")
+        x = to_jax(out)
+        assert x.unsafe_buffer_pointer() == out.data_ptr()
         total = float(jnp.sum(x))
     assert total == 7.0 * (1 << 24)
 
@@ -268,27 +272,15 @@ def test_gpu_jax_producer_is_finished_before_torch_side_stream_reads():
 
 
 @pytest.mark.gpu
-def test_gpu_hot_bridge_orders_both_ways():
-    """`HotBridge` on the GPU: zero-copy, JAX reads what slow work on torch's current (side) stream wrote, and
-    torch's current stream reads a slow JAX result only once it is ready."""
+def test_gpu_hot_bridge_export_waits_for_jax():
+    """`HotBridge.to_torch`: zero-copy, and torch's current (side) stream reads a slow JAX result only once it is
+    ready (no host block)."""
     tdev, jdev = _cuda_pair()
-    bridge = HotBridge(jdev)
-    out = torch.zeros(1 << 24, device=tdev)
-    torch.cuda.synchronize(tdev)
-    side = torch.cuda.Stream(tdev)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)
-        out.fill_(7.0)
-        x = bridge.to_jax(out)
-        assert x.unsafe_buffer_pointer() == out.data_ptr()
-        total = float(jnp.sum(x))
-    assert total == 7.0 * (1 << 24)
     a = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((4096, 4096)), jnp.float32), jdev)
     f = jax.jit(lambda a: (a @ a @ a @ a) * 0 + 3.0)
     y = f(a)                                            # queued on JAX's stream, not finished
-    with torch.cuda.stream(side):
-        t = bridge.to_torch(y)
+    with torch.cuda.stream(torch.cuda.Stream(tdev)):
+        t = HotBridge(jdev).to_torch(y)
         assert t.data_ptr() == y.unsafe_buffer_pointer()
         ok = bool((t == 3.0).all())
     assert ok
-
