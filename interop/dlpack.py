@@ -136,13 +136,15 @@ class HotBridge:
     `to_jax` takes the fast path only for a tensor that crosses zero-copy as it is (a dtype of `ZERO_COPY_DTYPES`,
     contiguous, on this device, not requiring grad); anything else goes through ``from_torch(t, copy=None,
     sync="stream")`` and its checks. `to_torch` takes single-device arrays of this device (the outputs of the
-    caller's own programs)."""
+    caller's own programs). Where jaxlib lacks the capsule entry points (`jmixedkv.compat.have_dlpack_capsules`),
+    both directions are `from_torch` / `to_torch` with ``sync="stream"``."""
 
     def __init__(self, device: jax.Device):
         self.device = device
         self.torch_device = torch_device_of(device)
         self.cuda = self.torch_device.type == "cuda"
-        if self.cuda:
+        self.fast = compat.have_dlpack_capsules()
+        if self.cuda and self.fast:
             self.stream = device.get_stream_for_external_ready_events()
             self._jax_stream = torch.cuda.ExternalStream(self.stream, device=self.torch_device)
             self._event = torch.cuda.Event()
@@ -152,8 +154,8 @@ class HotBridge:
 
     def to_jax(self, t: torch.Tensor) -> jax.Array:
         """torch -> JAX, zero-copy (module docstring: never write ``t`` while JAX uses it)."""
-        if (t.dtype not in _TORCH_TO_JAX or t.requires_grad or not t.is_contiguous() or t.device != self.torch_device
-                or (not self.cuda and t.data_ptr() % CPU_ALIGNMENT)):
+        if (not self.fast or t.dtype not in _TORCH_TO_JAX or t.requires_grad or not t.is_contiguous()
+                or t.device != self.torch_device or (not self.cuda and t.data_ptr() % CPU_ALIGNMENT)):
             return from_torch(t, copy=None, sync="stream")
         if self.cuda:                                          # JAX's stream waits for torch's current one
             self._event.record(torch.cuda.current_stream(self.torch_device))
@@ -162,6 +164,8 @@ class HotBridge:
 
     def to_torch(self, x: jax.Array) -> torch.Tensor:
         """JAX -> torch, zero-copy; torch's current stream waits until ``x`` is ready (do not write into it)."""
+        if not self.fast:
+            return to_torch(x, sync="stream", check=False)
         stream = torch.cuda.current_stream(self.torch_device).cuda_stream if self.cuda else None
         return torch.utils.dlpack.from_dlpack(compat.dlpack_export(x, stream))
 

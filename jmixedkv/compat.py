@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["pl", "pltriton", "plgpu", "HAVE_MGPU", "mgpu_transposed", "mgpu_load", "mgpu_interpret_params",
            "triton_params", "on_gpu", "on_hopper", "shard_map", "cross_lower_cuda", "silence_triton_deprecation", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
-           "cuda_plugin_installed", "cudnn_attention_lse", "dlpack_import", "dlpack_export"]
+           "cuda_plugin_installed", "cudnn_attention_lse", "have_dlpack_capsules", "dlpack_import", "dlpack_export"]
 
 #: LLVM option (NVPTX backend) for IEEE float32 division, passed through ``--xla_backend_extra_options``
 IEEE_DIVISION_OPTION = "-nvptx-prec-divf32=2"
@@ -144,6 +144,16 @@ def cudnn_attention_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool,
     out, lse = fa.dot_product_attention(q, k, v, q_seqlen=q_lens, kv_seqlen=kv_lens, scale=scale, mask_type=mask,
                                         sliding_window_length=window, return_residual=True)
     return out, jax.numpy.transpose(lse, (0, 2, 1)).astype(jax.numpy.float32)
+
+
+def have_dlpack_capsules() -> bool:
+    """True when jaxlib has the capsule entry points `dlpack_import` / `dlpack_export` use (else callers cross
+    through ``jax.dlpack``)."""
+    try:
+        from jax._src.lib import _jax, jaxlib_extension_version  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(_jax, f) for f in ("dlpack_managed_tensor_to_buffer", "buffer_to_dlpack_managed_tensor"))
 
 
 def dlpack_import(capsule, device, stream, dl_device_type: int):

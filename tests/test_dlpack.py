@@ -170,6 +170,17 @@ def test_hot_bridge_round_trip_zero_copy(jdt, tdt):
     torch.testing.assert_close(back, t, rtol=0, atol=0)
 
 
+def test_hot_bridge_without_capsule_entry_points(monkeypatch):
+    """A jaxlib without the capsule entry points: both directions go through `from_torch` / `to_torch`."""
+    from jmixedkv import compat
+    monkeypatch.setattr(compat, "have_dlpack_capsules", lambda: False)
+    bridge = HotBridge(jax.devices("cpu")[0])
+    assert not bridge.fast
+    t = torch.arange(64, dtype=torch.float32)
+    y = bridge.to_jax(t)
+    assert y.unsafe_buffer_pointer() == t.data_ptr() and bridge.to_torch(y).data_ptr() == t.data_ptr()
+
+
 def test_hot_bridge_falls_back_to_the_checked_crossing():
     """What the fast path cannot take as is goes through ``from_torch(copy=None)``: a copy where one is allowed
     (strided, int64 with a range check), the same refusals otherwise (requires_grad)."""
