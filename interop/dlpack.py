@@ -166,7 +166,8 @@ class HotBridge:
         """JAX -> torch, zero-copy; torch's current stream waits until ``x`` is ready (do not write into it)."""
         if not self.fast:
             return to_torch(x, sync="stream", check=False)
-        stream = torch.cuda.current_stream(self.torch_device).cuda_stream if self.cuda else None
+        # DLPack names CUDA's legacy default stream 1, never 0 (as torch.from_dlpack passes it)
+        stream = (torch.cuda.current_stream(self.torch_device).cuda_stream or 1) if self.cuda else None
         return torch.utils.dlpack.from_dlpack(compat.dlpack_export(x, stream))
 
 
