@@ -440,6 +440,9 @@ class TorchKVCache:
         """Run a layer program of `jmixedkv.step` (``layer_append`` / ``layer_dense`` / ``layer_attend``) on the
         current state split in two (`jmixedkv.step.split_layer_state`: the read-only rest is split once per step
         and group, the part a layer changes is donated), install the result, and return the program's outputs."""
+        if plan.append is None:
+            raise ValueError("step_append / step_dense / step_attend take the StepPlan plan_step returned (its append "
+                             "targets are made on the device there), not one built by hand")
         state, group = self.state, plan.group
         split = self._split
         if split is None or split[0] is not state or split[1] != group:

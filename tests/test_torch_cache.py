@@ -641,3 +641,23 @@ def test_k_smoothing_means_are_the_caches_own():
         staged = kd[i, :, :n].float().numpy().transpose(1, 0, 2)       # [n, H, D]
         np.testing.assert_allclose(staged, keys, atol=0.07)            # bf16(k - mean) + mean, rounded again
         assert np.abs(means[s]).max() > 1.0                            # a stage without the mean would miss
+
+
+def test_step_calls_refuse_a_hand_built_plan():
+    """The step calls take `plan_step`'s plan (its write targets are made on the device there); a `StepPlan`
+    built by hand is refused by name, and the state is left as it was (the very arrays)."""
+    c = _new_cache(sync="stream", validate=False)
+    s = c.admit()
+    plan = c.plan_step(np.array([s], np.int32), np.array([0], np.int32), np.array([s], np.int32))
+    k = torch.randn(1, H, 1, D, dtype=torch.bfloat16)
+    c.step_append(0, k, k, plan)
+    before = jax.tree.leaves(c.state)
+    by_hand = tc.StepPlan(plan.seq, plan.pos, plan.rows, plan.width, plan.group)
+    q = torch.randn(1, HQ, 1, D, dtype=torch.bfloat16)
+    for call in (lambda: c.step_append(1, k, k, by_hand), lambda: c.step_dense(1, k, k, by_hand),
+                 lambda: c.step_attend(1, k, k, q, by_hand)):
+        with pytest.raises(ValueError, match="StepPlan plan_step returned"):
+            call()
+    assert all(x is y for x, y in zip(jax.tree.leaves(c.state), before, strict=True))
+    c.step_append(1, k, k, plan)                                      # the real plan still works
+    assert c.kv_len(s) == 1
