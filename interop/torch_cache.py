@@ -472,8 +472,7 @@ class TorchKVCache:
         return lambda x: to_torch(x, sync=sync, check=False)
 
     def _layer_id(self, layer: int, plan: "StepPlan"):
-        got = self._layer_ids.get((plan.group, layer))
-        return self._device_layer(layer, plan.group, "step") if got is None else got
+        return self._device_layer(layer, plan.group, "step")
 
     def _device_layer(self, layer: int, group: int, what: str):
         """``layer`` as a device int32 scalar, made once per (group, layer): a host scalar argument would cost a

@@ -146,28 +146,29 @@ def cudnn_attention_lse(q, k, v, q_lens, kv_lens, *, scale: float, causal: bool,
     return out, jax.numpy.transpose(lse, (0, 2, 1)).astype(jax.numpy.float32)
 
 
+try:                                               # jaxlib's private extension module (DLPack capsule entry points)
+    from jax._src.lib import _jax as _jaxlib_ext, jaxlib_extension_version as _EXTENSION_VERSION
+except ImportError:                                # a jaxlib without it
+    _jaxlib_ext, _EXTENSION_VERSION = None, 0
+
+
 def have_dlpack_capsules() -> bool:
     """True when jaxlib has the capsule entry points `dlpack_import` / `dlpack_export` use (else callers cross
     through ``jax.dlpack``)."""
-    try:
-        from jax._src.lib import _jax, jaxlib_extension_version  # noqa: F401
-    except ImportError:
-        return False
-    return all(hasattr(_jax, f) for f in ("dlpack_managed_tensor_to_buffer", "buffer_to_dlpack_managed_tensor"))
+    return _jaxlib_ext is not None and all(
+        hasattr(_jaxlib_ext, f) for f in ("dlpack_managed_tensor_to_buffer", "buffer_to_dlpack_managed_tensor"))
 
 
 def dlpack_import(capsule, device, stream, dl_device_type: int):
     """A DLPack capsule (a producer's ``__dlpack__`` / ``torch._C._to_dlpack``) -> ``jax.Array`` on ``device``,
     zero-copy. ``stream``: the JAX device's ready-events stream the producer has made wait for its writes (None on
     CPU). No dtype canonicalization: the caller passes only dtypes JAX holds as is."""
-    from jax._src.lib import _jax, jaxlib_extension_version
-    if jaxlib_extension_version >= 467:
-        return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, False, dl_device_type)
-    return _jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, False)
+    if _EXTENSION_VERSION >= 467:
+        return _jaxlib_ext.dlpack_managed_tensor_to_buffer(capsule, device, stream, False, dl_device_type)
+    return _jaxlib_ext.dlpack_managed_tensor_to_buffer(capsule, device, stream, False)
 
 
 def dlpack_export(x, stream):
     """A single-device ``jax.Array`` -> DLPack capsule, zero-copy; ``stream`` (the consumer's CUDA stream, None on
     CPU) is made to wait until ``x`` is ready."""
-    from jax._src.lib import _jax
-    return _jax.buffer_to_dlpack_managed_tensor(x, stream=stream)
+    return _jaxlib_ext.buffer_to_dlpack_managed_tensor(x, stream=stream)

@@ -546,13 +546,24 @@ def _append(state: CacheState, layer, k, v, seq, pos, group, rope, backend) -> C
     pools = write_rows(state, layer_c, k, v, pos, low_slot, high_slot, group=group, rope=rope, backend=backend,
                        transformed=k_means is not None)
     has = ok & (last >= 0)
-    kv_lens = jnp.where(has, last + 1, state.kv_lens)
-    written = jnp.where(has, jnp.maximum(state.written, last + 1), state.written)
-    floor = jnp.where(has, jnp.maximum(state.floor, last + 1 - state.config.max_draft_len), state.floor)
     step_lo, step_layers = _track_step(state, group, layer_c, has, first, last)
     new_pools = state.pools[:group] + (pools,) + state.pools[group + 1:]
-    return dataclasses.replace(state, pools=new_pools, kv_lens=kv_lens, written=written, floor=floor,
-                               step_lo=step_lo, step_layers=step_layers, error=state.error | err, k_means=k_means)
+    return dataclasses.replace(state, pools=new_pools, **_lengths(state, has, last), step_lo=step_lo,
+                               step_layers=step_layers, error=state.error | err, k_means=k_means)
+
+
+def _lengths(state: CacheState, has, last) -> dict:
+    """``kv_lens`` / ``written`` / ``floor`` after an append of rows up to ``last`` i32[S] to the slots ``has``."""
+    return dict(kv_lens=jnp.where(has, last + 1, state.kv_lens),
+                written=jnp.where(has, jnp.maximum(state.written, last + 1), state.written),
+                floor=jnp.where(has, jnp.maximum(state.floor, last + 1 - state.config.max_draft_len), state.floor))
+
+
+def _step_change(state: CacheState, has, first, last):
+    """``(opens, covers)`` bool[S] of an append of rows ``[first, last]`` (``has``): it opens a new step (rows past
+    ``kv_len``), or rewrites the whole open step (`_track_step`)."""
+    opens = has & (last + 1 > state.kv_lens)
+    return opens, has & ~opens & (state.step_lo >= 0) & (first <= state.step_lo)
 
 
 def _track_step(state: CacheState, group: int, layer, has, first, last):
@@ -565,8 +576,7 @@ def _track_step(state: CacheState, group: int, layer, has, first, last):
     cols = jnp.arange(offs[-1])
     lo, hi = offs[group], offs[group + 1]
     mine = (cols >= lo) & (cols < hi) if layer is None else cols == lo + jnp.asarray(layer, jnp.int32)
-    opens = has & (last + 1 > state.kv_lens)
-    covers = has & ~opens & (state.step_lo >= 0) & (first <= state.step_lo)
+    opens, covers = _step_change(state, has, first, last)
     step_lo = jnp.where(opens, first, state.step_lo)
     step_layers = jnp.where(opens[:, None], mine[None, :],
                             state.step_layers | (covers[:, None] & mine[None, :]))
@@ -614,15 +624,11 @@ def plan_append_traced(state: CacheState, seq, pos, *, group: int = 0):
     seq = jnp.where(ok, seq, -1)
     low_slot, high_slot = write_slots(state, seq, pos)
     has = ok & (last >= 0)
-    opens = has & (last + 1 > state.kv_lens)          # as `_track_step`: a new step, recorded by no layer yet
-    covers = has & ~opens & (state.step_lo >= 0) & (first <= state.step_lo)
-    new = dataclasses.replace(
-        state, kv_lens=jnp.where(has, last + 1, state.kv_lens),
-        written=jnp.where(has, jnp.maximum(state.written, last + 1), state.written),
-        floor=jnp.where(has, jnp.maximum(state.floor, last + 1 - state.config.max_draft_len), state.floor),
-        step_lo=jnp.where(opens, first, state.step_lo),
-        step_layers=jnp.where(opens[:, None], False, state.step_layers), error=state.error | err)
-    return new, AppendPlan(seq, pos, low_slot, high_slot, first == 0, opens | covers, ok & (err == 0))
+    opens, covers = _step_change(state, has, first, last)   # an opened step is recorded by no layer yet
+    new = dataclasses.replace(state, **_lengths(state, has, last), step_lo=jnp.where(opens, first, state.step_lo),
+                              step_layers=jnp.where(opens[:, None], False, state.step_layers),
+                              error=state.error | err)
+    return new, AppendPlan(seq, pos, low_slot, high_slot, first == 0, opens | covers, ok)
 
 
 def write_layer_traced(state: CacheState, layer, k, v, plan: AppendPlan, *, group: int = 0,

@@ -18,8 +18,8 @@ shares one compilation; a new program per distinct static option or shape only).
 For an engine whose every layer appends the same tokens, the hot path splits a step instead: `plan_append` once
 per step (refusals, page allocation, lengths), then per layer `layer_append` / `layer_attend` / `layer_dense`,
 which donate and return only what a layer changes (`split_layer_state`) and leave the state the programs above
-would, bit for bit (`interop.TorchKVCache.plan_step` and its ``step_*`` calls). They do no host checks: the
-caller (`interop.TorchKVCache.plan_step`) validates a step's slots and positions once on the host, and a bad
+would, bit for bit (`interop.TorchKVCache.plan_step` and its ``step_*`` calls). None of these programs does
+host checks: the caller (`interop.TorchKVCache.plan_step`) validates a step's slots and positions once on the host, and a bad
 value met inside the program sets ``state.error`` with every sequence unchanged (`jmixedkv.state.append`) and
 NaN outputs for the rows it refuses (`decode_attention`), as the unfused ops do.
 """
@@ -193,16 +193,12 @@ def _write(rest, mine, layer, k, v, plan, group, rope, backend, packed):
     return st.write_layer_traced(state, layer, _tokens(k), _tokens(v), plan, group=group, rope=rope, backend=backend)
 
 
-def _mine(state, group):
-    return split_layer_state(state, group)[1]
-
-
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("group", "rope", "backend", "packed"))
 def layer_append(rest, mine, layer, k, v, plan, *, group: int = 0, rope: Optional[RopeSpec] = None,
                  backend: str = "auto", packed: bool = False):
     """Store one layer's rows of a planned step (`plan_append`): ``k, v`` as in `append_only`; returns ``(mine,)``,
     the new `split_layer_state` part (``mine`` donated), as the other layer programs return ``(mine, *outputs)``."""
-    return (_mine(_write(rest, mine, layer, k, v, plan, group, rope, backend, packed), group),)
+    return (layer_part(_write(rest, mine, layer, k, v, plan, group, rope, backend, packed), group),)
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("num_kv_heads",) + _ATTEND_STATIC)
@@ -223,7 +219,7 @@ def layer_attend(rest, mine, layer, k, v, q, plan, rows, sinks=None, *, num_kv_h
                                 soft_cap=soft_cap, backend=backend)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
-    return _mine(state, group), out, lse
+    return layer_part(state, group), out, lse
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnames=("width", "group", "rope", "backend", "packed"))
@@ -231,5 +227,5 @@ def layer_dense(rest, mine, layer, k, v, plan, rows, *, width: int, group: int =
                 rope: Optional[RopeSpec] = None, backend: str = "auto", packed: bool = False):
     """`append_dense` for a planned step: ``(mine, k [B, H, width * page, D], v [...])``; ``mine`` donated."""
     state = _write(rest, mine, layer, k, v, plan, group, rope, backend, packed)
-    return (_mine(state, group),) + dense_rows(state, layer, rows, width=width, group=group, backend=backend)
+    return (layer_part(state, group),) + dense_rows(state, layer, rows, width=width, group=group, backend=backend)
 
