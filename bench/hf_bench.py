@@ -225,7 +225,7 @@ def profile_prefill(model, desc, args, device):
 
 
 def main(argv=None):
-    p = bench_parser(__doc__, out="bench/out/hf_bench.json", md=False)
+    p = bench_parser(__doc__, out="bench/out", md=False)          # a folder, or a path ending in .json
     p.add_argument("--model", default="smollm2-shape", choices=sorted(HF_MODELS))
     p.add_argument("--caches", default=None, help="'all' or names separated by ';' (see the table; default all)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (a quick CPU run)")
@@ -251,7 +251,11 @@ def main(argv=None):
                batch=args.batch, prompt=args.prompt, new=args.new, backend=args.backend)
     print(json.dumps(env), flush=True)
     result = dict(env=env, generate=bench_generate(model, args, device))
-    print("wrote", write_json(os.path.dirname(args.out) or ".", os.path.basename(args.out), result))
+    if args.out.endswith(".json"):
+        out_dir, name = os.path.dirname(args.out) or ".", os.path.basename(args.out)
+    else:                                  # a folder, as every other bench's --out
+        out_dir, name = args.out, "hf_bench.json"
+    print("wrote", write_json(out_dir, name, result))
     return 0 if all("error" not in r for r in result["generate"]) else 1
 
 

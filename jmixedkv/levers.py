@@ -135,10 +135,8 @@ def smooth_rows(rotation, means, layer, k, v, seq, pos, fresh, rope=None):
     kf = rotate(k, rotation).astype(jnp.float32)
     v = None if v is None else rotate(v, rotation).astype(v.dtype)
     num_seqs = means.shape[1]
-    seg = jnp.where(seq >= 0, seq, num_seqs)                                   # padding -> dropped segment
     tokens = kf if layer is not None else jnp.moveaxis(kf, 0, 1)               # [T, (L,) H, D]
-    sums = jax.ops.segment_sum(tokens, seg, num_segments=num_seqs + 1)[:num_seqs]
-    count = jax.ops.segment_sum(jnp.ones(seg.shape, jnp.float32), seg, num_segments=num_seqs + 1)[:num_seqs]
+    sums, count = _slot_sums(tokens, seq, num_seqs)
     take = fresh & (count > 0)
     fresh_mean = sums / jnp.maximum(count, 1.0).reshape((-1,) + (1,) * (sums.ndim - 1))
     s = jnp.clip(seq, 0, num_seqs - 1)
@@ -150,6 +148,17 @@ def smooth_rows(rotation, means, layer, k, v, seq, pos, fresh, rope=None):
         means = jnp.where(take[None, :, None, None], jnp.moveaxis(fresh_mean, 1, 0), means)   # [L, S, H, D]
         k = (kf - means[:, s]).astype(k.dtype)
     return k, v, means
+
+
+def _slot_sums(tokens, seq, num_seqs: int):
+    """``(sums f32[S, ...], count f32[S])``: the sum of ``tokens f32[T, ...]`` per slot ``seq i32[T]`` (-1 and
+    out-of-range slots dropped) and the token count. A contraction with the one-hot ``[S, T]`` matrix, not a
+    scatter-add: a GPU scatter-add adds colliding rows with atomics in no fixed order, so the mean (and every key
+    stored as ``k - mean``) would differ in its last bits from run to run and between programs."""
+    onehot = (seq[None, :] == jnp.arange(num_seqs, dtype=seq.dtype)[:, None]).astype(jnp.float32)    # [S, T]
+    flat = tokens.reshape(tokens.shape[0], -1)
+    sums = jnp.dot(onehot, flat, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return sums.reshape((num_seqs,) + tokens.shape[1:]), onehot.sum(axis=1)
 
 
 def mean_logit(means, layer, seq, q, sm_scale=None):

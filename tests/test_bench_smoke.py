@@ -24,7 +24,7 @@ SMOKE = {"write_bench": ["--smoke", "--out", "{out}"],
          "decode_bench": ["--grid", "--smoke", "--geos", "4/16/1", "--out", "{out}"],
          "decode_bench:geometry": ["--geometry-grid", "--smoke", "--head-dims", "64", "--groups", "2", "--pages", "16",
                                    "--tqs", "1", "--variants", "k64w2", "--out", "{out}"],
-         "hf_bench": ["--smoke", "--profile-host", "5", "--out", "{out}/hf_bench.json"],
+         "hf_bench": ["--smoke", "--profile-host", "5", "--out", "{out}"],          # a folder, as the others
          "hf_bench:profile": ["--profile-prefill", "{out}", "--layers", "2", "--batch", "1", "--prompt", "16",
                               "--new", "3", "--reps", "1"],
          "flashinfer_bench": ["--smoke", "--out", "{out}"],
@@ -63,6 +63,8 @@ def test_bench_smoke(name, tmp_path):
     argv = [a.format(out=tmp_path) for a in SMOKE[name]]
     assert mod.main(argv) in (0, None)          # an exit code (serve_bench's main returns None on success)
     assert name == "nvfp4_bench" or any(tmp_path.iterdir()), f"{name} wrote nothing under {tmp_path}"
+    if name == "hf_bench":
+        assert (tmp_path / "hf_bench.json").is_file()
     if name == "step_bench":                    # the levers' steps and appends ran beside the plain ones, no error bit
         res = json.loads((tmp_path / "step_bench.json").read_text())
         for cfg in ("mixed", "mixed_levers", "mixed_levers_smooth"):

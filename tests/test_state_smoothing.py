@@ -115,6 +115,28 @@ def _attention64(q, keys, vals, sm_scale=D ** -0.5):
 
 
 # ----------------------------------------------------------------------------------------------------- the mean
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_means_are_summed_without_a_scatter_add(per_layer):
+    """The per-slot sums behind a mean are a one-hot contraction, never a scatter-add (on a GPU, XLA adds the
+    colliding rows of a scatter-add with atomics in no fixed order: the means, and every key stored as
+    ``k - mean``, would change in their last bits from run to run). The sums equal float64 NumPy's."""
+    rng = np.random.default_rng(7)
+    t, s, h, d, layers = 9, 3, 2, 8, 2
+    seq = jnp.asarray([0, 0, 2, -1, 2, 0, 5, 2, 2], jnp.int32)          # padding (-1) and a slot past S (5) dropped
+    k = jnp.asarray(rng.normal(size=(t, h, d) if per_layer else (layers, t, h, d)), jnp.bfloat16)
+    means = jnp.zeros((layers, s, h, d), jnp.float32)
+    fresh = jnp.ones((s,), bool)
+    args = (None, means, jnp.int32(1) if per_layer else None, k, None, seq, jnp.arange(t, dtype=jnp.int32), fresh)
+    prims = {e.primitive.name for e in jax.make_jaxpr(levers.smooth_rows)(*args).jaxpr.eqns}
+    assert not {p for p in prims if p.startswith("scatter")} - {"scatter"}, prims      # no scatter-add / -max
+    _, _, got = levers.smooth_rows(*args)
+    kf = np.asarray(k, np.float64)
+    for slot in range(s):
+        rows = np.asarray(seq) == slot
+        want = (kf[rows] if per_layer else kf[:, rows]).mean(axis=0 if per_layer else 1) if rows.any() else 0.0
+        have = np.asarray(got[1, slot] if per_layer else got[:, slot])
+        np.testing.assert_allclose(have, want, rtol=1e-6, atol=1e-6, err_msg=f"slot {slot}")
+
 @pytest.mark.parametrize("rotation", [None, "hadamard"])
 def test_means_are_the_prefill_means_and_freeze(rotation):
     s, k, _ = _fill(_config(rotation=rotation))
