@@ -387,9 +387,9 @@ class TorchKVCache:
         seq, pos = self.manager.reserve_append(seq, pos)
         longest = max([self.manager.kv_len(int(r)) for r in rows if r >= 0] or [0])
         width = min(max(1, page_bucket(-(-longest // self.page_size))), self.state.max_pages_per_seq)
-        dev = next(iter(self.state.kv_lens.devices()))
-        seq_j, pos_j, rows_j = jax.device_put((seq, pos, rows), dev)
-        state, targets = step.plan_append(self.state, seq_j, pos_j, group=group)
+        tokens = np.concatenate([seq, pos, rows]).astype(np.int32, copy=False)     # one host-to-device copy
+        state, targets, (seq_j, pos_j, rows_j) = step.plan_append_packed(self.state, tokens, num_rows=rows.shape[0],
+                                                                         group=group)
         self.manager.install(state)
         return StepPlan(seq_j, pos_j, rows_j, width, group, targets)
 

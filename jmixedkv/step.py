@@ -163,6 +163,24 @@ def plan_append(state, seq, pos, *, group: int = 0):
     return run(state, seq, pos)
 
 
+_PACKED_PLAN_PROGRAMS: dict = {}
+
+
+def plan_append_packed(state, tokens, *, num_rows: int, group: int = 0):
+    """`plan_append` fed by ONE host array, for an engine's hot loop (one host-to-device copy per step instead of
+    three ``jax.device_put`` calls): ``tokens`` i32[2 T + B] = ``seq | pos | rows`` (NumPy), ``num_rows`` = B
+    (static). Returns ``(state, AppendPlan, (seq, pos, rows))``: the host array's three parts on the device."""
+    key = (group, num_rows)
+    run = _PACKED_PLAN_PROGRAMS.get(key)
+    if run is None:
+        def transition(state, tokens):
+            t = (tokens.shape[0] - num_rows) // 2
+            new, plan = st.plan_append_traced(state, tokens[:t], tokens[t:2 * t], group=group)
+            return new, plan, (tokens[:t], tokens[t:2 * t], tokens[2 * t:])
+        run = _PACKED_PLAN_PROGRAMS[key] = st.tables_only(transition)
+    return run(state, tokens)
+
+
 def split_layer_state(state, group: int = 0):
     """``(rest, mine)``: ``mine = (pools[group], step_layers, error, k_means[group] or None)``, what a layer's
     write changes; ``rest`` the state with those set to None (every other group's pools stay in it, untouched)."""
