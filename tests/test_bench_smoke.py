@@ -105,3 +105,15 @@ def test_ab_kernels_smoke(tmp_path):
     assert [len(res["decode"]), len(res["append"])] == [1, 1] and all(
         r["ms"] > 0 for r in res["decode"] + res["append"]), res
 
+
+
+def test_bridge_parts_smoke(tmp_path):
+    """The bridge attribution tool runs a decode step through `TorchKVCache` and times every part (CPU, tiny)."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "tools", "bridge_parts.py"), "--smoke", "--out",
+                           str(tmp_path)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "bridge_parts.json").read_text())
+    timed = [v for k, v in res.items() if k.split("_")[0] in ("loop", "plan", "cross", "program", "floor")]
+    assert len(timed) == 17 and all(isinstance(v, list) and 0 < v[0] <= v[1] for v in timed), res
+    assert res["entry_fusions"] > 0 and res["entry_parameters"] > 0, res
