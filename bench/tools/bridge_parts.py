@@ -8,8 +8,8 @@ the host time of a loop of calls without a wait, and the time until the device i
 * ``loop_per_layer``: one decode step (plan + 30 ``step_attend`` calls) divided by the layers;
 * ``plan_step``: the step's plan alone;
 * ``cross_*``: the crossings (`interop.dlpack.HotBridge`, its parts, and `from_torch` / ``jax.dlpack`` beside it);
-* ``program_*``: one layer's `jmixedkv.step.layer_attend` (default compile, and with XLA's command buffers
-  (CUDA graphs) off or on for every kernel type);
+* ``program_*``: one layer's `jmixedkv.step.layer_attend` (default compile; its layer argument cycling over every
+  layer as in a step; with XLA's command buffers (CUDA graphs) off, or on for every kernel type);
 * ``floor_*``: trivial programs: the layer's own arguments with ``mine`` donated and returned, ``mine`` alone, one
   array, 29 small int arrays;
 * the compiled layer program's entry fusions / custom calls / parameters.
@@ -125,6 +125,14 @@ def _programs(cache, kvq, plan, timed):
             cache.manager.install(step.join_layer_state(rest, mine, 0))
         return call
     res = {"program_layer_attend": timed(run(lambda *a: step.layer_attend(*a, **opts)))}
+    # the same program, the layer argument cycling over every layer's device scalar as in a decode step (XLA
+    # re-records a program's command buffer when an argument's address differs from the last call's)
+    ids, turn = [cache._layer_id(i, plan) for i in range(cache.state.groups[0].num_layers)], [0]
+
+    def cycling(rest_, mine, _layer, *a):
+        turn[0] += 1
+        return step.layer_attend(rest_, mine, ids[turn[0] % len(ids)], *a, **opts)
+    res["program_layer_attend_cycling_layers"] = timed(run(cycling))
     lowered = step.layer_attend.lower(rest, step.layer_part(cache.state, 0), *args, **opts)
     for name, options in COMMAND_BUFFERS.items():
         try:
