@@ -378,7 +378,7 @@ class TorchKVCache:
         of each batch row the step reads (-1 = padding row). Refusals are those of `append` (`ValueError` naming
         the value, `CacheCapacityError`), raised before anything changes. A refusal the device met inside an
         earlier step's program (it changed nothing) is raised here as a `CacheError`. On the device the plan
-        allocates the step's pages and counts its lengths once (`jmixedkv.step.plan_append`); each layer's call
+        allocates the step's pages and counts its lengths once (`jmixedkv.step.plan_append_packed`); each layer's call
         then only stores its rows and reads (`jmixedkv.step.layer_append` / ``layer_dense`` / ``layer_attend``)."""
         self._raise_device_error("plan_step")
         checks.check_group(self.state, group, "plan_step")

@@ -32,9 +32,8 @@ from .write import write_rows
 
 __all__ = ["GroupSpec", "CacheState", "init_state", "admit", "release", "append", "fork", "fork_shares",
            "fork_pages_needed", "step_complete", "AppendPlan", "plan_append_traced", "write_layer_traced",
-           "ERR_LOW_OOM",
-           "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER", "ERR_BAD_POSITION",
-           "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "describe_error"]
+           "ERR_LOW_OOM", "ERR_HIGH_OOM", "ERR_TOO_LONG", "ERR_BAD_SLOT", "ERR_BAD_CORRECTION", "ERR_BAD_LAYER",
+           "ERR_BAD_POSITION", "ERR_SHARED_PAGE", "ERR_BAD_PAGE", "describe_error"]
 
 GROUP_KINDS = ("mixed", "low", "plain")
 describe_error = checks.describe_error      # error bits and the validation rule: jmixedkv.checks

@@ -19,9 +19,9 @@ For an engine whose every layer appends the same tokens, the hot path splits a s
 per step (refusals, page allocation, lengths), then per layer `layer_append` / `layer_attend` / `layer_dense`,
 which donate and return only what a layer changes (`split_layer_state`) and leave the state the programs above
 would, bit for bit (`interop.TorchKVCache.plan_step` and its ``step_*`` calls). None of these programs does
-host checks: the caller (`interop.TorchKVCache.plan_step`) validates a step's slots and positions once on the host, and a bad
-value met inside the program sets ``state.error`` with every sequence unchanged (`jmixedkv.state.append`) and
-NaN outputs for the rows it refuses (`decode_attention`), as the unfused ops do.
+host checks: the caller (`interop.TorchKVCache.plan_step`) validates a step's slots and positions once on the
+host, and a bad value met inside the program sets ``state.error`` with every sequence unchanged
+(`jmixedkv.state.append`) and NaN outputs for the rows it refuses (`decode_attention`), as the unfused ops do.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from .rope import RopeSpec
 from .staging import stage
 
 __all__ = ["append_only", "append_attend", "append_attend_packed", "append_dense", "dense_rows", "apply_sinks",
-           "plan_append", "split_layer_state", "layer_part", "join_layer_state", "layer_append", "layer_attend",
-           "layer_dense"]
+           "plan_append", "plan_append_packed", "split_layer_state", "layer_part", "join_layer_state", "layer_append",
+           "layer_attend", "layer_dense"]
 
 
 def _tokens(x):
@@ -151,19 +151,15 @@ def dense_rows(state, layer, rows, *, width: int, group: int = 0, backend: str =
 # donated) and the rest (read only, neither donated nor returned). Plan + layers leave the state the per-layer
 # programs would, bit for bit (tests/test_step.py).
 
-_PLAN_PROGRAMS: dict = {}
-
-
 def plan_append(state, seq, pos, *, group: int = 0):
     """`jmixedkv.state.plan_append_traced` as a tables-only program (`jmixedkv.state.tables_only`: the tables are
-    donated, the pools never copied): ``(state, AppendPlan)`` for one step's tokens ``seq`` / ``pos`` i32[T]."""
-    run = _PLAN_PROGRAMS.get(group)
-    if run is None:
-        run = _PLAN_PROGRAMS[group] = st.tables_only(functools.partial(st.plan_append_traced, group=group))
-    return run(state, seq, pos)
+    donated, the pools never copied): ``(state, AppendPlan)`` for one step's tokens ``seq`` / ``pos`` i32[T]. The
+    program is `plan_append_packed`'s (no batch rows)."""
+    state, plan, _ = plan_append_packed(state, jnp.concatenate([seq, pos]), num_rows=0, group=group)
+    return state, plan
 
 
-_PACKED_PLAN_PROGRAMS: dict = {}
+_PLAN_PROGRAMS: dict = {}
 
 
 def plan_append_packed(state, tokens, *, num_rows: int, group: int = 0):
@@ -171,13 +167,14 @@ def plan_append_packed(state, tokens, *, num_rows: int, group: int = 0):
     three ``jax.device_put`` calls): ``tokens`` i32[2 T + B] = ``seq | pos | rows`` (NumPy), ``num_rows`` = B
     (static). Returns ``(state, AppendPlan, (seq, pos, rows))``: the host array's three parts on the device."""
     key = (group, num_rows)
-    run = _PACKED_PLAN_PROGRAMS.get(key)
+    run = _PLAN_PROGRAMS.get(key)
     if run is None:
         def transition(state, tokens):
             t = (tokens.shape[0] - num_rows) // 2
-            new, plan = st.plan_append_traced(state, tokens[:t], tokens[t:2 * t], group=group)
-            return new, plan, (tokens[:t], tokens[t:2 * t], tokens[2 * t:])
-        run = _PACKED_PLAN_PROGRAMS[key] = st.tables_only(transition)
+            seq, pos, rows = tokens[:t], tokens[t:2 * t], tokens[2 * t:]
+            new, plan = st.plan_append_traced(state, seq, pos, group=group)
+            return new, plan, (seq, pos, rows)
+        run = _PLAN_PROGRAMS[key] = st.tables_only(transition)
     return run(state, tokens)
 
 

@@ -106,7 +106,6 @@ def test_ab_kernels_smoke(tmp_path):
         r["ms"] > 0 for r in res["decode"] + res["append"]), res
 
 
-
 def test_bridge_parts_smoke(tmp_path):
     """The bridge attribution tool runs a decode step through `TorchKVCache` and times every part (CPU, tiny)."""
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "tools", "bridge_parts.py"), "--smoke", "--out",

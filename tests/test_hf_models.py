@@ -142,15 +142,16 @@ def test_sinks_are_one_lse_term():
 
 def test_fused_path_compiles_once_per_shape():
     """Every decode step of every layer runs one program (`step.layer_attend`) after one plan per step
-    (`step.plan_append_packed`): one compilation each for a generate() run (the plan: one for the prompt's tokens, one for
-    a decode step's), none for a second run of the same shapes; prefill appends (`step.layer_append`) compile once."""
+    (`step.plan_append_packed`): one compilation each for a generate() run (the plan: one for the prompt's tokens,
+    one for a decode step's), none for a second run of the same shapes; prefill appends (`step.layer_append`)
+    compile once."""
     torch.manual_seed(0)
     model = _llama().to(torch.bfloat16).eval()
     ids = torch.randint(0, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(3))
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     def sizes():
-        plan = step._PACKED_PLAN_PROGRAMS.get((0, BATCH))
+        plan = step._PLAN_PROGRAMS.get((0, BATCH))
         return (step.layer_attend._cache_size(), step.layer_append._cache_size(),
                 0 if plan is None else plan.program._cache_size())
     try:
