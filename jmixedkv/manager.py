@@ -32,6 +32,29 @@ _release = st.tables_only(st.release)
 _fork = jax.jit(st.fork, donate_argnums=0)
 
 
+def _allocate(config: KVCacheConfig, groups, num_pages: int, max_seqs: int, max_pages_per_seq, init_kwargs):
+    """`jmixedkv.init_state` committed to the first device (or placed on ``init_kwargs["mesh"]``), waited for, with
+    an allocation failure raised here as `CacheCapacityError` (JAX would report an asynchronous one later, from the
+    first program that reads the state). A pool array is one allocation: on a GPU it needs one contiguous free block
+    of its size, which other arrays' holes can deny although enough memory is free in total."""
+    def make():
+        state = st.init_state(config, groups, num_pages, max_seqs, max_pages_per_seq, **init_kwargs)
+        # commit the fresh arrays to one device, so the first donated call does not compile a second time
+        return state if init_kwargs.get("mesh") is not None else jax.device_put(state, jax.devices()[0])
+    try:
+        return jax.block_until_ready(make())
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        pools = jax.tree.leaves(jax.eval_shape(make).pools)
+        sizes = [x.size * x.dtype.itemsize for x in pools]
+        raise CacheCapacityError(
+            f"allocating the cache failed: {num_pages} pages make pools of {sum(sizes) / 2**30:.2f} GiB, the largest "
+            f"array {max(sizes) / 2**30:.2f} GiB, which needs one contiguous free block on {jax.devices()[0]}. Ask "
+            f"for fewer pages, allocate the cache before other large arrays, or pack those first (through host "
+            f"memory: `jmixedkv.placement.pack_on_device`). JAX said: {str(e)[:300]}") from None
+
+
 class CacheManager:
     """Owns one `CacheState` and mirrors its capacity on the host (`wrap` adopts an existing state).
 
@@ -40,9 +63,7 @@ class CacheManager:
 
     def __init__(self, config: KVCacheConfig, groups, num_pages: int, max_seqs: int,
                  max_pages_per_seq: Optional[int] = None, backend: str = "auto", **init_kwargs):
-        state = st.init_state(config, groups, num_pages, max_seqs, max_pages_per_seq, **init_kwargs)
-        # commit the fresh arrays to one device, so the first donated call does not compile a second time
-        state = state if init_kwargs.get("mesh") is not None else jax.device_put(state, jax.devices()[0])
+        state = _allocate(config, groups, num_pages, max_seqs, max_pages_per_seq, init_kwargs)
         self.config, self.backend = config, backend
         self.replace_state(state)
 

@@ -58,6 +58,7 @@ from jmixedkv import capacity as cap
 from jmixedkv.checks import CacheCapacityError, CacheError
 from jmixedkv.config import KVCacheConfig
 from jmixedkv.manager import CacheManager
+from jmixedkv.placement import pack_on_device
 from jmixedkv.prefix import PrefixCache
 from jmixedkv.state import describe_error, init_state
 
@@ -632,8 +633,10 @@ def serve_table(rows: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
 
 def random_weights(model_cfg: ModelConfig, weights_dtype: str = "float32") -> dict:
     """`prepare_weights` of the deterministic random parameters of ``model_cfg`` (`init_params`), weight matrices
-    in ``weights_dtype`` (``"float32"`` or ``"bfloat16"``)."""
-    return prepare_weights(init_params(model_cfg, weights_dtype), model_cfg)
+    in ``weights_dtype`` (``"float32"`` or ``"bfloat16"``), packed side by side on the device
+    (`jmixedkv.placement.pack_on_device`: building them leaves holes, and a cache pool allocated after them needs
+    one contiguous block)."""
+    return pack_on_device(prepare_weights(init_params(model_cfg, weights_dtype), model_cfg))
 
 
 #: ``jmixedkv serve`` defaults per model: KV budget, workload scaling of the shipped lengths, page, prefill chunk

@@ -5,14 +5,18 @@ SmolLM2's cache geometry (30 layers, 3 KV / 9 query heads, head_dim 64), batch 4
 page 16. Prints and writes (``--out``, a folder: ``bridge_parts.json``) microseconds per call as ``[host, wall]``:
 the host time of a loop of calls without a wait, and the time until the device is done. Rows:
 
-* ``loop_per_layer``: one decode step (plan + 30 ``step_attend`` calls) divided by the layers;
-* ``plan_step``: the step's plan alone;
+* ``loop_per_layer``: one decode step (plan + 30 ``step_attend`` calls) divided by the layers; ``_*`` variants: the
+  layer program compiled with XLA's command buffers off, the plan without its read of the device error bits;
+* ``plan_step``: the step's plan alone; ``plan_program``: its jitted program alone (no host checks, no error read);
 * ``cross_*``: the crossings (`interop.dlpack.HotBridge`, its parts, and `from_torch` / ``jax.dlpack`` beside it);
 * ``program_*``: one layer's `jmixedkv.step.layer_attend` (default compile; its layer argument cycling over every
   layer as in a step; with XLA's command buffers (CUDA graphs) off, or on for every kernel type);
 * ``floor_*``: trivial programs: the layer's own arguments with ``mine`` donated and returned, ``mine`` alone, one
   array, 29 small int arrays;
 * the compiled layer program's entry fusions / custom calls / parameters.
+
+``--kernels``: also the device kernels of one decode step (``torch.profiler``, which records every CUDA kernel of the
+process, JAX's included): count, total and top kernels by time, under ``device_kernels``.
 
 ``--smoke``: 2 layers, 16 tokens, on the CPU (a script check; the CPU runs the reference kernels, so its
 ``program_*`` rows are compute, not dispatch).
@@ -43,11 +47,13 @@ COMMAND_BUFFERS = {"command_buffers_off": {"xla_gpu_enable_command_buffer": ""},
 
 
 def main(argv=None):
-    args = bench_parser(__doc__, md=False).parse_args(argv)
+    ap = bench_parser(__doc__, md=False)
+    ap.add_argument("--kernels", action="store_true", help="also profile one decode step's device kernels")
+    args = ap.parse_args(argv)
     layers, ctx, reps = (2, 16, 5) if args.smoke else (30, 512, 300)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=PAGE, max_draft_len=4)
-    pages = (ctx + 64) // PAGE + 1
+    pages = (ctx + 256) // PAGE + 1                 # room for every timed step's token
     cache = TorchKVCache(cfg, layers, HEADS, HEAD_DIM, num_pages=BATCH * pages, max_seqs=BATCH,
                          max_pages_per_seq=pages, device=dev, sync="stream", validate=False)
     slots = np.array([cache.admit() for _ in range(BATCH)], np.int32)
@@ -83,12 +89,70 @@ def main(argv=None):
     res = dict(versions(torch), device=str(jax.devices()[0]), layers=layers, context=ctx, batch=BATCH)
     step_us = timed(decode_step, max(3, reps // 30))
     res["loop_per_layer"] = [round(x / layers, 1) for x in step_us]
+    res.update(_loop_variants(cache, decode_step, timed, layers, max(3, reps // 30)))
     res["plan_step"] = timed(plan_next, max(5, reps // 6))
+    res["plan_program"] = _plan_program(cache, slots, timed, max(5, reps // 6))
+    if args.kernels:
+        res["device_kernels"] = _kernels(decode_step, wait, dev)
     res.update(_crossings(cache, kvq, dev, timed))
     res.update(_programs(cache, kvq, plan_next(), timed))
     print(json.dumps(res, indent=1))
     print("wrote", write_json(args.out, "bridge_parts.json", res))
     return 0
+
+
+def _loop_variants(cache, decode_step, timed, layers, n):
+    """The decode step with its layer program compiled with XLA's command buffers off, and with `plan_step`'s read
+    of the device error bits (a wait for the device, once per step) skipped."""
+    res, default = {}, step.layer_attend
+    static = ("num_kv_heads", "group", "rope", "backend", "sm_scale", "sliding_window", "soft_cap")
+    off = jax.jit(step.layer_attend.__wrapped__, donate_argnums=1, static_argnames=static,
+                  compiler_options=COMMAND_BUFFERS["command_buffers_off"])
+    try:
+        step.layer_attend = off
+        res["loop_per_layer_command_buffers_off"] = [round(x / layers, 1) for x in timed(decode_step, n)]
+    finally:
+        step.layer_attend = default
+    read = cache._raise_device_error
+    try:
+        cache._raise_device_error = lambda what: None
+        res["loop_per_layer_no_error_read"] = [round(x / layers, 1) for x in timed(decode_step, n)]
+    finally:
+        cache._raise_device_error = read
+    return res
+
+
+def _plan_program(cache, slots, timed, n):
+    """`jmixedkv.step.plan_append_packed` alone on one decode step's tokens (each call donates the tables the
+    last one returned)."""
+    def call():
+        seq, pos = cache.manager.reserve_append(slots, np.full(BATCH, cache.manager.kv_len(int(slots[0])), np.int32))
+        state, _, _ = step.plan_append_packed(cache.state, np.concatenate([seq, pos, slots]).astype(np.int32),
+                                              num_rows=BATCH)
+        cache.manager.install(state)
+    return timed(call, n)
+
+
+def _kernels(decode_step, wait, dev, top: int = 12):
+    """Device kernels of one decode step (``torch.profiler`` CUDA activity: every kernel of the process)."""
+    if dev.type != "cuda":
+        return "no CUDA device"
+    from torch.profiler import ProfilerActivity, profile
+    decode_step()
+    wait()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode_step()
+        wait()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    times = {}
+    for e in events:
+        t = times.setdefault(e.name[:90], [0, 0.0])
+        t[0] += 1
+        t[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    total = sum(t[1] for t in times.values())
+    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) if events else 0
+    return {"count": sum(t[0] for t in times.values()), "busy_us": round(total, 1), "span_us": round(span, 1),
+            "top": sorted(([k, v[0], round(v[1], 1)] for k, v in times.items()), key=lambda r: -r[2])[:top]}
 
 
 def _crossings(cache, kvq, dev, timed):
