@@ -65,14 +65,26 @@ def test_pack_on_device_keeps_values():
         assert all(x.is_deleted() for x in jax.tree.leaves(tree))
 
 
+def _fill(limit_bytes: int) -> list:
+    """1 GiB arrays until ``limit_bytes`` or the first allocation that fails."""
+    chunks = []
+    while (len(chunks) + 1) << 30 <= limit_bytes:
+        try:
+            chunks.append(jnp.zeros((1 << 29,), jnp.float16).block_until_ready())
+        except jax.errors.JaxRuntimeError:
+            break
+    return chunks
+
+
 @pytest.mark.gpu
+@pytest.mark.xdist_group("gpu_memory")
 def test_gpu_holes_deny_a_pool_that_packing_admits():
     """Fill the allocator with 1 GiB arrays, free every other one: half the memory is free but in 1 GiB holes. A
     cache of 2 GiB pools is refused (`CacheCapacityError`); after `pack_on_device` of the kept arrays it is made."""
     assert on_gpu(), "gpu tests need a GPU"
-    free = jax.devices()[0].memory_stats()
-    limit = free["bytes_limit"] - free["bytes_in_use"]
-    chunks = [jnp.zeros((1 << 29,), jnp.float16) for _ in range(int(limit // (1 << 30)) - 1)]   # 1 GiB each
+    stats = jax.devices()[0].memory_stats()
+    chunks = _fill(stats["bytes_limit"] - stats["bytes_in_use"])
+    assert len(chunks) >= 6, f"only {len(chunks)} GiB could be allocated"
     kept = chunks[::2]
     del chunks
     cfg = KVCacheConfig("bf16", page_size=16)

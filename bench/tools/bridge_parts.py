@@ -15,8 +15,9 @@ the host time of a loop of calls without a wait, and the time until the device i
   array, 29 small int arrays;
 * the compiled layer program's entry fusions / custom calls / parameters.
 
-``--kernels``: also the device kernels of one decode step (``torch.profiler``, which records every CUDA kernel of the
-process, JAX's included): count, total and top kernels by time, under ``device_kernels``.
+``--kernels``: also the device kernels and the host's CUDA API calls (launches, copies, synchronizations) of one
+decode step and of one plan (``torch.profiler``, which records those of the whole process, JAX's included), under
+``device_kernels`` / ``plan_kernels``.
 
 ``--smoke``: 2 layers, 16 tokens, on the CPU (a script check; the CPU runs the reference kernels, so its
 ``program_*`` rows are compute, not dispatch).
@@ -53,7 +54,7 @@ def main(argv=None):
     layers, ctx, reps = (2, 16, 5) if args.smoke else (30, 512, 300)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=PAGE, max_draft_len=4)
-    pages = (ctx + 256) // PAGE + 1                 # room for every timed step's token
+    pages = (ctx + 384) // PAGE + 1                 # room for every timed step's token
     cache = TorchKVCache(cfg, layers, HEADS, HEAD_DIM, num_pages=BATCH * pages, max_seqs=BATCH,
                          max_pages_per_seq=pages, device=dev, sync="stream", validate=False)
     slots = np.array([cache.admit() for _ in range(BATCH)], np.int32)
@@ -91,9 +92,10 @@ def main(argv=None):
     res["loop_per_layer"] = [round(x / layers, 1) for x in step_us]
     res.update(_loop_variants(cache, decode_step, timed, layers, max(3, reps // 30)))
     res["plan_step"] = timed(plan_next, max(5, reps // 6))
-    res["plan_program"] = _plan_program(cache, slots, timed, max(5, reps // 6))
+    res.update(_plan_program(cache, slots, timed, max(5, reps // 6)))
     if args.kernels:
         res["device_kernels"] = _kernels(decode_step, wait, dev)
+        res["plan_kernels"] = _kernels(plan_next, wait, dev)
     res.update(_crossings(cache, kvq, dev, timed))
     res.update(_programs(cache, kvq, plan_next(), timed))
     print(json.dumps(res, indent=1))
@@ -124,35 +126,49 @@ def _loop_variants(cache, decode_step, timed, layers, n):
 
 def _plan_program(cache, slots, timed, n):
     """`jmixedkv.step.plan_append_packed` alone on one decode step's tokens (each call donates the tables the
-    last one returned)."""
-    def call():
+    last one returned): ``plan_program`` with the tokens as the NumPy array `TorchKVCache.plan_step` passes,
+    ``plan_program_device_tokens`` with them put on the device first (``jax.device_put``, timed with the call)."""
+    def call(put):
         seq, pos = cache.manager.reserve_append(slots, np.full(BATCH, cache.manager.kv_len(int(slots[0])), np.int32))
-        state, _, _ = step.plan_append_packed(cache.state, np.concatenate([seq, pos, slots]).astype(np.int32),
-                                              num_rows=BATCH)
+        tokens = put(np.concatenate([seq, pos, slots]).astype(np.int32))
+        state, _, _ = step.plan_append_packed(cache.state, tokens, num_rows=BATCH)
         cache.manager.install(state)
-    return timed(call, n)
+    return {"plan_program": timed(lambda: call(lambda x: x), n),
+            "plan_program_device_tokens": timed(lambda: call(jax.device_put), n)}
 
 
-def _kernels(decode_step, wait, dev, top: int = 12):
-    """Device kernels of one decode step (``torch.profiler`` CUDA activity: every kernel of the process)."""
+def _kernels(fn, wait, dev, top: int = 12):
+    """One call of ``fn`` under ``torch.profiler`` (CUPTI records every kernel and CUDA API call of the process,
+    JAX's included): the device kernels (count, busy and span microseconds, the top ones) and the host's CUDA API
+    calls (``cu*``: launches, copies, synchronizations; count and microseconds)."""
     if dev.type != "cuda":
         return "no CUDA device"
     from torch.profiler import ProfilerActivity, profile
-    decode_step()
+    fn()
     wait()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        decode_step()
+        fn()
         wait()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    api = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0
+    ktimes, atimes = _by_name(kernels, lambda e: getattr(e, "device_time_total", None) or e.cuda_time_total), \
+        _by_name(api, lambda e: e.cpu_time_total)
+    return {"count": sum(t[0] for t in ktimes.values()), "busy_us": round(sum(t[1] for t in ktimes.values()), 1),
+            "span_us": round(span, 1), "top": _top(ktimes, top), "api_calls": _top(atimes, top)}
+
+
+def _by_name(events, micros):
     times = {}
     for e in events:
         t = times.setdefault(e.name[:90], [0, 0.0])
         t[0] += 1
-        t[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    total = sum(t[1] for t in times.values())
-    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) if events else 0
-    return {"count": sum(t[0] for t in times.values()), "busy_us": round(total, 1), "span_us": round(span, 1),
-            "top": sorted(([k, v[0], round(v[1], 1)] for k, v in times.items()), key=lambda r: -r[2])[:top]}
+        t[1] += micros(e)
+    return times
+
+
+def _top(times, n):
+    return sorted(([k, v[0], round(v[1], 1)] for k, v in times.items()), key=lambda r: -r[2])[:n]
 
 
 def _crossings(cache, kvq, dev, timed):
