@@ -1,7 +1,7 @@
-"""Placement of a `CacheState` on a ``("tp",)`` mesh (`pack_on_device`: arrays packed side by side on one device before a
-model-sized pool is allocated): pool arrays ``[L, P, kv, H, page, X]`` sharded on their
-KV-head axis (the K-smoothing means ``f32[L, S, H, D]`` on theirs), the rest replicated. Imports no `jmixedkv`
-module, so `state` (``init_state(mesh=...)``) and `sharding` (which imports `state`) both use it without a cycle
+"""Placement of arrays on devices: a `CacheState` on a ``("tp",)`` mesh -- pool arrays ``[L, P, kv, H, page, X]``
+sharded on their KV-head axis (the K-smoothing means ``f32[L, S, H, D]`` on theirs), the rest replicated -- and
+`pack_on_device` (arrays packed side by side before a model-sized pool is allocated). Imports no `jmixedkv` module,
+so `state` (``init_state(mesh=...)``) and `sharding` (which imports `state`) both use it without a cycle
 (docs/DESIGN.md §7)."""
 from __future__ import annotations
 
@@ -47,17 +47,18 @@ def shard_state(state, mesh: Mesh):
 
 
 def pack_on_device(tree):
-    """``tree``'s arrays moved through host memory and back, so that they sit side by side at the low end of the
-    GPU allocator (on the CPU: ``tree`` as it is). The arrays of ``tree`` are deleted; use the returned copy.
+    """``tree`` with its JAX arrays moved through host memory and back to where they were (each keeps its
+    sharding), so that they sit side by side at the low end of the GPU allocator; other leaves as they are (an array
+    met twice is moved once). The arrays of ``tree`` are deleted: use the returned tree.
 
-    A cache pool is ONE array and needs one contiguous free block. Arrays built before it can leave holes between
-    them: the 8B-shaped random weights of `jmixedkv_demo.serve` (float32 parameters freed as their bfloat16 copies
-    and the stacked layers replace them) peak at 32.6 GiB for 15 GiB kept, and on an 80 GiB card a 40 GiB pool
-    then found no block (`jmixedkv.CacheManager` refuses that with `CacheCapacityError`). Call this on such arrays
-    before allocating the cache."""
-    if jax.default_backend() == "cpu":
-        return tree
-    host = jax.device_get(tree)
-    for x in jax.tree.leaves(tree):
+    A cache pool is ONE array and needs one contiguous free block (docs/DESIGN.md §3). Arrays built before it can
+    leave holes between them that deny it although enough memory is free in total -- model weights built in place,
+    for one (float32 parameters freed as their bfloat16 copies and stacked layers replace them), where
+    `jmixedkv.CacheManager` then refuses the cache with `CacheCapacityError`. Call this on such arrays first."""
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = {id(x): x for x in leaves if isinstance(x, jax.Array)}
+    host = {i: (jax.device_get(x), x.sharding) for i, x in arrays.items()}
+    for x in arrays.values():
         x.delete()
-    return jax.device_put(host, jax.devices()[0])
+    placed = {i: jax.device_put(h, sharding) for i, (h, sharding) in host.items()}
+    return jax.tree.unflatten(treedef, [placed.get(id(x), x) if isinstance(x, jax.Array) else x for x in leaves])

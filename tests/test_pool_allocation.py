@@ -53,16 +53,18 @@ def test_unallocatable_pool_is_refused_at_construction():
 
 
 def test_pack_on_device_keeps_values():
-    """The packed copy holds the same values, dtypes and tree; on a GPU the inputs are deleted."""
-    tree = {"a": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "b": [jnp.ones((5,), jnp.bfloat16)]}
+    """The packed copy holds the same values, dtypes, shardings and tree; other leaves pass through; an array met
+    twice is moved once; the inputs are deleted."""
+    a = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    tree = {"a": a, "b": [jnp.ones((5,), jnp.bfloat16), 1.5, np.arange(3)], "again": a}
     want = jax.device_get(tree)
     got = pack_on_device(tree)
     assert jax.tree.structure(got) == jax.tree.structure(want)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert g.dtype == w.dtype
+    assert got["again"] is got["a"] and got["b"][1] == 1.5 and isinstance(got["b"][2], np.ndarray)
+    for g, w, x in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(tree)):
         np.testing.assert_array_equal(np.asarray(g), w)
-    if on_gpu():
-        assert all(x.is_deleted() for x in jax.tree.leaves(tree))
+        if isinstance(x, jax.Array):
+            assert g.dtype == w.dtype and x.is_deleted() and g.sharding == x.sharding
 
 
 def _fill(limit_bytes: int) -> list:
