@@ -114,5 +114,5 @@ def test_bridge_parts_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "bridge_parts.json").read_text())
     timed = [v for k, v in res.items() if k.split("_")[0] in ("loop", "plan", "cross", "program", "floor")]
-    assert len(timed) == 22 and all(isinstance(v, list) and 0 < v[0] <= v[1] for v in timed), res
+    assert len(timed) == 23 and all(isinstance(v, list) and 0 < v[0] <= v[1] for v in timed), res
     assert res["entry_fusions"] > 0 and res["entry_parameters"] > 0, res

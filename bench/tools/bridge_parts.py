@@ -6,7 +6,8 @@ page 16. Prints and writes (``--out``, a folder: ``bridge_parts.json``) microsec
 the host time of a loop of calls without a wait, and the time until the device is done. Rows:
 
 * ``loop_per_layer``: one decode step (plan + 30 ``step_attend`` calls) divided by the layers; ``_*`` variants: the
-  layer program compiled with XLA's command buffers off, the plan without its read of the device error bits;
+  layer program compiled with XLA's command buffers off, the plan without its read of the device error bits, every
+  layer's output handed to torch at the end of the step;
 * ``plan_step``: the step's plan alone; ``plan_program``: its jitted program alone (no host checks, no error read);
 * ``cross_*``: the crossings (`interop.dlpack.HotBridge`, its parts, and `from_torch` / ``jax.dlpack`` beside it);
 * ``program_*``: one layer's `jmixedkv.step.layer_attend` (default compile; its layer argument cycling over every
@@ -54,7 +55,7 @@ def main(argv=None):
     layers, ctx, reps = (2, 16, 5) if args.smoke else (30, 512, 300)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=PAGE, max_draft_len=4)
-    pages = (ctx + 384) // PAGE + 1                 # room for every timed step's token
+    pages = (ctx + 448) // PAGE + 1                 # room for every timed step's token
     cache = TorchKVCache(cfg, layers, HEADS, HEAD_DIM, num_pages=BATCH * pages, max_seqs=BATCH,
                          max_pages_per_seq=pages, device=dev, sync="stream", validate=False)
     slots = np.array([cache.admit() for _ in range(BATCH)], np.int32)
@@ -90,7 +91,7 @@ def main(argv=None):
     res = dict(versions(torch), device=str(jax.devices()[0]), layers=layers, context=ctx, batch=BATCH)
     step_us = timed(decode_step, max(3, reps // 30))
     res["loop_per_layer"] = [round(x / layers, 1) for x in step_us]
-    res.update(_loop_variants(cache, decode_step, timed, layers, max(3, reps // 30)))
+    res.update(_loop_variants(cache, decode_step, timed, layers, max(3, reps // 30), plan_next, kvq))
     res["plan_step"] = timed(plan_next, max(5, reps // 6))
     res.update(_plan_program(cache, slots, timed, max(5, reps // 6)))
     if args.kernels:
@@ -103,10 +104,25 @@ def main(argv=None):
     return 0
 
 
-def _loop_variants(cache, decode_step, timed, layers, n):
-    """The decode step with its layer program compiled with XLA's command buffers off, and with `plan_step`'s read
-    of the device error bits (a wait for the device, once per step) skipped."""
+def _loop_variants(cache, decode_step, timed, layers, n, plan_next, kvq):
+    """The decode step with its layer program compiled with XLA's command buffers off; with `plan_step`'s read of
+    the device error bits (a wait for the device, once per step) skipped; and with every layer's output handed to
+    torch at the end of the step instead of after its layer (`HotBridge.to_torch` makes torch's stream wait for the
+    array, and the host may wait until JAX has launched the program that makes it)."""
     res, default = {}, step.layer_attend
+    out = cache._out
+
+    def exports_at_end():
+        p, outs = plan_next(), []
+        for layer in range(layers):
+            outs.append(cache.step_attend(layer, kvq, None, None, p, return_lse=False)[0])
+        for o in outs:
+            cache._hot.to_torch(o)
+    try:
+        cache._out = lambda sync: (lambda x: x)
+        res["loop_per_layer_exports_at_end"] = [round(x / layers, 1) for x in timed(exports_at_end, n)]
+    finally:
+        cache._out = out
     static = ("num_kv_heads", "group", "rope", "backend", "sm_scale", "sliding_window", "soft_cap")
     off = jax.jit(step.layer_attend.__wrapped__, donate_argnums=1, static_argnames=static,
                   compiler_options=COMMAND_BUFFERS["command_buffers_off"])
