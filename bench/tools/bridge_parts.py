@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -109,34 +110,23 @@ def _loop_variants(cache, decode_step, timed, layers, n, plan_next, kvq):
     the device error bits (a wait for the device, once per step) skipped; and with every layer's output handed to
     torch at the end of the step instead of after its layer (`HotBridge.to_torch` makes torch's stream wait for the
     array, and the host may wait until JAX has launched the program that makes it)."""
-    res, default = {}, step.layer_attend
-    out = cache._out
-
     def exports_at_end():
         p, outs = plan_next(), []
         for layer in range(layers):
             outs.append(cache.step_attend(layer, kvq, None, None, p, return_lse=False)[0])
         for o in outs:
             cache._hot.to_torch(o)
-    try:
-        cache._out = lambda sync: (lambda x: x)
-        res["loop_per_layer_exports_at_end"] = [round(x / layers, 1) for x in timed(exports_at_end, n)]
-    finally:
-        cache._out = out
+
     static = ("num_kv_heads", "group", "rope", "backend", "sm_scale", "sliding_window", "soft_cap")
     off = jax.jit(step.layer_attend.__wrapped__, donate_argnums=1, static_argnames=static,
                   compiler_options=COMMAND_BUFFERS["command_buffers_off"])
-    try:
-        step.layer_attend = off
-        res["loop_per_layer_command_buffers_off"] = [round(x / layers, 1) for x in timed(decode_step, n)]
-    finally:
-        step.layer_attend = default
-    read = cache._raise_device_error
-    try:
-        cache._raise_device_error = lambda what: None
-        res["loop_per_layer_no_error_read"] = [round(x / layers, 1) for x in timed(decode_step, n)]
-    finally:
-        cache._raise_device_error = read
+    variants = {"exports_at_end": (cache, "_out", lambda sync: (lambda x: x), exports_at_end),
+                "command_buffers_off": (step, "layer_attend", off, decode_step),
+                "no_error_read": (cache, "_raise_device_error", lambda what: None, decode_step)}
+    res = {}
+    for name, (owner, attr, value, fn) in variants.items():
+        with mock.patch.object(owner, attr, value):
+            res["loop_per_layer_" + name] = [round(x / layers, 1) for x in timed(fn, n)]
     return res
 
 
@@ -168,7 +158,7 @@ def _kernels(fn, wait, dev, top: int = 12):
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     api = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
     span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0
-    ktimes, atimes = _by_name(kernels, lambda e: getattr(e, "device_time_total", None) or e.cuda_time_total), \
+    ktimes, atimes = _by_name(kernels, lambda e: e.device_time_total), \
         _by_name(api, lambda e: e.cpu_time_total)
     return {"count": sum(t[0] for t in ktimes.values()), "busy_us": round(sum(t[1] for t in ktimes.values()), 1),
             "span_us": round(span, 1), "top": _top(ktimes, top), "api_calls": _top(atimes, top)}
