@@ -86,22 +86,24 @@ def test_mosaic_interpret_odd_groups(group):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_backend_choice_every_group(d, monkeypatch):
     """Where the Mosaic GPU kernel may run (``JMIXEDKV_DECODE_KERNEL=mgpu``: wherever it is supported), it covers
-    head_dim 128 at every group and Tq with ``Tq * G <= 64``; head_dim 64 and 256 go to the Triton kernel."""
+    head_dim 128 at every group and Tq with ``Tq * G <= 64``, head_dim 64 (token pairs) with ``2 Tq * G <= 64``;
+    head_dim 256 goes to the Triton kernel."""
     if not mosaic_sm90.available():
         pytest.fail("jax.experimental.pallas.mosaic_gpu does not import: the backend choice cannot be checked")
     monkeypatch.setenv(entry.KERNEL_ENV, "mgpu")
     for group in GROUPS:
         for tq in (1, 2, 4, 8):
-            want = "mosaic" if d == 128 and tq * group <= 64 else "triton"
+            rows = {128: tq * group, 64: 2 * tq * group}.get(d, 10 ** 6)
+            want = "mosaic" if rows <= 64 else "triton"
             got = entry.choose_backend(head_dim=d, page=16, tq=tq, group=group, high_dtype=jnp.bfloat16)
             assert got == want, (d, group, tq, got)
     monkeypatch.setenv(entry.KERNEL_ENV, "auto")
     assert entry.choose_backend(head_dim=d, page=16, tq=1, group=3, interpret=True) == "triton"
 
 
-@pytest.mark.parametrize("d", (64, 256))
+@pytest.mark.parametrize("d", (32, 256))
 def test_mosaic_config_refused_by_name_outside_its_head_dim(d):
-    """A `MosaicConfig` at head_dim 64 / 256 is refused with the geometry named (the entry point without a config
+    """A `MosaicConfig` at head_dim 32 / 256 is refused with the geometry named (the entry point without a config
     picks the Triton kernel there instead)."""
     st = make_state(lens=(1, 17), d=d, heads=2)
     q = queries(st, 1, 6)
@@ -146,7 +148,7 @@ GPU_LENS = (1, 15, 16, 17, 200, 1000, 3000, 4096, 2049)      # 9 x 8 KV heads >=
 def test_gpu_every_group_default_and_triton(d):
     """Model-shaped cache (8 KV heads, 9 sequences up to 4096 tokens, page 16, first_n = last_n = 64, 2 layers) at
     head_dim ``d``: for every GQA group, the default backend (`decode_attention`: the Mosaic GPU kernel at head_dim
-    128, the Triton kernel elsewhere) and the Triton kernel with its defaults, Tq 1 and (Tq 2 at the odd groups)
+    64 and 128, the Triton kernel at 256) and the Triton kernel with its defaults, Tq 1 and (Tq 2 at the odd groups)
     causal verify rows, against the float32 reference."""
     assert on_gpu(), "gpu tests need a GPU"
     st = make_state(first_n=64, last_n=64, page=16, lens=GPU_LENS, heads=8, d=d, layers=2, max_draft_len=3,

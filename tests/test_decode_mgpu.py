@@ -229,6 +229,46 @@ def test_interpret_pages_32_to_128(page, edge_block_k, km):
     _lse_close(lse, ref_lse)
 
 
+@pytest.mark.parametrize("page,tq,hq,km,twin", [(16, 1, 3, True, True), (16, 2, 8, None, True),
+                                                (32, 1, 4, True, True), (64, 2, 4, False, False),
+                                                (128, 1, 7, None, True)])
+def test_interpret_head_dim_64_as_token_pairs(page, tq, hq, km, twin):
+    """head_dim 64 read as head_dim 128 over token pairs (`as_token_pairs`): pages of 16 (8-row TMA boxes with
+    64-byte scale rows), 32, 64 and 128 tokens; GQA 3 (SmolLM2), 4, 7 and 8; keys on M and queries on M; with and
+    without a twin; lengths 0, 1, page-1, page, page+1, odd and long ones (an interior that starts and ends on a
+    pair); 3 splits; NaN-poisoned rows; float32 output against the float32 reference."""
+    st = make_state("mixed_nvfp4_bf16" if twin else "nvfp4", lens=(0, 1, page - 1, page, page + 1, 701, 1200),
+                    first_n=64 if twin else 0, last_n=20 if twin else 0, page=page, d=64, heads=1, max_draft_len=2)
+    q = queries(st, tq, hq)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    kw = {} if km is None else dict(keys_on_m=km)
+    out, lse = _run(st, q, 1, num_splits=3, interpret=True, out_dtype=jnp.float32, **kw)
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel_l2(out, ref_o) < 1e-4
+    _lse_close(lse, ref_lse)
+    # the kernel attended keys itself: its partials hold mass for the long rows
+    _, _, l = _run(st, q, 1, num_splits=3, interpret=True, partials_only=True, **kw)
+    assert float(jnp.asarray(l).sum()) > 0
+
+
+def test_as_token_pairs_views_without_copy():
+    """`as_token_pairs`: the pools' pair view is a reshape of the same bytes (row ``i`` = tokens ``2 i, 2 i + 1``) and
+    each query row becomes ``[q, 0]`` and ``[0, q]`` as consecutive heads."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 1, 6, 64)), jnp.bfloat16)
+    data = jnp.asarray(rng.integers(0, 256, (1, 3, 2, 2, 16, 32)), jnp.uint8)
+    scales = jnp.asarray(rng.integers(0, 256, (1, 3, 2, 2, 16, 4)), jnp.uint8)
+    q2, d2, s2 = mosaic.as_token_pairs(q, data, scales)
+    assert q2.shape == (2, 1, 12, 128) and d2.shape == (1, 3, 2, 2, 8, 64) and s2.shape == (1, 3, 2, 2, 8, 8)
+    np.testing.assert_array_equal(np.asarray(d2[..., 3, 32:]), np.asarray(data[..., 7, :]))
+    np.testing.assert_array_equal(np.asarray(s2[..., 3, :4]), np.asarray(scales[..., 6, :]))
+    np.testing.assert_array_equal(np.asarray(q2[:, :, 1::2, 64:]), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(q2[:, :, 0::2, :64]), np.asarray(q))
+    assert not np.asarray(q2[:, :, 0::2, 64:], np.float32).any() and not np.asarray(q2[:, :, 1::2, :64],
+                                                                                   np.float32).any()
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 def test_interpret_keys_on_m_ring_wraps(stages):
     """Keys on M over many interior blocks in one split (up to 15 blocks of 64 tokens), so the TMA ring of 2 or 3
@@ -266,7 +306,10 @@ def test_interpret_through_public_entry_nvfp4_verify(monkeypatch):
 def test_supported_and_dispatch_choice(monkeypatch):
     assert supported(head_dim=128, page=16, tq=1, group=4)
     assert supported(head_dim=128, page=16, tq=4, group=16, high_dtype=jnp.bfloat16)
-    assert not supported(head_dim=64, page=16, tq=1, group=4)
+    # head_dim 64 as token pairs: twice the query rows
+    assert supported(head_dim=64, page=16, tq=1, group=3) and supported(head_dim=64, page=128, tq=4, group=8)
+    assert not supported(head_dim=64, page=16, tq=8, group=8)            # 2 x 64 query rows > 64
+    assert not supported(head_dim=32, page=16, tq=1, group=4) and not supported(head_dim=256, page=16, tq=1, group=4)
     assert not supported(head_dim=128, page=8, tq=1, group=4)
     for page in (32, 64, 128):        # run on the H200 since the page-table copy starts at an aligned column
         assert supported(head_dim=128, page=page, tq=1, group=4)
@@ -289,6 +332,8 @@ def test_supported_and_dispatch_choice(monkeypatch):
     assert preferred(head_dim=128, page=16, tq=4, group=8, high_dtype=jnp.bfloat16)
     assert not preferred(head_dim=128, page=16, tq=4, group=8, interpret=True)
     assert preferred(head_dim=128, page=64, tq=4, group=8)
+    assert preferred(head_dim=64, page=16, tq=1, group=3)
+    assert not preferred(head_dim=256, page=16, tq=1, group=4)
     assert not preferred(head_dim=128, page=8, tq=4, group=8)            # unsupported: Triton
     monkeypatch.setenv(dispatch.KERNEL_ENV, "triton")
     assert not preferred(head_dim=128, page=16, tq=4, group=8)
@@ -402,10 +447,45 @@ def test_merge_with_edge_matches_float64(splits, edge_splits, rows, r_pad):
     assert (np.asarray(out[0, 0, 0]) == 0).all() and np.isneginf(np.asarray(lse[0, 0, 0]))
 
 
+@pytest.mark.parametrize("splits,rows,r_pad", [(1, 3, 8), (3, 4, 8), (2, 16, 32)])
+def test_merge_with_edge_token_pairs_matches_float64(splits, rows, r_pad):
+    """`_merge_with_edge` with ``pairs``: the kernel's rows ``2 r`` and ``2 r + 1`` are query row ``r``'s two halves
+    (even / odd tokens); each contributes the 64 columns of its token's V (columns 0-63 of row ``2 r``, 64-127 of row
+    ``2 r + 1``), merged as two more splits with the edge kernel's head_dim-64 partials (float64 reference)."""
+    rng = np.random.default_rng(splits + rows)
+    b, h, d = 2, 2, 64
+    o = rng.normal(size=(splits, b, h, r_pad, 2, 64)).astype(np.float32)
+    m2 = rng.uniform(-30, 30, size=(splits, b, h, r_pad)).astype(np.float32)
+    l = rng.uniform(0.5, 40, size=(splits, b, h, r_pad)).astype(np.float32)
+    oe = rng.normal(size=(2, b, h, r_pad, d)).astype(np.float32)
+    me = rng.uniform(-20, 20, size=(2, b, h, r_pad)).astype(np.float32)
+    le = rng.uniform(0.5, 40, size=(2, b, h, r_pad)).astype(np.float32)
+    m2[:, 1, 0], l[:, 1, 0], o[:, 1, 0] = -1e30, 0, 0    # (b 1, h 0): the edge kernel's keys only
+    o[:, :, :, 2 * rows:] = np.nan                       # padding rows are never read
+    m2[..., 2 * rows:] = l[..., 2 * rows:] = np.nan
+    vmul = np.float32(0.37 * 2 ** -7)
+    out, lse = mosaic._merge_with_edge(*(jnp.asarray(x) for x in (o, m2, l, oe, me, le)), rows=rows, vmul=vmul,
+                                       pairs=True)
+    nat = np.zeros((splits, b, h, 2 * rows, 128))
+    nat[..., 2 * mosaic.WIDE_COLUMNS] = o[:, :, :, :2 * rows, 0].astype(np.float64)
+    nat[..., 2 * mosaic.WIDE_COLUMNS + 1] = o[:, :, :, :2 * rows, 1].astype(np.float64)
+    halves = np.concatenate([nat[..., 0::2, :64], nat[..., 1::2, 64:]], 0)        # [2 S, B, H, rows, 64]
+    mk = m2[..., :2 * rows] / np.log2(np.e)
+    all_o = np.concatenate([halves * np.float64(vmul), oe[..., :rows, :]], 0)
+    all_m = np.concatenate([mk[..., 0::2], mk[..., 1::2], me[..., :rows]], 0).astype(np.float64)
+    all_l = np.concatenate([l[..., 0:2 * rows:2], l[..., 1:2 * rows:2], le[..., :rows]], 0).astype(np.float64)
+    m_g = all_m.max(0)
+    w = np.exp(all_m - m_g)
+    l_g = (w * all_l).sum(0)
+    ref = (w[..., None] * all_o).sum(0) / l_g[..., None]
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-5, atol=1e-6)
+    _lse_close(lse, m_g + np.log(l_g), atol=1e-5)
+
+
 def test_refuses_unsupported_configuration():
-    st = make_state(lens=(3, 9), d=64, heads=1)
+    st = make_state(lens=(3, 9), d=32, heads=1)
     q = queries(st, 1, 2)
-    with pytest.raises(ValueError, match="D=64"):
+    with pytest.raises(ValueError, match="D=32"):
         _run(st, q, 0)
     st = make_state(lens=(3, 9), d=128, heads=1)
     with pytest.raises(ValueError, match="min_km_rows=12 must be 8 or 16"):
@@ -431,6 +511,23 @@ def test_cross_lowers_for_cuda(page, tq, hq, twin):
                                            geom=TwinGeometry(page, 5, 7, 1, 3), num_splits=2)
     text = cross_lower_cuda(fn, q, pt, lens, ht, low, high)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("page,tq,hq,km", [(16, 1, 6, None), (16, 4, 8, None), (32, 1, 8, True), (128, 2, 16, None)])
+def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
+    """head_dim 64 as token pairs lowers for CUDA: 8-token TMA boxes with 64-byte scale rows at pages of 16; keys on
+    M (N = 8 / 16 / 32 pair rows) and queries on M (64)."""
+    L, P, kv, H, D, B = 2, 16, 2, 2, 64, 2
+    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
+           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
+    high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
+    q = jnp.zeros((B, tq, hq, D), jnp.bfloat16)
+    pt, lens, ht = jnp.zeros((B, 12), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
+
+    def fn(q, pt, lens, ht, low, high):
+        return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht, geom=TwinGeometry(page, 5, 7, 1, 3),
+                                           num_splits=2, keys_on_m=km)
+    assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, ht, low, high)
 
 
 def test_cross_lowers_for_cuda_under_shard_map():
@@ -587,6 +684,33 @@ def test_gpu_pages_32_to_128(page):
             out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
             assert rel_l2(out, ref_o) < 1e-4, (dtype, tq, splits)
             _lse_close(lse, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 32, 128])
+def test_gpu_head_dim_64(page):
+    """head_dim 64 (token pairs) on the GPU. Pages of 16: bf16 twin at Tq 1 x GQA 3 (SmolLM2) and 4, Tq 2 x GQA 7,
+    Tq 4 x GQA 8 (queries on M), plain NVFP4 at Tq 1 x GQA 1; other pages: Tq 1 x GQA 3 twin, Tq 2 x GQA 4 plain;
+    lengths 1, page-1, page, page+1 .. 4097; default and 8 splits; float32 output against the float32 reference, and
+    through `decode_attention`'s default dispatch."""
+    assert on_gpu(), "gpu tests need a GPU"
+    cases = ((("mixed_nvfp4_bf16", 1, 24), ("mixed_nvfp4_bf16", 2, 56), ("mixed_nvfp4_bf16", 4, 64), ("nvfp4", 1, 8),
+              ("mixed_nvfp4_bf16", 1, 32)) if page == 16 else (("mixed_nvfp4_bf16", 1, 24), ("nvfp4", 2, 32)))
+    for dtype, tq, hq in cases:
+        mixed = dtype.startswith("mixed")
+        st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=page,
+                        lens=(1, page - 1, page, page + 1, 201, 1000, 3001, 4097), heads=8, d=64, layers=2,
+                        max_draft_len=3, gs=0.01)
+        q = queries(st, tq, hq)
+        seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+        ref_o, ref_lse = reference(st, 1, q, seq)
+        for splits in (None, 8):
+            out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
+            assert rel_l2(out, ref_o) < 1e-4, (dtype, tq, hq, splits)
+            _lse_close(lse, ref_lse)
+        out, lse = decode_attention(st, 1, q, seq, backend="pallas")
+        assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
+        _lse_close(lse, ref_lse, atol=1e-3)
 
 
 @pytest.mark.gpu

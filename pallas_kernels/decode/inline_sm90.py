@@ -42,9 +42,9 @@ prmt.b32 $1, a, 0, 0x3232;
 
 
 def dequant_inline(b_ref, s_ref, halves=("lo", "hi")):
-    """Compiled path: packed bytes ``u8[nb, box, 64]`` + scales ``e4m3[nb, box / 16, 128]`` (the block's 64 tokens as
-    ``nb`` TMA boxes of ``box`` tokens; token ``t`` of a box has its 8 scales at flat ``t * 8``) in shared memory ->
-    ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout, columns in
+    """Compiled path: packed bytes ``u8[nb, box, 64]`` + scales ``e4m3[nb, box / 16, 128]`` (``[nb, 1, 64]`` at
+    8-token boxes; the block's 64 tokens as ``nb`` TMA boxes of ``box`` tokens; token ``t`` of a box has its 8 scales
+    at flat ``t * 8``) in shared memory -> ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout, columns in
     `WIDE_COLUMNS` order, low domain ``e2m1 * s * 2^-7`` (exact). Per thread and row: one 16-byte load of packed
     bytes, one 2-byte load of scales, then `E2M1_F16_PTX` per 4 bytes (~2 instructions per element). ``halves``:
     the ones to return (``("lo",)``: the even columns only, half the conversions, but every load: a caller taking
@@ -82,6 +82,7 @@ def dequant_inline(b_ref, s_ref, halves=("lo", "hi")):
         struct2 = ir.Type.parse("!llvm.struct<(i32, i32)>")
         regs = {}                                                             # (row offset, j) -> {half: f16x2}
         box = ir.MemRefType(b.type).shape[1]
+        s_row = ir.MemRefType(s.type).shape[-1]       # bytes per row of scales: 128, 64 under 8-token boxes
         for r_off in (0, 8):
             row = arith.addi(row0, ci(r_off))
             bx, r_in = arith.divui(row, ci(box)), arith.remui(row, ci(box))     # the row's TMA box, its row there
@@ -89,8 +90,8 @@ def dequant_inline(b_ref, s_ref, halves=("lo", "hi")):
             bv = vector.load(b_vec, b, [to_idx(bx), to_idx(r_in), to_idx(arith.muli(quad, ci(16)))], alignment=16)
             words = vector.bitcast(words_t, mgu.bitcast(bv, ir.VectorType.get((16,), i8)))
             sflat = arith.addi(arith.muli(r_in, ci(8)), arith.muli(quad, ci(2)))
-            sv = vector.load(s_vec, s, [to_idx(bx), to_idx(arith.divui(sflat, ci(128))),
-                                        to_idx(arith.remui(sflat, ci(128)))], alignment=2)
+            sv = vector.load(s_vec, s, [to_idx(bx), to_idx(arith.divui(sflat, ci(s_row))),
+                                        to_idx(arith.remui(sflat, ci(s_row)))], alignment=2)
             sv = arith.extui(i32, mgu.bitcast(mgu.bitcast(sv, ir.VectorType.get((2,), i8)), i16))
             sc = llvm.inline_asm(struct2, [sv], SCALE_PAIR_PTX, "=r,=r,r", has_side_effects=False)
             sc = [llvm.extractvalue(i32, sc, [k]) for k in (0, 1)]

@@ -3,7 +3,8 @@
 Scope (`supported` says when it applies; everything else runs the Pallas Triton kernel `pallas_kernels.decode.triton`
 behind the same entry point, `pallas_kernels.decode.paged_decode_attention`): head_dim 128, NVFP4 low pages (``data
 u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of 16, 32, 64 or 128 tokens, optional bf16 /
-f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap. The entry
+f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap; head_dim 64
+as head_dim 128 over token pairs (`as_token_pairs`: ``2 Tq G <= 64``). The entry
 point picks it on Hopper wherever `supported` (`pallas_kernels.decode.choose_backend`): it measured faster than the
 Triton kernel on every shape class with >= 128k tokens. Every figure behind the choices below is in bench/RESULTS.md;
 the tuning (`MosaicConfig`) and its defaults are in `pallas_kernels.decode.config`.
@@ -89,7 +90,10 @@ from pallas_kernels.nvfp4_ops import e2m1_f16_halves
 __all__ = ["paged_decode_attention", "kernel_partials", "supported", "available", "BLOCK_K", "HEAD_DIM",
            "SUPPORTED_PAGES", "WIDE_COLUMNS", "to_wide", "from_wide", "tma_box"]
 
-CHUNK = 16               # tokens under one row of scale bytes in a TMA box (16 x 8 scales), the smallest page
+CHUNK = 16               # tokens under one row of scale bytes in a TMA box (16 x 8 scales)
+#: head_dim the kernel reads as `HEAD_DIM` over pairs of tokens (`as_token_pairs`)
+PAIR_HEAD_DIM = HEAD_DIM // 2
+HEAD_DIMS = (PAIR_HEAD_DIM, HEAD_DIM)
 SUPPORTED_PAGES = (16, 32, 64, 128)   # run on the H200
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: the keys-on-M form's row multiplier (``sm_scale log2(e) gs_k 2^-7 2^-shift``, one number per CTA: its query rows
@@ -105,16 +109,44 @@ def tma_box(page: int) -> int:
     return min(page, BLOCK_K)
 
 
+def scale_box(box: int) -> tuple:
+    """``(rows, bytes)`` of a TMA box's scales (8 per token): rows of `CHUNK` tokens, one shorter row under a box of
+    8 tokens (pages of 16 tokens at head_dim 64, `as_token_pairs`)."""
+    return max(1, box // CHUNK), min(box, CHUNK) * 8
+
+
+def as_token_pairs(q, data, scales):
+    """head_dim 64 as the kernel's head_dim 128: token pairs ``(2 i, 2 i + 1)`` as one row.
+
+    A page's rows are contiguous (``data u8[..., page, 32]``, ``scales [..., page, 4]``), so the pools view as
+    ``[..., page / 2, 64]`` and ``[..., page / 2, 8]`` without a copy; a row's block scales stay over its own 16
+    elements. Each query row becomes two, ``[q, 0]`` and ``[0, q]``: over a pair row the first scores the even token,
+    the second the odd one, so each sees half the keys with its own softmax, and its output is the half of the 128
+    columns that its token's V fills (`_merge_with_edge` takes those and merges the two as splits). Costs twice the
+    query rows in the products (the kernel is bound by its loads and dequantization, not the tensor cores).
+    ``q [B, Tq, Hq, 64]`` -> ``[B, Tq, 2 Hq, 128]`` (head ``2 j + a`` is head ``j``'s half ``a``: the same KV head)."""
+    b, tq, hq, d = q.shape
+    z = jnp.zeros_like(q)
+    q2 = jnp.stack([jnp.concatenate([q, z], -1), jnp.concatenate([z, q], -1)], axis=3).reshape(b, tq, 2 * hq, 2 * d)
+    pairs = lambda x: x.reshape(x.shape[:-2] + (x.shape[-2] // 2, 2 * x.shape[-1]))  # noqa: E731
+    return q2, pairs(data), pairs(scales)
+
+
 def available() -> bool:
     """True when ``jax.experimental.pallas.mosaic_gpu`` imports (it may still fail to compile off Hopper)."""
     return HAVE_MGPU
+
+
+def kernel_rows(head_dim: int, tq: int, group: int) -> int:
+    """Query rows per KV head the kernel sees: ``Tq * G``, twice that at head_dim 64 (`as_token_pairs`)."""
+    return tq * group * (2 if head_dim == PAIR_HEAD_DIM else 1)
 
 
 def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None) -> bool:
     """Whether the Mosaic GPU kernel covers this configuration (static facts only; NVFP4 low pages)."""
     if not HAVE_MGPU:
         return False
-    if head_dim != HEAD_DIM or page not in SUPPORTED_PAGES or tq * group > M_ROWS:
+    if head_dim not in HEAD_DIMS or page not in SUPPORTED_PAGES or kernel_rows(head_dim, tq, group) > M_ROWS:
         return False
     if sliding_window is not None or soft_cap is not None:
         return False
@@ -480,14 +512,20 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
 
     # ---- kernel operands: the interior blocks [a, c) of each sequence (the Triton kernel's clean blocks; the
     # kernel masks nothing, every key there is a low row visible to every query)
-    # both kernels count the interior in blocks of `interior_tokens`: a multiple of this kernel's 64-token block and
-    # of the edge kernel's (whole pages: 128 tokens at pages of 128)
-    interior_tokens = math.lcm(BLOCK_K, pages_per_block(config.edge.block_k, page) * page)
-    per_it = interior_tokens // BLOCK_K
+    # both kernels count the interior in blocks of `interior_tokens`: a multiple of this kernel's block (64 rows:
+    # 128 tokens at head_dim 64) and of the edge kernel's (whole pages: 128 tokens at pages of 128)
+    pairs = d == PAIR_HEAD_DIM
+    block_tokens = BLOCK_K * (2 if pairs else 1)
+    interior_tokens = math.lcm(block_tokens, pages_per_block(config.edge.block_k, page) * page)
+    per_it = interior_tokens // block_tokens
     i0, i1 = (x * per_it for x in interior_blocks(lens, interior_tokens, tq, geom if use_high else None))
-    n_blocks = -(-lens // BLOCK_K)
+    n_blocks = -(-lens // block_tokens)
     a = jnp.clip(i0, 0, n_blocks)
     c = jnp.clip(i1, a, n_blocks)
+    if pairs:               # from here on the kernel's view: rows of token pairs, twice the query rows
+        q, data, scales = as_token_pairs(q, data, scales)
+        b, tq, hq, d = q.shape
+        page, dh, group = page // 2, 2 * dh, hq // h
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if config.keys_on_m is None else config.keys_on_m
     n_rows = max(config.min_km_rows, next_pow2(tq * group)) if km else M_ROWS  # wgmma N (keys on M) or M
@@ -514,7 +552,7 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
     box = tma_box(page)
     # [(layer, page), K/V, (head, box), box tokens, 64 bytes] and [(layer, page), K/V, (head, box), box / 16, 16 x 8]
     data3 = data.reshape(-1, 2, h * (page // box), box, dh)
-    scales4 = scales.reshape(-1, 2, h * (page // box), box // CHUNK, 128)
+    scales4 = scales.reshape((-1, 2, h * (page // box)) + scale_box(box))
     if not interpret:
         scales4 = lax.bitcast_convert_type(scales4, jnp.uint8)
 
@@ -533,7 +571,7 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
         rm_smem=plgpu.SMEM((M_ROWS,), jnp.float32),
         pt_smem=plgpu.SMEM((pt_len,), jnp.int32),
         kvb=plgpu.SMEM((st, BLOCK_K // box, 2, box, half), u8),
-        kvs=plgpu.SMEM((st, BLOCK_K // box, 2, box // CHUNK, 128), sdt),
+        kvs=plgpu.SMEM((st, BLOCK_K // box, 2) + scale_box(box), sdt),
         k16=k16_spec if interpret else plgpu.RefUnion(k16_spec, o_spec),    # (| o_smem)
         v16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr),
         p_smem=plgpu.SMEM((M_ROWS, BLOCK_K), jnp.float16, transforms=tr) if interpret else None,
@@ -596,7 +634,7 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
     o, m2, l = plgpu.kernel(kernel, **kw)(meta, qlow.reshape((b * h,) + qlow.shape[2:]), rm, pt_padded, data3,
                                           scales4)
     return (o, m2, l), dict(use_high=use_high, interior_tokens=interior_tokens, splits=splits, n_rows=n_rows,
-                            o_rows=o_rows, gs_l=gs_l, sm_scale=sm_scale, out_dtype=out_dtype)
+                            o_rows=o_rows, gs_l=gs_l, sm_scale=sm_scale, out_dtype=out_dtype, pairs=pairs)
 
 _STATIC = ("geom", "sm_scale", "interpret", "out_dtype", "config")
 
@@ -608,10 +646,10 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
     """Paged decode / verify attention (one layer) over NVFP4 pages (+ optional twin), Mosaic GPU kernel.
 
     Same arguments and result as `pallas_kernels.decode.triton.paged_decode_attention` for the configurations
-    `supported` accepts: ``q [B, Tq, Hq, 128]`` (bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
+    `supported` accepts: ``q [B, Tq, Hq, D]`` (D 64 or 128, bf16 / fp16), ``page_table i32[B, max_pages]``, ``kv_lens
     i32[B]``, ``low = (data, scales, gs)``, ``high = (rows, scale)`` bf16 / fp16 twin with ``high_table i32[B, F +
     R]`` and its static ``geom`` (`jmixedkv.layout.TwinGeometry`); ``config`` the `MosaicConfig` (None: every
-    default). Returns ``(out [B, Tq, Hq, 128] out_dtype, lse f32[B, Tq, Hq])``.
+    default). Returns ``(out [B, Tq, Hq, D] out_dtype, lse f32[B, Tq, Hq])``.
     """
     config = MosaicConfig() if config is None else config
     (o, m2, l), f = _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, geom=geom, sm_scale=sm_scale,
@@ -632,7 +670,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         config=edge, skip_interior=True, interior_tokens=f["interior_tokens"])
     o = o.reshape(splits, b, h, f["o_rows"], 2, HEAD_DIM // 2)
     out, lse = _merge_with_edge(o, m2.reshape(splits, b, h, n_rows), l.reshape(splits, b, h, n_rows), oe, me, le,
-                                rows=tq * group, vmul=f["gs_l"][1] * LOW_DOMAIN)
+                                rows=tq * group, vmul=f["gs_l"][1] * LOW_DOMAIN, pairs=f["pairs"])
     out, lse = ungroup_rows(out, lse, tq, group)
     return out.astype(f["out_dtype"]), lse
 
@@ -650,25 +688,34 @@ def kernel_partials(q, page_table, kv_lens, layer=0, low=None, high=None, high_t
                         interpret=interpret, out_dtype=out_dtype, config=config)[0]
 
 
-def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul):
+def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul, pairs: bool = False):
     """LSE merge of the kernel's split partials with the edge kernel's, each summed over its own splits first.
 
     ``o`` f32 ``[S, B, H, R, 2, 64]`` (per query row the even / odd half, each in `WIDE_COLUMNS` order, low domain),
     ``m2`` (base 2), ``l`` f32 ``[S, B, H, R]``; ``oe`` f32 ``[Se, B, H, R', D]`` (true scale, natural columns), ``me``,
     ``le`` f32 ``[Se, B, H, R']``; the first ``rows`` query rows are real, the rest never read. ``vmul``: the kernel's
-    output scale (``gs_v * 2^-7``). -> ``(out f32[B, H, rows, D], lse f32[B, H, rows])``; a row that saw no key gives
-    0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials are weighted and summed over its
-    splits in the layout it wrote them, in a fixed order (`sum_splits`: a shard's merge is one device's); the
-    column permutation and the half interleave then act within each row of the ``[B, H, rows, 2, 64]`` sum.
-    (Concatenating both kernels' partials in natural column order and merging them with `merge_partials` cost a
+    output scale (``gs_v * 2^-7``); ``pairs``: the kernel ran head_dim 64 as token pairs (`as_token_pairs`: its rows
+    ``2 r``, ``2 r + 1`` are row ``r``'s halves). -> ``(out f32[B, H, rows, D], lse f32[B, H, rows])``; a row that
+    saw no key gives 0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials are weighted and
+    summed over its splits in the layout it wrote them, in a fixed order (`sum_splits`: a shard's merge is one
+    device's); the column permutation and the half interleave then act within each row of the ``[B, H, rows, 2,
+    64]`` sum. (Concatenating both kernels' partials in natural column order and merging them with `merge_partials` cost a
     transpose of every split's tile; this form measured less GPU time per call at Tq 4 on the H200 and level at Tq
     1, bench/RESULTS.md.)"""
     b, h = o.shape[1:3]
-    m = m2[..., :rows] * (1.0 / _LOG2E)
-    l, me, le = l[..., :rows], me[..., :rows], le[..., :rows]
-    m_g = jnp.maximum(m.max(axis=0), me.max(axis=0))                          # [B, H, rows]
-    w, we = jnp.exp(m - m_g[None]), jnp.exp(me - m_g[None])
-    l_g = sum_splits(w * l) + sum_splits(we * le)                            # fixed order (`sum_splits`)
-    o_k = sum_splits(w[..., None, None] * o[:, :, :, :rows])                   # [B, H, rows, 2, 64]
-    o_k = jnp.take(o_k.reshape(b, h, rows, HEAD_DIM), _KERNEL_COLUMNS, axis=-1)     # natural column order
+    k_rows = 2 * rows if pairs else rows                                     # the kernel's rows (`as_token_pairs`)
+    m = m2[..., :k_rows] * (1.0 / _LOG2E)
+    l, me, le = l[..., :k_rows], me[..., :rows], le[..., :rows]
+    m_k = m.max(axis=0)
+    if pairs:                                                                 # row r's halves: rows 2 r, 2 r + 1
+        m_k = m_k.reshape(b, h, rows, 2).max(axis=-1)
+    m_g = jnp.maximum(m_k, me.max(axis=0))                                    # [B, H, rows]
+    w, we = jnp.exp(m - (jnp.repeat(m_g, 2, axis=-1) if pairs else m_g)[None]), jnp.exp(me - m_g[None])
+    l_k = sum_splits(w * l)                                                  # fixed order (`sum_splits`)
+    l_g = (l_k.reshape(b, h, rows, 2).sum(axis=-1) if pairs else l_k) + sum_splits(we * le)
+    o_k = sum_splits(w[..., None, None] * o[:, :, :, :k_rows])                 # [B, H, k_rows, 2, 64]
+    o_k = jnp.take(o_k.reshape(b, h, k_rows, HEAD_DIM), _KERNEL_COLUMNS, axis=-1)   # natural column order
+    if pairs:             # the even token's V fills the first 64 columns of its row's half 0, the odd's the last
+        o_k = o_k.reshape(b, h, rows, 2, HEAD_DIM)
+        o_k = o_k[..., 0, :PAIR_HEAD_DIM] + o_k[..., 1, PAIR_HEAD_DIM:]
     return normalize_merged(o_k * vmul + sum_splits(we[..., None] * oe[:, :, :, :rows]), m_g, l_g)
