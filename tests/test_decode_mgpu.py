@@ -530,16 +530,17 @@ def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
     assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, ht, low, high)
 
 
-def test_cross_lowers_for_cuda_under_shard_map():
+@pytest.mark.parametrize("D", [128, 64])
+def test_cross_lowers_for_cuda_under_shard_map(D):
     """The compiled kernel inside `jax.shard_map` over 4 devices, `jmixedkv.sharding`'s layout (pools and query
     heads sharded over KV heads: one KV head and its 4 query heads per shard), page 32, bf16 twin, lowers for CUDA
-    with per-shard operands. What this cannot check: a run on several GPUs (none lent) — and the interpreter cannot
+    with per-shard operands, at head_dim 128 and 64 (token pairs). What this cannot check: a run on several GPUs (none lent) — and the interpreter cannot
     run it on several CPU devices (its barrier check is global across devices; README, Multi-GPU)."""
     from jax.sharding import PartitionSpec as P
     from jmixedkv import sharding
     assert len(jax.devices()) >= 4, "conftest forces 4 CPU devices"
     mesh = sharding.make_mesh(4)
-    page, L, Pg, kv, H, D, B = 32, 2, 16, 2, 4, 128, 2
+    page, L, Pg, kv, H, B = 32, 2, 16, 2, 4, 2
     low = (jnp.zeros((L, Pg, kv, H, page, D // 2), jnp.uint8),
            jnp.zeros((L, Pg, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
     high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
@@ -555,7 +556,7 @@ def test_cross_lowers_for_cuda_under_shard_map():
                        out_specs=(qspec, qspec), check_vma=False)
     text = cross_lower_cuda(fn, q, pt, lens, ht, *low, *high)
     assert "mosaic_gpu" in text and "sdy.manual_computation" in text
-    assert "tensor<2x1x4x128xbf16>" in text            # one shard's query heads (4 of 16)
+    assert f"tensor<2x1x4x{D}xbf16>" in text            # one shard's query heads (4 of 16)
 
 
 @pytest.mark.parametrize("width", [13, 14, 15])

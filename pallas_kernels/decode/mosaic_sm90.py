@@ -699,9 +699,9 @@ def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul, pairs: bool = Fal
     saw no key gives 0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials are weighted and
     summed over its splits in the layout it wrote them, in a fixed order (`sum_splits`: a shard's merge is one
     device's); the column permutation and the half interleave then act within each row of the ``[B, H, rows, 2,
-    64]`` sum. (Concatenating both kernels' partials in natural column order and merging them with `merge_partials` cost a
-    transpose of every split's tile; this form measured less GPU time per call at Tq 4 on the H200 and level at Tq
-    1, bench/RESULTS.md.)"""
+    64]`` sum. (Concatenating both kernels' partials in natural column order and merging them with
+    `merge_partials` cost a transpose of every split's tile; this form measured less GPU time per call at Tq 4 on the
+    H200 and level at Tq 1, bench/RESULTS.md.)"""
     b, h = o.shape[1:3]
     k_rows = 2 * rows if pairs else rows                                     # the kernel's rows (`as_token_pairs`)
     m = m2[..., :k_rows] * (1.0 / _LOG2E)
