@@ -230,11 +230,10 @@ def test_interpret_pages_32_to_128(page, edge_block_k, km):
 
 
 @pytest.mark.parametrize("page,tq,hq,km,twin", [(16, 1, 3, True, True), (16, 2, 8, None, True),
-                                                (32, 1, 4, True, True), (64, 2, 4, False, False),
-                                                (128, 1, 7, None, True)])
+                                                (64, 2, 4, False, False), (128, 1, 7, None, True)])
 def test_interpret_head_dim_64_as_token_pairs(page, tq, hq, km, twin):
     """head_dim 64 read as head_dim 128 over token pairs (`as_token_pairs`): pages of 16 (8-row TMA boxes with
-    64-byte scale rows), 32, 64 and 128 tokens; GQA 3 (SmolLM2), 4, 7 and 8; keys on M and queries on M; with and
+    64-byte scale rows), 64 and 128 tokens; GQA 3 (SmolLM2), 4, 7 and 8; keys on M and queries on M; with and
     without a twin; lengths 0, 1, page-1, page, page+1, odd and long ones (an interior that starts and ends on a
     pair); 3 splits; NaN-poisoned rows; float32 output against the float32 reference."""
     st = make_state("mixed_nvfp4_bf16" if twin else "nvfp4", lens=(0, 1, page - 1, page, page + 1, 701, 1200),
@@ -247,9 +246,9 @@ def test_interpret_head_dim_64_as_token_pairs(page, tq, hq, km, twin):
     assert np.isfinite(np.asarray(out)).all()
     assert rel_l2(out, ref_o) < 1e-4
     _lse_close(lse, ref_lse)
-    # the kernel attended keys itself: its partials hold mass for the long rows
-    _, _, l = _run(st, q, 1, num_splits=3, interpret=True, partials_only=True, **kw)
-    assert float(jnp.asarray(l).sum()) > 0
+    if page == 16 and tq == 1:       # the kernel attended keys itself: its partials hold mass for the long rows
+        _, _, l = _run(st, q, 1, num_splits=3, interpret=True, partials_only=True, **kw)
+        assert float(jnp.asarray(l).sum()) > 0
 
 
 def test_as_token_pairs_views_without_copy():
