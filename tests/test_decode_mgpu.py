@@ -512,11 +512,10 @@ def test_cross_lowers_for_cuda(page, tq, hq, twin):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("page,tq,hq,km", [(16, 1, 6, None), (16, 4, 8, None), (32, 1, 8, True), (128, 2, 16, None)])
-def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
-    """head_dim 64 as token pairs lowers for CUDA: 8-token TMA boxes with 64-byte scale rows at pages of 16; keys on
-    M (N = 8 / 16 / 32 pair rows) and queries on M (64)."""
-    L, P, kv, H, D, B = 2, 16, 2, 2, 64, 2
+def _lowered_with_twin(D, page, tq, hq, **config):
+    """The Mosaic GPU backend cross-lowered for CUDA (its text) over zero pools of head_dim ``D`` with a bf16 twin:
+    2 layers, 16 pages, 2 KV heads, batch 2, 2 splits, the `MosaicConfig` fields ``config``."""
+    L, P, kv, H, B = 2, 16, 2, 2, 2
     low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
            jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
     high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
@@ -525,16 +524,24 @@ def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
 
     def fn(q, pt, lens, ht, low, high):
         return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht, geom=TwinGeometry(page, 5, 7, 1, 3),
-                                           num_splits=2, keys_on_m=km)
-    assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+                                           num_splits=2, **config)
+    return cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+
+
+@pytest.mark.parametrize("page,tq,hq,km", [(16, 1, 6, None), (16, 4, 8, None), (32, 1, 8, True), (128, 2, 16, None)])
+def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
+    """head_dim 64 as token pairs lowers for CUDA: 8-token TMA boxes with 64-byte scale rows at pages of 16; keys on
+    M (N = 8 / 16 / 32 pair rows) and queries on M (64)."""
+    assert "mosaic_gpu" in _lowered_with_twin(64, page, tq, hq, keys_on_m=km)
 
 
 @pytest.mark.parametrize("D", [128, 64])
 def test_cross_lowers_for_cuda_under_shard_map(D):
     """The compiled kernel inside `jax.shard_map` over 4 devices, `jmixedkv.sharding`'s layout (pools and query
     heads sharded over KV heads: one KV head and its 4 query heads per shard), page 32, bf16 twin, lowers for CUDA
-    with per-shard operands, at head_dim 128 and 64 (token pairs). What this cannot check: a run on several GPUs (none lent) — and the interpreter cannot
-    run it on several CPU devices (its barrier check is global across devices; README, Multi-GPU)."""
+    with per-shard operands, at head_dim 128 and 64 (token pairs). What this cannot check: a run on several GPUs
+    (none lent) — and the interpreter cannot run it on several CPU devices (its barrier check is global across
+    devices; README, Multi-GPU)."""
     from jax.sharding import PartitionSpec as P
     from jmixedkv import sharding
     assert len(jax.devices()) >= 4, "conftest forces 4 CPU devices"
@@ -582,17 +589,8 @@ def test_keys_on_m_cross_lowers_for_cuda(tq, hq, min_rows, in_turn, page):
     query rows; with ``min_km_rows`` = 8 at N = 8 (``Q^T`` and ``P^T`` through transposed views at the 128-byte
     swizzle, V's tile with it, P stored transposed by `_store_keys_minor`); K's halves dequantized in turn (the
     default at N = 32 and page 16, `default_qk_in_turn`; forced at N = 8) and not (forced at N = 32; page 64)."""
-    L, P, kv, H, D, B = 2, 16, 2, 2, 128, 2
-    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
-           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
-    high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
-    q = jnp.zeros((B, tq, hq, D), jnp.bfloat16)
-    pt, lens, ht = jnp.zeros((B, 12), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
-
-    def fn(q, pt, lens, ht, low, high):
-        return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht, geom=TwinGeometry(page, 5, 7, 1, 3),
-                                           num_splits=2, keys_on_m=True, min_km_rows=min_rows, qk_in_turn=in_turn)
-    assert "mosaic_gpu" in cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+    assert "mosaic_gpu" in _lowered_with_twin(128, page, tq, hq, keys_on_m=True, min_km_rows=min_rows,
+                                              qk_in_turn=in_turn)
 
 
 @pytest.mark.parametrize("n_rows,page,want", [(32, 16, True), (32, 32, True), (32, 64, False), (32, 128, False),
@@ -673,17 +671,24 @@ def test_gpu_pages_32_to_128(page):
     assert on_gpu(), "gpu tests need a GPU"
     for dtype, tq, hq in (("mixed_nvfp4_bf16", 1, 32), ("mixed_nvfp4_bf16", 3, 64), ("mixed_nvfp4_bf16", 4, 128),
                           ("nvfp4", 2, 16)):
-        mixed = dtype.startswith("mixed")
-        st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=page,
-                        lens=(1, page - 1, page, page + 1, 200, 1000, 3000, 4096), heads=8, d=128, layers=2,
-                        max_draft_len=3, gs=0.01)
-        q = queries(st, tq, hq)
-        seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
-        ref_o, ref_lse = reference(st, 1, q, seq)
-        for splits in (None, 8):
-            out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
-            assert rel_l2(out, ref_o) < 1e-4, (dtype, tq, splits)
-            _lse_close(lse, ref_lse)
+        _gpu_splits_match_reference(dtype, page, 128, tq, hq, lens=(1, page - 1, page, page + 1, 200, 1000, 3000, 4096))
+
+
+def _gpu_splits_match_reference(dtype, page, d, tq, hq, lens):
+    """A model-shaped cache (8 KV heads, 2 layers, twin (64, 64) when ``dtype`` is mixed) and queries: this backend's
+    float32 output at the default splits and at 8 against the float32 reference. -> ``(st, q, seq, ref_o,
+    ref_lse)``."""
+    mixed = dtype.startswith("mixed")
+    st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=page, lens=lens, heads=8,
+                    d=d, layers=2, max_draft_len=3, gs=0.01)
+    q = queries(st, tq, hq)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    for splits in (None, 8):
+        out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
+        assert rel_l2(out, ref_o) < 1e-4, (dtype, page, d, tq, hq, splits)
+        _lse_close(lse, ref_lse)
+    return st, q, seq, ref_o, ref_lse
 
 
 @pytest.mark.gpu
@@ -697,17 +702,8 @@ def test_gpu_head_dim_64(page):
     cases = ((("mixed_nvfp4_bf16", 1, 24), ("mixed_nvfp4_bf16", 2, 56), ("mixed_nvfp4_bf16", 4, 64), ("nvfp4", 1, 8),
               ("mixed_nvfp4_bf16", 1, 32)) if page == 16 else (("mixed_nvfp4_bf16", 1, 24), ("nvfp4", 2, 32)))
     for dtype, tq, hq in cases:
-        mixed = dtype.startswith("mixed")
-        st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=page,
-                        lens=(1, page - 1, page, page + 1, 201, 1000, 3001, 4097), heads=8, d=64, layers=2,
-                        max_draft_len=3, gs=0.01)
-        q = queries(st, tq, hq)
-        seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
-        ref_o, ref_lse = reference(st, 1, q, seq)
-        for splits in (None, 8):
-            out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
-            assert rel_l2(out, ref_o) < 1e-4, (dtype, tq, hq, splits)
-            _lse_close(lse, ref_lse)
+        st, q, seq, ref_o, ref_lse = _gpu_splits_match_reference(
+            dtype, page, 64, tq, hq, lens=(1, page - 1, page, page + 1, 201, 1000, 3001, 4097))
         out, lse = decode_attention(st, 1, q, seq, backend="pallas")
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
