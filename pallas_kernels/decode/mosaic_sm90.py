@@ -88,7 +88,8 @@ from pallas_kernels.decode.inline_sm90 import (BLOCK_K, HEAD_DIM, dequant_inline
 from pallas_kernels.nvfp4_ops import e2m1_f16_halves
 
 __all__ = ["paged_decode_attention", "kernel_partials", "supported", "available", "BLOCK_K", "HEAD_DIM",
-           "SUPPORTED_PAGES", "WIDE_COLUMNS", "to_wide", "from_wide", "tma_box"]
+           "HEAD_DIMS", "SUPPORTED_PAGES", "WIDE_COLUMNS", "to_wide", "from_wide", "tma_box", "scale_box",
+           "as_token_pairs", "kernel_rows"]
 
 CHUNK = 16               # tokens under one row of scale bytes in a TMA box (16 x 8 scales)
 #: head_dim the kernel reads as `HEAD_DIM` over pairs of tokens (`as_token_pairs`)
@@ -714,8 +715,10 @@ def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul, pairs: bool = Fal
     l_k = sum_splits(w * l)                                                  # fixed order (`sum_splits`)
     l_g = (l_k.reshape(b, h, rows, 2).sum(axis=-1) if pairs else l_k) + sum_splits(we * le)
     o_k = sum_splits(w[..., None, None] * o[:, :, :, :k_rows])                 # [B, H, k_rows, 2, 64]
-    o_k = jnp.take(o_k.reshape(b, h, k_rows, HEAD_DIM), _KERNEL_COLUMNS, axis=-1)   # natural column order
-    if pairs:             # the even token's V fills the first 64 columns of its row's half 0, the odd's the last
-        o_k = o_k.reshape(b, h, rows, 2, HEAD_DIM)
-        o_k = o_k[..., 0, :PAIR_HEAD_DIM] + o_k[..., 1, PAIR_HEAD_DIM:]
+    if pairs:             # the even token's V fills natural columns 0-63 of its row's half 0, the odd's 64-127 of half
+        o_k = o_k.reshape(b, h, rows, 2, HEAD_DIM)       # 1: only those columns are gathered
+        o_k = (jnp.take(o_k[..., 0, :], _KERNEL_COLUMNS[:PAIR_HEAD_DIM], axis=-1)
+               + jnp.take(o_k[..., 1, :], _KERNEL_COLUMNS[PAIR_HEAD_DIM:], axis=-1))
+    else:
+        o_k = jnp.take(o_k.reshape(b, h, rows, HEAD_DIM), _KERNEL_COLUMNS, axis=-1)     # natural column order
     return normalize_merged(o_k * vmul + sum_splits(we[..., None] * oe[:, :, :, :rows]), m_g, l_g)
