@@ -24,7 +24,8 @@ if cuda_plugin_installed():
 # inherit it): the suite compiles many programs more than once (fresh closures, a module's programs compiled again
 # after `_clear_jax_caches_per_module`, the demo model in several subprocesses), and XLA's key is the program
 # itself, so a repeat is read back instead of compiled. Made by the first process that loads this file (the xdist
-# controller) and removed by it at the end; a cache dir the caller set is used as is and kept.
+# controller; the workers inherit the variable) and removed by that process at the end; a cache dir the caller set is
+# used as is and kept.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jmixedkv-tests-xla-")
@@ -36,7 +37,7 @@ import pytest  # noqa: E402
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE and not hasattr(config, "workerinput"):            # the process that made the cache dir
+    if _OWN_CACHE:                                                   # only the process that made the cache dir
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
