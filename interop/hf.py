@@ -15,22 +15,34 @@ mask hides them). Right padding is refused (`ValueError`).
 
 Semantics, exactly:
 
-* Hot path: the first layer of a forward pass checks the step's positions and slots once (`_Step`,
-  `TorchKVCache.plan_step`); every layer then runs ONE jitted, donated program (`jmixedkv.step`), its K / V (and Q)
-  crossing DLPack as one packed buffer on torch's current stream (``sync="stream"`` by default).
+* Hot path: the first layer of a forward pass checks the step's positions and slots once (`_Step`); then either
+  every layer runs ONE jitted, donated program (`TorchKVCache.plan_step`, `jmixedkv.step`), its K / V (and Q)
+  crossing DLPack as one packed buffer on torch's current stream (``sync="stream"`` by default), or (a fused step,
+  below) no JAX program runs until the step ends.
 * ``decode="stage"`` (default): a first prefill (nothing stored yet) appends and returns the step's own K/V, as
   engines attend over a fresh chunk; later steps append and stage the layer (retained rows bit-exact from the twin,
   the rest dequantized NVFP4; ``width`` bucketed to the longest row, so the cost follows the tokens held) in one
   program, and the model's own attention (``sdpa`` / ``eager``) runs on it. With a plain ``"bf16"`` cache, or a
   mixed cache whose ``first_n + last_n`` covers every row, the returned K/V are the appended ones bit for bit, so
   ``generate`` gives the tokens of ``DynamicCache``.
-* ``decode="fused"``: prefill as above; on a decode / verify step (``1 <= T <= max_draft_len + 1`` new tokens)
-  `jmixedkv_attention` appends and runs the fused decode (the Mosaic GPU / Triton kernel on a GPU) on the cache in
-  one program, with the model's ``scaling``, ``sliding_window``, ``softcap`` and ``s_aux`` sinks. Needs the model's
-  attention to be ``"jmixedkv"`` (``from_pretrained(..., attn_implementation="jmixedkv")`` or
+* ``decode="fused"``: attention over the cache without staging, with the model's ``scaling``,
+  ``sliding_window``, ``softcap`` and ``s_aux`` sinks, in `jmixedkv_attention`. Needs the model's attention to be
+  ``"jmixedkv"`` (``from_pretrained(..., attn_implementation="jmixedkv")`` or
   ``model.set_attn_implementation("jmixedkv")``): checked by `for_model` / ``config=``, and a fused step whose
   attention did not run through it raises `RuntimeError` at the next ``update``. Its float32 attention is close
-  to, not bit-equal with, torch's.
+  to, not bit-equal with, torch's. Two ways, by format:
+
+  - Held aside (a 16-bit plain cache, or a mixed cache with a 16-bit twin, no K smoothing; steps of ``T <=
+    min(last_n, MAX_HELD_TOKENS)`` tokens per row, no padding inside the step; `tail_limit`): each layer's K / V
+    are kept as torch tensors and attention is a torch Triton kernel (`interop.paged_ops.step_attention`; torch
+    code on CPU) over zero-copy views of the pools as they were before the step plus the step's own rows read
+    dense -- the result of appending them first, since the twin holds them as given. The rotation lever is applied
+    to q / the new rows and undone on the output around it. When the next step begins (or `flush`, or any method
+    that reads or changes the cache: ``cache``, ``crop``, ``reorder_cache``, ``reset``), every layer's rows are
+    stored in ONE donated JAX program (`TorchKVCache.write_step`); the views are dropped first, so the pools are
+    updated in place. A first step of at most that many tokens attends over its own rows (the model's attention).
+  - Otherwise, a decode / verify step (``1 <= T <= max_draft_len + 1``) appends and runs the fused decode (the
+    Mosaic GPU / Triton kernel on a GPU) in one JAX program per layer; a longer step is staged as above.
 * Sliding layers (``layer_types`` / ``sliding_window`` in the config) are marked ``is_sliding``; they attend over
   their window but keep every page (one page table per sequence for all layers).
 * ``crop(-n)`` rewinds ``n`` tokens within the cache's rewind floor (`TorchKVCache.correct_kv_lens`: at most
@@ -67,10 +79,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from jmixedkv.config import KVCacheConfig
 
+from . import paged_ops
 from .torch_cache import CacheCapacityError, TorchKVCache
 
 __all__ = ["JMixedKVCache", "JMixedLayer", "jmixedkv_attention", "dense_attention", "text_config", "sliding_windows",
-           "check_model_fits", "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
+           "check_model_fits", "tail_limit", "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
 
 ATTN_IMPLEMENTATION = "jmixedkv"
 # The keyword a transformers model / ``generate`` takes the cache by: ``cache`` from transformers 5.2x on
@@ -78,6 +91,9 @@ ATTN_IMPLEMENTATION = "jmixedkv"
 CACHE_KWARG = ("cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
                else "past_key_values")
 DECODE_MODES = ("stage", "fused")
+#: most tokens per row a fused step holds aside (a decode / verify step, a short chunk); longer steps (a long prompt)
+#: store their rows layer by layer as they come
+MAX_HELD_TOKENS = 64
 
 
 class JMixedLayer(CacheLayerMixin):
@@ -129,14 +145,19 @@ class JMixedLayer(CacheLayerMixin):
 
 
 class _Step:
-    """The forward pass in flight: its tokens checked and accounted for once (`TorchKVCache.plan_step`), shared
-    by every layer. ``start``: the padded length before it; ``t``: its tokens per row; ``before`` / ``new``:
-    i64[B] stored rows before it and its real (non-padding) tokens per row."""
+    """The forward pass in flight: its tokens checked and accounted for once, shared by every layer. ``start``:
+    the padded length before it; ``t``: its tokens per row; ``before`` / ``new``: i64[B] stored rows before it and
+    its real (non-padding) tokens per row. ``plan``: its `TorchKVCache.plan_step` (per-layer JAX programs), or
+    None for a step written after its layers ran (``reserved``: its `TorchKVCache.reserve_step`; ``rows``: each
+    layer's ``(k, v)`` kept until then; ``views`` / ``attend``: the cache before the step as torch views and the
+    attention over them, `interop.paged_ops.step_attention`, made by the first layer that attends)."""
 
-    __slots__ = ("start", "t", "plan", "before", "new")
+    __slots__ = ("start", "t", "plan", "before", "new", "reserved", "rows", "views", "attend")
 
-    def __init__(self, start, t, plan, before, new):
+    def __init__(self, start, t, plan, before, new, reserved=None, num_layers=0):
         self.start, self.t, self.plan, self.before, self.new = start, t, plan, before, new
+        self.reserved, self.rows = reserved, [None] * num_layers
+        self.views = self.attend = None
 
 
 class JMixedKVCache(Cache):
@@ -165,12 +186,17 @@ class JMixedKVCache(Cache):
         if config is not None:
             _check_config(config, spec, decode, cache.config.k_smoothing)
             windows = sliding_windows(config, spec.num_layers)
-        self.cache, self.decode, self.spec = cache, decode, spec
+        self._tkv, self.decode, self.spec = cache, decode, spec
         self.slots: Optional[np.ndarray] = None            # i32[B] slot of each batch row
         self.lens: Optional[np.ndarray] = None             # i64[B] real (stored) rows per batch row
         self._step: Optional[_Step] = None
         self._pos_memo = (None, None)
         self._pending = None                               # layer of a fused step whose attention has not run
+        self._tail_limit = tail_limit(cache.config) if decode == "fused" else 0
+        self._hadamard = None
+        if cache.config.rotation == "hadamard":
+            from .torch_nvfp4 import hadamard
+            self._hadamard = hadamard(spec.head_dim, cache.device)
         super().__init__(layers=[JMixedLayer(self, i, windows[i]) for i in range(spec.num_layers)])
 
     @classmethod
@@ -189,6 +215,29 @@ class JMixedKVCache(Cache):
                            backend=backend, **kwargs)
         return cls(tkv, decode=decode, config=cfg)
 
+    @property
+    def cache(self) -> TorchKVCache:
+        """The `TorchKVCache` underneath, with every step stored (`flush`)."""
+        self.flush()
+        return self._tkv
+
+    def flush(self) -> None:
+        """Store the last step's rows if they are still held aside (a fused step stores every layer's rows in one
+        program when the next step begins, `TorchKVCache.write_step`). Every method that reads or changes the
+        cache outside a forward pass calls it; so does `cache`. A step some layer never reached raises
+        `RuntimeError` (its rows are dropped and the cache's host accounting re-read from the device state)."""
+        step = self._step
+        if step is None or step.reserved is None:
+            return
+        reserved, rows = step.reserved, step.rows
+        step.reserved, step.rows, step.views, step.attend = None, [], None, None    # drop the pools' views first
+        missing = [i for i, kv in enumerate(rows) if kv is None]
+        if missing:
+            self._tkv.manager.replace_state(self._tkv.state)
+            raise RuntimeError(f"JMixedKVCache: layers {missing} of the last forward pass were never updated; its "
+                               f"rows were dropped (the cache holds what it held before that pass)")
+        self._tkv.write_step(reserved, torch.stack([k for k, _ in rows] + [v for _, v in rows]))
+
     # ------------------------------------------------------------------ transformers Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
@@ -205,10 +254,11 @@ class JMixedKVCache(Cache):
 
     def reset(self) -> None:
         """Release every slot; the cache is empty and can take a new batch."""
+        self.flush()
         self._pending, self._step = None, None
         if self.slots is not None:
             for s in self.slots.tolist():
-                self.cache.release(s)
+                self._tkv.release(s)
         self.slots, self.lens = None, None
         for layer in self.layers:
             layer.reset()
@@ -223,11 +273,12 @@ class JMixedKVCache(Cache):
         if n == 0 or self.slots is None:
             return
         self._between_passes("crop")
+        self.flush()
         try:
-            self.cache.correct_kv_lens(np.full(self.slots.shape, -n, np.int32), self.slots)
+            self._tkv.correct_kv_lens(np.full(self.slots.shape, -n, np.int32), self.slots)
         except ValueError as e:
             raise ValueError(f"crop({tokens_to_remove}): the cache rewinds at most max_draft_len="
-                             f"{self.cache.config.max_draft_len} tokens behind the furthest written one (build the "
+                             f"{self._tkv.config.max_draft_len} tokens behind the furthest written one (build the "
                              f"KVCacheConfig with a larger max_draft_len); {e}") from None
         for layer in self.layers:
             layer.seen -= n
@@ -260,28 +311,29 @@ class JMixedKVCache(Cache):
         if src_rows.size and (src_rows.min() < 0 or src_rows.max() >= b):
             raise ValueError(f"reorder: row indices {src_rows.tolist()} out of range [0, {b})")
         self._between_passes("reorder")
+        self.flush()
         used = set(src_rows.tolist())
         for r in range(b):                                   # free rows no one continues first (slots, pages)
             if r not in used:
-                self.cache.release(int(self.slots[r]))
+                self._tkv.release(int(self.slots[r]))
         new_slots, taken = [], set()
         for r in src_rows.tolist():
             if r not in taken:
                 taken.add(r)
                 new_slots.append(int(self.slots[r]))
             else:
-                new_slots.append(self.cache.fork(int(self.slots[r])))
+                new_slots.append(self._tkv.fork(int(self.slots[r])))
         self.slots = np.asarray(new_slots, np.int32)
         if self.lens is not None:
             self.lens = self.lens[src_rows]
         self._step = None
 
     def _admit(self, batch: int) -> None:
-        free = self.cache.manager.free_slots()
+        free = self._tkv.manager.free_slots()
         if len(free) < batch:
             raise CacheCapacityError(f"JMixedKVCache: batch of {batch} rows but only {len(free)} free slots "
-                                     f"(TorchKVCache max_seqs={self.cache.max_seqs})")
-        self.slots = np.asarray([self.cache.admit() for _ in range(batch)], np.int32)
+                                     f"(TorchKVCache max_seqs={self._tkv.max_seqs})")
+        self.slots = np.asarray([self._tkv.admit() for _ in range(batch)], np.int32)
         self.lens = np.zeros(batch, np.int64)
 
     def _new_rows(self, batch: int, t: int, position_ids) -> np.ndarray:
@@ -312,7 +364,7 @@ class JMixedKVCache(Cache):
 
     def _step_for(self, layer: JMixedLayer, batch: int, t: int, position_ids) -> _Step:
         """The step ``layer`` takes part in: the open one, or (the first layer of a forward pass) a new one whose
-        tokens are checked and accounted for once."""
+        tokens are checked and accounted for once. A new pass first stores the last one's rows (`flush`)."""
         step = self._step
         if step is not None and layer.seen == step.start and t == step.t:
             return step
@@ -320,16 +372,27 @@ class JMixedKVCache(Cache):
             raise ValueError(f"JMixedKVCache: layer {layer.layer_idx} holds {layer.seen} tokens but the pass in "
                              f"flight started at {None if step is None else step.start} (layers must be updated "
                              f"once per forward pass, in any order)")
+        self.flush()
         new = self._new_rows(batch, t, position_ids)
         before = self.lens
         j = np.arange(t)[None, :]
         real = j >= t - new[:, None]
         seq = np.where(real, self.slots[:, None], -1).astype(np.int32).reshape(-1)     # token b * t + j
         pos = np.where(real, before[:, None] + j - (t - new[:, None]), 0).astype(np.int32).reshape(-1)
-        plan = self.cache.plan_step(seq, pos, self.slots)
+        if self._defers(t, new):
+            step = _Step(layer.seen, t, None, before, new, self._tkv.reserve_step(seq, pos), len(self.layers))
+        else:
+            step = _Step(layer.seen, t, self._tkv.plan_step(seq, pos, self.slots), before, new)
         self.lens = before + new
-        self._step = _Step(layer.seen, t, plan, before, new)
-        return self._step
+        self._step = step
+        return step
+
+    def _defers(self, t: int, new: np.ndarray) -> bool:
+        """Whether a step's rows are held aside and stored after its layers ran (one JAX program per step, the
+        attention a torch kernel over the cache plus the step's rows read dense): a fused cache whose format reads
+        them exactly so, ``t`` within that limit (`tail_limit`) and within `MAX_HELD_TOKENS` (the rows held cost
+        a bf16 copy of the step's K/V for every layer), every row taking all ``t`` tokens (no padding inside)."""
+        return t <= min(self._tail_limit, MAX_HELD_TOKENS) and bool((new == t).all())
 
     def _update(self, layer: JMixedLayer, k: torch.Tensor, v: torch.Tensor, position_ids):
         batch, heads, t, dim = k.shape
@@ -349,33 +412,79 @@ class JMixedKVCache(Cache):
             raise ValueError(f"JMixedKVCache: batch of {batch} rows, the cache holds {self.slots.shape[0]}")
         step = self._step_for(layer, batch, t, position_ids)
         k0, v0 = k, v
-        k, v = _attention_dtype(k, self.cache), _attention_dtype(v, self.cache)
+        k, v = _attention_dtype(k, self._tkv), _attention_dtype(v, self._tkv)
         layer.seen += t
-        if self.decode == "fused" and 1 <= t <= self.cache.config.max_draft_len + 1:
-            marker = k.new_empty((batch, heads, 0, dim))
-            marker._jmixedkv = (self, layer.layer_idx, k, v, step.plan)   # read by jmixedkv_attention
-            self._pending = layer.layer_idx
-            return marker, marker
+        if step.plan is None:                          # stored when the next step begins (`flush`)
+            step.rows[layer.layer_idx] = (k, v)
+            if not step.before.any():                  # nothing stored before: attention reads the step's own rows
+                return k0, v0
+            return self._marker(layer, step, k, v)
+        if self.decode == "fused" and 1 <= t <= self._tkv.config.max_draft_len + 1:
+            return self._marker(layer, step, k, v)
         kv = torch.cat([k, v], dim=1)                  # one crossing for K and V
         if not step.before.any():                      # nothing stored before: attention reads the step's own rows
-            self.cache.step_append(layer.layer_idx, kv, None, step.plan)
+            self._tkv.step_append(layer.layer_idx, kv, None, step.plan)
             return k0, v0
-        kd, vd = self.cache.step_dense(layer.layer_idx, kv, None, step.plan)
+        kd, vd = self._tkv.step_dense(layer.layer_idx, kv, None, step.plan)
         return _align(kd, k.dtype, layer.seen, self.lens), _align(vd, k.dtype, layer.seen, self.lens)
 
+    def _marker(self, layer: JMixedLayer, step: _Step, k: torch.Tensor, v: torch.Tensor):
+        """Empty K/V placeholders that `jmixedkv_attention` recognises: the layer's attention runs there."""
+        marker = k.new_empty((k.shape[0], k.shape[1], 0, k.shape[3]))
+        marker._jmixedkv = (self, layer.layer_idx, k, v, step)              # read by jmixedkv_attention
+        self._pending = layer.layer_idx
+        return marker, marker
+
     def _fused(self, marker, query: torch.Tensor, scaling: Optional[float], sliding_window, softcap, sinks):
-        """``query [B, Hq, Tq, D]`` -> ``[B, Tq, Hq, D]``: append the layer's rows and attend over the cache in one
-        program (`TorchKVCache.step_attend`; no staging)."""
-        _, layer_idx, k, v, plan = marker
+        """``query [B, Hq, Tq, D]`` -> ``[B, Tq, Hq, D]``: attention over the cache and the layer's new rows."""
+        _, layer_idx, k, v, step = marker
         self._pending = None
         if query.shape[2] != k.shape[2]:
             raise ValueError(f"jmixedkv attention: {query.shape[2]} query tokens for a step of {k.shape[2]}")
-        kvq = torch.cat([k, v, _attention_dtype(query, self.cache)], dim=1)    # one crossing for K, V and Q
-        out, _ = self.cache.step_attend(layer_idx, kvq, None, None, plan, sm_scale=scaling,
-                                        sliding_window=_int_or_none(sliding_window),
-                                        soft_cap=None if softcap is None else float(softcap), sinks=sinks,
-                                        return_lse=False)
+        window = _int_or_none(sliding_window)
+        cap = None if softcap is None else float(softcap)
+        if step.plan is None:
+            return self._attend_tail(step, layer_idx, query, k, v, scaling, window, cap, sinks)
+        kvq = torch.cat([k, v, _attention_dtype(query, self._tkv)], dim=1)    # one crossing for K, V and Q
+        out, _ = self._tkv.step_attend(layer_idx, kvq, None, None, step.plan, sm_scale=scaling,
+                                       sliding_window=window, soft_cap=cap, sinks=sinks, return_lse=False)
         return out.to(query.dtype)
+
+    def _attend_tail(self, step: _Step, layer_idx: int, query, k, v, scaling, window, cap, sinks):
+        """A held-aside step's attention: a torch kernel over the cache as it was before the step (zero-copy views
+        of its pools, `TorchKVCache.read_views`) plus the step's own rows read dense (`interop.paged_ops.
+        step_attention`; the result of appending them first: `tail_limit`), with the cache's rotation applied to
+        q / the new rows and undone on the output, and ``sinks`` as an LSE term."""
+        q = _attention_dtype(query, self._tkv)
+        if self._hadamard is not None:                 # q, K, V rotated as one float32 product, rounded once
+            hq, h = q.shape[1], k.shape[1]
+            qkv = (torch.cat([q, k, v], dim=1).float() @ self._hadamard).to(q.dtype)
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + h], qkv[:, hq + h:]
+        q, tk, tv = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)             # [B, T, heads, D] views
+        if step.attend is None:
+            views = step.views = self._tkv.read_views(self.slots, group=0)
+            step.attend = paged_ops.step_attention(views.pools, q, views.page_table, views.high_table,
+                                                   views.kv_lens, self._tkv.page_size, views.geom, tail=True)
+        scale = self.spec.head_dim ** -0.5 if scaling is None else float(scaling)
+        out, lse = step.attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv)
+        if sinks is not None:
+            s = sinks.to(device=out.device, dtype=torch.float32)[None, None, :]
+            out = out * torch.sigmoid(lse - s)[..., None]                   # lse = -inf (no key): weight 0
+        if self._hadamard is not None:
+            out = out @ self._hadamard
+        return out.to(query.dtype)
+
+
+def tail_limit(config: KVCacheConfig) -> int:
+    """Most new tokens per row a fused `JMixedKVCache` step reads dense (held aside, stored after its layers ran)
+    with the result of storing them first: a 16-bit plain cache reads every row as given (no limit); a mixed cache
+    with a 16-bit twin holds the last ``last_n`` rows as given. 0 (the step's rows are stored, then read, layer by
+    layer) for formats that read new rows quantized (NVFP4 alone, FP8, an FP8 twin), a twin without a ``last_n``
+    window, and K smoothing (its stored keys are shifted by a mean the step's rows would need first)."""
+    high = config.high_dtype
+    if config.k_smoothing or high is None or high.itemsize != 2:
+        return 0
+    return config.last_n if config.is_mixed else 1 << 30
 
 
 def _attention_dtype(x: torch.Tensor, cache: TorchKVCache) -> torch.Tensor:

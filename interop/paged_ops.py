@@ -21,9 +21,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import torch_paged
 from .torch_paged import TorchPools
 
-__all__ = ["write_rows", "paged_attention", "cpu_backend", "CPU_BACKENDS"]
+__all__ = ["write_rows", "paged_attention", "step_attention", "cpu_backend", "CPU_BACKENDS"]
 
 CPU_BACKENDS = ("torch", "triton")
+#: `step_attention` launches from eager Python, where a launch costs more host time than a short split saves on the
+#: GPU: at most one split per this many keys (`interop.triton_attention.choose_tuning`), so short caches need no
+#: merge kernel
+EAGER_KEYS_PER_SPLIT = 1024
 _FP8 = (torch.uint8, torch.float8_e4m3fn)
 _cpu = {"backend": "torch"}
 
@@ -95,16 +99,17 @@ def _paged_attention_impl(q: Tensor, low_data: Optional[Tensor], low_scales: Opt
                         high_rows: Optional[Tensor], high_scale: Optional[Tensor], plain_rows: Optional[Tensor],
                         plain_scale: Optional[Tensor], layer: int, page_table: Tensor, high_table: Tensor,
                         kv_lens: Tensor, geom: List[int], sm_scale: float, sliding_window: Optional[int],
-                        soft_cap: Optional[float]) -> tuple[Tensor, Tensor]:
+                        soft_cap: Optional[float], tail_k: Optional[Tensor] = None,
+                        tail_v: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     pools = TorchPools(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale)
     g = tuple(geom)
     interpret = _triton(q)
     if interpret is None:
         return torch_paged.paged_attention_reference(q, *pools, layer, page_table, high_table, kv_lens, g,
-                                                     sm_scale, sliding_window, soft_cap)
+                                                     sm_scale, sliding_window, soft_cap, tail_k, tail_v)
     from .triton_attention import paged_attention as kernel
     return kernel(q, *pools, layer, page_table, high_table, kv_lens, g, sm_scale, sliding_window, soft_cap,
-                  interpret=interpret)
+                  tail_k=tail_k, tail_v=tail_v, interpret=interpret)
 
 
 _paged_attention_op = torch.library.custom_op("jmixedkv::paged_attention", _paged_attention_impl, mutates_args=())
@@ -112,18 +117,19 @@ _paged_attention_op = torch.library.custom_op("jmixedkv::paged_attention", _page
 
 @_paged_attention_op.register_fake
 def _(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table,
-      high_table, kv_lens, geom, sm_scale, sliding_window, soft_cap):
+      high_table, kv_lens, geom, sm_scale, sliding_window, soft_cap, tail_k=None, tail_v=None):
     b, tq, hq, d = q.shape
     return q.new_empty((b, tq, hq, d), dtype=torch.float32), q.new_empty((b, tq, hq), dtype=torch.float32)
 
 
 def paged_attention(pools: TorchPools, layer: int, q: Tensor, page_table: Tensor, high_table: Tensor,
                     kv_lens: Tensor, page_size: int, geom, sm_scale: float, sliding_window: Optional[int],
-                    soft_cap: Optional[float]):
+                    soft_cap: Optional[float], tail_k: Optional[Tensor] = None, tail_v: Optional[Tensor] = None):
     """``q [B, Tq, Hq, D]`` (the attention dtype, stored basis) over ``layer``'s pages of rows with ``page_table
     i32[B, MP]`` / ``high_table i32[B, W]`` and lengths ``kv_lens i32[B]`` -> ``(out f32[B, Tq, Hq, D], lse
     f32[B, Tq, Hq])`` (op 2 of the contract). ``geom``: the twin's `jmixedkv.layout.TwinGeometry`, or None without
-    a twin (the kernels then see ``(page_size, 0, 0, 0, 0)``)."""
+    a twin (the kernels then see ``(page_size, 0, 0, 0, 0)``). ``tail_k`` / ``tail_v [B, Tq, H, D]``: the step's own
+    rows, not in the pools (query ``t`` at ``kv_lens[b] + t``; `interop.triton_attention.paged_attention`)."""
     g = [page_size, 0, 0, 0, 0] if geom is None else [geom.page, geom.first_n, geom.last_n, geom.num_fixed,
                                                        geom.num_ring]
     if g[0] != page_size:
@@ -131,4 +137,28 @@ def paged_attention(pools: TorchPools, layer: int, q: Tensor, page_table: Tensor
     window = None if sliding_window is None else int(sliding_window)
     cap = None if soft_cap is None else float(soft_cap)
     op = _paged_attention_impl if _eager(q) else _paged_attention_op
-    return op(q, *pools, layer, page_table, high_table, kv_lens.to(torch.int32), g, float(sm_scale), window, cap)
+    return op(q, *pools, layer, page_table, high_table, kv_lens.to(torch.int32), g, float(sm_scale), window, cap,
+              tail_k, tail_v)
+
+
+def step_attention(pools: TorchPools, q: Tensor, page_table: Tensor, high_table: Optional[Tensor], kv_lens: Tensor,
+                   page_size: int, geom, *, tail: bool):
+    """`paged_attention` over pools and tables that stay fixed for a step's layers, checked once: returns ``run(q,
+    layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None) -> (out f32[B, Tq, Hq, D],
+    lse f32[B, Tq, Hq])`` for queries shaped like ``q``. On CUDA it is an `interop.triton_attention.PagedAttention`
+    (after the first call's checks, one launch per call, two with split-K; `EAGER_KEYS_PER_SPLIT`); on CPU the
+    torch reference (the interpreter under ``cpu_backend("triton")``). ``tail``: every call passes the step's own
+    rows (``tail_k`` / ``tail_v [B, Tq, H, D]``)."""
+    g = [page_size, 0, 0, 0, 0] if geom is None else [geom.page, geom.first_n, geom.last_n, geom.num_fixed,
+                                                       geom.num_ring]
+    kv_lens = kv_lens.to(torch.int32)
+    interpret = _triton(q)
+    if interpret is not None:
+        from .triton_attention import PagedAttention
+        return PagedAttention(q, *pools, page_table, high_table, kv_lens, g, tail=tail, interpret=interpret,
+                              min_keys_per_split=EAGER_KEYS_PER_SPLIT)
+
+    def run(q, layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None):
+        return torch_paged.paged_attention_reference(q, *pools, layer, page_table, high_table, kv_lens, g, sm_scale,
+                                                     sliding_window, soft_cap, tail_k, tail_v)
+    return run

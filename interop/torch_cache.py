@@ -60,9 +60,10 @@ from jmixedkv.state import AppendPlan, GroupSpec
 
 from . import layouts
 from .dlpack import HotBridge, from_torch, to_torch, torch_device_of, torch_dtype
+from .torch_paged import TorchPools
 
-__all__ = ["TorchKVCache", "TorchStaged", "StepPlan", "CacheCapacityError", "cache_from_handle", "lse_to_base2",
-           "lse_from_base2"]
+__all__ = ["TorchKVCache", "TorchStaged", "StepPlan", "ReservedStep", "ReadViews", "CacheCapacityError",
+           "cache_from_handle", "lse_to_base2", "lse_from_base2"]
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_INPUTS = (torch.int32, torch.int64)
@@ -99,6 +100,24 @@ class StepPlan(NamedTuple):
     width: int
     group: int
     append: Optional[AppendPlan] = None
+
+
+class ReservedStep(NamedTuple):
+    """A step `TorchKVCache.reserve_step` checked and accounted for on the host: ``tokens i32[2 T]`` (``seq |
+    pos``) and its ``group``, stored by `TorchKVCache.write_step`."""
+    tokens: np.ndarray
+    group: int
+
+
+class ReadViews(NamedTuple):
+    """`TorchKVCache.read_views`: ``pools`` (`interop.torch_paged.TorchPools` of zero-copy views), and for the batch
+    rows ``page_table i32[B, MP]``, ``high_table i32[B, W]`` (None without a twin), ``kv_lens i32[B]``; ``geom``
+    the twin's `jmixedkv.layout.TwinGeometry` (None without a twin)."""
+    pools: "TorchPools"
+    page_table: torch.Tensor
+    high_table: Optional[torch.Tensor]
+    kv_lens: torch.Tensor
+    geom: object
 
 
 class TorchStaged(NamedTuple):
@@ -222,6 +241,7 @@ class TorchKVCache:
         _HANDLES[self.handle] = weakref.ref(self)
         self._layer_ids: dict = {}             # (group, layer) -> device i32 scalar (`_layer_id`)
         self._split = None                     # (state, group, rest) of the last layer program (`_run_layer`)
+        self._row_index: dict = {}             # rows -> device int64 index (`read_views`)
         jax_dev = next(iter(self.manager.state.kv_lens.devices()))     # CacheManager committed the state there
         self.device = torch_device_of(jax_dev)
         self._hot = HotBridge(jax_dev)         # the step methods' crossings under sync="stream"
@@ -435,6 +455,68 @@ class TorchKVCache:
                                    num_kv_heads=self.state.groups[plan.group].num_kv_heads, **opts)
         exp = self._out(sync)
         return exp(out), exp(lse) if return_lse else None
+
+    # ------------------------------------------------------------------ a step written after its layers ran
+    def reserve_step(self, seq_slots, positions, *, group: int = 0) -> "ReservedStep":
+        """The host half of `plan_step` for a step whose rows are stored later, every layer in one program
+        (`write_step`): the tokens ``seq_slots`` / ``positions`` int ``[T]`` (slot -1 = padding token) are checked
+        and accounted for in the host mirror now (refusals as `append`'s, raised before anything changes); the
+        device state changes only in `write_step`. Until then the cache must not be read or changed but by
+        `read_views` (the state before the step) and that `write_step`."""
+        checks.check_group(self.state, group, "reserve_step")
+        seq, pos = self._index_pair(seq_slots, positions, "reserve_step")
+        seq, pos = self.manager.reserve_append(seq, pos)
+        return ReservedStep(np.concatenate([seq, pos]).astype(np.int32, copy=False), group)
+
+    def write_step(self, reserved: "ReservedStep", kv: torch.Tensor, *, sync: Union[bool, str, None] = None) -> None:
+        """Store a `reserve_step` step's rows for every layer of its group in ONE donated program
+        (`jmixedkv.step.plan_write_layers`): ``kv [2 L, B, H, T', D]`` (layer ``l``'s K at ``kv[l]``, its V at
+        ``kv[L + l]``; transformers' ``[B, H, T', D]`` per layer, token ``b * T' + t`` of the reserved tokens), the
+        attention dtype. First raises (`CacheError`) a refusal the device met in an earlier program. Every torch
+        view of the pools (`read_views`) must be dropped before: JAX copies a donated buffer torch still views. A
+        ``kv`` of the wrong shape or dtype raises `ValueError` naming it; the step is then dropped (nothing
+        written, the host accounting re-read from the device state)."""
+        self._raise_device_error("write_step")
+        spec = self.state.groups[reserved.group]
+        want = (2 * spec.num_layers, None, spec.num_kv_heads, None, spec.head_dim)
+        if (not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.dtype != self.attention_dtype
+                or any(w is not None and w != g for w, g in zip(want, kv.shape))
+                or kv.shape[1] * kv.shape[3] != reserved.tokens.shape[0] // 2):
+            self.manager.replace_state(self.state)          # the reservation is dropped: the host mirror re-read
+            raise ValueError(f"write_step: kv must be {self.attention_dtype} [2 L={2 * spec.num_layers}, B, "
+                             f"H={spec.num_kv_heads}, T', D={spec.head_dim}] with B * T' = "
+                             f"{reserved.tokens.shape[0] // 2} tokens, got {getattr(kv, 'dtype', type(kv).__name__)} "
+                             f"{list(getattr(kv, 'shape', []))}")
+        kj = self._in(self._sync(sync, "write_step"))(kv.contiguous())
+        self.manager.install(step.plan_write_layers(self.state, reserved.tokens, kj, group=reserved.group,
+                                                    backend=self.backend))
+        self.state.error.copy_to_host_async()        # read by the next step's check without waiting for the GPU
+
+    def read_views(self, rows, *, group: int = 0, sync: Union[bool, str, None] = None) -> "ReadViews":
+        """What a torch attention kernel needs to read ``group`` for batch rows ``rows`` (int ``[B]`` slots, host
+        values): its pools as zero-copy torch views (`interop.torch_paged.TorchPools`, read-only) and the rows'
+        ``page_table i32[B, MP]``, ``high_table i32[B, W]`` (None without a twin) and ``kv_lens i32[B]`` (torch
+        copies), with the twin's geometry. Valid until the next transition: drop them before it."""
+        sync = self._sync(sync, "read_views")
+        checks.check_group(self.state, group, "read_views")
+        rows = self._slots(rows, "read_views")
+        if (rows < 0).any():
+            raise ValueError(f"read_views: rows {rows.tolist()} include padding (-1); pass admitted slots")
+        out = self._out(sync)
+        st, pools = self.state, self.state.pools[group]
+        key = rows.tobytes()
+        idx = self._row_index.get(key)
+        if idx is None:                      # one host-to-device copy per batch layout, not per step
+            if len(self._row_index) > 64:
+                self._row_index.clear()
+            idx = self._row_index[key] = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        take = lambda x: out(x).index_select(0, idx)              # noqa: E731
+        low, high, plain = pools.low, pools.high, pools.plain
+        tp = TorchPools(*(None if x is None else out(x) for x in (
+            low and low.data, low and low.scales, low and low.gs, high and high.rows, high and high.scale,
+            plain and plain.rows, plain and plain.scale)))
+        return ReadViews(tp, take(st.page_table), take(st.high_table) if high is not None else None,
+                         take(st.kv_lens), st.config.twin if high is not None else None)
 
     def _run_layer(self, plan: "StepPlan", program, *args, **kwargs):
         """Run a layer program of `jmixedkv.step` (``layer_append`` / ``layer_dense`` / ``layer_attend``) on the

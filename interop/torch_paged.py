@@ -321,7 +321,8 @@ def paged_attention_reference(q, low_data, low_scales, low_gs, high_rows, high_s
                               layer: int, page_table: torch.Tensor, high_table: Optional[torch.Tensor],
                               kv_lens: torch.Tensor, geom: Union[TwinGeometry, Sequence[int]],
                               sm_scale: Optional[float] = None, sliding_window: Optional[int] = None,
-                              soft_cap: Optional[float] = None):
+                              soft_cap: Optional[float] = None, tail_k: Optional[torch.Tensor] = None,
+                              tail_v: Optional[torch.Tensor] = None):
     """Paged attention of one layer (decode / verify / a later prefill chunk), float32 (module docstring).
 
     Args:
@@ -334,6 +335,9 @@ def paged_attention_reference(q, low_data, low_scales, low_gs, high_rows, high_s
       kv_lens: int ``[B]`` lengths ``n`` (0 for padding rows).
       geom: `TwinGeometry` or ``(page, first_n, last_n, num_fixed, num_ring)``.
       sm_scale: logit scale (default ``D ** -0.5``); soft_cap: logits ``c * tanh(logits / c)``.
+      tail_k, tail_v: the step's own rows ``[B, Tq, H, D]`` (q's dtype), not in the pools: query ``t`` then sits at
+        ``kv_lens[b] + t`` and also sees tail row ``j <= t`` at position ``kv_lens[b] + j``; the twin windows then
+        count from ``kv_lens[b] + Tq`` (as if the tail were appended).
 
     Returns:
       ``(out f32[B, Tq, Hq, D], lse f32[B, Tq, Hq])`` (natural-log LSE of the scaled, soft-capped logits).
@@ -371,19 +375,37 @@ def paged_attention_reference(q, low_data, low_scales, low_gs, high_rows, high_s
         if val is not None and not val > 0:
             raise ValueError(f"{op}: {name} must be None or > 0, got {val!r}")
     n = kv_lens.to(torch.int64)
-    kv = _staged_kv(pools, kind, layer, page_table, high_table if mixed else None, n, g, q.dtype)
+    retained_from = n if tail_k is None else n + tq        # a tail counts as appended for the twin windows
+    kv = _staged_kv(pools, kind, layer, page_table, high_table if mixed else None, retained_from, g, q.dtype)
     s = mp * page
     kv = kv.permute(0, 2, 3, 1, 4, 5).reshape(b, 2, h, s, d)
     kpos = torch.arange(s, device=q.device)
     held = (page_table.to(torch.int64) >= 0).repeat_interleave(page, dim=1)                 # [B, S]
     valid = held & (kpos[None, :] < n[:, None])
     kv = torch.where(valid[:, None, None, :, None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-    return _attend(q, kv[:, 0], kv[:, 1], valid, n, d ** -0.5 if sm_scale is None else sm_scale, sliding_window,
+    k, v = kv[:, 0], kv[:, 1]
+    kpos = kpos[None, :].expand(b, s)
+    qpos = n[:, None] - tq + torch.arange(tq, device=q.device)[None, :]                      # [B, Tq]
+    if (tail_k is None) != (tail_v is None):
+        raise ValueError(f"{op}: pass both tail_k and tail_v, or neither")
+    if tail_k is not None:
+        for name, x in (("tail_k", tail_k), ("tail_v", tail_v)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, tq, h, d):
+                raise ValueError(f"{op}: {name} must be [B, Tq, H, D] = {[b, tq, h, d]}, got "
+                                 f"{list(getattr(x, 'shape', []))}")
+        k = torch.cat([k, tail_k.to(torch.float32).transpose(1, 2)], dim=2)
+        v = torch.cat([v, tail_v.to(torch.float32).transpose(1, 2)], dim=2)
+        tpos = n[:, None] + torch.arange(tq, device=q.device)[None, :]
+        kpos = torch.cat([kpos, tpos], dim=1)
+        valid = torch.cat([valid, torch.ones((b, tq), dtype=torch.bool, device=q.device)], dim=1)
+        qpos = tpos
+    return _attend(q, k, v, valid, kpos, qpos, d ** -0.5 if sm_scale is None else sm_scale, sliding_window,
                    soft_cap)
 
 
-def _attend(q, k, v, valid, n, sm_scale, sliding_window, soft_cap):
-    """float32 attention of ``q [B, Tq, Hq, D]`` over ``k, v f32[B, H, S, D]`` (``valid bool[B, S]``)."""
+def _attend(q, k, v, valid, kpos, qpos, sm_scale, sliding_window, soft_cap):
+    """float32 attention of ``q [B, Tq, Hq, D]`` at positions ``qpos [B, Tq]`` over ``k, v f32[B, H, S, D]`` at
+    positions ``kpos [B, S]`` (``valid bool[B, S]``)."""
     b, tq, hq, d = q.shape
     h, s = k.shape[1], k.shape[2]
     qf = q.to(torch.float32).reshape(b, tq, h, hq // h, d)
@@ -391,8 +413,7 @@ def _attend(q, k, v, valid, n, sm_scale, sliding_window, soft_cap):
     if soft_cap is not None:
         cap = torch.tensor(soft_cap, dtype=torch.float32)
         logits = cap * torch.tanh(logits / cap)
-    qpos = n[:, None] - tq + torch.arange(tq, device=q.device)[None, :]                     # [B, Tq]
-    kpos = torch.arange(s, device=q.device)[None, None, :]
+    kpos = kpos[:, None, :]
     mask = (kpos <= qpos[..., None]) & valid[:, None, :]
     if sliding_window is not None:
         mask = mask & (kpos > qpos[..., None] - sliding_window)

@@ -64,7 +64,8 @@ from jmixedkv.numerics import next_pow2
 #: head dims the kernel takes (tl.dot tiles of the packed NVFP4 halves need D / 2 >= 16, a power of two)
 HEAD_DIMS = (32, 64, 128, 256)
 
-__all__ = ["HEAD_DIMS", "paged_attention", "Tuning", "choose_tuning", "num_sms", "bench_paged_attention",
+__all__ = ["HEAD_DIMS", "paged_attention", "PagedAttention", "Tuning", "choose_tuning", "num_sms",
+           "bench_paged_attention",
            "M_INIT", "DEFAULT_NUM_SMS"]
 
 #: finite running-max start: rows that see no key keep ``l == 0`` and never produce NaN
@@ -162,9 +163,9 @@ def _row_tile(rows_ptr, row, mask, D: tl.constexpr, BLOCK_N: tl.constexpr, FP8: 
     return tl.split(tl.reshape(x, [BLOCK_N, D // 2, 2]))
 
 
-def _step(blk, acc_e, acc_o, m_i, l_i, n, qpos, q_e, q_o, q16_e, q16_o, mul_k, rmul_k, twin_v_mul, rk_mul, rv_mul,
-          pt_row, ht_row, num_cols, ht_width, data_ptr, scales_ptr, rows_ptr, layer64, num_pages, num_row_pages, h,
-          sm_scale, window, cap,
+def _step(blk, acc_e, acc_o, m_i, l_i, n, n_ret, qpos, q_e, q_o, q16_e, q16_o, mul_k, rmul_k, twin_v_mul, rk_mul,
+          rv_mul, pt_row, ht_row, num_cols, ht_width, data_ptr, scales_ptr, rows_ptr, layer64, num_pages,
+          num_row_pages, h, sm_scale, window, cap,
           H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, LOW: tl.constexpr, TWIN: tl.constexpr,
           ROWS_FP8: tl.constexpr, FIRST_N: tl.constexpr, LAST_N: tl.constexpr, NUM_FIXED: tl.constexpr,
           NUM_RING: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, SPLIT_LOW: tl.constexpr,
@@ -201,7 +202,7 @@ def _step(blk, acc_e, acc_o, m_i, l_i, n, qpos, q_e, q_o, q16_e, q16_o, mul_k, r
             tcol = tl.where(qp < NUM_FIXED, qp, -1)
         has_col = (tcol >= 0) & (tcol < ht_width)
         hid = tl.load(ht_row + tl.minimum(tl.maximum(tcol, 0), ht_width - 1), mask=valid & has_col, other=-1)
-        keep = valid & (hid >= 0) & ((p < FIRST_N) | (p >= n - LAST_N))
+        keep = valid & (hid >= 0) & ((p < FIRST_N) | (p >= n_ret - LAST_N))
         main_mask = valid & (keep == 0)
         trow_k = (((layer64 * num_row_pages + tl.maximum(hid, 0).to(tl.int64)) * 2) * H + h) * PAGE + p % PAGE
         trow_v = trow_k + H * PAGE
@@ -246,6 +247,38 @@ def _step(blk, acc_e, acc_o, m_i, l_i, n, qpos, q_e, q_o, q16_e, q16_o, mul_k, r
     return acc_e, acc_o, m_new, l_i
 
 
+def _tail_step(tb, acc_e, acc_o, m_i, l_i, n, t, qpos, q_e, q_o, tail_v_mul, tk_row, tv_row, stk_t, stv_t,
+               sm_scale, window, cap, TQ: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_CAP: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+    """One block of the step's own rows (the dense tail): key ``j`` at position ``n + j``, seen by query ``t`` when
+    ``j <= t`` (and inside the window); 16-bit rows in q's dtype, online softmax as `_step`."""
+    j = tb * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = j < TQ
+    cols = tl.arange(0, D)[None, :]
+    kx = tl.load(tk_row + j[:, None].to(tl.int64) * stk_t + cols, mask=ok[:, None], other=0.0)
+    vx = tl.load(tv_row + j[:, None].to(tl.int64) * stv_t + cols, mask=ok[:, None], other=0.0)
+    k_e, k_o = tl.split(tl.reshape(kx, [BLOCK_N, D // 2, 2]))
+    v_e, v_o = tl.split(tl.reshape(vx, [BLOCK_N, D // 2, 2]))
+    logits = _qk(q_e, q_o, k_e, k_o, EMULATE) * sm_scale
+    if HAS_CAP:
+        x = logits / cap
+        z = tl.exp(-2.0 * tl.abs(x))
+        th = (1.0 - z) / (1.0 + z)
+        logits = cap * tl.where(x < 0, -th, th)
+    vis = ok[None, :] & (j[None, :] <= t[:, None])
+    if HAS_WINDOW:
+        vis = vis & ((n + j)[None, :] > qpos[:, None] - window)
+    logits = tl.where(vis, logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(logits, 1, tl.standard._elementwise_max))
+    alpha = tl.exp(m_i - m_new)
+    pr = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.reduce(pr, 1, tl.standard._sum_combine)
+    a_e, a_o = _pv(pr, v_e, v_o, SPLIT_TAIL, EMULATE)
+    acc_e = acc_e * alpha[:, None] + a_e * tail_v_mul
+    acc_o = acc_o * alpha[:, None] + a_o * tail_v_mul
+    return acc_e, acc_o, m_new, l_i
+
+
 def _pow2(e):
     """float32 ``2^e`` for int32 ``e`` in ``[-126, 127]`` (exponent bits)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -253,17 +286,20 @@ def _pow2(e):
 
 def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
                  data_ptr, scales_ptr, gs_ptr, rows_ptr, rscale_ptr, o_ptr, m_ptr, l_ptr,
+                 tk_ptr, stk_b, stk_t, stk_h, tv_ptr, stv_b, stv_t, stv_h,
                  layer, num_pages, num_row_pages, num_cols, ht_width, sm_scale, window, cap,
                  H: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  LOW: tl.constexpr, TWIN: tl.constexpr, ROWS_FP8: tl.constexpr,
                  FIRST_N: tl.constexpr, LAST_N: tl.constexpr, NUM_FIXED: tl.constexpr, NUM_RING: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, SPLIT_LOW: tl.constexpr,
                  SPLIT_ROWS: tl.constexpr, FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EMULATE: tl.constexpr):
+                 EMULATE: tl.constexpr, TAIL: tl.constexpr, SPLIT_TAIL: tl.constexpr):
     """Program ``(b * H + h, split, tile)``: query rows ``tile * BLOCK_M + [0, BLOCK_M)`` of KV head ``h`` of batch
     row ``b`` over the split's blocks. ``FINAL`` (one split): writes ``out f32[B, Tq, Hq, D]`` to ``o_ptr`` and
     ``lse f32[B, Tq, Hq]`` to ``m_ptr``; else the partials ``o f32[B, Tq, Hq, S, D]`` (unnormalized), ``m, l
-    f32[B, Tq, Hq, S]``."""
+    f32[B, Tq, Hq, S]``. ``TAIL``: the step's own rows come dense (``tk_ptr`` / ``tv_ptr``, ``[B, Tq, H, D]`` by
+    strides): query ``t`` sits at ``n + t`` after the ``n`` stored rows, the twin windows count from ``n + Tq`` (the
+    length after the step, as if the tail were appended), and the last split also reads the tail."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -275,7 +311,12 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
     real = rows < TQ * G
     t = tl.minimum(rows // G, TQ - 1)
     hq = h * G + rows % G
-    qpos = n - TQ + t                                              # each query row's position
+    q0 = n - TQ                                                    # position of query 0 (TAIL: after the cache)
+    n_ret = n                                                      # the length the twin windows count from
+    if TAIL:
+        q0 = n
+        n_ret = n + TQ
+    qpos = q0 + t                                                  # each query row's position
     layer64 = layer.to(tl.int64)
 
     q_row = b.to(tl.int64) * sq_b + t * sq_t + hq * sq_h
@@ -318,8 +359,8 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
     # the keys this tile can see: [lo, hi)
     t_lo = (tile * BLOCK_M) // G
     t_hi = tl.minimum(((tile + 1) * BLOCK_M - 1) // G, TQ - 1)
-    pos_lo = n - TQ + t_lo
-    pos_hi = n - TQ + t_hi
+    pos_lo = q0 + t_lo
+    pos_hi = q0 + t_hi
     hi = tl.maximum(tl.minimum(n, pos_hi + 1), 0)
     lo = hi * 0
     if HAS_WINDOW:
@@ -334,7 +375,7 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
     c_hi = tl.minimum(n, pos_lo + 1)
     if TWIN:
         c_lo = c_lo + FIRST_N
-        c_hi = tl.minimum(c_hi, n - LAST_N)
+        c_hi = tl.minimum(c_hi, n_ret - LAST_N)
     if HAS_WINDOW:
         c_lo = tl.maximum(c_lo, pos_hi - window + 1)
     i0 = (tl.maximum(c_lo, 0) + BLOCK_N - 1) // BLOCK_N
@@ -351,22 +392,31 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     for blk in range(start, a):                                    # head edge: first_n, window
         acc_e, acc_o, m_i, l_i = _step(
-            blk, acc_e, acc_o, m_i, l_i, n, qpos, q_e, q_o, q16_e, q16_o, mul_k, rmul_k, twin_v_mul, rk_mul, rv_mul,
-            pt_row, ht_row, num_cols, ht_width, data_ptr, scales_ptr, rows_ptr, layer64, num_pages, num_row_pages,
-            h, sm_scale, window, cap, H, D, PAGE, LOW, TWIN, ROWS_FP8, FIRST_N, LAST_N, NUM_FIXED, NUM_RING,
-            HAS_WINDOW, HAS_CAP, SPLIT_LOW, SPLIT_ROWS, BLOCK_N, EMULATE, True)
+            blk, acc_e, acc_o, m_i, l_i, n, n_ret, qpos, q_e, q_o, q16_e, q16_o, mul_k, rmul_k, twin_v_mul, rk_mul,
+            rv_mul, pt_row, ht_row, num_cols, ht_width, data_ptr, scales_ptr, rows_ptr, layer64, num_pages,
+            num_row_pages, h, sm_scale, window, cap, H, D, PAGE, LOW, TWIN, ROWS_FP8, FIRST_N, LAST_N, NUM_FIXED,
+            NUM_RING, HAS_WINDOW, HAS_CAP, SPLIT_LOW, SPLIT_ROWS, BLOCK_N, EMULATE, True)
     for blk in range(a, c):                                        # interior: no mask, no twin
         acc_e, acc_o, m_i, l_i = _step(
-            blk, acc_e, acc_o, m_i, l_i, n, qpos, q_e, q_o, q16_e, q16_o, mul_k, rmul_k, twin_v_mul, rk_mul, rv_mul,
-            pt_row, ht_row, num_cols, ht_width, data_ptr, scales_ptr, rows_ptr, layer64, num_pages, num_row_pages,
-            h, sm_scale, window, cap, H, D, PAGE, LOW, TWIN, ROWS_FP8, FIRST_N, LAST_N, NUM_FIXED, NUM_RING,
-            HAS_WINDOW, HAS_CAP, SPLIT_LOW, SPLIT_ROWS, BLOCK_N, EMULATE, False)
+            blk, acc_e, acc_o, m_i, l_i, n, n_ret, qpos, q_e, q_o, q16_e, q16_o, mul_k, rmul_k, twin_v_mul, rk_mul,
+            rv_mul, pt_row, ht_row, num_cols, ht_width, data_ptr, scales_ptr, rows_ptr, layer64, num_pages,
+            num_row_pages, h, sm_scale, window, cap, H, D, PAGE, LOW, TWIN, ROWS_FP8, FIRST_N, LAST_N, NUM_FIXED,
+            NUM_RING, HAS_WINDOW, HAS_CAP, SPLIT_LOW, SPLIT_ROWS, BLOCK_N, EMULATE, False)
     for blk in range(c, e):                                        # tail edge: last_n, causal, rows past n
         acc_e, acc_o, m_i, l_i = _step(
-            blk, acc_e, acc_o, m_i, l_i, n, qpos, q_e, q_o, q16_e, q16_o, mul_k, rmul_k, twin_v_mul, rk_mul, rv_mul,
-            pt_row, ht_row, num_cols, ht_width, data_ptr, scales_ptr, rows_ptr, layer64, num_pages, num_row_pages,
-            h, sm_scale, window, cap, H, D, PAGE, LOW, TWIN, ROWS_FP8, FIRST_N, LAST_N, NUM_FIXED, NUM_RING,
-            HAS_WINDOW, HAS_CAP, SPLIT_LOW, SPLIT_ROWS, BLOCK_N, EMULATE, True)
+            blk, acc_e, acc_o, m_i, l_i, n, n_ret, qpos, q_e, q_o, q16_e, q16_o, mul_k, rmul_k, twin_v_mul, rk_mul,
+            rv_mul, pt_row, ht_row, num_cols, ht_width, data_ptr, scales_ptr, rows_ptr, layer64, num_pages,
+            num_row_pages, h, sm_scale, window, cap, H, D, PAGE, LOW, TWIN, ROWS_FP8, FIRST_N, LAST_N, NUM_FIXED,
+            NUM_RING, HAS_WINDOW, HAS_CAP, SPLIT_LOW, SPLIT_ROWS, BLOCK_N, EMULATE, True)
+    if TAIL:
+        if split == num_splits - 1:                                # the step's own rows: once, in the last split
+            tail_v_mul = 1.0 / out_mul
+            tk_row = tk_ptr + b.to(tl.int64) * stk_b + h.to(tl.int64) * stk_h
+            tv_row = tv_ptr + b.to(tl.int64) * stv_b + h.to(tl.int64) * stv_h
+            for tb in range(0, t_hi // BLOCK_N + 1):
+                acc_e, acc_o, m_i, l_i = _tail_step(
+                    tb, acc_e, acc_o, m_i, l_i, n, t, qpos, q_e, q_o, tail_v_mul, tk_row, tv_row, stk_t, stv_t,
+                    sm_scale, window, cap, TQ, D, HAS_WINDOW, HAS_CAP, SPLIT_TAIL, BLOCK_N, EMULATE)
     acc_e = acc_e * out_mul
     acc_o = acc_o * out_mul
 
@@ -415,7 +465,7 @@ def _interpreter_range(*bounds):
                    for b in bounds))
 
 
-_HELPERS = ("_dot", "_cast", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_pow2")
+_HELPERS = ("_dot", "_cast", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_tail_step", "_pow2")
 
 
 @functools.lru_cache(maxsize=None)
@@ -472,7 +522,7 @@ def num_sms(device) -> int:
 
 
 def choose_tuning(batch: int, num_kv_heads: int, rows: int, head_dim: int, max_keys: int, *, cuda: bool,
-                  sms: int = DEFAULT_NUM_SMS, row_pool: bool = True) -> Tuning:
+                  sms: int = DEFAULT_NUM_SMS, row_pool: bool = True, min_keys_per_split: int = 0) -> Tuning:
     """Default `Tuning` for ``batch`` rows, ``rows = Tq * G`` query rows per KV head, ``max_keys`` = the page
     table's capacity in tokens, ``row_pool`` = the cache reads a twin or plain rows (False: NVFP4 only).
 
@@ -480,8 +530,10 @@ def choose_tuning(batch: int, num_kv_heads: int, rows: int, head_dim: int, max_k
     tiles). ``BLOCK_N`` / warps: the largest step that compiles for sm_90 without register spills (ptxas, 2
     stages): 64 keys / 4 warps for NVFP4-only caches and plain rows at head_dim <= 128, 32 / 4 with a twin, 32 / 8
     at head_dim 256 or 64 query rows (chosen by register use, not by timing). Splits: about `PROGRAMS_PER_SM`
-    programs per SM (a power of two, at most `MAX_SPLITS` and the blocks of the longest possible sequence) on CUDA,
-    1 elsewhere (the interpreter runs programs one by one)."""
+    programs per SM (a power of two, at most `MAX_SPLITS` and the blocks of the longest possible sequence, and with
+    ``min_keys_per_split`` at most one split per that many keys: a caller that launches from eager Python trades a
+    little GPU time at short lengths for the merge kernel's launch) on CUDA, 1 elsewhere (the interpreter runs
+    programs one by one)."""
     big = head_dim > 128
     block_m = min(next_pow2(max(16, rows)), 32 if big else 64)
     if big or block_m == 64:
@@ -493,7 +545,7 @@ def choose_tuning(batch: int, num_kv_heads: int, rows: int, head_dim: int, max_k
     if cuda:
         programs = max(1, batch * num_kv_heads * tiles)
         want = max(1, -(-PROGRAMS_PER_SM * sms // programs))
-        splits = int(max(1, min(next_pow2(want), -(-max_keys // block_n), MAX_SPLITS)))
+        splits = int(max(1, min(next_pow2(want), -(-max_keys // max(block_n, min_keys_per_split)), MAX_SPLITS)))
     return Tuning(block_m, block_n, splits, warps, 2)
 
 
@@ -573,6 +625,17 @@ def _check_table(table, name: str, bsz: int, width: str, min_width: int, dev) ->
                          f"{tuple(table.stride())}")
 
 
+def _check_options(sm_scale, sliding_window, soft_cap) -> None:
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        raise ValueError(f"paged_attention: sm_scale={sm_scale!r} must be a finite float")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window < 1):
+        raise ValueError(f"paged_attention: sliding_window={sliding_window!r} must be None or an int >= 1")
+    if soft_cap is not None and (isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float))
+                                 or not math.isfinite(soft_cap) or soft_cap <= 0):
+        raise ValueError(f"paged_attention: soft_cap={soft_cap!r} must be None or a finite float > 0")
+
+
 def _validate(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table,
               high_table, kv_lens, geom, sm_scale, sliding_window, soft_cap):
     """Host checks; ``(plan, low_scales as uint8)``."""
@@ -647,20 +710,13 @@ def _validate(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows
         raise ValueError(f"paged_attention: geom page={g[0]} does not match the pools' page size {page}")
     if twin:
         _check_table(high_table, "high_table", bsz, "W", 0, dev)
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-        raise ValueError(f"paged_attention: sm_scale={sm_scale!r} must be a finite float")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
-                                       or sliding_window < 1):
-        raise ValueError(f"paged_attention: sliding_window={sliding_window!r} must be None or an int >= 1")
-    if soft_cap is not None and (isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float))
-                                 or not math.isfinite(soft_cap) or soft_cap <= 0):
-        raise ValueError(f"paged_attention: soft_cap={soft_cap!r} must be None or a finite float > 0")
+    _check_options(sm_scale, sliding_window, soft_cap)
     return _Plan(low, twin, rows_fp8, rows, rscale, num_layers, num_pages, num_row_pages, heads, page), low_scales
 
 
 def paged_attention(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer: int,
                     page_table, high_table, kv_lens, geom, sm_scale: float, sliding_window: Optional[int] = None,
-                    soft_cap: Optional[float] = None, *, interpret: Optional[bool] = None,
+                    soft_cap: Optional[float] = None, *, tail_k=None, tail_v=None, interpret: Optional[bool] = None,
                     tuning: Optional[Tuning] = None, num_splits: Optional[int] = None):
     """Paged attention of one layer (decode, verify, a later prefill chunk) over the torch pools.
 
@@ -675,6 +731,11 @@ def paged_attention(q, low_data, low_scales, low_gs, high_rows, high_scale, plai
       kv_lens: i32[B] lengths ``n`` (0 for padding rows), read on the device.
       geom: ``(page, first_n, last_n, num_fixed, num_ring)`` or a `jmixedkv.layout.TwinGeometry`.
       sm_scale: logit scale; sliding_window: keys ``pos - w < p <= pos``; soft_cap: ``c * tanh(x / c)``.
+      tail_k, tail_v: the step's own rows, not in the pools: ``[B, Tq, H, D]`` in q's dtype (any strides with unit
+        stride on ``D``; e.g. a transpose of transformers' ``[B, H, Tq, D]``), both or neither. With them query
+        ``t`` sits at position ``n + t`` (after the ``n`` stored rows) and also sees tail rows ``j <= t`` (key
+        position ``n + j``; the window applies); without them it sits at ``n - Tq + t``. With a tail the twin's
+        first_n / last_n windows count from ``n + Tq``: the result is that of appending the tail, then attending.
       interpret: run Triton's CPU interpreter (default: ``not q.is_cuda``).
       tuning: a `Tuning` (default `choose_tuning`); num_splits: overrides its split count.
 
@@ -684,66 +745,147 @@ def paged_attention(q, low_data, low_scales, low_gs, high_rows, high_scale, plai
 
     Host checks raise ``ValueError`` naming the bad value (shapes, dtypes, devices, layer, geom, options). Table
     entries and lengths are not read on the host: a valid state is assumed (every page of ``p < n`` held, ``n <=
-    MP * page``); page ids are clamped into the pool, never read out of bounds.
+    MP * page``); page ids are clamped into the pool, never read out of bounds. `PagedAttention` checks the pools
+    and tables once for many calls (every layer of a step).
     """
-    plan, low_scales = _validate(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale,
-                                 layer, page_table, high_table, kv_lens, geom, sm_scale, sliding_window, soft_cap)
-    interpret = (not q.is_cuda) if interpret is None else bool(interpret)
-    if not interpret and not q.is_cuda:
-        raise ValueError(f"paged_attention: interpret=False needs CUDA tensors, q is on {q.device}")
-    bsz, tq, hq, d = q.shape
-    heads, group = plan.heads, hq // plan.heads
-    rows = tq * group
-    max_keys = page_table.shape[1] * plan.page
-    if tuning is None:
-        tuning = choose_tuning(bsz, heads, rows, d, max_keys, cuda=not interpret,
-                               sms=num_sms(q.device) if q.is_cuda else DEFAULT_NUM_SMS,
-                               row_pool=plan.rows is not None)
-    if num_splits is not None:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-            raise ValueError(f"paged_attention: num_splits={num_splits!r} must be an int >= 1")
-        tuning = tuning._replace(num_splits=num_splits)
-    _check_tuning(tuning)
-    _, first_n, last_n, num_fixed, num_ring = _geometry(geom)
-    attn, merge = _kernels(interpret)
-    dev = q.device
-    # stand-ins for absent operands: never read (their constexpr branches are compiled out), so never filled
-    dummy_u8 = torch.empty(1, dtype=torch.uint8, device=dev)
-    dummy_f32 = torch.empty(1, dtype=torch.float32, device=dev)
-    dummy_i32 = torch.empty((1, 1), dtype=torch.int32, device=dev)
-    ht = high_table if plan.twin else dummy_i32
-    splits = tuning.num_splits
-    tiles = -(-rows // tuning.block_m)
-    if splits == 1:
-        o = torch.empty((bsz, tq, hq, d), dtype=torch.float32, device=dev)
-        m = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
-        l_part = m
-    else:
-        o = torch.empty((bsz, tq, hq, splits, d), dtype=torch.float32, device=dev)
-        m = torch.empty((bsz, tq, hq, splits), dtype=torch.float32, device=dev)
-        l_part = torch.empty_like(m)
-    # bf16 probabilities are split in two halves (rows met in bf16: a bf16 twin, plain bf16 / FP8 rows under bf16 q)
-    split_rows = q.dtype == torch.bfloat16 and plan.rows is not None and (not plan.low or not plan.rows_fp8)
-    attn[(bsz * heads, splits, tiles)](
-        q, q.stride(0), q.stride(1), q.stride(2), page_table, page_table.stride(0), ht, ht.stride(0), kv_lens,
-        low_data if plan.low else dummy_u8, low_scales if plan.low else dummy_u8,
-        low_gs if plan.low else dummy_f32,
-        plan.rows if plan.rows is not None else dummy_u8,
-        plan.rscale if plan.rows_fp8 else dummy_f32,
-        o, m, l_part,
-        int(layer), plan.num_pages, plan.num_row_pages, page_table.shape[1], ht.shape[1], float(sm_scale),
-        int(sliding_window or 0), float(soft_cap or 1.0),
-        H=heads, G=group, TQ=tq, D=d, PAGE=plan.page, LOW=plan.low, TWIN=plan.twin, ROWS_FP8=plan.rows_fp8,
-        FIRST_N=first_n, LAST_N=last_n, NUM_FIXED=num_fixed, NUM_RING=num_ring,
-        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None, SPLIT_LOW=False,
-        SPLIT_ROWS=split_rows, FINAL=splits == 1, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n,
-        EMULATE=interpret, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-    if splits == 1:
-        return o, m
-    out = torch.empty((bsz, tq, hq, d), dtype=torch.float32, device=dev)
-    lse = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
-    merge[(bsz * tq * hq,)](o, m, l_part, out, lse, splits, D=d, BLOCK_S=next_pow2(splits), num_warps=4)
-    return out, lse
+    run = PagedAttention(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, page_table,
+                         high_table, kv_lens, geom, tail=tail_k is not None or tail_v is not None,
+                         interpret=interpret, tuning=tuning, num_splits=num_splits)
+    return run(q, layer, sm_scale, sliding_window, soft_cap, tail_k=tail_k, tail_v=tail_v)
+
+
+class PagedAttention:
+    """`paged_attention` with the pools, tables, lengths, geometry and query shape checked once (the host work a
+    step's layers share); each call then checks only its query, layer, options and tail, and launches.
+
+    ``PagedAttention(q, <7 pools>, page_table, high_table, kv_lens, geom, tail=False)`` takes the arguments of
+    `paged_attention` (``q`` gives the shape, dtype and device every call must match; ``tail``: calls pass
+    ``tail_k`` / ``tail_v``); ``run(q, layer, sm_scale, sliding_window=None, soft_cap=None, tail_k=None,
+    tail_v=None)`` -> ``(out f32[B, Tq, Hq, D], lse f32[B, Tq, Hq])``. The tensors it was made with must stay
+    alive and unchanged while it is used (it keeps references, not copies)."""
+
+    def __init__(self, q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, page_table,
+                 high_table, kv_lens, geom, *, tail: bool = False, interpret: Optional[bool] = None,
+                 tuning: Optional[Tuning] = None, num_splits: Optional[int] = None, min_keys_per_split: int = 0):
+        plan, low_scales = _validate(q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows,
+                                     plain_scale, 0, page_table, high_table, kv_lens, geom, 1.0, None, None)
+        interpret = (not q.is_cuda) if interpret is None else bool(interpret)
+        if not interpret and not q.is_cuda:
+            raise ValueError(f"paged_attention: interpret=False needs CUDA tensors, q is on {q.device}")
+        bsz, tq, hq, d = q.shape
+        heads, group = plan.heads, hq // plan.heads
+        rows = tq * group
+        max_keys = page_table.shape[1] * plan.page + (tq if tail else 0)
+        if tuning is None:
+            tuning = choose_tuning(bsz, heads, rows, d, max_keys, cuda=not interpret,
+                                   sms=num_sms(q.device) if q.is_cuda else DEFAULT_NUM_SMS,
+                                   row_pool=plan.rows is not None, min_keys_per_split=min_keys_per_split)
+        if num_splits is not None:
+            if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+                raise ValueError(f"paged_attention: num_splits={num_splits!r} must be an int >= 1")
+            tuning = tuning._replace(num_splits=num_splits)
+        _check_tuning(tuning)
+        _, first_n, last_n, num_fixed, num_ring = _geometry(geom)
+        self.attn, self.merge = _kernels(interpret)
+        dev = q.device
+        # stand-ins for absent operands: never read (their constexpr branches are compiled out), so never filled
+        dummy_u8 = torch.empty(1, dtype=torch.uint8, device=dev)
+        dummy_f32 = torch.empty(1, dtype=torch.float32, device=dev)
+        ht = high_table if plan.twin else torch.empty((1, 1), dtype=torch.int32, device=dev)
+        self.shape, self.dtype, self.device, self.tail, self.tuning = tuple(q.shape), q.dtype, dev, bool(tail), tuning
+        self.num_layers, self.heads = plan.num_layers, heads
+        self.grid = (bsz * heads, tuning.num_splits, -(-rows // tuning.block_m))
+        self.tables = (page_table, page_table.stride(0), ht, ht.stride(0), kv_lens,
+                       low_data if plan.low else dummy_u8, low_scales if plan.low else dummy_u8,
+                       low_gs if plan.low else dummy_f32, plan.rows if plan.rows is not None else dummy_u8,
+                       plan.rscale if plan.rows_fp8 else dummy_f32)
+        self.sizes = (plan.num_pages, plan.num_row_pages, page_table.shape[1], ht.shape[1])
+        # bf16 probabilities are split in two halves where rows meet them in bf16 (a bf16 twin, plain bf16 / FP8
+        # rows under bf16 q, the bf16 tail)
+        bf16 = q.dtype == torch.bfloat16
+        self.constants = dict(
+            H=heads, G=group, TQ=tq, D=d, PAGE=plan.page, LOW=plan.low, TWIN=plan.twin, ROWS_FP8=plan.rows_fp8,
+            FIRST_N=first_n, LAST_N=last_n, NUM_FIXED=num_fixed, NUM_RING=num_ring, SPLIT_LOW=False,
+            SPLIT_ROWS=bf16 and plan.rows is not None and (not plan.low or not plan.rows_fp8),
+            FINAL=tuning.num_splits == 1, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, EMULATE=interpret,
+            TAIL=self.tail, SPLIT_TAIL=bf16, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+        self.dummy, self.interpret, self._runners = dummy_u8, interpret, {}
+
+    def _check_call(self, q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v) -> None:
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != self.shape or q.dtype != self.dtype \
+                or q.device != self.device or q.stride(-1) != 1:
+            raise ValueError(f"paged_attention: q must be {self.dtype} {list(self.shape)} on {self.device} with unit "
+                             f"stride on head_dim (the shape this PagedAttention was made for), got "
+                             f"{getattr(q, 'dtype', type(q).__name__)} {list(getattr(q, 'shape', []))}")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"paged_attention: layer={layer!r} must be an int in [0, {self.num_layers})")
+        _check_options(sm_scale, sliding_window, soft_cap)
+        if (tail_k is not None or tail_v is not None) != self.tail:
+            raise ValueError(f"paged_attention: this call was prepared {'with' if self.tail else 'without'} tail_k / "
+                             f"tail_v (the step's own rows); pass {'both' if self.tail else 'neither'}")
+        if self.tail:
+            want = (self.shape[0], self.shape[1], self.heads, self.shape[3])
+            for name, x in (("tail_k", tail_k), ("tail_v", tail_v)):
+                if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != self.dtype \
+                        or x.device != self.device or x.stride(-1) != 1:
+                    raise ValueError(f"paged_attention: {name} must be {self.dtype} [B, Tq, H, D] = {list(want)} on "
+                                     f"{self.device} with unit stride on D, got {getattr(x, 'dtype', type(x).__name__)}"
+                                     f" {list(getattr(x, 'shape', []))} strides {tuple(getattr(x, 'stride', tuple)())}")
+
+    def __call__(self, q, layer: int, sm_scale: float, sliding_window: Optional[int] = None,
+                 soft_cap: Optional[float] = None, *, tail_k=None, tail_v=None):
+        self._check_call(q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v)
+        bsz, tq, hq, d = self.shape
+        splits, dev = self.tuning.num_splits, self.device
+        if splits == 1:
+            o = torch.empty((bsz, tq, hq, d), dtype=torch.float32, device=dev)
+            m = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
+            l_part = m
+        else:
+            o = torch.empty((bsz, tq, hq, splits, d), dtype=torch.float32, device=dev)
+            m = torch.empty((bsz, tq, hq, splits), dtype=torch.float32, device=dev)
+            l_part = torch.empty_like(m)
+        if self.tail:
+            tail = (tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+                    tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2))
+        else:
+            tail = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0)
+        args = (q, q.stride(0), q.stride(1), q.stride(2), *self.tables, o, m, l_part, *tail, int(layer), *self.sizes,
+                float(sm_scale), int(sliding_window or 0), float(soft_cap or 1.0))
+        flags = dict(HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None)
+        key = ("attn", flags["HAS_WINDOW"], flags["HAS_CAP"], _align16(q), *map(_int_spec, q.stride()[:3]),
+               *(_align16(x) if isinstance(x, torch.Tensor) else _int_spec(x) for x in tail))
+        self._launch(key, self.attn, self.grid, args, {**flags, **self.constants})
+        if splits == 1:
+            return o, m
+        out = torch.empty((bsz, tq, hq, d), dtype=torch.float32, device=dev)
+        lse = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
+        self._launch(("merge",), self.merge, (bsz * tq * hq,), (o, m, l_part, out, lse, splits),
+                     dict(D=d, BLOCK_S=next_pow2(splits), num_warps=4))
+        return out, lse
+
+    def _launch(self, key, fn, grid, args, kwargs) -> None:
+        """``fn[grid](*args, **kwargs)``. On CUDA, once a specialization ``key`` (what Triton specializes on among
+        the arguments that change between calls: flags, alignment and unit / 16-multiple strides of the query and
+        tail; every other argument is fixed for this object, or a fresh allocation) has launched, later launches
+        go straight to the compiled kernel's runner (`triton.compiler.CompiledKernel`, all arguments in signature
+        order), skipping ``JITFunction.run``'s argument binding and specialization on the host."""
+        runner = self._runners.get(key)
+        if runner is not None:
+            runner(*args, *(kwargs[name] for name in fn.arg_names[len(args):]))
+            return
+        compiled = fn[grid](*args, **kwargs)
+        if not self.interpret and hasattr(compiled, "run"):
+            self._runners[key] = compiled[tuple(grid) + (1,) * (3 - len(grid))]       # the runner takes 3-D grids
+
+
+def _align16(x: torch.Tensor) -> bool:
+    return x.data_ptr() % 16 == 0
+
+
+def _int_spec(v: int) -> int:
+    """How Triton specializes an int argument: 1, a multiple of 16, or neither (and 64-bit beyond int32)."""
+    return 1 if v == 1 else 16 if v % 16 == 0 else (2 if -2 ** 31 <= v < 2 ** 31 else 3)
 
 
 def _check_tuning(tuning: Tuning) -> None:

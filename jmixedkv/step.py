@@ -31,6 +31,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from . import state as st
 from .decode import decode_attention
@@ -39,7 +40,7 @@ from .staging import stage
 
 __all__ = ["append_only", "append_attend", "append_attend_packed", "append_dense", "dense_rows", "apply_sinks",
            "plan_append", "plan_append_packed", "split_layer_state", "layer_part", "join_layer_state", "layer_append",
-           "layer_attend", "layer_dense"]
+           "layer_attend", "layer_dense", "plan_write_layers"]
 
 
 def _tokens(x):
@@ -244,3 +245,40 @@ def layer_dense(rest, mine, layer, k, v, plan, rows, *, width: int, group: int =
     state = _write(rest, mine, layer, k, v, plan, group, rope, backend, packed)
     return (layer_part(state, group),) + dense_rows(state, layer, rows, width=width, group=group, backend=backend)
 
+
+
+# ---------------------------------------------------------------------------------------- a whole step at once
+def plan_write_layers(state, tokens, kv, *, group: int = 0, rope: Optional[RopeSpec] = None, backend: str = "auto"):
+    """A step whose rows were kept aside while its layers ran (`interop.hf.JMixedKVCache`'s fused path reads
+    them dense), stored for every layer of ``group`` in ONE program: `plan_append`'s plan of ``tokens`` i32[2 T] =
+    ``seq | pos`` (NumPy or device), then each layer's `jmixedkv.state.write_layer_traced` from ``kv [2 L, B, H,
+    T', D]`` (layer ``l``'s K at ``kv[l]``, its V at ``kv[L + l]``; transformers' layout, token ``b * T' + t``;
+    ``B * T' = T``). Leaves the state plan + per-layer programs leave, bit for bit. The state is donated but for
+    other groups' pools, which enter read-only and come back as the caller's own arrays (never copied)."""
+    others = tuple(None if i == group else p for i, p in enumerate(state.pools))
+    new = _plan_write(_own_pools(state, group), others, tokens, kv, group=group, rope=rope, backend=backend)
+    return _with_pools(new, others, group)
+
+
+def _with_pools(state, others, group: int):
+    return dataclasses.replace(state, pools=tuple(p if i == group else others[i] for i, p in enumerate(state.pools)))
+
+
+def _own_pools(state, group: int):
+    return dataclasses.replace(state, pools=tuple(p if i == group else None for i, p in enumerate(state.pools)))
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("group", "rope", "backend"))
+def _plan_write(own, others, tokens, kv, *, group: int, rope, backend: str):
+    t = tokens.shape[0] // 2
+    state, plan = st.plan_append_traced(_with_pools(own, others, group), tokens[:t], tokens[t:], group=group)
+    num_layers = state.groups[group].num_layers
+
+    def store(layer, carry):                       # the loop carries the group's pools only (updated in place)
+        k = lax.dynamic_index_in_dim(kv, layer, keepdims=False)
+        v = lax.dynamic_index_in_dim(kv, layer + num_layers, keepdims=False)
+        full = st.write_layer_traced(_with_pools(carry, others, group), layer, _tokens(k), _tokens(v), plan,
+                                     group=group, rope=rope, backend=backend)
+        return _own_pools(full, group)
+
+    return lax.fori_loop(0, num_layers, store, _own_pools(state, group))

@@ -70,28 +70,39 @@ def test_generate_equals_dynamic_cache_with_left_padding(model, batch, kv):
     assert tkv.manager.free_slots() == list(range(BATCH)) and cache.get_seq_length() == 0
 
 
-def test_beam_search_reorders_by_fork(model, batch):
+@pytest.mark.parametrize("decode", ["stage", "fused"])
+def test_beam_search_reorders_by_fork(model, batch, decode):
     ids, mask = batch
     want = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False)
-    cache = _cache(model, BF16)
-    forks = []
-    orig = cache.cache.fork
-    cache.cache.fork = lambda *a, **k: forks.append(a) or orig(*a, **k)
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False,
-                         **{CACHE_KWARG: cache})
+    _set_attn(model, ATTN_IMPLEMENTATION if decode == "fused" else "sdpa")
+    try:
+        cache = _cache(model, BF16, decode=decode)
+        forks = []
+        orig = cache.cache.fork
+        cache.cache.fork = lambda *a, **k: forks.append(a) or orig(*a, **k)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False,
+                             **{CACHE_KWARG: cache})
+    finally:
+        _set_attn(model, "sdpa")
     assert torch.equal(got, want)
     assert forks, "beam search never reordered the cache (no fork ran)"
     assert len(set(cache.slots.tolist())) == cache.slots.size == 6      # 2 rows x 3 beams, distinct slots
 
 
-def test_prompt_lookup_decoding_crops(model, batch):
+@pytest.mark.parametrize("decode", ["stage", "fused"])
+def test_prompt_lookup_decoding_crops(model, batch, decode):
     ids = batch[0][:1]
     want = model.generate(ids, max_new_tokens=8, do_sample=False)
-    cache = _cache(model, ALL_HIGH)
-    crops = []
-    orig = cache.crop
-    cache.crop = lambda n: crops.append(n) or orig(n)
-    got = model.generate(ids, max_new_tokens=8, do_sample=False, **{CACHE_KWARG: cache}, prompt_lookup_num_tokens=3)
+    _set_attn(model, ATTN_IMPLEMENTATION if decode == "fused" else "sdpa")
+    try:
+        cache = _cache(model, ALL_HIGH, decode=decode)
+        crops = []
+        orig = cache.crop
+        cache.crop = lambda n: crops.append(n) or orig(n)
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, **{CACHE_KWARG: cache},
+                             prompt_lookup_num_tokens=3)
+    finally:
+        _set_attn(model, "sdpa")
     assert torch.equal(got, want)
     assert any(n < 0 for n in crops), crops
     slot = int(cache.slots[0])
@@ -181,3 +192,49 @@ def test_right_padding_and_wrong_shapes_refused(model):
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="layers, kv heads, head_dim"):
         JMixedKVCache(cache.cache, config=other)
+
+
+def _pool_pointers(cache):
+    import jax
+    return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache._tkv.state.pools)]
+
+
+@pytest.mark.parametrize("kv", [BF16, MIXED], ids=["bf16", "mixed"])
+def test_fused_steps_store_every_layer_in_one_program_in_place(model, batch, kv):
+    """A fused step's rows are held aside and stored when the next step begins (`JMixedKVCache.flush`): the
+    pools keep their buffers (no torch view of them survives into the donated write, which would make JAX copy
+    them), ``cache.cache`` shows every step stored, and holding a view across a step is what would copy."""
+    ids = batch[0]
+    mask = torch.ones_like(ids)
+    _set_attn(model, ATTN_IMPLEMENTATION)
+    try:
+        cache = _cache(model, kv, decode="fused")
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            for i in range(3):
+                nxt = out.logits[:, -1:].argmax(-1)
+                out = model(nxt, attention_mask=mask, **{CACHE_KWARG: cache})
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                if i == 0:
+                    first = _pool_pointers(cache)
+                    assert cache._step.reserved is not None                   # this step is still held aside
+            assert _pool_pointers(cache) == first
+            assert [cache.cache.kv_len(int(s)) for s in cache.slots] == [PROMPT + 3] * 2
+            assert cache._step.reserved is None                                # `cache` flushed it
+            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, **{CACHE_KWARG: cache})
+            kept = cache._step.views.pools                                     # a view held across the write
+            cache.flush()
+            assert _pool_pointers(cache) != first and kept is not None
+    finally:
+        _set_attn(model, "sdpa")
+
+
+def test_tail_limit_by_format():
+    from interop.hf import tail_limit
+    assert tail_limit(MIXED) == 4 and tail_limit(ALL_HIGH) == 16 and tail_limit(BF16) >= 1 << 20
+    for cfg in (KVCacheConfig("nvfp4", page_size=PAGE), KVCacheConfig("fp8", page_size=PAGE),
+                KVCacheConfig("mixed_nvfp4_fp8", first_n=2, last_n=4, page_size=PAGE),
+                KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=0, page_size=PAGE),
+                MIXED.replace(k_smoothing=True)):
+        assert tail_limit(cfg) == 0, cfg

@@ -140,11 +140,13 @@ def test_sinks_are_one_lse_term():
     assert (np.asarray(empty) == 0).all()
 
 
-def test_fused_path_compiles_once_per_shape():
-    """Every decode step of every layer runs one program (`step.layer_attend`) after one plan per step
-    (`step.plan_append_packed`): one compilation each for a generate() run (the plan: one for the prompt's tokens,
-    one for a decode step's), none for a second run of the same shapes; prefill appends (`step.layer_append`)
-    compile once."""
+@pytest.mark.parametrize("deferred", [True, False], ids=["held_aside", "per_layer"])
+def test_fused_path_compiles_once_per_shape(deferred):
+    """A fused generate() compiles each program once per shape, never per step or layer, and a second run of the
+    same shapes compiles nothing. Where the format reads the step's rows dense (`interop.hf.tail_limit`) a step is
+    one JAX program, storing every layer's rows (`step.plan_write_layers`: one compilation for the prompt's tokens,
+    one for a decode step's); otherwise one plan per step (`step.plan_append_packed`) and one program per layer
+    (`step.layer_attend`; prefill `step.layer_append`)."""
     torch.manual_seed(0)
     model = _llama().to(torch.bfloat16).eval()
     ids = torch.randint(0, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(3))
@@ -153,17 +155,19 @@ def test_fused_path_compiles_once_per_shape():
     def sizes():
         plan = step._PLAN_PROGRAMS.get((0, BATCH))
         return (step.layer_attend._cache_size(), step.layer_append._cache_size(),
-                0 if plan is None else plan.program._cache_size())
+                0 if plan is None else plan.program._cache_size(), step._plan_write._cache_size())
     try:
-        # a geometry no other test uses, so the counts start from zero
-        kv = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=8, page_size=PAGE, max_draft_len=3)
+        # geometries no other test uses, so the counts start from zero
+        kv = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=8 if deferred else 0, page_size=PAGE,
+                           max_draft_len=3)
         runs = []
         for _ in range(2):
             before = sizes()
             cache = JMixedKVCache.for_model(model, kv, max_batch_size=BATCH, max_cache_len=MAX_LEN, decode="fused",
                                             backend="reference")
             _generate(model, ids, cache)
+            cache.flush()
             runs.append(tuple(a - b for a, b in zip(sizes(), before)))
     finally:
         model.set_attn_implementation("sdpa")
-    assert runs == [(1, 1, 2), (0, 0, 0)], runs
+    assert runs == ([(0, 0, 0, 2), (0, 0, 0, 0)] if deferred else [(1, 1, 2, 0), (0, 0, 0, 0)]), runs

@@ -5,6 +5,8 @@
   covering it, a rewind and its rewrite;
   layers in a permuted order; mixed / NVFP4-only / bf16 caches, rotation + K smoothing, a second group).
 * `layer_attend` / `layer_dense` give `append_attend_packed` / `append_dense`'s outputs bit for bit.
+* `plan_write_layers` (a whole step, every layer, one program) leaves the state plan + `layer_append` per layer
+  leaves, bit for bit, and hands every other group's pools back as the caller's arrays.
 * A layer's program donates and returns only what it changes (its group's pools, ``step_layers``, ``error``, its
   K means): every other group's pools are the caller's very arrays afterwards.
 * Refusals: a step with a bad slot, a bad position or no page left sets ``error`` with every other leaf unchanged,
@@ -154,6 +156,33 @@ def test_a_layer_program_hands_back_only_what_it_changes():
     state = step.join_layer_state(rest, new)
     assert all(x is y for x, y in zip(jax.tree.leaves(state.pools[1]), jax.tree.leaves(other)))
     assert state.page_table is rest.page_table and state.kv_lens is rest.kv_lens
+
+
+@pytest.mark.parametrize("name", ["mixed", "levers"])
+def test_plan_write_layers_equals_plan_then_layers(name):
+    """Prefill (padded, ragged), decode and a verify block as transformers' ``[B, H, T', D]`` rows per layer; the
+    whole-step program leaves the per-layer programs' state; the draft group's pools are the caller's arrays."""
+    a = _state(CONFIGS[name])
+    b = _copy(a)
+    other = b.pools[1]
+    rng = np.random.default_rng(11)
+    steps = [(np.array([[0, 0, 0], [1, 1, 1]]), np.array([[0, 1, 2], [0, 1, 2]])),      # B=2 rows x T'=3
+             (np.array([[0], [1]]), np.array([[3], [3]])),                              # decode
+             (np.array([[0, 0], [-1, -1]]), np.array([[4, 5], [0, 0]]))]               # verify, a padding row
+    for n, (seq, pos) in enumerate(steps):
+        kv = jnp.asarray(rng.normal(size=(2 * L, seq.shape[0], H, seq.shape[1], D)), jnp.bfloat16)
+        seq_t, pos_t = jnp.asarray(seq.reshape(-1), jnp.int32), jnp.asarray(pos.reshape(-1), jnp.int32)
+        a, plan = step.plan_append(a, seq_t, pos_t)
+        rest, _ = step.split_layer_state(a)
+        for layer in range(L):
+            mine = step.split_layer_state(a)[1]
+            a = step.join_layer_state(rest, step.layer_append(rest, mine, jnp.int32(layer), kv[layer], kv[L + layer],
+                                                              plan)[0])
+        tokens = np.concatenate([seq.reshape(-1), pos.reshape(-1)]).astype(np.int32)
+        b = step.plan_write_layers(b, tokens, kv)
+        assert_trees_bit_equal(a, b, f"{name}: after step {n}")
+        assert all(x is y for x, y in zip(jax.tree.leaves(b.pools[1]), jax.tree.leaves(other)))
+    assert int(b.error) == 0 and np.asarray(b.kv_lens).tolist()[:2] == [6, 4]
 
 
 def _refused(state, seq, pos, code):

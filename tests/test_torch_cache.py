@@ -18,6 +18,8 @@ from jmixedkv import checks as checks_mod, gather, speculative, staging
 from jmixedkv.decode import decode_attention
 from jmixedkv.state import admit
 
+from helpers import assert_trees_bit_equal
+
 L, H, HQ, D, PAGE = 2, 2, 4, 32, 16
 LENS = (0, 1, 15, 16, 17, 33)            # 0, 1, page-1, page, page+1, 2 pages + 1
 NUM_PAGES, MAX_PAGES = 14, 4
@@ -661,3 +663,34 @@ def test_step_calls_refuse_a_hand_built_plan():
     assert all(x is y for x, y in zip(jax.tree.leaves(c.state), before, strict=True))
     c.step_append(1, k, k, plan)                                      # the real plan still works
     assert c.kv_len(s) == 1
+
+
+def test_reserve_then_write_step_equals_the_per_layer_calls():
+    """`reserve_step` + `write_step` (every layer's rows in one program) leave the state `plan_step` + one
+    `step_append` per layer leave, bit for bit; `read_views` shows the stored rows (its pools are the state's very
+    buffers, its tables the batch rows'); a ``kv`` of the wrong shape is refused by name with the reservation
+    dropped (the host mirror equal to the device state again, every sequence unchanged)."""
+    a, b = _new_cache(sync="stream", validate=False), _new_cache(sync="stream", validate=False)
+    rows = np.array([a.admit(), a.admit()], np.int32)
+    assert [b.admit(), b.admit()] == rows.tolist()
+    rng = np.random.default_rng(5)
+    for start, t in ((0, 3), (3, 1), (4, 2)):
+        seq = np.repeat(rows, t).astype(np.int32)
+        pos = np.tile(np.arange(start, start + t), 2).astype(np.int32)
+        kv = torch.from_numpy(rng.normal(size=(2 * L, 2, H, t, D)).astype(np.float32)).to(torch.bfloat16)
+        plan = a.plan_step(seq, pos, rows)
+        for layer in range(L):
+            a.step_append(layer, kv[layer], kv[L + layer], plan)
+        b.write_step(b.reserve_step(seq, pos), kv)
+        assert_trees_bit_equal(a.state, b.state, f"step at {start}")
+    views = b.read_views(rows[::-1])
+    assert views.pools.low_data.data_ptr() == b.state.pools[0].low.data.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(views.kv_lens.numpy(), [6, 6])
+    np.testing.assert_array_equal(views.page_table.numpy(), np.asarray(b.state.page_table)[rows[::-1]])
+    del views
+    free = b.free_pages
+    bad = b.reserve_step(np.repeat(rows, 1), np.array([6, 6], np.int32))
+    with pytest.raises(ValueError, match=r"write_step: kv must be .* 2 tokens, got torch.bfloat16 \[4, 2, 2, 1, 33\]"):
+        b.write_step(bad, torch.zeros(2 * L, 2, H, 1, D + 1, dtype=torch.bfloat16))
+    assert b.free_pages == free and [b.kv_len(int(s)) for s in rows] == [6, 6]
+    assert_trees_bit_equal(a.state, b.state, "after the refusal")

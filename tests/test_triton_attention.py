@@ -200,6 +200,70 @@ def test_nan_in_a_visible_key_propagates():
     assert torch.isfinite(lse[4, 0, 1]) and torch.isfinite(lse[5]).all() and torch.isfinite(out[5]).all()
 
 
+# ------------------------------------------------------------------------------------------------ the dense tail
+def _tail_rows(st, tq, seed):
+    """K / V ``[S, Tq, H, D]`` (attention dtype, JAX) for one step of ``tq`` new tokens per slot."""
+    import jax
+    h, d = st.groups[0].num_kv_heads, st.groups[0].head_dim
+    kv = jax.random.normal(jax.random.PRNGKey(seed), (2, st.max_seqs, tq, h, d)) * 2.0
+    return kv.astype(st.config.attention_dtype)
+
+
+@pytest.mark.parametrize("dtype,tq,hq,splits,window,cap", [
+    ("mixed_nvfp4_bf16", 1, 8, 1, None, None), ("mixed_nvfp4_bf16", 3, 6, 3, None, None),
+    ("mixed_nvfp4_fp16", 2, 4, 2, 9, None), ("mixed_nvfp4_fp8", 4, 4, 1, None, 2.5), ("nvfp4", 2, 6, 2, 20, None),
+    ("bf16", 3, 4, 2, 5, 3.0), ("fp8", 1, 2, 1, None, None), ("mixed_nvfp4_bf16", 40, 2, 2, 30, None)])
+def test_tail_against_reference(dtype, tq, hq, splits, window, cap):
+    """The step's own rows given dense (``tail_k`` / ``tail_v``; queries after the stored rows, causal inside the
+    step): the kernel equals the float32 torch reference, every format, splits, window, soft-cap, 40 tokens."""
+    from interop.torch_paged import paged_attention_reference
+    mixed = dtype.startswith("mixed")
+    st = _state(dtype, 5 if mixed else 0, 7 if mixed else 0)
+    q = _torch(decode_queries(st, tq, hq, seed=tq + hq))
+    tk, tv = (_torch(x) for x in _tail_rows(st, tq, seed=tq))
+    page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
+    args = (q, *_pools(st), 1, page_table, high_table, lens, st.config.twin, 0.2, window, cap)
+    got = paged_attention(*args, tail_k=tk, tail_v=tv, num_splits=splits)
+    want = paged_attention_reference(*args, tail_k=tk, tail_v=tv)
+    _check(got, *want, msg=f"{dtype} Tq {tq} Hq {hq}")
+
+
+def test_tail_is_append_then_attend():
+    """Reading a step's rows as a dense tail over the cache before the step equals appending them (a bf16 twin
+    whose last_n covers the step holds them exactly) and attending over the cache after it; tail strides of
+    transformers' ``[B, H, T, D]`` layout."""
+    from jmixedkv.state import append
+    cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=5, last_n=7, page_size=16, max_draft_len=3)
+    st = poisoned_state(cfg, GroupSpec(num_layers=2, num_kv_heads=2, head_dim=64), (0, 1, 15, 16, 17, 70), width=6,
+                        num_pages=40, high_scale=0.02, rows=outlier_rows)
+    tq, hq = 3, 4
+    k, v = _tail_rows(st, tq, seed=5)
+    seq = jnp.repeat(jnp.arange(st.max_seqs, dtype=jnp.int32), tq)
+    pos = (st.kv_lens[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]).reshape(-1)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])                            # noqa: E731
+    after = st
+    for layer in range(st.groups[0].num_layers):
+        after = append(after, layer, flat(k), flat(v), seq, pos, backend="reference")
+    assert int(after.error) == 0 and np.array_equal(np.asarray(after.kv_lens), np.asarray(st.kv_lens) + tq)
+    q = decode_queries(st, tq, hq, seed=9)
+    want = decode_reference(after, 1, q, jnp.arange(st.max_seqs, dtype=jnp.int32))
+    page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
+    tk = _torch(k).transpose(1, 2).contiguous().transpose(1, 2)            # [B, T, H, D] view of [B, H, T, D]
+    tv = _torch(v).transpose(1, 2).contiguous().transpose(1, 2)
+    got = paged_attention(_torch(q), *_pools(st), 1, page_table, high_table, lens, st.config.twin,
+                          st.groups[0].head_dim ** -0.5, tail_k=tk, tail_v=tv, num_splits=2)
+    _check(got, *want, msg="tail vs append + attend")
+
+
+def test_tail_bad_input_is_refused():
+    a = _good_args()
+    tk = torch.zeros((a["q"].shape[0], 1, 2, 64), dtype=a["q"].dtype)
+    with pytest.raises(ValueError, match="tail_v must be"):
+        _call(a, tail_k=tk, tail_v=tk[..., :32])
+    with pytest.raises(ValueError, match="tail_k must be"):
+        _call(a, tail_k=tk.float(), tail_v=tk)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def _good_args():
     st = _state("mixed_nvfp4_bf16", 5, 7)
@@ -287,6 +351,48 @@ def test_gpu_compiled_matches_reference(dtype, first_n, last_n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,first_n,last_n", FORMATS)
+def test_gpu_tail_matches_reference(dtype, first_n, last_n):
+    """The compiled kernels with the step's rows as a dense tail against the float32 torch reference: Tq 1 / 4 /
+    40, forced splits, a window and a soft-cap."""
+    from interop.torch_paged import paged_attention_reference
+    st = _state(dtype, first_n, last_n, lens=(0, 1, 15, 16, 17, 300), d=128)
+    page_table, high_table, lens = _cuda(_tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32)))
+    pools = _cuda(_pools(st))
+    for tq, hq, splits, window, cap in ((1, 8, None, None, None), (4, 6, 3, 9, None), (40, 2, 2, 30, 2.5)):
+        q = _torch(decode_queries(st, tq, hq, seed=tq)).cuda()
+        tk, tv = (_torch(x).cuda() for x in _tail_rows(st, tq, seed=tq))
+        args = (q, *pools, 1, page_table, high_table, lens, st.config.twin, 128 ** -0.5, window, cap)
+        got = paged_attention(*args, tail_k=tk, tail_v=tv, num_splits=splits, interpret=False)
+        want = paged_attention_reference(*args, tail_k=tk, tail_v=tv)
+        _check([x.cpu() for x in got], *(x.cpu() for x in want), msg=f"{dtype} Tq {tq} splits {splits}")
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_calls_reuse_the_compiled_kernel():
+    """One `PagedAttention` for many calls (a step's layers): after a specialization's first launch, later calls
+    go straight to the compiled kernel's runner; every call (layers, windows, soft-caps, a transposed query and
+    tail as transformers' layout gives them) equals the float32 reference."""
+    from interop.torch_paged import paged_attention_reference
+    from interop.triton_attention import PagedAttention
+    st = _state("mixed_nvfp4_bf16", 5, 7, lens=(0, 1, 15, 16, 17, 300), d=128)
+    page_table, high_table, lens = _cuda(_tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32)))
+    pools = _cuda(_pools(st))
+    q = _torch(decode_queries(st, 2, 8, seed=4)).cuda()
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)                     # [B, T, Hq, D] view of [B, Hq, T, D]
+    tk, tv = (_torch(x).cuda().transpose(1, 2).contiguous().transpose(1, 2) for x in _tail_rows(st, 2, seed=6))
+    run = PagedAttention(q, *pools, page_table, high_table, lens, st.config.twin, tail=True, interpret=False)
+    for n, (query, layer, window, cap) in enumerate([(q, 1, None, None), (q, 0, None, None), (qt, 1, 9, None),
+                                                     (qt, 0, 9, None), (q, 1, None, 3.0), (qt, 0, 5, 3.0),
+                                                     (q, 1, None, None)]):
+        got = run(query, layer, 0.1, window, cap, tail_k=tk, tail_v=tv)
+        want = paged_attention_reference(query, *pools, layer, page_table, high_table, lens, st.config.twin, 0.1,
+                                         window, cap, tk, tv)
+        _check([x.cpu() for x in got], *(x.cpu() for x in want), msg=f"call {n}")
+    assert len(run._runners) >= 4
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d,group,first_n,last_n,context", [(128, 4, 4, 32, 32768), (64, 8, 4, 32, 8192),
                                                              (256, 2, 0, 32, 8192)])
 def test_gpu_model_size(d, group, first_n, last_n, context):
@@ -308,7 +414,8 @@ def test_gpu_model_size(d, group, first_n, last_n, context):
 def test_compiles_for_sm90_without_a_gpu():
     """The compiled-mode kernels (``triton.jit``: what CUDA runs) build to a cubin for sm_90 on this machine with
     Triton's bundled ptxas: the paths the interpreter cannot check (globals, constexpr branches, layouts) compile.
-    One variant with every branch on: NVFP4 + FP8 twin, sliding window, soft-cap, GQA 3 x Tq 2, partial output."""
+    One variant with every branch on: NVFP4 + FP8 twin, sliding window, soft-cap, GQA 3 x Tq 2, partial output, the
+    step's rows as a dense tail."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -317,11 +424,13 @@ def test_compiles_for_sm90_without_a_gpu():
     attn, merge = _kernels(False)
     sig = dict(q_ptr="*bf16", sq_b="i32", sq_t="i32", sq_h="i32", pt_ptr="*i32", s_pt="i32", ht_ptr="*i32",
                s_ht="i32", lens_ptr="*i32", data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32", rows_ptr="*u8",
-               rscale_ptr="*fp32", o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", layer="i32", num_pages="i32",
+               rscale_ptr="*fp32", o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", tk_ptr="*bf16", stk_b="i32",
+               stk_t="i32", stk_h="i32", tv_ptr="*bf16", stv_b="i32", stv_t="i32", stv_h="i32", layer="i32",
+               num_pages="i32",
                num_row_pages="i32", num_cols="i32", ht_width="i32", sm_scale="fp32", window="i32", cap="fp32")
     const = dict(H=2, G=3, TQ=2, D=64, PAGE=16, LOW=True, TWIN=True, ROWS_FP8=True, FIRST_N=5, LAST_N=7,
                  NUM_FIXED=1, NUM_RING=2, HAS_WINDOW=True, HAS_CAP=True, SPLIT_LOW=False, SPLIT_ROWS=False,
-                 FINAL=False, BLOCK_M=16, BLOCK_N=32, EMULATE=False)
+                 FINAL=False, BLOCK_M=16, BLOCK_N=32, EMULATE=False, TAIL=True, SPLIT_TAIL=True)
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     target = GPUTarget("cuda", 90, 32)
