@@ -171,7 +171,9 @@ class JMixedKVCache(Cache):
         ``decode="fused"`` checks that ``config._attn_implementation == "jmixedkv"``.
 
     ``reset()`` releases the slots. One `TorchKVCache` slot per batch row: ``max_seqs`` >= the batch (beam
-    search: batch x beams; ``batch_repeat_interleave`` needs the repeated batch).
+    search: batch x beams; ``batch_repeat_interleave`` needs the repeated batch). A fused step held aside is stored
+    when the next begins: read the `TorchKVCache` through ``cache`` (which stores it first, `flush`), not through a
+    reference kept from before the step.
     """
 
     def __init__(self, cache: TorchKVCache, *, decode: str = "stage", config=None):
