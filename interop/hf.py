@@ -123,7 +123,7 @@ class JMixedLayer(CacheLayerMixin):
         `jmixedkv_attention` recognises (it appends and attends in one program)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return self.owner._update(self, key_states, value_states, _position_ids(args, kwargs))
+        return self.owner._update(self, key_states, value_states, (args, kwargs))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -147,15 +147,16 @@ class JMixedLayer(CacheLayerMixin):
 class _Step:
     """The forward pass in flight: its tokens checked and accounted for once, shared by every layer. ``start``:
     the padded length before it; ``t``: its tokens per row; ``before`` / ``new``: i64[B] stored rows before it and
-    its real (non-padding) tokens per row. ``plan``: its `TorchKVCache.plan_step` (per-layer JAX programs), or
+    its real (non-padding) tokens per row; ``first``: nothing was stored before it. ``plan``: its `TorchKVCache.plan_step` (per-layer JAX programs), or
     None for a step written after its layers ran (``reserved``: its `TorchKVCache.reserve_step`; ``rows``: each
     layer's ``(k, v)`` kept until then; ``views`` / ``attend``: the cache before the step as torch views and the
     attention over them, `interop.paged_ops.step_attention`, made by the first layer that attends)."""
 
-    __slots__ = ("start", "t", "plan", "before", "new", "reserved", "rows", "views", "attend")
+    __slots__ = ("start", "t", "plan", "before", "new", "first", "reserved", "rows", "views", "attend")
 
     def __init__(self, start, t, plan, before, new, reserved=None, num_layers=0):
         self.start, self.t, self.plan, self.before, self.new = start, t, plan, before, new
+        self.first = not before.any()          # nothing stored before it: attention reads the step's own rows
         self.reserved, self.rows = reserved, [None] * num_layers
         self.views = self.attend = None
 
@@ -194,6 +195,7 @@ class JMixedKVCache(Cache):
         self._step: Optional[_Step] = None
         self._pos_memo = (None, None)
         self._pending = None                               # layer of a fused step whose attention has not run
+        self._markers: dict = {}                           # layer -> its empty K / V placeholder (`_marker`)
         self._tail_limit = tail_limit(cache.config) if decode == "fused" else 0
         self._hadamard = None
         if cache.config.rotation == "hadamard":
@@ -364,9 +366,10 @@ class JMixedKVCache(Cache):
                              f"{int(lens[b]) + 1}, ... (right padding is not supported)")
         return new
 
-    def _step_for(self, layer: JMixedLayer, batch: int, t: int, position_ids) -> _Step:
+    def _step_for(self, layer: JMixedLayer, batch: int, t: int, update_args) -> _Step:
         """The step ``layer`` takes part in: the open one, or (the first layer of a forward pass) a new one whose
-        tokens are checked and accounted for once. A new pass first stores the last one's rows (`flush`)."""
+        tokens are checked and accounted for once (``position_ids`` read from ``update_args``, the ``(args,
+        kwargs)`` transformers gave ``update``). A new pass first stores the last one's rows (`flush`)."""
         step = self._step
         if step is not None and layer.seen == step.start and t == step.t:
             return step
@@ -375,7 +378,7 @@ class JMixedKVCache(Cache):
                              f"flight started at {None if step is None else step.start} (layers must be updated "
                              f"once per forward pass, in any order)")
         self.flush()
-        new = self._new_rows(batch, t, position_ids)
+        new = self._new_rows(batch, t, _position_ids(*update_args))
         before = self.lens
         j = np.arange(t)[None, :]
         real = j >= t - new[:, None]
@@ -396,7 +399,7 @@ class JMixedKVCache(Cache):
         a bf16 copy of the step's K/V for every layer), every row taking all ``t`` tokens (no padding inside)."""
         return t <= min(self._tail_limit, MAX_HELD_TOKENS) and bool((new == t).all())
 
-    def _update(self, layer: JMixedLayer, k: torch.Tensor, v: torch.Tensor, position_ids):
+    def _update(self, layer: JMixedLayer, k: torch.Tensor, v: torch.Tensor, update_args):
         batch, heads, t, dim = k.shape
         if self._pending is not None:
             layer_idx, self._pending = self._pending, None
@@ -412,19 +415,19 @@ class JMixedKVCache(Cache):
             self._admit(batch)
         elif batch != self.slots.shape[0]:
             raise ValueError(f"JMixedKVCache: batch of {batch} rows, the cache holds {self.slots.shape[0]}")
-        step = self._step_for(layer, batch, t, position_ids)
+        step = self._step_for(layer, batch, t, update_args)
         k0, v0 = k, v
         k, v = _attention_dtype(k, self._tkv), _attention_dtype(v, self._tkv)
         layer.seen += t
         if step.plan is None:                          # stored when the next step begins (`flush`)
             step.rows[layer.layer_idx] = (k, v)
-            if not step.before.any():                  # nothing stored before: attention reads the step's own rows
+            if step.first:                             # nothing stored before: attention reads the step's own rows
                 return k0, v0
             return self._marker(layer, step, k, v)
         if self.decode == "fused" and 1 <= t <= self._tkv.config.max_draft_len + 1:
             return self._marker(layer, step, k, v)
         kv = torch.cat([k, v], dim=1)                  # one crossing for K and V
-        if not step.before.any():                      # nothing stored before: attention reads the step's own rows
+        if step.first:                                 # nothing stored before: attention reads the step's own rows
             self._tkv.step_append(layer.layer_idx, kv, None, step.plan)
             return k0, v0
         kd, vd = self._tkv.step_dense(layer.layer_idx, kv, None, step.plan)
@@ -432,7 +435,9 @@ class JMixedKVCache(Cache):
 
     def _marker(self, layer: JMixedLayer, step: _Step, k: torch.Tensor, v: torch.Tensor):
         """Empty K/V placeholders that `jmixedkv_attention` recognises: the layer's attention runs there."""
-        marker = k.new_empty((k.shape[0], k.shape[1], 0, k.shape[3]))
+        marker = self._markers.get(layer.layer_idx)
+        if marker is None or marker.shape[:2] != k.shape[:2] or marker.dtype != k.dtype or marker.device != k.device:
+            marker = self._markers[layer.layer_idx] = k.new_empty((k.shape[0], k.shape[1], 0, k.shape[3]))
         marker._jmixedkv = (self, layer.layer_idx, k, v, step)              # read by jmixedkv_attention
         self._pending = layer.layer_idx
         return marker, marker
