@@ -147,10 +147,11 @@ class JMixedLayer(CacheLayerMixin):
 class _Step:
     """The forward pass in flight: its tokens checked and accounted for once, shared by every layer. ``start``:
     the padded length before it; ``t``: its tokens per row; ``before`` / ``new``: i64[B] stored rows before it and
-    its real (non-padding) tokens per row; ``first``: nothing was stored before it. ``plan``: its `TorchKVCache.plan_step` (per-layer JAX programs), or
-    None for a step written after its layers ran (``reserved``: its `TorchKVCache.reserve_step`; ``rows``: each
-    layer's ``(k, v)`` kept until then; ``views`` / ``attend``: the cache before the step as torch views and the
-    attention over them, `interop.paged_ops.step_attention`, made by the first layer that attends)."""
+    its real (non-padding) tokens per row; ``first``: nothing was stored before it. ``plan``: its
+    `TorchKVCache.plan_step` (per-layer JAX programs), or None for a step written after its layers ran
+    (``reserved``: its `TorchKVCache.reserve_step`; ``rows``: each layer's ``(k, v)`` kept until then; ``views`` /
+    ``attend``: the cache before the step as torch views and the attention over them,
+    `interop.paged_ops.step_attention`, made by the first layer that attends)."""
 
     __slots__ = ("start", "t", "plan", "before", "new", "first", "reserved", "rows", "views", "attend")
 
@@ -475,8 +476,7 @@ class JMixedKVCache(Cache):
         scale = self.spec.head_dim ** -0.5 if scaling is None else float(scaling)
         out, lse = step.attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv)
         if sinks is not None:
-            s = sinks.to(device=out.device, dtype=torch.float32)[None, None, :]
-            out = out * torch.sigmoid(lse - s)[..., None]                   # lse = -inf (no key): weight 0
+            out = paged_ops.apply_sinks(out, lse, sinks)
         if self._hadamard is not None:
             out = out @ self._hadamard
         return out.to(query.dtype)

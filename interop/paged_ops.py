@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import torch_paged
 from .torch_paged import TorchPools
 
-__all__ = ["write_rows", "paged_attention", "step_attention", "cpu_backend", "CPU_BACKENDS"]
+__all__ = ["write_rows", "paged_attention", "step_attention", "apply_sinks", "cpu_backend", "CPU_BACKENDS"]
 
 CPU_BACKENDS = ("torch", "triton")
 #: `step_attention` launches from eager Python, where a launch costs more host time than a short split saves on the
@@ -162,3 +162,11 @@ def step_attention(pools: TorchPools, q: Tensor, page_table: Tensor, high_table:
         return torch_paged.paged_attention_reference(q, *pools, layer, page_table, high_table, kv_lens, g, sm_scale,
                                                      sliding_window, soft_cap, tail_k, tail_v)
     return run
+
+
+def apply_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Attention sinks as an LSE term (as `jmixedkv.step.apply_sinks`): ``out f32[B, Tq, Hq, D]`` scaled by
+    ``sigmoid(lse - sink)`` for natural-log ``lse f32[B, Tq, Hq]`` and ``sinks [Hq]`` (one logit per query head, on
+    the scaled-logit scale); a row that saw no key (``lse = -inf``) gets weight 0."""
+    s = sinks.to(device=out.device, dtype=torch.float32)[None, None, :]
+    return out * torch.sigmoid(lse - s)[..., None]

@@ -315,10 +315,9 @@ class StaticPagedCache:
         out, lse = paged_ops.paged_attention(grp.pools, index, qs, grp.page_table[:b], self.high_table[:b], lens,
                                              self.page_size, self.geom, scale, sliding_window, soft_cap)
         if sinks is not None:
-            s = sinks.to(device=out.device, dtype=torch.float32)[None, None, :]
             if self.k_mean is not None:                               # the LSE of the unshifted keys
                 lse = lse + scale * self._mean_logit(layer, q)
-            out = out * torch.sigmoid(lse - s)[..., None]            # lse = -inf (no key): weight 0
+            out = paged_ops.apply_sinks(out, lse, sinks)
         if self._hadamard is not None:
             out = out @ self._hadamard
         if bad is not None:
