@@ -32,12 +32,14 @@ Semantics, exactly:
   attention did not run through it raises `RuntimeError` at the next ``update``. Its float32 attention is close
   to, not bit-equal with, torch's. Two ways, by format:
 
-  - Held aside (a 16-bit plain cache, or a mixed cache with a 16-bit twin, no K smoothing; steps of ``T <=
-    min(last_n, MAX_HELD_TOKENS)`` tokens per row, no padding inside the step; `tail_limit`): each layer's K / V
-    are kept as torch tensors and attention is a torch Triton kernel (`interop.paged_ops.step_attention`; torch
-    code on CPU) over zero-copy views of the pools as they were before the step plus the step's own rows read
-    dense -- the result of appending them first, since the twin holds them as given. The rotation lever is applied
-    to q / the new rows and undone on the output around it. When the next step begins (or `flush`, or any method
+  - Held aside (every format but K smoothing and a float32 attention dtype; steps of ``T <= MAX_HELD_TOKENS``
+    tokens per row, and ``T <= last_n`` for a mixed cache with a ``last_n`` window, no padding inside the step;
+    `tail_limit`): each layer's K / V are kept as torch tensors and attention is a torch Triton kernel
+    (`interop.paged_ops.step_attention`; torch code on CPU) over zero-copy views of the pools as they were before
+    the step plus the step's own rows read dense in the form they read once stored (`tail_form`: as given from a
+    16-bit pool or twin; through the NVFP4 or fp8 codec otherwise, one more Triton launch,
+    `interop.paged_ops.round_trip`) -- the result of appending them first, up to one rounding of those rows to
+    the attention dtype. The rotation lever is applied to q / the new rows and undone on the output around it. When the next step begins (or `flush`, or any method
     that reads or changes the cache: ``cache``, ``crop``, ``reorder_cache``, ``reset``), every layer's rows are
     stored in ONE donated JAX program (`TorchKVCache.write_step`); the views are dropped first, so the pools are
     updated in place. A first step of at most that many tokens attends over its own rows (the model's attention).
@@ -83,7 +85,7 @@ from . import paged_ops
 from .torch_cache import CacheCapacityError, TorchKVCache
 
 __all__ = ["JMixedKVCache", "JMixedLayer", "jmixedkv_attention", "dense_attention", "text_config", "sliding_windows",
-           "check_model_fits", "tail_limit", "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
+           "check_model_fits", "tail_limit", "tail_form", "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
 
 ATTN_IMPLEMENTATION = "jmixedkv"
 # The keyword a transformers model / ``generate`` takes the cache by: ``cache`` from transformers 5.2x on
@@ -198,6 +200,8 @@ class JMixedKVCache(Cache):
         self._pending = None                               # layer of a fused step whose attention has not run
         self._markers: dict = {}                           # layer -> its empty K / V placeholder (`_marker`)
         self._tail_limit = tail_limit(cache.config) if decode == "fused" else 0
+        self._tail_form = tail_form(cache.config)
+        self._tail_from = cache.config.first_n if cache.config.is_mixed and not cache.config.last_n else 0
         self._hadamard = None
         if cache.config.rotation == "hadamard":
             from .torch_nvfp4 import hadamard
@@ -385,7 +389,7 @@ class JMixedKVCache(Cache):
         real = j >= t - new[:, None]
         seq = np.where(real, self.slots[:, None], -1).astype(np.int32).reshape(-1)     # token b * t + j
         pos = np.where(real, before[:, None] + j - (t - new[:, None]), 0).astype(np.int32).reshape(-1)
-        if self._defers(t, new):
+        if self._defers(t, new, before):
             step = _Step(layer.seen, t, None, before, new, self._tkv.reserve_step(seq, pos), len(self.layers))
         else:
             step = _Step(layer.seen, t, self._tkv.plan_step(seq, pos, self.slots), before, new)
@@ -393,12 +397,14 @@ class JMixedKVCache(Cache):
         self._step = step
         return step
 
-    def _defers(self, t: int, new: np.ndarray) -> bool:
+    def _defers(self, t: int, new: np.ndarray, before: np.ndarray) -> bool:
         """Whether a step's rows are held aside and stored after its layers ran (one JAX program per step, the
-        attention a torch kernel over the cache plus the step's rows read dense): a fused cache whose format reads
-        them exactly so, ``t`` within that limit (`tail_limit`) and within `MAX_HELD_TOKENS` (the rows held cost
-        a bf16 copy of the step's K/V for every layer), every row taking all ``t`` tokens (no padding inside)."""
-        return t <= min(self._tail_limit, MAX_HELD_TOKENS) and bool((new == t).all())
+        attention a torch kernel over the cache plus the step's rows read dense, in the form they read once
+        stored): a fused cache, ``t`` within its format's limit (`tail_limit`) and within `MAX_HELD_TOKENS` (the
+        rows held cost a copy of the step's K/V for every layer), every row taking all ``t`` tokens (no padding
+        inside), and (a mixed cache without ``last_n``) every new row past ``first_n``."""
+        return (t <= min(self._tail_limit, MAX_HELD_TOKENS) and bool((new == t).all())
+                and (not self._tail_from or int(before.min()) >= self._tail_from))
 
     def _update(self, layer: JMixedLayer, k: torch.Tensor, v: torch.Tensor, update_args):
         batch, heads, t, dim = k.shape
@@ -473,6 +479,9 @@ class JMixedKVCache(Cache):
             views = step.views = self._tkv.read_views(self.slots, group=0)
             step.attend = paged_ops.step_attention(views.pools, q, views.page_table, views.high_table,
                                                    views.kv_lens, self._tkv.page_size, views.geom, tail=True)
+        if self._tail_form is not None:                # the rows as they read once stored (NVFP4 / fp8)
+            tk, tv = paged_ops.round_trip(step.views.pools, layer_idx, tk, tv, low=self._tail_form == "nvfp4",
+                                          block_scale=self._tkv.config.block_scale)
         scale = self.spec.head_dim ** -0.5 if scaling is None else float(scaling)
         out, lse = step.attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv)
         if sinks is not None:
@@ -484,14 +493,23 @@ class JMixedKVCache(Cache):
 
 def tail_limit(config: KVCacheConfig) -> int:
     """Most new tokens per row a fused `JMixedKVCache` step reads dense (held aside, stored after its layers ran)
-    with the result of storing them first: a 16-bit plain cache reads every row as given (no limit); a mixed cache
-    with a 16-bit twin holds the last ``last_n`` rows as given. 0 (the step's rows are stored, then read, layer by
-    layer) for formats that read new rows quantized (NVFP4 alone, FP8, an FP8 twin), a twin without a ``last_n``
-    window, and K smoothing (its stored keys are shifted by a mean the step's rows would need first)."""
-    high = config.high_dtype
-    if config.k_smoothing or high is None or high.itemsize != 2:
+    with the result of storing them first (each row read back in the form `tail_form` names). A plain cache reads
+    every row in one form (no limit); a mixed cache reads its last ``last_n`` rows from the twin (limit ``last_n``),
+    or with ``last_n = 0`` every row past ``first_n`` as NVFP4 (no limit; steps inside ``first_n`` are not held).
+    0 (the step's rows are stored, then read, layer by layer) for K smoothing (its stored keys are shifted by a
+    mean the step's rows would need first) and a float32 attention dtype (the torch kernels read 16-bit rows)."""
+    if config.k_smoothing or config.attention_dtype.itemsize != 2:
         return 0
-    return config.last_n if config.is_mixed else 1 << 30
+    return config.last_n if config.is_mixed and config.last_n else 1 << 30
+
+
+def tail_form(config: KVCacheConfig) -> Optional[str]:
+    """How a held-aside step's own rows read once stored (`tail_limit`): None (as given: a 16-bit plain pool or
+    twin), ``"fp8"`` (the fp8 store form of an FP8 plain pool or twin) or ``"nvfp4"`` (NVFP4 alone, or a mixed
+    cache without ``last_n``): `interop.paged_ops.round_trip`."""
+    if config.has_low and not (config.is_mixed and config.last_n):
+        return "nvfp4"
+    return None if config.high_dtype.itemsize == 2 else "fp8"
 
 
 def _attention_dtype(x: torch.Tensor, cache: TorchKVCache) -> torch.Tensor:

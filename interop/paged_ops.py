@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import torch_paged
 from .torch_paged import TorchPools
 
-__all__ = ["write_rows", "paged_attention", "step_attention", "apply_sinks", "cpu_backend", "CPU_BACKENDS"]
+__all__ = ["write_rows", "round_trip", "paged_attention", "step_attention", "apply_sinks", "cpu_backend",
+           "CPU_BACKENDS"]
 
 CPU_BACKENDS = ("torch", "triton")
 #: `step_attention` launches from eager Python, where a launch costs more host time than a short split saves on the
@@ -92,6 +93,26 @@ def write_rows(pools: TorchPools, layer: int, k: Tensor, v: Tensor, low_slot: Te
     ``low_slot`` / ``high_slot`` i64[T] (``page_id * page + row``; -1 skips), in place (op 1 of the contract)."""
     op = _write_rows_impl if _eager(k) else _write_rows_op
     op(*pools, layer, k, v, low_slot, high_slot, page_size, block_scale)
+
+
+def round_trip(pools: TorchPools, layer: int, k: Tensor, v: Tensor, *, low: bool, block_scale: str):
+    """``k, v [B, T, H, D]`` (the attention dtype, as stored: rotated if the lever is on) -> ``(k, v)`` as ``layer``
+    reads them back once stored, without storing them: NVFP4 (``low``; ``pools.low_gs``) or the fp8 store form of
+    the row pool (the twin's or the plain pool's scale). One Triton launch on CUDA
+    (`interop.triton_write.round_trip_rows`), eager torch on CPU (`interop.torch_paged.round_trip_reference`)."""
+    if low:
+        scale = pools.low_gs
+    else:
+        scale = pools.high_scale if pools.high_rows is not None else pools.plain_scale
+    if scale is None:
+        raise ValueError(f"round_trip: the pools hold no {'NVFP4' if low else 'fp8 row'} pool to read back as")
+    interpret = _triton(k)
+    if interpret is None:
+        out = torch_paged.round_trip_reference(k, v, scale, layer, low=low, block_scale=block_scale)
+    else:
+        from .triton_write import round_trip_rows
+        out = round_trip_rows(k, v, scale, layer, low=low, block_scale=block_scale, interpret=interpret)
+    return out[0], out[1]
 
 
 # ------------------------------------------------------------------------------------------------ attention

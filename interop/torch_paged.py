@@ -47,7 +47,7 @@ from jmixedkv.numerics import BLOCK
 from .torch_nvfp4 import BLOCK_SCALES, decode_rows, dequantize, encode_rows, is_fp8_pool, quantize
 
 __all__ = ["TorchPools", "geometry", "is_retained", "page_column", "low_slots", "high_slots", "write_rows_reference_",
-           "paged_attention_reference"]
+           "paged_attention_reference", "round_trip_reference"]
 
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn)
 
@@ -291,6 +291,21 @@ def write_rows_reference_(low_data, low_scales, low_gs, high_rows, high_scale, p
     if kind == "mixed":
         enc = encode_rows(x, _u8(high_rows).dtype, high_scale[layer][:, None, None])
         _scatter_(_u8(high_rows)[layer], high_slot, enc, page)
+
+
+def round_trip_reference(k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor, layer: int, *, low: bool,
+                         block_scale: str = "max6") -> torch.Tensor:
+    """Rows as the cache reads them back once stored (`interop.triton_write.round_trip_rows`, whose reference this
+    is): ``k, v [B, T, H, D]`` -> ``[2, B, T, H, D]`` in their dtype; NVFP4 with ``gs = scale[layer, kv]``
+    (``low``), else the fp8 store form with that scale."""
+    out = []
+    for kv, x in enumerate((k, v)):
+        g = scale[layer, kv]
+        if low:
+            out.append(dequantize(*quantize(x, g, block_scale), g, x.dtype))
+        else:
+            out.append(decode_rows(encode_rows(x, torch.uint8, g), g, x.dtype))
+    return torch.stack(out)
 
 
 # ------------------------------------------------------------------------------------------------ attention

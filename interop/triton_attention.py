@@ -61,6 +61,8 @@ import torch
 
 from jmixedkv.numerics import next_pow2
 
+from .triton_write import _int_spec
+
 #: head dims the kernel takes (tl.dot tiles of the packed NVFP4 halves need D / 2 >= 16, a power of two)
 HEAD_DIMS = (32, 64, 128, 256)
 
@@ -881,11 +883,6 @@ class PagedAttention:
 
 def _align16(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0
-
-
-def _int_spec(v: int) -> int:
-    """How Triton specializes an int argument: 1, a multiple of 16, or neither (and 64-bit beyond int32)."""
-    return 1 if v == 1 else 16 if v % 16 == 0 else (2 if -2 ** 31 <= v < 2 ** 31 else 3)
 
 
 def _check_tuning(tuning: Tuning) -> None:

@@ -61,7 +61,7 @@ import torch
 
 from jmixedkv.numerics import BLOCK, SIXTH, next_pow2
 
-__all__ = ["write_rows_", "lower_for_cuda", "BLOCK_SCALES"]
+__all__ = ["write_rows_", "round_trip_rows", "lower_for_cuda", "lower_round_trip_for_cuda", "BLOCK_SCALES"]
 
 #: block scaling rules of the low pool (`jmixedkv.nvfp4.BLOCK_SCALES`)
 BLOCK_SCALES = ("max6", "4over6")
@@ -84,6 +84,16 @@ def _f32_of_bits16(u, IS_BF16: tl.constexpr):  # noqa: F821
     if IS_BF16:
         return (u.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # noqa: F821
     return u.to(tl.float16, bitcast=True).to(tl.float32)  # noqa: F821
+
+
+def _bits16_of_f32(y, IS_BF16: tl.constexpr):  # noqa: F821
+    """16-bit words (int16) of float32 ``y`` rounded to bf16 (RNE on the bits; NaN -> 0x7FC0, as torch) or fp16
+    (an RNE conversion)."""
+    if IS_BF16:
+        b = y.to(tl.int32, bitcast=True)  # noqa: F821
+        r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+        return tl.where(y != y, 0x7FC0, r).to(tl.int16)  # noqa: F821
+    return y.to(tl.float16).to(tl.int16, bitcast=True)  # noqa: F821
 
 
 def _e4m3_encode(a):
@@ -249,14 +259,77 @@ def _write_rows_kernel(k_ptr, v_ptr, k_st, k_sh, v_st, v_sh, low_slot_ptr, high_
             tl.store(rows_ptr + w_off, u, mask=w_mask)  # noqa: F821
 
 
+def _nvfp4_round_trip(x, gs, R: tl.constexpr, DP: tl.constexpr, FOUR_OVER_SIX: tl.constexpr):  # noqa: F821
+    """``f32[R, DP]`` rows -> their NVFP4 value ``(e2m1 * f32(s)) * gs`` (float32), the block scales and codes
+    chosen exactly as the store chooses them (`_write_rows_kernel`)."""
+    NB: tl.constexpr = DP // 16  # noqa: F821
+    enc = tl.math.div_rn(1.0, gs)  # noqa: F821
+    x3 = tl.reshape(x, (R, NB, 16))  # noqa: F821
+    ab3 = tl.reshape(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (R, NB, 16))  # noqa: F821
+    amax = _block_max(ab3, R, NB).to(tl.float32, bitcast=True)  # noqa: F821
+    _, sf, codes = _nvfp4_candidate(x3, amax, enc, gs, 0.16666667163372040)
+    if FOUR_OVER_SIX:
+        _, sf4, codes4 = _nvfp4_candidate(x3, amax, enc, gs, 0.25)
+        ax3 = ab3.to(tl.float32, bitcast=True)  # noqa: F821
+        use4 = _block_sq_error(ax3, codes4, sf4, gs, R, NB) < _block_sq_error(ax3, codes, sf, gs, R, NB)
+        sf = tl.where(use4, sf4, sf)  # noqa: F821
+        codes = tl.where(use4[:, :, None], codes4, codes)  # noqa: F821
+    val = (_e2m1_magnitude(codes) * sf[:, :, None]) * gs
+    val = (val.to(tl.int32, bitcast=True) ^ ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # noqa: F821  (sign)
+    return tl.reshape(val, (R, DP))  # noqa: F821
+
+
+def _fp8_round_trip(x, u, scale):
+    """``f32`` rows (``u``: their 16-bit words) -> ``f32(e4m3) * scale`` of their fp8 store form (`_fp8_row`); a
+    NaN byte reads NaN."""
+    byte = _fp8_row(x, (u.to(tl.int32) >> 8) & 0x80, scale)  # noqa: F821
+    bits = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)                  # f16 bits of e4m3 * 2^-8 (exact)
+    e = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0  # noqa: F821
+    return tl.where((byte & 0x7F) == 0x7F, float("nan"), e) * scale  # noqa: F821
+
+
+def _round_trip_kernel(k_ptr, v_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, out_ptr, scale_ptr, layer, num_rows, T,
+                       HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_R: tl.constexpr,  # noqa: F821
+                       LOW: tl.constexpr, IS_BF16: tl.constexpr, FOUR_OVER_SIX: tl.constexpr):  # noqa: F821
+    """One program: ``BLOCK_R`` rows (b, t, head) of K or V (``program_id(1)``) -> ``out[kv, b, t, head]``, the row
+    as the cache reads it back once stored (NVFP4, or the fp8 store form), in the rows' dtype."""
+    kv = tl.program_id(1)  # noqa: F821
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # noqa: F821
+    r_ok = r < num_rows
+    r = tl.where(r_ok, r, 0).to(tl.int64)  # noqa: F821
+    head = r % HEADS
+    bt = r // HEADS
+    tok = bt % T
+    b = bt // T
+    col = tl.arange(0, DP)  # noqa: F821
+    col_ok = col < D
+    is_k = kv == 0
+    src = tl.where(is_k, k_ptr, v_ptr)  # noqa: F821
+    sb = tl.where(is_k, k_sb, v_sb).to(tl.int64)  # noqa: F821
+    st = tl.where(is_k, k_st, v_st).to(tl.int64)  # noqa: F821
+    sh = tl.where(is_k, k_sh, v_sh).to(tl.int64)  # noqa: F821
+    mask = r_ok[:, None] & col_ok[None, :]
+    u = tl.load(src + (b * sb + tok * st + head * sh)[:, None] + col[None, :], mask=mask, other=0)  # noqa: F821
+    x = _f32_of_bits16(u, IS_BF16)
+    scale = tl.load(scale_ptr + layer.to(tl.int64) * 2 + kv)  # noqa: F821
+    if LOW:
+        y = _nvfp4_round_trip(x, scale, BLOCK_R, DP, FOUR_OVER_SIX)
+    else:
+        y = _fp8_round_trip(x, u, scale)
+    out = _bits16_of_f32(y, IS_BF16)
+    off = (kv.to(tl.int64) * num_rows + r) * D  # noqa: F821
+    tl.store(out_ptr + off[:, None] + col[None, :], out, mask=mask)  # noqa: F821
+
+
 _HELPERS = (_f32_of_bits16, _e4m3_encode, _e2m1_code, _e2m1_magnitude, _nvfp4_candidate, _block_sq_error,
-            _block_max, _fp8_row, _page_row)
+            _block_max, _fp8_row, _page_row, _bits16_of_f32, _nvfp4_round_trip, _fp8_round_trip)
 _BUILT = {}
 
 
-def _build(interpret: bool):
-    """The kernel for one mode (cached): the module's kernel and helpers cloned into a private globals dict, wrapped
-    by ``InterpretedFunction`` (interpret) or ``triton.jit`` (compiled, ``layer`` / ``num_rows`` not specialized)."""
+def _build(interpret: bool) -> dict:
+    """The kernels for one mode by name (cached): the module's kernels and helpers cloned into a private globals
+    dict, wrapped by ``InterpretedFunction`` (interpret) or ``triton.jit`` (compiled, ``layer`` / ``num_rows`` not
+    specialized)."""
     if interpret in _BUILT:
         return _BUILT[interpret]
     import triton
@@ -273,12 +346,15 @@ def _build(interpret: bool):
 
     for fn in _HELPERS:
         g[fn.__name__] = InterpretedFunction(clone(fn)) if interpret else triton.jit(clone(fn))
-    kernel = clone(_write_rows_kernel)
-    kernel.__module__ = __name__
-    kernel = (InterpretedFunction(kernel) if interpret
-              else triton.jit(kernel, do_not_specialize=["layer", "num_rows", "low_pages", "row_pages"]))
-    _BUILT[interpret] = kernel
-    return kernel
+    built = {}
+    for fn, runtime in ((_write_rows_kernel, ["layer", "num_rows", "low_pages", "row_pages"]),
+                        (_round_trip_kernel, ["layer", "num_rows", "T"])):
+        kernel = clone(fn)
+        kernel.__module__ = __name__
+        built[fn.__name__] = InterpretedFunction(kernel) if interpret else triton.jit(kernel,
+                                                                                     do_not_specialize=runtime)
+    _BUILT[interpret] = built
+    return built
 
 
 # --------------------------------------------------------------------------------------------- host side
@@ -497,7 +573,7 @@ def _launch(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, pla
             dummy if scale is None else scale,
             layer, t * h, low_pages, max(row_pages, 1))
     meta = _constexprs(h, page_size, d, block_rows, has_low, row_pool, row_fp8, k.dtype, block_scale)
-    return interpret, _build(interpret), grid, args, meta
+    return interpret, _build(interpret)["_write_rows_kernel"], grid, args, meta
 
 
 def _constexprs(heads, page, d, block_rows, has_low, row_pool, row_fp8, attn_dtype, block_scale):
@@ -513,16 +589,21 @@ def lower_for_cuda(low_data, low_scales, low_gs, high_rows, high_scale, plain_ro
     validation, arguments, specialization binder and options, ``enable_fp_fusion=False``), without a GPU: the
     arguments may be CPU tensors (Triton ships ``ptxas``). Returns the compiled kernel's ``asm`` dict (``"ttir"``,
     ``"ttgir"``, ``"llir"``, ``"ptx"``, ``"cubin"``). Nothing is launched or written."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
     launch = _launch(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, k, v,
                      low_slot, high_slot, page_size, block_scale, high_fp8, False, False, block_rows)
     if launch is None:
         raise ValueError("lower_for_cuda: no token to write (T = 0), nothing to compile")
     _, kernel, _, args, meta = launch
+    return _compile_for_cuda(kernel, args, meta, num_warps, capability)
+
+
+def _compile_for_cuda(kernel, args, meta, num_warps: int, capability: int) -> dict:
+    """``kernel`` compiled for ``args`` / ``meta`` as its launch would compile it on an sm_``capability`` device."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -531,3 +612,109 @@ def lower_for_cuda(low_data, low_scales, low_gs, high_rows, high_scale, plain_ro
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                           options=options.__dict__).asm
+
+
+# --------------------------------------------------------------------------------------------- round trip
+def round_trip_rows(k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor, layer: int, *, low: bool,
+                    block_scale: str = "max6", interpret: Optional[bool] = None,
+                    block_rows: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
+    """Rows as the cache reads them back once stored, without storing them: one Triton launch.
+
+    Args:
+      k, v: ``[B, T, H, D]`` bf16 / fp16 (any strides but a contiguous last dim; ``D % 16 == 0``), as `write_rows_`
+        would take them (RoPE'd, rotated).
+      scale: ``f32[L, 2]``: ``low_gs`` for ``low=True``, the fp8 row pool's scale (``high_scale`` / ``plain_scale``)
+        for ``low=False``; entry ``[layer, kv]`` is used.
+      layer: the layer whose scale applies.
+      low: NVFP4 (``(e2m1 * f32(s)) * gs``, the block scales chosen by ``block_scale`` exactly as `write_rows_`
+        chooses them) if True; the fp8 store form (``f32(e4m3(clip(x / scale, +-448))) * scale``) if False.
+      interpret: run in Triton's interpreter (CPU tensors); default ``not k.is_cuda``.
+
+    Returns:
+      ``[2, B, T, H, D]`` in k's dtype, contiguous: ``[0]`` the K rows, ``[1]`` the V rows, each the float32 read
+      value rounded once to that dtype (`interop.torch_nvfp4.dequantize` / ``decode_rows`` of the stored bytes,
+      bit for bit). A NaN block reads NaN.
+    """
+    interpret, kernel, grid, args, meta, out = _round_trip_launch(k, v, scale, layer, low, block_scale, interpret,
+                                                                  block_rows)
+    if not grid[0]:
+        return out
+    if interpret:
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            kernel[grid](*args, **meta)
+        return out
+    key = (k.device.index, grid, num_warps, tuple(meta.values()),
+           *(x.data_ptr() % 16 == 0 if isinstance(x, torch.Tensor) else _int_spec(x) for x in args[:10]))
+    runner = _RUNNERS.get(key)
+    with torch.cuda.device(k.device):
+        if runner is not None:
+            runner(*args, *(meta[name] for name in kernel.arg_names[len(args):]))
+            return out
+        compiled = kernel[grid](*args, **meta, num_warps=num_warps, enable_fp_fusion=False)
+    if hasattr(compiled, "run"):
+        if len(_RUNNERS) > 256:
+            _RUNNERS.clear()
+        _RUNNERS[key] = compiled[tuple(grid) + (1,)]          # the runner takes 3-D grids
+    return out
+
+
+#: `round_trip_rows`'s compiled launches by specialization (device, grid, warps, constexprs, argument alignment and
+#: unit / 16-multiple strides): later calls go straight to the compiled kernel's runner, skipping the argument
+#: binding of ``JITFunction.run`` (tens of microseconds of host time per call, paid per layer by the held-aside step)
+_RUNNERS: dict = {}
+
+
+def _int_spec(v: int) -> int:
+    """How Triton specializes an int argument: 1, a multiple of 16, or neither (and 64-bit beyond int32)."""
+    return 1 if v == 1 else 16 if v % 16 == 0 else (2 if -2 ** 31 <= v < 2 ** 31 else 3)
+
+
+def lower_round_trip_for_cuda(k, v, scale, layer, *, low: bool, block_scale: str = "max6",
+                              block_rows: Optional[int] = None, num_warps: int = 4, capability: int = 90) -> dict:
+    """`round_trip_rows`'s kernel compiled as it would launch on an sm_``capability`` device (CPU tensors allowed;
+    nothing launched): the ``asm`` dict, as `lower_for_cuda`."""
+    _, kernel, _, args, meta, _ = _round_trip_launch(k, v, scale, layer, low, block_scale, False, block_rows)
+    return _compile_for_cuda(kernel, args, meta, num_warps, capability)
+
+
+def _round_trip_launch(k, v, scale, layer, low, block_scale, interpret, block_rows):
+    """Validate -> ``(interpret, kernel, grid, args, constexprs, out)``."""
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"round_trip_rows: {name} must be a [B, T, H, D] tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dtype not in _ATTN_DTYPES:
+            raise ValueError(f"round_trip_rows: {name} has dtype {x.dtype}, expected bfloat16 or float16")
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(f"round_trip_rows: k {tuple(k.shape)} {k.dtype} {k.device} and v {tuple(v.shape)} "
+                         f"{v.dtype} {v.device} must share shape, dtype and device")
+    b, t, h, d = k.shape
+    if d % BLOCK or d == 0:
+        raise ValueError(f"round_trip_rows: head_dim {d} must be a positive multiple of {BLOCK}")
+    if block_scale not in BLOCK_SCALES:
+        raise ValueError(f"round_trip_rows: block_scale must be one of {BLOCK_SCALES}, got {block_scale!r}")
+    if not isinstance(scale, torch.Tensor) or scale.dim() != 2 or scale.shape[1] != 2 or \
+            scale.dtype != torch.float32 or scale.device != k.device:
+        raise ValueError(f"round_trip_rows: scale must be a float32 [L, 2] tensor on {k.device}, got "
+                         f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(getattr(scale, 'shape', ()))} "
+                         f"on {getattr(scale, 'device', None)}")
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < scale.shape[0]:
+        raise ValueError(f"round_trip_rows: layer {layer!r} out of range [0, {scale.shape[0]})")
+    interpret = (not k.is_cuda) if interpret is None else bool(interpret)
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if v.stride(3) != 1:
+        v = v.contiguous()
+    rows = b * t * h
+    if block_rows is None:
+        block_rows = min(256 if interpret else max(1, 1024 // next_pow2(d)), next_pow2(max(rows, 1)))
+    elif isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1 or \
+            block_rows & (block_rows - 1):
+        raise ValueError(f"round_trip_rows: block_rows must be a power of two, got {block_rows!r}")
+    out = torch.empty((2, b, t, h, d), dtype=k.dtype, device=k.device)
+    grid = (-(-rows // block_rows), 2)
+    args = (k.view(torch.int16), v.view(torch.int16), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+            v.stride(1), v.stride(2), out.view(torch.int16), scale.contiguous(), int(layer), rows, max(t, 1))
+    meta = dict(HEADS=h, D=d, DP=next_pow2(d), BLOCK_R=block_rows, LOW=bool(low),
+                IS_BF16=k.dtype == torch.bfloat16, FOUR_OVER_SIX=block_scale == "4over6")
+    return interpret, _build(interpret)["_round_trip_kernel"], grid, args, meta, out

@@ -230,11 +230,70 @@ def test_fused_steps_store_every_layer_in_one_program_in_place(model, batch, kv)
         _set_attn(model, "sdpa")
 
 
-def test_tail_limit_by_format():
-    from interop.hf import tail_limit
-    assert tail_limit(MIXED) == 4 and tail_limit(ALL_HIGH) == 16 and tail_limit(BF16) >= 1 << 20
-    for cfg in (KVCacheConfig("nvfp4", page_size=PAGE), KVCacheConfig("fp8", page_size=PAGE),
-                KVCacheConfig("mixed_nvfp4_fp8", first_n=2, last_n=4, page_size=PAGE),
-                KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=0, page_size=PAGE),
-                MIXED.replace(k_smoothing=True)):
+NVFP4 = KVCacheConfig("nvfp4", page_size=PAGE, max_draft_len=4)
+FP8 = KVCacheConfig("fp8", page_size=PAGE, max_draft_len=4)
+MIXED_FP8 = KVCacheConfig("mixed_nvfp4_fp8", first_n=2, last_n=4, page_size=PAGE, max_draft_len=4)
+FIRST_ONLY = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=0, page_size=PAGE, max_draft_len=4)
+
+
+def test_tail_limit_and_form_by_format():
+    from interop.hf import tail_form, tail_limit
+    assert tail_limit(MIXED) == 4 and tail_limit(ALL_HIGH) == 16 and tail_limit(MIXED_FP8) == 4
+    for cfg in (BF16, NVFP4, FP8, FIRST_ONLY):
+        assert tail_limit(cfg) >= 1 << 20, cfg
+    for cfg in (MIXED.replace(k_smoothing=True), KVCacheConfig("nvfp4", page_size=PAGE, compute_dtype="float32")):
         assert tail_limit(cfg) == 0, cfg
+    forms = {BF16: None, MIXED: None, ALL_HIGH: None, NVFP4: "nvfp4", FIRST_ONLY: "nvfp4", FP8: "fp8",
+             MIXED_FP8: "fp8"}
+    for cfg, form in forms.items():
+        assert tail_form(cfg) == form, cfg
+
+
+def _forced_logits(model, cache, ids, steps):
+    """Logits of a prefill of ``ids`` then ``steps`` decode steps of fixed tokens (teacher forcing: every cache
+    sees the same context), and whether each decode step was held aside."""
+    g = torch.Generator().manual_seed(3)
+    nxt = torch.randint(0, 256, (ids.shape[0], steps), generator=g)
+    mask = torch.ones_like(ids)
+    outs, held = [], []
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
+        outs.append(out.logits[:, -1].float())
+        for i in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            out = model(nxt[:, i:i + 1], attention_mask=mask, **{CACHE_KWARG: cache})
+            outs.append(out.logits[:, -1].float())
+            held.append(cache._step.reserved is not None)
+        cache.flush()
+    return torch.stack(outs, 1), held
+
+
+@pytest.mark.parametrize("kv", [NVFP4, FP8, MIXED_FP8, FIRST_ONLY], ids=["nvfp4", "fp8", "mixed_fp8", "first_only"])
+def test_quantized_formats_hold_steps_aside_with_the_stored_rows(model, batch, kv):
+    """NVFP4 / FP8 formats hold a fused decode step aside too: its own rows are read as they read once stored
+    (`interop.paged_ops.round_trip`), so the logits match the per-layer path (append, then the fused decode) up to
+    float32 attention order and one rounding of those rows to bf16. The same step reading its rows as given (not
+    rounded through the codec) is much further off: the comparison can tell them apart."""
+    ids = batch[0]
+    _set_attn(model, ATTN_IMPLEMENTATION)
+    try:
+        held_cache = _cache(model, kv, decode="fused")
+        held, was_held = _forced_logits(model, held_cache, ids, 5)
+        per_layer_cache = _cache(model, kv, decode="fused")
+        per_layer_cache._tail_limit = 0                                 # the per-layer JAX path of the same format
+        want, was = _forced_logits(model, per_layer_cache, ids, 5)
+        raw_cache = _cache(model, kv, decode="fused")
+        raw_cache._tail_form = None                                     # rows as given: what the round trip fixes
+        raw, _ = _forced_logits(model, raw_cache, ids, 5)
+    finally:
+        _set_attn(model, "sdpa")
+    assert all(was_held) and not any(was)
+    scale = float(want.abs().max())
+    err = float((held - want).abs().max())
+    raw_err = float((raw[:, 1:] - want[:, 1:]).abs().max())
+    assert err < 0.01 * scale, (err, scale)
+    assert raw_err > max(4 * err, 1e-3 * scale), (raw_err, err, scale)
+    for layer in range(2):                                                    # the same rows were stored
+        a = held_cache.cache.stage(layer, held_cache.slots).dense()
+        b = per_layer_cache.cache.stage(layer, per_layer_cache.slots).dense()
+        assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))

@@ -143,9 +143,9 @@ def test_sinks_are_one_lse_term():
 @pytest.mark.parametrize("deferred", [True, False], ids=["held_aside", "per_layer"])
 def test_fused_path_compiles_once_per_shape(deferred):
     """A fused generate() compiles each program once per shape, never per step or layer, and a second run of the
-    same shapes compiles nothing. Where the format reads the step's rows dense (`interop.hf.tail_limit`) a step is
-    one JAX program, storing every layer's rows (`step.plan_write_layers`: one compilation for the prompt's tokens,
-    one for a decode step's); otherwise one plan per step (`step.plan_append_packed`) and one program per layer
+    same shapes compiles nothing. A step held aside (`interop.hf.tail_limit`) is one JAX program storing every
+    layer's rows (`step.plan_write_layers`: one compilation for the prompt's tokens, one for a decode step's);
+    otherwise (forced here) one plan per step (`step.plan_append_packed`) and one program per layer
     (`step.layer_attend`; prefill `step.layer_append`)."""
     torch.manual_seed(0)
     model = _llama().to(torch.bfloat16).eval()
@@ -165,6 +165,8 @@ def test_fused_path_compiles_once_per_shape(deferred):
             before = sizes()
             cache = JMixedKVCache.for_model(model, kv, max_batch_size=BATCH, max_cache_len=MAX_LEN, decode="fused",
                                             backend="reference")
+            if not deferred:
+                cache._tail_limit = 0          # every step through the per-layer programs
             _generate(model, ids, cache)
             cache.flush()
             runs.append(tuple(a - b for a, b in zip(sizes(), before)))
