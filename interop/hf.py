@@ -22,7 +22,10 @@ Semantics, exactly:
 * ``decode="stage"`` (default): a first prefill (nothing stored yet) appends and returns the step's own K/V, as
   engines attend over a fresh chunk; later steps append and stage the layer (retained rows bit-exact from the twin,
   the rest dequantized NVFP4; ``width`` bucketed to the longest row, so the cost follows the tokens held) in one
-  program, and the model's own attention (``sdpa`` / ``eager``) runs on it. With a plain ``"bf16"`` cache, or a
+  program, and the model's own attention (``sdpa`` / ``eager``) runs on it. A step short enough to be held aside
+  (below; not with the rotation lever, whose staged rows are model-space) gives the same K/V bit for bit from one
+  Triton launch over views of the cache before the step plus the step's rows (`interop.paged_ops.stage`), and is
+  stored when the next step begins. With a plain ``"bf16"`` cache, or a
   mixed cache whose ``first_n + last_n`` covers every row, the returned K/V are the appended ones bit for bit, so
   ``generate`` gives the tokens of ``DynamicCache``.
 * ``decode="fused"``: attention over the cache without staging, with the model's ``scaling``,
@@ -33,16 +36,17 @@ Semantics, exactly:
   to, not bit-equal with, torch's. Two ways, by format:
 
   - Held aside (every format but K smoothing and a float32 attention dtype; steps of ``T <= MAX_HELD_TOKENS``
-    tokens per row, and ``T <= last_n`` for a mixed cache with a ``last_n`` window, no padding inside the step;
-    `tail_limit`): each layer's K / V are kept as torch tensors and attention is a torch Triton kernel
-    (`interop.paged_ops.step_attention`; torch code on CPU) over zero-copy views of the pools as they were before
-    the step plus the step's own rows read dense in the form they read once stored (`tail_form`: as given from a
-    16-bit pool or twin; through the NVFP4 or fp8 codec otherwise, one more Triton launch,
-    `interop.paged_ops.round_trip`) -- the result of appending them first, up to one rounding of those rows to
-    the attention dtype. The rotation lever is applied to q / the new rows and undone on the output around it. When the next step begins (or `flush`, or any method
-    that reads or changes the cache: ``cache``, ``crop``, ``reorder_cache``, ``reset``), every layer's rows are
-    stored in ONE donated JAX program (`TorchKVCache.write_step`); the views are dropped first, so the pools are
-    updated in place. A first step of at most that many tokens attends over its own rows (the model's attention).
+    tokens per row, and ``T <= last_n`` for a mixed cache with a ``last_n`` window, past ``first_n`` without one,
+    no padding inside the step; `tail_limit`): each layer's K / V are kept as torch tensors and attention is a
+    torch Triton kernel (`interop.paged_ops.step_attention`; torch code on CPU) over zero-copy views of the pools
+    as they were before the step plus the step's own rows read dense in the form they read once stored
+    (`tail_form`: as given from a 16-bit pool or twin; through the NVFP4 or fp8 codec otherwise, one more Triton
+    launch, `interop.paged_ops.round_trip`) -- the result of appending them first, up to one rounding of those
+    rows to the attention dtype. The rotation lever is applied to q / the new rows and undone on the output
+    around it. When the next step begins (or `flush`, or any method that reads or changes the cache: ``cache``,
+    ``crop``, ``reorder_cache``, ``reset``), every layer's rows are stored in ONE donated JAX program
+    (`TorchKVCache.write_step`); the views are dropped first, so the pools are updated in place. A first step of
+    at most that many tokens attends over its own rows (the model's attention).
   - Otherwise, a decode / verify step (``1 <= T <= max_draft_len + 1``) appends and runs the fused decode (the
     Mosaic GPU / Triton kernel on a GPU) in one JAX program per layer; a longer step is staged as above.
 * Sliding layers (``layer_types`` / ``sliding_window`` in the config) are marked ``is_sliding``; they attend over
@@ -199,7 +203,9 @@ class JMixedKVCache(Cache):
         self._pos_memo = (None, None)
         self._pending = None                               # layer of a fused step whose attention has not run
         self._markers: dict = {}                           # layer -> its empty K / V placeholder (`_marker`)
-        self._tail_limit = tail_limit(cache.config) if decode == "fused" else 0
+        # a stage step is held aside only without the rotation lever (it stages model-space rows)
+        held = decode == "fused" or cache.config.rotation is None
+        self._tail_limit = tail_limit(cache.config) if held else 0
         self._tail_form = tail_form(cache.config)
         self._tail_from = cache.config.first_n if cache.config.is_mixed and not cache.config.last_n else 0
         self._hadamard = None
@@ -430,6 +436,8 @@ class JMixedKVCache(Cache):
             step.rows[layer.layer_idx] = (k, v)
             if step.first:                             # nothing stored before: attention reads the step's own rows
                 return k0, v0
+            if self.decode == "stage":
+                return self._stage_tail(step, layer, k, v)
             return self._marker(layer, step, k, v)
         if self.decode == "fused" and 1 <= t <= self._tkv.config.max_draft_len + 1:
             return self._marker(layer, step, k, v)
@@ -474,14 +482,12 @@ class JMixedKVCache(Cache):
             hq, h = q.shape[1], k.shape[1]
             qkv = (torch.cat([q, k, v], dim=1).float() @ self._hadamard).to(q.dtype)
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + h], qkv[:, hq + h:]
-        q, tk, tv = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)             # [B, T, heads, D] views
+        q = q.transpose(1, 2)                                                           # [B, T, heads, D] view
         if step.attend is None:
-            views = step.views = self._tkv.read_views(self.slots, group=0)
+            views = self._views(step)
             step.attend = paged_ops.step_attention(views.pools, q, views.page_table, views.high_table,
                                                    views.kv_lens, self._tkv.page_size, views.geom, tail=True)
-        if self._tail_form is not None:                # the rows as they read once stored (NVFP4 / fp8)
-            tk, tv = paged_ops.round_trip(step.views.pools, layer_idx, tk, tv, low=self._tail_form == "nvfp4",
-                                          block_scale=self._tkv.config.block_scale)
+        tk, tv = self._tail_rows(step, layer_idx, k, v)
         scale = self.spec.head_dim ** -0.5 if scaling is None else float(scaling)
         out, lse = step.attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv)
         if sinks is not None:
@@ -490,10 +496,35 @@ class JMixedKVCache(Cache):
             out = out @ self._hadamard
         return out.to(query.dtype)
 
+    def _views(self, step: _Step):
+        """The cache before a held-aside step as torch views (`TorchKVCache.read_views`), made once per step."""
+        if step.views is None:
+            step.views = self._tkv.read_views(self.slots, group=0)
+        return step.views
+
+    def _tail_rows(self, step: _Step, layer_idx: int, k, v):
+        """A held-aside step's rows ``[B, H, T, D]`` of one layer as ``[B, T, H, D]`` views, or (NVFP4 / fp8 formats,
+        `tail_form`) their values once stored (`interop.paged_ops.round_trip`)."""
+        tk, tv = k.transpose(1, 2), v.transpose(1, 2)
+        if self._tail_form is None:
+            return tk, tv
+        return paged_ops.round_trip(self._views(step).pools, layer_idx, tk, tv, low=self._tail_form == "nvfp4",
+                                    block_scale=self._tkv.config.block_scale)
+
+    def _stage_tail(self, step: _Step, layer: JMixedLayer, k, v):
+        """A held-aside ``decode="stage"`` step: the layer's K / V as the model's attention reads them -- the cache
+        before the step read from the views (twin rows where retained, counted as if the step were appended; NVFP4
+        / fp8 decoded elsewhere), the step's rows (`_tail_rows`) appended, left-aligned with the mask: ``[B, H,
+        seen, D]`` each, what staging after the append gives, bit for bit (`interop.paged_ops.stage`)."""
+        views = self._views(step)
+        tk, tv = self._tail_rows(step, layer.layer_idx, k, v)
+        return paged_ops.stage(views.pools, layer.layer_idx, views.page_table, views.high_table, views.kv_lens,
+                               self._tkv.page_size, views.geom, layer.seen, tk, tv, check_values=False)
+
 
 def tail_limit(config: KVCacheConfig) -> int:
-    """Most new tokens per row a fused `JMixedKVCache` step reads dense (held aside, stored after its layers ran)
-    with the result of storing them first (each row read back in the form `tail_form` names). A plain cache reads
+    """Most new tokens per row a `JMixedKVCache` step reads dense (held aside, stored after its layers ran) with
+    the result of storing them first (each row read back in the form `tail_form` names). A plain cache reads
     every row in one form (no limit); a mixed cache reads its last ``last_n`` rows from the twin (limit ``last_n``),
     or with ``last_n = 0`` every row past ``first_n`` as NVFP4 (no limit; steps inside ``first_n`` are not held).
     0 (the step's rows are stored, then read, layer by layer) for K smoothing (its stored keys are shifted by a

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import torch_paged
 from .torch_paged import TorchPools
 
-__all__ = ["write_rows", "round_trip", "paged_attention", "step_attention", "apply_sinks", "cpu_backend",
+__all__ = ["write_rows", "round_trip", "stage", "paged_attention", "step_attention", "apply_sinks", "cpu_backend",
            "CPU_BACKENDS"]
 
 CPU_BACKENDS = ("torch", "triton")
@@ -115,6 +115,35 @@ def round_trip(pools: TorchPools, layer: int, k: Tensor, v: Tensor, *, low: bool
     return out[0], out[1]
 
 
+def stage(pools: TorchPools, layer: int, page_table: Tensor, high_table: Optional[Tensor], kv_lens: Tensor,
+          page_size: int, geom, seen: int, tail_k: Tensor, tail_v: Tensor, *, check_values: bool = True):
+    """``layer``'s rows as a reader gets them (the twin's where retained, NVFP4 / fp8 decoded elsewhere, in the
+    attention dtype), the step's own rows ``tail_k`` / ``tail_v [B, T, H, D]`` (as they read once stored:
+    `round_trip`) appended, left-aligned in ``seen`` columns: ``(k, v)`` each ``[B, H, seen, D]`` (zeros before
+    row ``b``'s ``kv_lens[b] + T`` rows). One Triton launch on CUDA (`interop.triton_write.stage_rows`), eager
+    torch on CPU (`interop.torch_paged.stage_reference`). ``check_values``: `stage_rows`'s host check of the
+    lengths (a device sync on CUDA)."""
+    g = _geom_list(page_size, geom)
+    interpret = _triton(tail_k)
+    kv_lens = kv_lens.to(torch.int32)
+    if interpret is None:
+        out = torch_paged.stage_reference(*pools, layer, page_table, high_table, kv_lens, g, seen, tail_k, tail_v)
+    else:
+        from .triton_write import stage_rows
+        out = stage_rows(*pools, layer, page_table, high_table, kv_lens, g, seen, tail_k, tail_v,
+                         interpret=interpret, check_values=check_values)
+    return out[0], out[1]
+
+
+def _geom_list(page_size: int, geom) -> List[int]:
+    """The kernels' ``(page, first_n, last_n, num_fixed, num_ring)`` of a `TwinGeometry` (None: no twin)."""
+    g = [page_size, 0, 0, 0, 0] if geom is None else [geom.page, geom.first_n, geom.last_n, geom.num_fixed,
+                                                       geom.num_ring]
+    if g[0] != page_size:
+        raise ValueError(f"the twin's page {g[0]} differs from page_size {page_size}")
+    return g
+
+
 # ------------------------------------------------------------------------------------------------ attention
 def _paged_attention_impl(q: Tensor, low_data: Optional[Tensor], low_scales: Optional[Tensor], low_gs: Optional[Tensor],
                         high_rows: Optional[Tensor], high_scale: Optional[Tensor], plain_rows: Optional[Tensor],
@@ -151,10 +180,7 @@ def paged_attention(pools: TorchPools, layer: int, q: Tensor, page_table: Tensor
     f32[B, Tq, Hq])`` (op 2 of the contract). ``geom``: the twin's `jmixedkv.layout.TwinGeometry`, or None without
     a twin (the kernels then see ``(page_size, 0, 0, 0, 0)``). ``tail_k`` / ``tail_v [B, Tq, H, D]``: the step's own
     rows, not in the pools (query ``t`` at ``kv_lens[b] + t``; `interop.triton_attention.paged_attention`)."""
-    g = [page_size, 0, 0, 0, 0] if geom is None else [geom.page, geom.first_n, geom.last_n, geom.num_fixed,
-                                                       geom.num_ring]
-    if g[0] != page_size:
-        raise ValueError(f"paged_attention: the twin's page {g[0]} differs from page_size {page_size}")
+    g = _geom_list(page_size, geom)
     window = None if sliding_window is None else int(sliding_window)
     cap = None if soft_cap is None else float(soft_cap)
     op = _paged_attention_impl if _eager(q) else _paged_attention_op
@@ -170,8 +196,7 @@ def step_attention(pools: TorchPools, q: Tensor, page_table: Tensor, high_table:
     (after the first call's checks, one launch per call, two with split-K; `EAGER_KEYS_PER_SPLIT`); on CPU the
     torch reference (the interpreter under ``cpu_backend("triton")``). ``tail``: every call passes the step's own
     rows (``tail_k`` / ``tail_v [B, Tq, H, D]``)."""
-    g = [page_size, 0, 0, 0, 0] if geom is None else [geom.page, geom.first_n, geom.last_n, geom.num_fixed,
-                                                       geom.num_ring]
+    g = _geom_list(page_size, geom)
     kv_lens = kv_lens.to(torch.int32)
     interpret = _triton(q)
     if interpret is not None:

@@ -47,7 +47,7 @@ from jmixedkv.numerics import BLOCK
 from .torch_nvfp4 import BLOCK_SCALES, decode_rows, dequantize, encode_rows, is_fp8_pool, quantize
 
 __all__ = ["TorchPools", "geometry", "is_retained", "page_column", "low_slots", "high_slots", "write_rows_reference_",
-           "paged_attention_reference", "round_trip_reference"]
+           "paged_attention_reference", "round_trip_reference", "stage_reference"]
 
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn)
 
@@ -416,6 +416,37 @@ def paged_attention_reference(q, low_data, low_scales, low_gs, high_rows, high_s
         qpos = tpos
     return _attend(q, k, v, valid, kpos, qpos, d ** -0.5 if sm_scale is None else sm_scale, sliding_window,
                    soft_cap)
+
+
+def stage_reference(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer: int,
+                    page_table: torch.Tensor, high_table: Optional[torch.Tensor], kv_lens: torch.Tensor,
+                    geom: Union[TwinGeometry, Sequence[int]], seen: int, tail_k: torch.Tensor,
+                    tail_v: torch.Tensor) -> torch.Tensor:
+    """One layer's rows as a reader gets them, the step's own rows ``tail_k`` / ``tail_v [B, T, H, D]`` appended,
+    left-aligned in ``seen`` columns -> ``[2, B, H, seen, D]`` in the tail's dtype (the reference of
+    `interop.triton_write.stage_rows`, which states the layout)."""
+    op = "stage"
+    pools = TorchPools(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale)
+    kind = _pool_kind(pools, op)
+    g = geometry(geom)
+    layer = _check_layer(layer, plain_rows if kind == "plain" else low_data, op)
+    b, t, h, d = tail_k.shape
+    mixed = kind == "mixed" and high_table is not None
+    n = kv_lens.to(torch.int64)
+    mp, page = page_table.shape[1], g.page
+    kv = _staged_kv(pools, kind, layer, page_table, high_table if mixed else None, n + t, g, tail_k.dtype)
+    kv = kv.permute(0, 2, 3, 1, 4, 5).reshape(b, 2, h, mp * page, d).to(tail_k.dtype)
+    held = (page_table.to(torch.int64) >= 0).repeat_interleave(page, dim=1)                 # [B, S]
+    tail = torch.stack([tail_k, tail_v], 1).transpose(2, 3)                                 # [B, 2, H, T, D]
+    out = torch.zeros((b, 2, h, seen, d), dtype=tail_k.dtype, device=tail_k.device)
+    for r in range(b):
+        nr, pad = int(n[r]), seen - int(n[r]) - t
+        if pad < 0:
+            raise ValueError(f"{op}: row {r} holds {nr} + {t} rows, more than seen={seen}")
+        rows = torch.where(held[r, :nr][None, None, :, None], kv[r, :, :, :nr], torch.zeros((), dtype=kv.dtype))
+        out[r, :, :, pad:pad + nr] = rows
+        out[r, :, :, pad + nr:] = tail[r]
+    return out.transpose(0, 1).contiguous()
 
 
 def _attend(q, k, v, valid, kpos, qpos, sm_scale, sliding_window, soft_cap):

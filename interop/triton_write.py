@@ -1,5 +1,8 @@
 """The row store of the torch hot path as one raw Triton kernel: `write_rows_` appends the new K/V rows of one layer
-into the cache's pools (torch tensors in the exact layout of `jmixedkv.layout`), in place.
+into the cache's pools (torch tensors in the exact layout of `jmixedkv.layout`), in place. Two read-back kernels
+share its codec: `round_trip_rows` (rows as they would read once stored, without storing them) and `stage_rows`
+(a layer's stored rows as a reader gets them, dense and left-aligned, a step's rows appended); the held-aside steps
+of `interop.hf.JMixedKVCache` use them.
 
 Bits equal to `jmixedkv.write.write_rows_reference(pools, stack([k, v], -3), layer, low_slot, high_slot, page,
 block_scale)` (op 1 of the torch hot-path contract):
@@ -61,7 +64,8 @@ import torch
 
 from jmixedkv.numerics import BLOCK, SIXTH, next_pow2
 
-__all__ = ["write_rows_", "round_trip_rows", "lower_for_cuda", "lower_round_trip_for_cuda", "BLOCK_SCALES"]
+__all__ = ["write_rows_", "round_trip_rows", "stage_rows", "lower_for_cuda", "lower_round_trip_for_cuda",
+           "lower_stage_for_cuda", "BLOCK_SCALES"]
 
 #: block scaling rules of the low pool (`jmixedkv.nvfp4.BLOCK_SCALES`)
 BLOCK_SCALES = ("max6", "4over6")
@@ -279,13 +283,18 @@ def _nvfp4_round_trip(x, gs, R: tl.constexpr, DP: tl.constexpr, FOUR_OVER_SIX: t
     return tl.reshape(val, (R, DP))  # noqa: F821
 
 
+def _e4m3_value(byte):
+    """float32 value of E4M3 bytes (int32, bit 7 = sign; 0x7F / 0xFF read NaN), exactly: the f16 bits
+    ``sign << 15 | magnitude << 7`` are ``e4m3 * 2^-8``."""
+    bits = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)
+    e = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0  # noqa: F821
+    return tl.where((byte & 0x7F) == 0x7F, float("nan"), e)  # noqa: F821
+
+
 def _fp8_round_trip(x, u, scale):
     """``f32`` rows (``u``: their 16-bit words) -> ``f32(e4m3) * scale`` of their fp8 store form (`_fp8_row`); a
     NaN byte reads NaN."""
-    byte = _fp8_row(x, (u.to(tl.int32) >> 8) & 0x80, scale)  # noqa: F821
-    bits = ((byte & 0x7F) << 7) | ((byte & 0x80) << 8)                  # f16 bits of e4m3 * 2^-8 (exact)
-    e = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0  # noqa: F821
-    return tl.where((byte & 0x7F) == 0x7F, float("nan"), e) * scale  # noqa: F821
+    return _e4m3_value(_fp8_row(x, (u.to(tl.int32) >> 8) & 0x80, scale)) * scale  # noqa: F821
 
 
 def _round_trip_kernel(k_ptr, v_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, out_ptr, scale_ptr, layer, num_rows, T,
@@ -321,8 +330,94 @@ def _round_trip_kernel(k_ptr, v_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, out_ptr
     tl.store(out_ptr + off[:, None] + col[None, :], out, mask=mask)  # noqa: F821
 
 
+def _stored_row(rows_ptr, row, ok, scale, col, col_ok, D: tl.constexpr, FP8: tl.constexpr,  # noqa: F821
+                IS_BF16: tl.constexpr):  # noqa: F821
+    """16-bit words (int16 ``[N, DP]``) of row-pool rows ``row i64[N]`` as a reader gets them: a 16-bit row as
+    stored, an fp8 row as ``f32(e4m3) * scale`` rounded once; zero where ``ok`` is False."""
+    m = ok[:, None] & col_ok[None, :]
+    x = tl.load(rows_ptr + (row * D)[:, None] + col[None, :], mask=m, other=0)  # noqa: F821
+    if FP8:
+        out = _bits16_of_f32(_e4m3_value(x.to(tl.int32) & 0xFF) * scale, IS_BF16)  # noqa: F821
+    else:
+        out = x
+    return out
+
+
+def _stage_kernel(data_ptr, scales_ptr, gs_ptr, rows_ptr, rscale_ptr, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
+                  tk_ptr, tk_sb, tk_st, tk_sh, tv_ptr, tv_sb, tv_st, tv_sh, out_ptr,
+                  layer, num_pages, num_row_pages, num_cols, ht_width, seen, T, B,
+                  HEADS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # noqa: F821
+                  BLOCK_N: tl.constexpr, LOW: tl.constexpr, ROW_POOL: tl.constexpr,  # noqa: F821
+                  ROW_FP8: tl.constexpr, FIRST_N: tl.constexpr, LAST_N: tl.constexpr,  # noqa: F821
+                  NUM_FIXED: tl.constexpr, NUM_RING: tl.constexpr, IS_BF16: tl.constexpr):  # noqa: F821
+    """One program: ``BLOCK_N`` output columns of one (batch row, head) (``program_id(0)``) of K or V
+    (``program_id(2)``): column ``c`` holds position ``p = c - (seen - n - T)`` of the row (``n = kv_lens[b]``):
+    the stored row as a reader gets it for ``0 <= p < n`` (the twin's where retained, counted from ``n + T``), the
+    step's own row ``p - n`` for ``n <= p < n + T``, zero elsewhere (left padding)."""
+    bh = tl.program_id(0)  # noqa: F821
+    kv = tl.program_id(2)  # noqa: F821
+    b = bh // HEADS
+    h = bh % HEADS
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # noqa: F821
+    col = tl.arange(0, DP)  # noqa: F821
+    col_ok = col < D
+    n = tl.load(lens_ptr + b)  # noqa: F821
+    p = c - (seen - n - T)
+    c_ok = c < seen
+    hist = c_ok & (p >= 0) & (p < n)
+    pp = tl.maximum(p, 0)  # noqa: F821
+    page_col = tl.minimum(pp // PAGE, num_cols - 1)  # noqa: F821
+    pid = tl.load(pt_ptr + b.to(tl.int64) * s_pt + page_col, mask=hist, other=-1)  # noqa: F821
+    valid = hist & (pid >= 0)
+    lyr = layer.to(tl.int64)  # noqa: F821
+    kv64 = kv.to(tl.int64)  # noqa: F821
+    pg = tl.maximum(pid, 0).to(tl.int64)  # noqa: F821
+    row = (((lyr * num_pages + pg) * 2 + kv64) * HEADS + h) * PAGE + pp % PAGE
+    if LOW:
+        m = valid[:, None] & col_ok[None, :]
+        byte = tl.load(data_ptr + (row * (D // 2))[:, None] + (col // 2)[None, :], mask=m, other=0)  # noqa: F821
+        code = (byte.to(tl.int32) >> ((col % 2) * 4)[None, :]) & 0xF  # noqa: F821
+        sb = tl.load(scales_ptr + (row * (D // 16))[:, None] + (col // 16)[None, :], mask=m, other=0)  # noqa: F821
+        gs = tl.load(gs_ptr + lyr * 2 + kv64)  # noqa: F821
+        val = (_e2m1_magnitude(code) * _e4m3_value(sb.to(tl.int32))) * gs  # noqa: F821
+        val = (val.to(tl.int32, bitcast=True) ^ ((code & 8) << 28)).to(tl.float32, bitcast=True)  # noqa: F821
+        out = _bits16_of_f32(val, IS_BF16)
+        if ROW_POOL == 1:                               # the twin where retained (`TwinGeometry` rule)
+            qp = pp // PAGE
+            if NUM_RING > 0:
+                tcol = tl.where(qp < NUM_FIXED, qp, NUM_FIXED + qp % NUM_RING)  # noqa: F821
+            else:
+                tcol = tl.where(qp < NUM_FIXED, qp, -1)  # noqa: F821
+            has_col = (tcol >= 0) & (tcol < ht_width)
+            hid = tl.load(ht_ptr + b.to(tl.int64) * s_ht + tl.minimum(tl.maximum(tcol, 0), ht_width - 1),  # noqa: F821
+                          mask=valid & has_col, other=-1)
+            keep = valid & (hid >= 0) & ((pp < FIRST_N) | (pp >= n + T - LAST_N))
+            trow = (((lyr * num_row_pages + tl.maximum(hid, 0).to(tl.int64)) * 2 + kv64) * HEADS + h) * PAGE \
+                + pp % PAGE  # noqa: F821
+            rscale = tl.load(rscale_ptr + lyr * 2 + kv64)  # noqa: F821
+            twin = _stored_row(rows_ptr, trow, keep, rscale, col, col_ok, D, ROW_FP8, IS_BF16)
+            out = tl.where(keep[:, None], twin, out)  # noqa: F821
+    else:
+        rscale = tl.load(rscale_ptr + lyr * 2 + kv64)  # noqa: F821
+        out = _stored_row(rows_ptr, row, valid, rscale, col, col_ok, D, ROW_FP8, IS_BF16)
+    out = tl.where(valid[:, None], out, 0).to(tl.int16)  # noqa: F821
+    tail = c_ok & (p >= n) & (p < n + T)
+    j = tl.maximum(tl.minimum(p - n, T - 1), 0).to(tl.int64)  # noqa: F821
+    is_k = kv == 0
+    src = tl.where(is_k, tk_ptr, tv_ptr)  # noqa: F821
+    st_b = tl.where(is_k, tk_sb, tv_sb).to(tl.int64)  # noqa: F821
+    st_t = tl.where(is_k, tk_st, tv_st).to(tl.int64)  # noqa: F821
+    st_h = tl.where(is_k, tk_sh, tv_sh).to(tl.int64)  # noqa: F821
+    tx = tl.load(src + (b.to(tl.int64) * st_b + j * st_t + h * st_h)[:, None] + col[None, :],  # noqa: F821
+                 mask=tail[:, None] & col_ok[None, :], other=0)
+    out = tl.where(tail[:, None], tx, out)  # noqa: F821
+    o_row = ((kv64 * B + b) * HEADS + h) * seen + c
+    tl.store(out_ptr + (o_row * D)[:, None] + col[None, :], out, mask=c_ok[:, None] & col_ok[None, :])  # noqa: F821
+
+
 _HELPERS = (_f32_of_bits16, _e4m3_encode, _e2m1_code, _e2m1_magnitude, _nvfp4_candidate, _block_sq_error,
-            _block_max, _fp8_row, _page_row, _bits16_of_f32, _nvfp4_round_trip, _fp8_round_trip)
+            _block_max, _fp8_row, _page_row, _bits16_of_f32, _nvfp4_round_trip, _e4m3_value, _fp8_round_trip,
+            _stored_row)
 _BUILT = {}
 
 
@@ -348,7 +443,9 @@ def _build(interpret: bool) -> dict:
         g[fn.__name__] = InterpretedFunction(clone(fn)) if interpret else triton.jit(clone(fn))
     built = {}
     for fn, runtime in ((_write_rows_kernel, ["layer", "num_rows", "low_pages", "row_pages"]),
-                        (_round_trip_kernel, ["layer", "num_rows", "T"])):
+                        (_round_trip_kernel, ["layer", "num_rows", "T"]),
+                        (_stage_kernel, ["layer", "num_pages", "num_row_pages", "num_cols", "ht_width", "seen", "T",
+                                         "B"])):
         kernel = clone(fn)
         kernel.__module__ = __name__
         built[fn.__name__] = InterpretedFunction(kernel) if interpret else triton.jit(kernel,
@@ -718,3 +815,125 @@ def _round_trip_launch(k, v, scale, layer, low, block_scale, interpret, block_ro
     meta = dict(HEADS=h, D=d, DP=next_pow2(d), BLOCK_R=block_rows, LOW=bool(low),
                 IS_BF16=k.dtype == torch.bfloat16, FOUR_OVER_SIX=block_scale == "4over6")
     return interpret, _build(interpret)["_round_trip_kernel"], grid, args, meta, out
+
+
+# --------------------------------------------------------------------------------------------- staging
+def stage_rows(low_data: Optional[torch.Tensor], low_scales: Optional[torch.Tensor], low_gs: Optional[torch.Tensor],
+               high_rows: Optional[torch.Tensor], high_scale: Optional[torch.Tensor],
+               plain_rows: Optional[torch.Tensor], plain_scale: Optional[torch.Tensor], layer: int,
+               page_table: torch.Tensor, high_table: Optional[torch.Tensor], kv_lens: torch.Tensor, geom,
+               seen: int, tail_k: torch.Tensor, tail_v: torch.Tensor, *, interpret: Optional[bool] = None,
+               check_values: bool = True, block_n: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
+    """One layer's K / V as a reader gets them, dense and left-aligned as transformers' mask wants them, the step's
+    own rows appended, without storing them: one Triton launch (`interop.torch_paged.stage_reference` is the
+    torch reference).
+
+    Args:
+      low_data ... plain_scale: the pools (`interop.torch_paged.TorchPools`), as `write_rows_` takes them.
+      layer: the layer read.
+      page_table: ``i32[B, MP]`` page ids (-1 = none) of the batch rows; ``high_table``: ``i32[B, W]`` twin pages
+        (a mixed cache; else None).
+      kv_lens: ``i32[B]`` rows stored per batch row (``n``).
+      geom: the twin's `jmixedkv.layout.TwinGeometry` or ``(page, first_n, last_n, num_fixed, num_ring)`` (zeros
+        but the page without a twin).
+      seen: the output's length (>= ``n + T`` for every row).
+      tail_k, tail_v: the step's own rows ``[B, T, H, D]`` (the attention dtype, as they read once stored:
+        `round_trip_rows`).
+      check_values: also check on the host that every row's ``n + T`` fits ``seen`` and its pages (reads
+        ``kv_lens`` back: a device sync; pass False where the caller knows the lengths).
+
+    Returns:
+      ``[2, B, H, seen, D]`` in the tail's dtype: row ``b``'s stored position ``p < n`` at column ``seen - n - T +
+      p`` (the twin's row bit for bit where retained, the windows counted from ``n + T``, as after appending the
+      tail; NVFP4 ``(e2m1 * s) * gs`` elsewhere; an fp8 row ``f32(e4m3) * scale``; each rounded once), its tail
+      row ``j`` at ``seen - T + j``, zeros before (left padding) -- `jmixedkv.step.dense_rows` after the append,
+      aligned.
+    """
+    interpret, kernel, grid, args, meta, out = _stage_launch(
+        low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table, high_table,
+        kv_lens, geom, seen, tail_k, tail_v, interpret, block_n)
+    if check_values:
+        n = kv_lens.detach().cpu().numpy().astype(np.int64)
+        t, cap = tail_k.shape[1], page_table.shape[1] * meta["PAGE"]
+        bad = (n < 0) | (n > cap) | (n + t > seen)
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"stage_rows: row {r} holds kv_lens={int(n[r])} rows + {t} new; expected 0 <= kv_lens "
+                             f"<= {cap} (its pages) and kv_lens + {t} <= seen={seen}")
+    if not grid[0] or not grid[1]:
+        return out
+    if interpret:
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            kernel[grid](*args, **meta)
+    else:
+        with torch.cuda.device(tail_k.device):
+            kernel[grid](*args, **meta, num_warps=num_warps)
+    return out
+
+
+def lower_stage_for_cuda(*args, block_n: Optional[int] = None, num_warps: int = 4, capability: int = 90,
+                         **kwargs) -> dict:
+    """`stage_rows`'s kernel compiled as it would launch on an sm_``capability`` device (same arguments; CPU
+    tensors allowed; nothing launched): the ``asm`` dict, as `lower_for_cuda`."""
+    names = ("low_data", "low_scales", "low_gs", "high_rows", "high_scale", "plain_rows", "plain_scale", "layer",
+             "page_table", "high_table", "kv_lens", "geom", "seen", "tail_k", "tail_v")
+    bound = dict(zip(names, args), **kwargs)
+    _, kernel, _, launch_args, meta, _ = _stage_launch(*(bound[n] for n in names), False, block_n)
+    return _compile_for_cuda(kernel, launch_args, meta, num_warps, capability)
+
+
+def _stage_launch(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table,
+                  high_table, kv_lens, geom, seen, tail_k, tail_v, interpret, block_n):
+    """Validate -> ``(interpret, kernel, grid, args, constexprs, out)``."""
+    if not isinstance(tail_k, torch.Tensor) or tail_k.dim() != 4 or not isinstance(tail_v, torch.Tensor) or \
+            tail_v.shape != tail_k.shape or tail_k.dtype not in _ATTN_DTYPES or tail_v.dtype != tail_k.dtype:
+        raise ValueError(f"stage_rows: tail_k / tail_v must be bf16 / fp16 [B, T, H, D] tensors of one shape, got "
+                         f"{getattr(tail_k, 'shape', tail_k)} / {getattr(tail_v, 'shape', tail_v)}")
+    b, t, h, d = tail_k.shape
+    dev = tail_k.device
+    from .torch_paged import geometry
+    geom = geometry(geom)
+    page = geom.page
+    row_pool, row_fp8, rows, scale, low_pages, row_pages = _plan(
+        low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer,
+        tail_k[:, 0] if t else tail_k.new_empty((b, h, d)), tail_v[:, 0] if t else tail_v.new_empty((b, h, d)),
+        torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev), page,
+        "max6", None if high_rows is None and plain_rows is None else _row_is_fp8(high_rows, plain_rows))
+    for name, table in (("page_table", page_table), ("high_table", high_table)):
+        if table is None and name == "high_table" and row_pool != _ROW_HIGH:
+            continue
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] != b or \
+                table.dtype != torch.int32 or table.device != dev or table.stride(1) != 1:
+            raise ValueError(f"stage_rows: {name} must be an int32 [B={b}, *] tensor on {dev} with unit column "
+                             f"stride, got {getattr(table, 'dtype', table)} {tuple(getattr(table, 'shape', ()))}")
+    if not isinstance(kv_lens, torch.Tensor) or kv_lens.shape != (b,) or kv_lens.dtype != torch.int32 or \
+            kv_lens.device != dev:
+        raise ValueError(f"stage_rows: kv_lens must be an int32 [{b}] tensor on {dev}")
+    if isinstance(seen, bool) or not isinstance(seen, (int, np.integer)) or seen < t:
+        raise ValueError(f"stage_rows: seen must be an int >= the step's {t} tokens, got {seen!r}")
+    interpret = (not dev.type == "cuda") if interpret is None else bool(interpret)
+    if block_n is None:
+        block_n = min(64 if interpret else 32, next_pow2(max(int(seen), 1)))
+    out = torch.empty((2, b, h, int(seen), d), dtype=tail_k.dtype, device=dev)
+    grid = (b * h, -(-int(seen) // block_n), 2)
+    dummy = kv_lens
+    tables = (page_table, page_table.stride(0), high_table if row_pool == _ROW_HIGH else page_table,
+              high_table.stride(0) if row_pool == _ROW_HIGH else 0)
+    tails = [(x.view(torch.int16), x.stride(0), x.stride(1), x.stride(2)) for x in (tail_k, tail_v)]
+    has_low = low_data is not None
+    args = (low_data if has_low else dummy, low_scales.view(torch.uint8) if has_low else dummy,
+            low_gs if has_low else dummy,
+            dummy if rows is None else rows.view(torch.uint8 if row_fp8 else torch.int16),
+            dummy if scale is None else scale, *tables, kv_lens, *tails[0], *tails[1], out.view(torch.int16),
+            int(layer), low_pages, max(row_pages, 1), page_table.shape[1],
+            high_table.shape[1] if row_pool == _ROW_HIGH else 1, int(seen), t, b)
+    meta = dict(HEADS=h, PAGE=page, D=d, DP=next_pow2(d), BLOCK_N=block_n, LOW=has_low, ROW_POOL=row_pool,
+                ROW_FP8=row_fp8, FIRST_N=geom.first_n, LAST_N=geom.last_n, NUM_FIXED=geom.num_fixed,
+                NUM_RING=geom.num_ring,
+                IS_BF16=tail_k.dtype == torch.bfloat16)
+    return interpret, _build(interpret)["_stage_kernel"], grid, args, meta, out
+
+
+def _row_is_fp8(high_rows, plain_rows) -> bool:
+    rows = high_rows if high_rows is not None else plain_rows
+    return isinstance(rows, torch.Tensor) and rows.dtype in _FP8_DTYPES

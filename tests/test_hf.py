@@ -9,7 +9,7 @@ import torch
 import transformers                     # in the test extra (pip install -e .[test])
 from transformers import DynamicCache
 
-from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache
+from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache, tail_form, tail_limit
 from jmixedkv import KVCacheConfig
 
 PAGE, MAX_LEN, BATCH = 16, 32, 6           # one cache geometry for the whole file: jitted transitions compile once
@@ -237,7 +237,6 @@ FIRST_ONLY = KVCacheConfig("mixed_nvfp4_bf16", first_n=2, last_n=0, page_size=PA
 
 
 def test_tail_limit_and_form_by_format():
-    from interop.hf import tail_form, tail_limit
     assert tail_limit(MIXED) == 4 and tail_limit(ALL_HIGH) == 16 and tail_limit(MIXED_FP8) == 4
     for cfg in (BF16, NVFP4, FP8, FIRST_ONLY):
         assert tail_limit(cfg) >= 1 << 20, cfg
@@ -268,21 +267,27 @@ def _forced_logits(model, cache, ids, steps):
     return torch.stack(outs, 1), held
 
 
-@pytest.mark.parametrize("kv", [NVFP4, FP8, MIXED_FP8, FIRST_ONLY], ids=["nvfp4", "fp8", "mixed_fp8", "first_only"])
-def test_quantized_formats_hold_steps_aside_with_the_stored_rows(model, batch, kv):
-    """NVFP4 / FP8 formats hold a fused decode step aside too: its own rows are read as they read once stored
-    (`interop.paged_ops.round_trip`), so the logits match the per-layer path (append, then the fused decode) up to
-    float32 attention order and one rounding of those rows to bf16. The same step reading its rows as given (not
-    rounded through the codec) is much further off: the comparison can tell them apart."""
+HELD_CASES = [(kv, decode) for decode in ("fused", "stage") for kv in (NVFP4, FP8, MIXED_FP8, FIRST_ONLY)] + \
+    [(MIXED, "stage"), (BF16, "stage")]
+
+
+@pytest.mark.parametrize("kv,decode", HELD_CASES, ids=[f"{kv.dtype}-{kv.first_n}-{kv.last_n}-{d}"
+                                                       for kv, d in HELD_CASES])
+def test_steps_held_aside_read_the_stored_rows(model, batch, kv, decode):
+    """Every format holds a decode step aside (no JAX program while the layers run), in both modes: its own rows
+    are read as they read once stored (`interop.paged_ops.round_trip`). Stage mode then gives the per-layer path's
+    logits (append, then stage, per layer) bit for bit; fused mode matches its per-layer path (append, then the
+    fused decode) up to float32 attention order and one rounding of those rows to bf16. The same step reading its
+    rows as given (not through the codec) is much further off: the comparison tells them apart."""
     ids = batch[0]
-    _set_attn(model, ATTN_IMPLEMENTATION)
+    _set_attn(model, ATTN_IMPLEMENTATION if decode == "fused" else "sdpa")
     try:
-        held_cache = _cache(model, kv, decode="fused")
+        held_cache = _cache(model, kv, decode=decode)
         held, was_held = _forced_logits(model, held_cache, ids, 5)
-        per_layer_cache = _cache(model, kv, decode="fused")
+        per_layer_cache = _cache(model, kv, decode=decode)
         per_layer_cache._tail_limit = 0                                 # the per-layer JAX path of the same format
         want, was = _forced_logits(model, per_layer_cache, ids, 5)
-        raw_cache = _cache(model, kv, decode="fused")
+        raw_cache = _cache(model, kv, decode=decode)
         raw_cache._tail_form = None                                     # rows as given: what the round trip fixes
         raw, _ = _forced_logits(model, raw_cache, ids, 5)
     finally:
@@ -291,8 +296,11 @@ def test_quantized_formats_hold_steps_aside_with_the_stored_rows(model, batch, k
     scale = float(want.abs().max())
     err = float((held - want).abs().max())
     raw_err = float((raw[:, 1:] - want[:, 1:]).abs().max())
+    if decode == "stage":
+        assert err == 0, err
     assert err < 0.01 * scale, (err, scale)
-    assert raw_err > max(4 * err, 1e-3 * scale), (raw_err, err, scale)
+    if tail_form(kv) is not None:
+        assert raw_err > max(4 * err, 1e-3 * scale), (raw_err, err, scale)
     for layer in range(2):                                                    # the same rows were stored
         a = held_cache.cache.stage(layer, held_cache.slots).dense()
         b = per_layer_cache.cache.stage(layer, per_layer_cache.slots).dense()
