@@ -20,14 +20,13 @@ A leaf module: it imports nothing from `jmixedkv` or `pallas_kernels`, so kernel
 """
 from __future__ import annotations
 
-import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["BLOCK", "E2M1_MAX", "E4M3_MAX", "SIXTH", "keep", "opaque_zero", "launder", "is_fp8", "e4m3_saturate",
-           "encode_rows", "decode_rows", "inv_freq", "rope_cos_sin", "next_pow2"]
+           "ieee_div", "encode_rows", "decode_rows", "inv_freq", "rope_cos_sin", "next_pow2"]
 
 #: NVFP4 block length (elements per E4M3 block scale) along the last axis
 BLOCK = 16
@@ -72,11 +71,20 @@ def e4m3_saturate(y):
     return jnp.where(jnp.isnan(y), y, jnp.clip(y, -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
 
 
-def encode_rows(x, dtype, scale, div=operator.truediv):
+def ieee_div(a, b):
+    """``a / b`` (float32), correctly rounded, ``b`` broadcastable to ``a``. XLA rewrites a division by a broadcast
+    into a multiply by the reciprocal (one ulp off: on the CPU an E4M3 tie of ``x / scale`` then rounds the other
+    way); the broadcast behind an optimization barrier keeps the division."""
+    b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), jnp.shape(a)))
+    return a / b
+
+
+def encode_rows(x, dtype, scale, div=ieee_div):
     """Store form of rows ``x`` (any float dtype) for a row pool of ``dtype``.
 
     FP8: ``e4m3_saturate(div(f32(x), scale))`` with ``scale`` broadcastable to ``x`` (``div`` defaults to IEEE
-    division; kernels pass their exact in-kernel division). Other dtypes: a cast (``scale`` unused)."""
+    division, `ieee_div`; kernels pass their exact in-kernel division). Other dtypes: a cast (``scale``
+    unused)."""
     if is_fp8(dtype):
         return e4m3_saturate(div(x.astype(jnp.float32), scale))
     return x.astype(dtype)

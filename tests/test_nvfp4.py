@@ -395,6 +395,13 @@ def test_numerics_fp8_row_codec():
     assert_bits_equal(np.asarray(numerics.e4m3_saturate(jnp.asarray(y))), want, "e4m3_saturate")
     back = np.asarray(numerics.decode_rows(jnp.asarray(got), jnp.float32(scale), jnp.float32))
     assert_bits_equal(back, want.astype(np.float32) * scale, "decode_rows fp8")
+    # a scale whose reciprocal is inexact: x / scale is an E4M3 tie (7.5 * 2^-9) that a multiply by 1 / scale
+    # misses by one ulp; jitted, with the scale broadcast per row, as the write path divides
+    tie, s37 = np.full((2, 16), -0.05419921875, np.float32), np.float32(3.7)
+    assert tie[0, 0] / s37 == np.float32(-7.5 * 2.0 ** -9)
+    enc = jax.jit(lambda a, s: numerics.encode_rows(a, jnp.float8_e4m3fn, s[:, None]))
+    got = np.asarray(enc(jnp.asarray(tie), jnp.full((2,), s37)))
+    assert_bits_equal(got, (tie / s37).astype(E4M3), "encode_rows fp8 at a tie")
     b16 = numerics.encode_rows(jnp.asarray(x), jnp.bfloat16, jnp.float32(scale))       # a cast, scale unused
     assert_bits_equal(np.asarray(b16), x.astype(ml_dtypes.bfloat16), "encode_rows bf16")
     assert numerics.is_fp8(jnp.float8_e4m3fn) and not numerics.is_fp8(jnp.bfloat16)
