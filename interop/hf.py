@@ -159,13 +159,14 @@ class _Step:
     ``attend``: the cache before the step as torch views and the attention over them,
     `interop.paged_ops.step_attention`, made by the first layer that attends)."""
 
-    __slots__ = ("start", "t", "plan", "before", "new", "first", "reserved", "rows", "views", "attend")
+    __slots__ = ("start", "t", "plan", "before", "new", "first", "reserved", "rows", "views", "attend", "checked")
 
     def __init__(self, start, t, plan, before, new, reserved=None, num_layers=0):
         self.start, self.t, self.plan, self.before, self.new = start, t, plan, before, new
         self.first = not before.any()          # nothing stored before it: attention reads the step's own rows
         self.reserved, self.rows = reserved, [None] * num_layers
         self.views = self.attend = None
+        self.checked = set()                   # torch kernels whose arguments this step has checked (`_checks`)
 
 
 class JMixedKVCache(Cache):
@@ -404,11 +405,11 @@ class JMixedKVCache(Cache):
         return step
 
     def _defers(self, t: int, new: np.ndarray, before: np.ndarray) -> bool:
-        """Whether a step's rows are held aside and stored after its layers ran (one JAX program per step, the
-        attention a torch kernel over the cache plus the step's rows read dense, in the form they read once
-        stored): a fused cache, ``t`` within its format's limit (`tail_limit`) and within `MAX_HELD_TOKENS` (the
-        rows held cost a copy of the step's K/V for every layer), every row taking all ``t`` tokens (no padding
-        inside), and (a mixed cache without ``last_n``) every new row past ``first_n``."""
+        """Whether a step's rows are held aside and stored after its layers ran (one JAX program per step; the
+        layers read the cache through torch kernels, the step's rows dense in the form they read once stored):
+        ``t`` within its format's limit (`tail_limit`; 0 for stage mode with the rotation lever) and within
+        `MAX_HELD_TOKENS` (the rows held cost a copy of the step's K/V for every layer), every row taking all ``t``
+        tokens (no padding inside), and (a mixed cache without ``last_n``) every new row past ``first_n``."""
         return (t <= min(self._tail_limit, MAX_HELD_TOKENS) and bool((new == t).all())
                 and (not self._tail_from or int(before.min()) >= self._tail_from))
 
@@ -509,7 +510,7 @@ class JMixedKVCache(Cache):
         if self._tail_form is None:
             return tk, tv
         return paged_ops.round_trip(self._views(step).pools, layer_idx, tk, tv, low=self._tail_form == "nvfp4",
-                                    block_scale=self._tkv.config.block_scale)
+                                    block_scale=self._tkv.config.block_scale, validate=_checks(step, "round_trip"))
 
     def _stage_tail(self, step: _Step, layer: JMixedLayer, k, v):
         """A held-aside ``decode="stage"`` step: the layer's K / V as the model's attention reads them -- the cache
@@ -519,7 +520,17 @@ class JMixedKVCache(Cache):
         views = self._views(step)
         tk, tv = self._tail_rows(step, layer.layer_idx, k, v)
         return paged_ops.stage(views.pools, layer.layer_idx, views.page_table, views.high_table, views.kv_lens,
-                               self._tkv.page_size, views.geom, layer.seen, tk, tv, check_values=False)
+                               self._tkv.page_size, views.geom, layer.seen, tk, tv, validate=_checks(step, "stage"),
+                               check_values=False)
+
+
+def _checks(step: _Step, kernel: str) -> bool:
+    """Whether ``kernel``'s call checks its arguments: the first call of a step does; the step's other layers pass
+    the same pools, tables and shapes."""
+    if kernel in step.checked:
+        return False
+    step.checked.add(kernel)
+    return True
 
 
 def tail_limit(config: KVCacheConfig) -> int:

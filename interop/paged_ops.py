@@ -95,11 +95,13 @@ def write_rows(pools: TorchPools, layer: int, k: Tensor, v: Tensor, low_slot: Te
     op(*pools, layer, k, v, low_slot, high_slot, page_size, block_scale)
 
 
-def round_trip(pools: TorchPools, layer: int, k: Tensor, v: Tensor, *, low: bool, block_scale: str):
+def round_trip(pools: TorchPools, layer: int, k: Tensor, v: Tensor, *, low: bool, block_scale: str,
+               validate: bool = True):
     """``k, v [B, T, H, D]`` (the attention dtype, as stored: rotated if the lever is on) -> ``(k, v)`` as ``layer``
     reads them back once stored, without storing them: NVFP4 (``low``; ``pools.low_gs``) or the fp8 store form of
     the row pool (the twin's or the plain pool's scale). One Triton launch on CUDA
-    (`interop.triton_write.round_trip_rows`), eager torch on CPU (`interop.torch_paged.round_trip_reference`)."""
+    (`interop.triton_write.round_trip_rows`; ``validate=False`` skips its argument checks), eager torch on CPU
+    (`interop.torch_paged.round_trip_reference`)."""
     if low:
         scale = pools.low_gs
     else:
@@ -111,18 +113,20 @@ def round_trip(pools: TorchPools, layer: int, k: Tensor, v: Tensor, *, low: bool
         out = torch_paged.round_trip_reference(k, v, scale, layer, low=low, block_scale=block_scale)
     else:
         from .triton_write import round_trip_rows
-        out = round_trip_rows(k, v, scale, layer, low=low, block_scale=block_scale, interpret=interpret)
+        out = round_trip_rows(k, v, scale, layer, low=low, block_scale=block_scale, interpret=interpret,
+                              validate=validate)
     return out[0], out[1]
 
 
 def stage(pools: TorchPools, layer: int, page_table: Tensor, high_table: Optional[Tensor], kv_lens: Tensor,
-          page_size: int, geom, seen: int, tail_k: Tensor, tail_v: Tensor, *, check_values: bool = True):
+          page_size: int, geom, seen: int, tail_k: Tensor, tail_v: Tensor, *, validate: bool = True,
+          check_values: bool = True):
     """``layer``'s rows as a reader gets them (the twin's where retained, NVFP4 / fp8 decoded elsewhere, in the
     attention dtype), the step's own rows ``tail_k`` / ``tail_v [B, T, H, D]`` (as they read once stored:
     `round_trip`) appended, left-aligned in ``seen`` columns: ``(k, v)`` each ``[B, H, seen, D]`` (zeros before
     row ``b``'s ``kv_lens[b] + T`` rows). One Triton launch on CUDA (`interop.triton_write.stage_rows`), eager
-    torch on CPU (`interop.torch_paged.stage_reference`). ``check_values``: `stage_rows`'s host check of the
-    lengths (a device sync on CUDA)."""
+    torch on CPU (`interop.torch_paged.stage_reference`). ``validate`` / ``check_values``: `stage_rows`'s argument
+    checks and its host check of the lengths (a device sync on CUDA)."""
     g = _geom_list(page_size, geom)
     interpret = _triton(tail_k)
     kv_lens = kv_lens.to(torch.int32)
@@ -131,7 +135,7 @@ def stage(pools: TorchPools, layer: int, page_table: Tensor, high_table: Optiona
     else:
         from .triton_write import stage_rows
         out = stage_rows(*pools, layer, page_table, high_table, kv_lens, g, seen, tail_k, tail_v,
-                         interpret=interpret, check_values=check_values)
+                         interpret=interpret, validate=validate, check_values=check_values)
     return out[0], out[1]
 
 

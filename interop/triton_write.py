@@ -472,19 +472,19 @@ def _check_pool(name, t, shape, dtypes, device):
         raise ValueError(f"write_rows_: {name} {tuple(t.shape)} must be contiguous (it is written in place)")
 
 
-def _check_rows(k, v):
-    """K and V rows: ``[T, H, D]``, same shape, bf16 / fp16, last dim contiguous, ``D % 16 == 0``."""
+def _check_rows(k, v, op: str = "write_rows_", layout: str = "[T, H, D]"):
+    """K and V rows of ``op``: ``layout`` (its last axis D), same shape, bf16 / fp16, ``D % 16 == 0``."""
     for name, x in (("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"write_rows_: {name} must be a [T, H, D] tensor, got "
+        if not isinstance(x, torch.Tensor) or x.dim() != layout.count(",") + 1:
+            raise ValueError(f"{op}: {name} must be a {layout} tensor, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x.dtype not in _ATTN_DTYPES:
-            raise ValueError(f"write_rows_: {name} has dtype {x.dtype}, expected bfloat16 or float16")
+            raise ValueError(f"{op}: {name} has dtype {x.dtype}, expected bfloat16 or float16")
     if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-        raise ValueError(f"write_rows_: k {tuple(k.shape)} {k.dtype} {k.device} and v {tuple(v.shape)} {v.dtype} "
+        raise ValueError(f"{op}: k {tuple(k.shape)} {k.dtype} {k.device} and v {tuple(v.shape)} {v.dtype} "
                          f"{v.device} must share shape, dtype and device")
-    if k.shape[2] % BLOCK or k.shape[2] == 0:
-        raise ValueError(f"write_rows_: head_dim {k.shape[2]} must be a positive multiple of {BLOCK}")
+    if k.shape[-1] % BLOCK or k.shape[-1] == 0:
+        raise ValueError(f"{op}: head_dim {k.shape[-1]} must be a positive multiple of {BLOCK}")
 
 
 def _check_slots(name, s, t, device):
@@ -713,7 +713,7 @@ def _compile_for_cuda(kernel, args, meta, num_warps: int, capability: int) -> di
 
 # --------------------------------------------------------------------------------------------- round trip
 def round_trip_rows(k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor, layer: int, *, low: bool,
-                    block_scale: str = "max6", interpret: Optional[bool] = None,
+                    block_scale: str = "max6", interpret: Optional[bool] = None, validate: bool = True,
                     block_rows: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
     """Rows as the cache reads them back once stored, without storing them: one Triton launch.
 
@@ -726,6 +726,8 @@ def round_trip_rows(k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor, layer
       low: NVFP4 (``(e2m1 * f32(s)) * gs``, the block scales chosen by ``block_scale`` exactly as `write_rows_`
         chooses them) if True; the fp8 store form (``f32(e4m3(clip(x / scale, +-448))) * scale``) if False.
       interpret: run in Triton's interpreter (CPU tensors); default ``not k.is_cuda``.
+      validate: check the arguments (False: a caller that checked the same shapes, dtypes and ``layer`` already,
+        e.g. once per step for every layer).
 
     Returns:
       ``[2, B, T, H, D]`` in k's dtype, contiguous: ``[0]`` the K rows, ``[1]`` the V rows, each the float32 read
@@ -733,31 +735,39 @@ def round_trip_rows(k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor, layer
       bit for bit). A NaN block reads NaN.
     """
     interpret, kernel, grid, args, meta, out = _round_trip_launch(k, v, scale, layer, low, block_scale, interpret,
-                                                                  block_rows)
-    if not grid[0]:
-        return out
-    if interpret:
-        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            kernel[grid](*args, **meta)
-        return out
-    key = (k.device.index, grid, num_warps, tuple(meta.values()),
-           *(x.data_ptr() % 16 == 0 if isinstance(x, torch.Tensor) else _int_spec(x) for x in args[:10]))
-    runner = _RUNNERS.get(key)
-    with torch.cuda.device(k.device):
-        if runner is not None:
-            runner(*args, *(meta[name] for name in kernel.arg_names[len(args):]))
-            return out
-        compiled = kernel[grid](*args, **meta, num_warps=num_warps, enable_fp_fusion=False)
-    if hasattr(compiled, "run"):
-        if len(_RUNNERS) > 256:
-            _RUNNERS.clear()
-        _RUNNERS[key] = compiled[tuple(grid) + (1,)]          # the runner takes 3-D grids
+                                                                  block_rows, validate)
+    if grid[0]:
+        _run_kernel(kernel, grid, args, meta, 10, k.device, interpret, num_warps, fp_fusion=False)
     return out
 
 
-#: `round_trip_rows`'s compiled launches by specialization (device, grid, warps, constexprs, argument alignment and
-#: unit / 16-multiple strides): later calls go straight to the compiled kernel's runner, skipping the argument
-#: binding of ``JITFunction.run`` (tens of microseconds of host time per call, paid per layer by the held-aside step)
+def _run_kernel(kernel, grid, args, meta, num_specialized: int, device, interpret: bool, num_warps: int,
+                fp_fusion: bool) -> None:
+    """``kernel[grid](*args, **meta)``. Compiled, once a specialization has launched (the key: device, grid, warps,
+    constexprs, and how Triton specializes the first ``num_specialized`` arguments -- 16-byte alignment of tensors,
+    unit / 16-multiple ints; the rest are ``do_not_specialize``), later launches go straight to the compiled
+    kernel's runner, skipping the argument binding of ``JITFunction.run`` (tens of microseconds of host time per
+    call, paid per layer by the held-aside steps)."""
+    if interpret:
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):   # masked-off lanes (1 / 0, inf * 0)
+            kernel[grid](*args, **meta)
+        return
+    key = (kernel, device.index, grid, num_warps, tuple(meta.values()),
+           *(x.data_ptr() % 16 == 0 if isinstance(x, torch.Tensor) else _int_spec(x)
+             for x in args[:num_specialized]))
+    runner = _RUNNERS.get(key)
+    with torch.cuda.device(device):
+        if runner is not None:
+            runner(*args, *(meta[name] for name in kernel.arg_names[len(args):]))
+            return
+        compiled = kernel[grid](*args, **meta, num_warps=num_warps, enable_fp_fusion=fp_fusion)
+    if hasattr(compiled, "run"):
+        if len(_RUNNERS) > 256:
+            _RUNNERS.clear()
+        _RUNNERS[key] = compiled[tuple(grid) + (1,) * (3 - len(grid))]          # the runner takes 3-D grids
+
+
+#: compiled launches by specialization (`_run_kernel`)
 _RUNNERS: dict = {}
 
 
@@ -770,24 +780,35 @@ def lower_round_trip_for_cuda(k, v, scale, layer, *, low: bool, block_scale: str
                               block_rows: Optional[int] = None, num_warps: int = 4, capability: int = 90) -> dict:
     """`round_trip_rows`'s kernel compiled as it would launch on an sm_``capability`` device (CPU tensors allowed;
     nothing launched): the ``asm`` dict, as `lower_for_cuda`."""
-    _, kernel, _, args, meta, _ = _round_trip_launch(k, v, scale, layer, low, block_scale, False, block_rows)
+    _, kernel, _, args, meta, _ = _round_trip_launch(k, v, scale, layer, low, block_scale, False, block_rows, True)
     return _compile_for_cuda(kernel, args, meta, num_warps, capability)
 
 
-def _round_trip_launch(k, v, scale, layer, low, block_scale, interpret, block_rows):
-    """Validate -> ``(interpret, kernel, grid, args, constexprs, out)``."""
-    for name, x in (("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"round_trip_rows: {name} must be a [B, T, H, D] tensor, got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.dtype not in _ATTN_DTYPES:
-            raise ValueError(f"round_trip_rows: {name} has dtype {x.dtype}, expected bfloat16 or float16")
-    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-        raise ValueError(f"round_trip_rows: k {tuple(k.shape)} {k.dtype} {k.device} and v {tuple(v.shape)} "
-                         f"{v.dtype} {v.device} must share shape, dtype and device")
+def _round_trip_launch(k, v, scale, layer, low, block_scale, interpret, block_rows, validate):
+    """Validate (``validate``) -> ``(interpret, kernel, grid, args, constexprs, out)``."""
+    if validate:
+        _check_round_trip(k, v, scale, layer, block_scale, block_rows)
     b, t, h, d = k.shape
-    if d % BLOCK or d == 0:
-        raise ValueError(f"round_trip_rows: head_dim {d} must be a positive multiple of {BLOCK}")
+    interpret = (not k.is_cuda) if interpret is None else bool(interpret)
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if v.stride(3) != 1:
+        v = v.contiguous()
+    rows = b * t * h
+    if block_rows is None:
+        block_rows = min(256 if interpret else max(1, 1024 // next_pow2(d)), next_pow2(max(rows, 1)))
+    out = torch.empty((2, b, t, h, d), dtype=k.dtype, device=k.device)
+    grid = (-(-rows // block_rows), 2)
+    args = (k.view(torch.int16), v.view(torch.int16), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+            v.stride(1), v.stride(2), out.view(torch.int16), scale, int(layer), rows, max(t, 1))
+    meta = dict(HEADS=h, D=d, DP=next_pow2(d), BLOCK_R=block_rows, LOW=bool(low),
+                IS_BF16=k.dtype == torch.bfloat16, FOUR_OVER_SIX=block_scale == "4over6")
+    return interpret, _build(interpret)["_round_trip_kernel"], grid, args, meta, out
+
+
+def _check_round_trip(k, v, scale, layer, block_scale, block_rows) -> None:
+    """`ValueError` naming the bad argument of `round_trip_rows`."""
+    _check_rows(k, v, "round_trip_rows", "[B, T, H, D]")
     if block_scale not in BLOCK_SCALES:
         raise ValueError(f"round_trip_rows: block_scale must be one of {BLOCK_SCALES}, got {block_scale!r}")
     if not isinstance(scale, torch.Tensor) or scale.dim() != 2 or scale.shape[1] != 2 or \
@@ -797,24 +818,11 @@ def _round_trip_launch(k, v, scale, layer, low, block_scale, interpret, block_ro
                          f"on {getattr(scale, 'device', None)}")
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < scale.shape[0]:
         raise ValueError(f"round_trip_rows: layer {layer!r} out of range [0, {scale.shape[0]})")
-    interpret = (not k.is_cuda) if interpret is None else bool(interpret)
-    if k.stride(3) != 1:
-        k = k.contiguous()
-    if v.stride(3) != 1:
-        v = v.contiguous()
-    rows = b * t * h
-    if block_rows is None:
-        block_rows = min(256 if interpret else max(1, 1024 // next_pow2(d)), next_pow2(max(rows, 1)))
-    elif isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1 or \
-            block_rows & (block_rows - 1):
+    if not scale.is_contiguous():
+        raise ValueError(f"round_trip_rows: scale must be contiguous, got strides {scale.stride()}")
+    if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or
+                                   block_rows < 1 or block_rows & (block_rows - 1)):
         raise ValueError(f"round_trip_rows: block_rows must be a power of two, got {block_rows!r}")
-    out = torch.empty((2, b, t, h, d), dtype=k.dtype, device=k.device)
-    grid = (-(-rows // block_rows), 2)
-    args = (k.view(torch.int16), v.view(torch.int16), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-            v.stride(1), v.stride(2), out.view(torch.int16), scale.contiguous(), int(layer), rows, max(t, 1))
-    meta = dict(HEADS=h, D=d, DP=next_pow2(d), BLOCK_R=block_rows, LOW=bool(low),
-                IS_BF16=k.dtype == torch.bfloat16, FOUR_OVER_SIX=block_scale == "4over6")
-    return interpret, _build(interpret)["_round_trip_kernel"], grid, args, meta, out
 
 
 # --------------------------------------------------------------------------------------------- staging
@@ -823,7 +831,8 @@ def stage_rows(low_data: Optional[torch.Tensor], low_scales: Optional[torch.Tens
                plain_rows: Optional[torch.Tensor], plain_scale: Optional[torch.Tensor], layer: int,
                page_table: torch.Tensor, high_table: Optional[torch.Tensor], kv_lens: torch.Tensor, geom,
                seen: int, tail_k: torch.Tensor, tail_v: torch.Tensor, *, interpret: Optional[bool] = None,
-               check_values: bool = True, block_n: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
+               validate: bool = True, check_values: bool = True, block_n: Optional[int] = None,
+               num_warps: int = 4) -> torch.Tensor:
     """One layer's K / V as a reader gets them, dense and left-aligned as transformers' mask wants them, the step's
     own rows appended, without storing them: one Triton launch (`interop.torch_paged.stage_reference` is the
     torch reference).
@@ -839,6 +848,8 @@ def stage_rows(low_data: Optional[torch.Tensor], low_scales: Optional[torch.Tens
       seen: the output's length (>= ``n + T`` for every row).
       tail_k, tail_v: the step's own rows ``[B, T, H, D]`` (the attention dtype, as they read once stored:
         `round_trip_rows`).
+      validate: check the arguments' shapes, dtypes and devices (False: a caller that checked the same pools,
+        tables and tail shapes already, e.g. once per step for every layer).
       check_values: also check on the host that every row's ``n + T`` fits ``seen`` and its pages (reads
         ``kv_lens`` back: a device sync; pass False where the caller knows the lengths).
 
@@ -851,7 +862,7 @@ def stage_rows(low_data: Optional[torch.Tensor], low_scales: Optional[torch.Tens
     """
     interpret, kernel, grid, args, meta, out = _stage_launch(
         low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table, high_table,
-        kv_lens, geom, seen, tail_k, tail_v, interpret, block_n)
+        kv_lens, geom, seen, tail_k, tail_v, interpret, block_n, validate)
     if check_values:
         n = kv_lens.detach().cpu().numpy().astype(np.int64)
         t, cap = tail_k.shape[1], page_table.shape[1] * meta["PAGE"]
@@ -860,14 +871,8 @@ def stage_rows(low_data: Optional[torch.Tensor], low_scales: Optional[torch.Tens
             r = int(np.flatnonzero(bad)[0])
             raise ValueError(f"stage_rows: row {r} holds kv_lens={int(n[r])} rows + {t} new; expected 0 <= kv_lens "
                              f"<= {cap} (its pages) and kv_lens + {t} <= seen={seen}")
-    if not grid[0] or not grid[1]:
-        return out
-    if interpret:
-        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            kernel[grid](*args, **meta)
-    else:
-        with torch.cuda.device(tail_k.device):
-            kernel[grid](*args, **meta, num_warps=num_warps)
+    if grid[0] and grid[1]:
+        _run_kernel(kernel, grid, args, meta, 19, tail_k.device, interpret, num_warps, fp_fusion=True)
     return out
 
 
@@ -878,29 +883,74 @@ def lower_stage_for_cuda(*args, block_n: Optional[int] = None, num_warps: int = 
     names = ("low_data", "low_scales", "low_gs", "high_rows", "high_scale", "plain_rows", "plain_scale", "layer",
              "page_table", "high_table", "kv_lens", "geom", "seen", "tail_k", "tail_v")
     bound = dict(zip(names, args), **kwargs)
-    _, kernel, _, launch_args, meta, _ = _stage_launch(*(bound[n] for n in names), False, block_n)
+    _, kernel, _, launch_args, meta, _ = _stage_launch(*(bound[n] for n in names), False, block_n, True)
     return _compile_for_cuda(kernel, launch_args, meta, num_warps, capability)
 
 
 def _stage_launch(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table,
-                  high_table, kv_lens, geom, seen, tail_k, tail_v, interpret, block_n):
-    """Validate -> ``(interpret, kernel, grid, args, constexprs, out)``."""
+                  high_table, kv_lens, geom, seen, tail_k, tail_v, interpret, block_n, validate):
+    """Validate (``validate``) -> ``(interpret, kernel, grid, args, constexprs, out)``."""
+    from .torch_paged import geometry
+    geom = geometry(geom)
+    if validate:
+        roles = _check_stage(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer,
+                             page_table, high_table, kv_lens, geom, seen, tail_k, tail_v)
+    else:
+        roles = _row_pool_roles(low_data, high_rows, high_scale, plain_rows, plain_scale)
+    row_pool, row_fp8, rows, scale, low_pages, row_pages = roles
+    b, t, h, d = tail_k.shape
+    dev, page = tail_k.device, geom.page
+    interpret = (not dev.type == "cuda") if interpret is None else bool(interpret)
+    if block_n is None:
+        block_n = min(64 if interpret else 32, next_pow2(max(int(seen), 1)))
+    out = torch.empty((2, b, h, int(seen), d), dtype=tail_k.dtype, device=dev)
+    grid = (b * h, -(-int(seen) // block_n), 2)
+    dummy = kv_lens
+    twin = row_pool == _ROW_HIGH
+    tables = (page_table, page_table.stride(0), high_table if twin else page_table,
+              high_table.stride(0) if twin else 0)
+    tails = [(x.view(torch.int16), x.stride(0), x.stride(1), x.stride(2)) for x in (tail_k, tail_v)]
+    has_low = low_data is not None
+    args = (low_data if has_low else dummy, low_scales.view(torch.uint8) if has_low else dummy,
+            low_gs if has_low else dummy,
+            dummy if rows is None else rows.view(torch.uint8 if row_fp8 else torch.int16),
+            dummy if scale is None else scale, *tables, kv_lens, *tails[0], *tails[1], out.view(torch.int16),
+            int(layer), low_pages, max(row_pages, 1), page_table.shape[1], high_table.shape[1] if twin else 1,
+            int(seen), t, b)
+    meta = dict(HEADS=h, PAGE=page, D=d, DP=next_pow2(d), BLOCK_N=block_n, LOW=has_low, ROW_POOL=row_pool,
+                ROW_FP8=row_fp8, FIRST_N=geom.first_n, LAST_N=geom.last_n, NUM_FIXED=geom.num_fixed,
+                NUM_RING=geom.num_ring, IS_BF16=tail_k.dtype == torch.bfloat16)
+    return interpret, _build(interpret)["_stage_kernel"], grid, args, meta, out
+
+
+def _row_pool_roles(low_data, high_rows, high_scale, plain_rows, plain_scale):
+    """`_plan`'s ``(row_pool, row_fp8, rows, scale, low_pages, row_pages)`` of pools already checked."""
+    if high_rows is not None:
+        row_pool, rows, scale, row_pages = _ROW_HIGH, high_rows, high_scale, high_rows.shape[1]
+    elif plain_rows is not None:
+        row_pool, rows, scale, row_pages = _ROW_PLAIN, plain_rows, plain_scale, plain_rows.shape[1]
+    else:
+        row_pool, rows, scale, row_pages = _ROW_NONE, None, None, 0
+    low_pages = (low_data if low_data is not None else plain_rows).shape[1]
+    return row_pool, rows is not None and rows.dtype in _FP8_DTYPES, rows, scale, low_pages, row_pages
+
+
+def _check_stage(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table,
+                 high_table, kv_lens, geom, seen, tail_k, tail_v):
+    """`ValueError` naming the bad argument of `stage_rows`; else `_plan`'s roles of the pools."""
     if not isinstance(tail_k, torch.Tensor) or tail_k.dim() != 4 or not isinstance(tail_v, torch.Tensor) or \
             tail_v.shape != tail_k.shape or tail_k.dtype not in _ATTN_DTYPES or tail_v.dtype != tail_k.dtype:
         raise ValueError(f"stage_rows: tail_k / tail_v must be bf16 / fp16 [B, T, H, D] tensors of one shape, got "
                          f"{getattr(tail_k, 'shape', tail_k)} / {getattr(tail_v, 'shape', tail_v)}")
     b, t, h, d = tail_k.shape
     dev = tail_k.device
-    from .torch_paged import geometry
-    geom = geometry(geom)
-    page = geom.page
-    row_pool, row_fp8, rows, scale, low_pages, row_pages = _plan(
+    roles = _plan(
         low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer,
         tail_k[:, 0] if t else tail_k.new_empty((b, h, d)), tail_v[:, 0] if t else tail_v.new_empty((b, h, d)),
-        torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev), page,
+        torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev), geom.page,
         "max6", None if high_rows is None and plain_rows is None else _row_is_fp8(high_rows, plain_rows))
     for name, table in (("page_table", page_table), ("high_table", high_table)):
-        if table is None and name == "high_table" and row_pool != _ROW_HIGH:
+        if table is None and name == "high_table" and roles[0] != _ROW_HIGH:
             continue
         if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] != b or \
                 table.dtype != torch.int32 or table.device != dev or table.stride(1) != 1:
@@ -911,27 +961,7 @@ def _stage_launch(low_data, low_scales, low_gs, high_rows, high_scale, plain_row
         raise ValueError(f"stage_rows: kv_lens must be an int32 [{b}] tensor on {dev}")
     if isinstance(seen, bool) or not isinstance(seen, (int, np.integer)) or seen < t:
         raise ValueError(f"stage_rows: seen must be an int >= the step's {t} tokens, got {seen!r}")
-    interpret = (not dev.type == "cuda") if interpret is None else bool(interpret)
-    if block_n is None:
-        block_n = min(64 if interpret else 32, next_pow2(max(int(seen), 1)))
-    out = torch.empty((2, b, h, int(seen), d), dtype=tail_k.dtype, device=dev)
-    grid = (b * h, -(-int(seen) // block_n), 2)
-    dummy = kv_lens
-    tables = (page_table, page_table.stride(0), high_table if row_pool == _ROW_HIGH else page_table,
-              high_table.stride(0) if row_pool == _ROW_HIGH else 0)
-    tails = [(x.view(torch.int16), x.stride(0), x.stride(1), x.stride(2)) for x in (tail_k, tail_v)]
-    has_low = low_data is not None
-    args = (low_data if has_low else dummy, low_scales.view(torch.uint8) if has_low else dummy,
-            low_gs if has_low else dummy,
-            dummy if rows is None else rows.view(torch.uint8 if row_fp8 else torch.int16),
-            dummy if scale is None else scale, *tables, kv_lens, *tails[0], *tails[1], out.view(torch.int16),
-            int(layer), low_pages, max(row_pages, 1), page_table.shape[1],
-            high_table.shape[1] if row_pool == _ROW_HIGH else 1, int(seen), t, b)
-    meta = dict(HEADS=h, PAGE=page, D=d, DP=next_pow2(d), BLOCK_N=block_n, LOW=has_low, ROW_POOL=row_pool,
-                ROW_FP8=row_fp8, FIRST_N=geom.first_n, LAST_N=geom.last_n, NUM_FIXED=geom.num_fixed,
-                NUM_RING=geom.num_ring,
-                IS_BF16=tail_k.dtype == torch.bfloat16)
-    return interpret, _build(interpret)["_stage_kernel"], grid, args, meta, out
+    return roles
 
 
 def _row_is_fp8(high_rows, plain_rows) -> bool:

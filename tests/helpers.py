@@ -370,3 +370,16 @@ def tiny_llama(vocab_size: int = 256):
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def torch_of(x):
+    """JAX / NumPy array -> CPU torch tensor (bf16 through its bits, FP8 as its E4M3 bytes); None stays None."""
+    import torch
+    if x is None:
+        return None
+    a = np.asarray(x)
+    if a.dtype == jnp.bfloat16:
+        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+    if a.dtype == jnp.float8_e4m3fn:
+        return torch.from_numpy(a.view(np.uint8).copy())
+    return torch.from_numpy(a.copy())

@@ -21,6 +21,7 @@ import torch
 import triton  # noqa: F401  (a test dependency: the kernel needs it, no silent skip)
 
 from helpers import outlier_rows, poisoned_state
+from helpers import torch_of as _torch
 from jmixedkv import GroupSpec, KVCacheConfig
 from jmixedkv.state import append
 from jmixedkv.step import dense_rows
@@ -31,18 +32,6 @@ from interop.torch_paged import TorchPools
 
 gpu = pytest.mark.gpu
 LENS = (0, 1, 15, 16, 17, 70)
-
-
-def _torch(x):
-    """JAX / NumPy array -> CPU torch tensor (bf16 through its bits, FP8 as its E4M3 bytes)."""
-    if x is None:
-        return None
-    a = np.asarray(x)
-    if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-    if a.dtype == jnp.float8_e4m3fn:
-        return torch.from_numpy(a.view(np.uint8).copy())
-    return torch.from_numpy(a.copy())
 
 
 def _case(dtype, first_n, last_n, tq, d=64, heads=2, seed=0, lens=LENS):

@@ -13,24 +13,13 @@ import pytest
 import torch
 
 from helpers import decode_queries, decode_reference, poisoned_state, outlier_rows
+from helpers import torch_of as _torch
 from jmixedkv import GroupSpec, KVCacheConfig
 from jmixedkv.decode import decode_attention
 from interop.triton_attention import Tuning, bench_paged_attention, choose_tuning, paged_attention
 
 #: max |out - ref| <= OUT_TOL * max |ref| per (row, head); LSE within LSE_TOL
 OUT_TOL, LSE_TOL = 2e-3, 1e-4
-
-
-def _torch(x):
-    """JAX / NumPy array -> CPU torch tensor (bf16 through its bits, FP8 as its E4M3 bytes)."""
-    if x is None:
-        return None
-    a = np.asarray(x)
-    if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-    if a.dtype == jnp.float8_e4m3fn:
-        return torch.from_numpy(a.view(np.uint8).copy())
-    return torch.from_numpy(a.copy())
 
 
 @functools.lru_cache(maxsize=None)
