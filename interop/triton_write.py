@@ -64,6 +64,8 @@ import torch
 
 from jmixedkv.numerics import BLOCK, SIXTH, next_pow2
 
+from .torch_paged import geometry
+
 __all__ = ["write_rows_", "round_trip_rows", "stage_rows", "lower_for_cuda", "lower_round_trip_for_cuda",
            "lower_stage_for_cuda", "BLOCK_SCALES"]
 
@@ -226,18 +228,7 @@ def _write_rows_kernel(k_ptr, v_ptr, k_st, k_sh, v_st, v_sh, low_slot_ptr, high_
 
     if HAS_LOW:
         gs = tl.load(gs_ptr + lyr * 2 + kv)  # noqa: F821
-        enc = tl.math.div_rn(1.0, gs)  # noqa: F821
-        x3 = tl.reshape(x, (BLOCK_R, NB, 16))  # noqa: F821
-        ab3 = tl.reshape(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (BLOCK_R, NB, 16))  # noqa: F821
-        amax = _block_max(ab3, BLOCK_R, NB).to(tl.float32, bitcast=True)  # noqa: F821   NaN bits sort last
-        byte, sf, codes = _nvfp4_candidate(x3, amax, enc, gs, 0.16666667163372040)
-        if FOUR_OVER_SIX:
-            byte4, sf4, codes4 = _nvfp4_candidate(x3, amax, enc, gs, 0.25)
-            ax3 = ab3.to(tl.float32, bitcast=True)  # noqa: F821
-            use4 = (_block_sq_error(ax3, codes4, sf4, gs, BLOCK_R, NB)
-                    < _block_sq_error(ax3, codes, sf, gs, BLOCK_R, NB))
-            byte = tl.where(use4, byte4, byte)  # noqa: F821
-            codes = tl.where(use4[:, :, None], codes4, codes)  # noqa: F821
+        byte, _, codes = _nvfp4_encode(x, gs, BLOCK_R, DP, FOUR_OVER_SIX)
         lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, DP // 2, 2)))  # noqa: F821
         packed = (lo | (hi << 4)).to(tl.uint8)  # noqa: F821
         c2 = tl.arange(0, DP // 2)  # noqa: F821
@@ -263,24 +254,38 @@ def _write_rows_kernel(k_ptr, v_ptr, k_st, k_sh, v_st, v_sh, low_slot_ptr, high_
             tl.store(rows_ptr + w_off, u, mask=w_mask)  # noqa: F821
 
 
-def _nvfp4_round_trip(x, gs, R: tl.constexpr, DP: tl.constexpr, FOUR_OVER_SIX: tl.constexpr):  # noqa: F821
-    """``f32[R, DP]`` rows -> their NVFP4 value ``(e2m1 * f32(s)) * gs`` (float32), the block scales and codes
-    chosen exactly as the store chooses them (`_write_rows_kernel`)."""
+def _nvfp4_encode(x, gs, R: tl.constexpr, DP: tl.constexpr, FOUR_OVER_SIX: tl.constexpr):  # noqa: F821
+    """NVFP4 of ``f32[R, DP]`` rows in the pinned order (`jmixedkv.nvfp4`; ``"4over6"`` keeps the max-to-4
+    candidate of a block only when its squared error is strictly lower): ``(scale byte i32[R, NB], scale f32[R,
+    NB], codes i32[R, NB, 16])``. The block maxima are int32 maxima over the ``|x|`` bits (NaN bits sort last)."""
     NB: tl.constexpr = DP // 16  # noqa: F821
     enc = tl.math.div_rn(1.0, gs)  # noqa: F821
     x3 = tl.reshape(x, (R, NB, 16))  # noqa: F821
     ab3 = tl.reshape(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (R, NB, 16))  # noqa: F821
     amax = _block_max(ab3, R, NB).to(tl.float32, bitcast=True)  # noqa: F821
-    _, sf, codes = _nvfp4_candidate(x3, amax, enc, gs, 0.16666667163372040)
+    byte, sf, codes = _nvfp4_candidate(x3, amax, enc, gs, 0.16666667163372040)
     if FOUR_OVER_SIX:
-        _, sf4, codes4 = _nvfp4_candidate(x3, amax, enc, gs, 0.25)
+        byte4, sf4, codes4 = _nvfp4_candidate(x3, amax, enc, gs, 0.25)
         ax3 = ab3.to(tl.float32, bitcast=True)  # noqa: F821
         use4 = _block_sq_error(ax3, codes4, sf4, gs, R, NB) < _block_sq_error(ax3, codes, sf, gs, R, NB)
+        byte = tl.where(use4, byte4, byte)  # noqa: F821
         sf = tl.where(use4, sf4, sf)  # noqa: F821
         codes = tl.where(use4[:, :, None], codes4, codes)  # noqa: F821
-    val = (_e2m1_magnitude(codes) * sf[:, :, None]) * gs
-    val = (val.to(tl.int32, bitcast=True) ^ ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # noqa: F821  (sign)
-    return tl.reshape(val, (R, DP))  # noqa: F821
+    return byte, sf, codes
+
+
+def _nvfp4_value(codes, sf, gs):
+    """float32 value ``(e2m1 * sf) * gs`` of E2M1 codes (bit 3 = sign, kept on zeros) with block scales ``sf``
+    (float32, broadcast like ``codes``)."""
+    val = (_e2m1_magnitude(codes) * sf) * gs
+    return (val.to(tl.int32, bitcast=True) ^ ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # noqa: F821
+
+
+def _nvfp4_round_trip(x, gs, R: tl.constexpr, DP: tl.constexpr, FOUR_OVER_SIX: tl.constexpr):  # noqa: F821
+    """``f32[R, DP]`` rows -> their NVFP4 value ``(e2m1 * f32(s)) * gs`` (float32), the block scales and codes
+    chosen exactly as the store chooses them (`_nvfp4_encode`, as `_write_rows_kernel`)."""
+    _, sf, codes = _nvfp4_encode(x, gs, R, DP, FOUR_OVER_SIX)
+    return tl.reshape(_nvfp4_value(codes, sf[:, :, None], gs), (R, DP))  # noqa: F821
 
 
 def _e4m3_value(byte):
@@ -379,9 +384,7 @@ def _stage_kernel(data_ptr, scales_ptr, gs_ptr, rows_ptr, rscale_ptr, pt_ptr, s_
         code = (byte.to(tl.int32) >> ((col % 2) * 4)[None, :]) & 0xF  # noqa: F821
         sb = tl.load(scales_ptr + (row * (D // 16))[:, None] + (col // 16)[None, :], mask=m, other=0)  # noqa: F821
         gs = tl.load(gs_ptr + lyr * 2 + kv64)  # noqa: F821
-        val = (_e2m1_magnitude(code) * _e4m3_value(sb.to(tl.int32))) * gs  # noqa: F821
-        val = (val.to(tl.int32, bitcast=True) ^ ((code & 8) << 28)).to(tl.float32, bitcast=True)  # noqa: F821
-        out = _bits16_of_f32(val, IS_BF16)
+        out = _bits16_of_f32(_nvfp4_value(code, _e4m3_value(sb.to(tl.int32)), gs), IS_BF16)
         if ROW_POOL == 1:                               # the twin where retained (`TwinGeometry` rule)
             qp = pp // PAGE
             if NUM_RING > 0:
@@ -416,8 +419,8 @@ def _stage_kernel(data_ptr, scales_ptr, gs_ptr, rows_ptr, rscale_ptr, pt_ptr, s_
 
 
 _HELPERS = (_f32_of_bits16, _e4m3_encode, _e2m1_code, _e2m1_magnitude, _nvfp4_candidate, _block_sq_error,
-            _block_max, _fp8_row, _page_row, _bits16_of_f32, _nvfp4_round_trip, _e4m3_value, _fp8_round_trip,
-            _stored_row)
+            _block_max, _fp8_row, _page_row, _bits16_of_f32, _nvfp4_encode, _nvfp4_value, _nvfp4_round_trip,
+            _e4m3_value, _fp8_round_trip, _stored_row)
 _BUILT = {}
 
 
@@ -890,7 +893,6 @@ def lower_stage_for_cuda(*args, block_n: Optional[int] = None, num_warps: int = 
 def _stage_launch(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, page_table,
                   high_table, kv_lens, geom, seen, tail_k, tail_v, interpret, block_n, validate):
     """Validate (``validate``) -> ``(interpret, kernel, grid, args, constexprs, out)``."""
-    from .torch_paged import geometry
     geom = geometry(geom)
     if validate:
         roles = _check_stage(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer,
