@@ -38,9 +38,10 @@ from jmixedkv import nvfp4  # noqa: E402
 from jmixedkv.compat import on_gpu  # noqa: E402
 from jmixedkv.numerics import next_pow2  # noqa: E402
 from jmixedkv.pools import kernel_arrays  # noqa: E402
-from pallas_kernels.decode import TritonConfig, choose_backend, mosaic_sm90, triton  # noqa: E402
+from pallas_kernels.decode import MosaicConfig, TritonConfig, choose_backend, mosaic_sm90, triton  # noqa: E402
 from pallas_kernels.decode.common import pages_per_block  # noqa: E402
-from pallas_kernels.decode.config import triton_num_splits, triton_tuning  # noqa: E402
+from pallas_kernels.decode.config import mosaic_num_splits, triton_num_splits, triton_tuning  # noqa: E402
+from pallas_kernels.decode.mosaic_sm90 import BLOCK_K  # noqa: E402
 
 HEAD_DIM = DECODE_GEOMETRY["head_dim"]      # every --grid row's
 #: ``--grid`` targets: (name, rows it applies to, the default's time over the NVFP4 floor at most / cuDNN's over
@@ -120,21 +121,36 @@ def kernel_fn(g: BenchGeometry, opts: RunOptions, backend: str, config=None):
 
 
 _VARIANT = re.compile(r"^k(\d+)w(\d+)(?:s(\d+))?(?:x([\d.]+))?(?:c(\d+))?$")
+_MOSAIC_VARIANT = re.compile(r"^m(?:s(\d+))?(?:t([01]))?(?:x([\d.]+))?$")
+_VARIANT_FORMS = "k<block_k>w<warps>[s<stages>][x<split mult>][c<col groups>] or m[s<stages>][t<0|1>][x<split mult>]"
 
 
 def parse_variant(text: str) -> tuple:
-    """``"k{block_k}w{num_warps}[s{num_stages}][x{split multiplier}][c{col_groups}]"`` -> ``(text, fields)``: a
-    Triton config timed beside the default; the multiplier scales `triton_num_splits` of its block (default 1)."""
+    """A config timed beside the default -> ``(text, fields)``: ``"k{block_k}w{num_warps}[s{num_stages}][x{split
+    multiplier}][c{col_groups}]"`` a Triton config (the multiplier scales `triton_num_splits` of its block, default
+    1); ``"m[s{stages}][t{qk_in_turn 0 / 1}][x{split multiplier}]"`` a Mosaic GPU one (timed where the default is the
+    Mosaic GPU kernel; the multiplier scales `mosaic_num_splits`)."""
     m = _VARIANT.match(text.strip())
+    mm = _MOSAIC_VARIANT.match(text.strip())
+    if mm:
+        s, t, x = mm.groups()
+        fields = dict(backend="mosaic", stages=int(s or 2), split_mult=float(x or 1))
+        return text.strip(), dict(fields, qk_in_turn=t == "1") if t else fields
     if not m:
-        raise ValueError(f"--variants: {text!r} is not k<block_k>w<warps>[s<stages>][x<split mult>][c<col groups>]")
+        raise ValueError(f"--variants: {text!r} is not {_VARIANT_FORMS}")
     k, w, s, x, c = m.groups()
     fields = dict(block_k=int(k), num_warps=int(w), num_stages=int(s or 3), split_mult=float(x or 1))
     return text.strip(), dict(fields, col_groups=int(c)) if c else fields
 
 
-def variant_config(fields: dict, g: BenchGeometry, b: int, ctx: int, tq: int) -> TritonConfig:
-    """A variant's `TritonConfig` at this row: `triton_num_splits` of its block times its multiplier (>= 1)."""
+def variant_config(fields: dict, g: BenchGeometry, b: int, ctx: int, tq: int):
+    """A variant's `TritonConfig` (or `MosaicConfig`, `parse_variant`) at this row: the default split count of its
+    block times its multiplier (>= 1)."""
+    if fields.get("backend") == "mosaic":
+        blocks = max(1, -(-ctx // BLOCK_K))
+        splits = max(1, min(blocks, int(mosaic_num_splits(b, g.kv_heads, blocks) * fields["split_mult"])))
+        return MosaicConfig(num_splits=splits, **{k: v for k, v in fields.items()
+                                                  if k not in ("backend", "split_mult")})
     blocks = max(1, -(-(ctx // g.page) // pages_per_block(fields["block_k"], g.page)))
     per_sm = triton_tuning("nvfp4", b, g.kv_heads, g.page, next_pow2(max(16, tq * g.gqa)), tq * g.gqa,
                            g.head_dim)[2]
@@ -252,11 +268,13 @@ def geometry_row(torch, bw, g: BenchGeometry, b, ctx, tq, opts: RunOptions):
     if prof:
         row.update(gpu_us=prof["gpu_ms"] * 1e3, kernel_us=prof["match_ms"] * 1e3, launches=prof["launches"])
     row["variants"] = {}
-    others = [("triton", None)] if row["backend"] == "mosaic" else [
-        (name, variant_config(f, g, b, ctx, tq)) for name, f in opts.variants]
+    mosaic = row["backend"] == "mosaic"
+    others = [("triton", None)] if mosaic else []
+    others += [(name, variant_config(f, g, b, ctx, tq)) for name, f in opts.variants
+               if (f.get("backend") == "mosaic") == mosaic]
     for name, config in others:
         try:
-            lp = step_loop(kernel_fn(g, opts, "triton", config))
+            lp = step_loop(kernel_fn(g, opts, "mosaic" if isinstance(config, MosaicConfig) else "triton", config))
             _close(lp(*args)[1], want, name)
             row["variants"][name] = opts.time(lp, *args) / 10
         except Exception as e:   # a config that does not compile is recorded, not fatal
@@ -439,8 +457,7 @@ def main(argv=None):
         ap.add_argument(flag, default=default, help=f"--grid (default {default})")
     for flag in ("--head-dims", "--groups", "--pages", "--tqs"):
         ap.add_argument(flag, default=None, help="--geometry-grid axis, comma-separated")
-    ap.add_argument("--variants", default="", help="--geometry-grid: Triton configs k<block_k>w<warps>[s<stages>]"
-                    "[x<split mult>][c<col groups>], comma-separated")
+    ap.add_argument("--variants", default="", help=f"--geometry-grid: configs {_VARIANT_FORMS}, comma-separated")
     ap.add_argument("--shard", default=None, help="I/N: run rows k with k %% N == I")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join --shard JSONs (no GPU needed)")
     args = ap.parse_args(argv)

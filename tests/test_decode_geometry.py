@@ -86,27 +86,27 @@ def test_mosaic_interpret_odd_groups(group):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_backend_choice_every_group(d, monkeypatch):
     """Where the Mosaic GPU kernel may run (``JMIXEDKV_DECODE_KERNEL=mgpu``: wherever it is supported), it covers
-    head_dim 128 at every group and Tq with ``Tq * G <= 64``, head_dim 64 (token pairs) with ``2 Tq * G <= 64``;
-    head_dim 256 goes to the Triton kernel."""
+    head_dim 128 at every group and Tq with ``Tq * G <= 64``, head_dim 64 (token pairs) with ``2 Tq * G <= 64``,
+    head_dim 256 (two column blocks, keys on M only) with ``Tq * G <= 32``."""
     if not mosaic_sm90.available():
         pytest.fail("jax.experimental.pallas.mosaic_gpu does not import: the backend choice cannot be checked")
     monkeypatch.setenv(entry.KERNEL_ENV, "mgpu")
     for group in GROUPS:
         for tq in (1, 2, 4, 8):
-            rows = {128: tq * group, 64: 2 * tq * group}.get(d, 10 ** 6)
-            want = "mosaic" if rows <= 64 else "triton"
+            rows = {128: tq * group, 64: 2 * tq * group, 256: tq * group}[d]
+            want = "mosaic" if rows <= (32 if d == 256 else 64) else "triton"
             got = entry.choose_backend(head_dim=d, page=16, tq=tq, group=group, high_dtype=jnp.bfloat16)
             assert got == want, (d, group, tq, got)
     monkeypatch.setenv(entry.KERNEL_ENV, "auto")
     assert entry.choose_backend(head_dim=d, page=16, tq=1, group=3, interpret=True) == "triton"
 
 
-@pytest.mark.parametrize("d", (32, 256))
-def test_mosaic_config_refused_by_name_outside_its_head_dim(d):
-    """A `MosaicConfig` at head_dim 32 / 256 is refused with the geometry named (the entry point without a config
-    picks the Triton kernel there instead)."""
-    st = make_state(lens=(1, 17), d=d, heads=2)
-    q = queries(st, 1, 6)
+@pytest.mark.parametrize("d,tq", [(32, 1), (256, 5)])
+def test_mosaic_config_refused_by_name_outside_its_head_dim(d, tq):
+    """A `MosaicConfig` at head_dim 32, or at head_dim 256 with more than 32 query rows per KV head (Tq 5 x GQA 8), is
+    refused with the geometry named (the entry point without a config picks the Triton kernel there instead)."""
+    st = make_state(lens=(1, 17), d=d, heads=2, max_draft_len=tq)
+    q = queries(st, tq, 16 if d == 256 else 6)
     low, high, ht, geom = _raw(st)
     with pytest.raises(ValueError, match=f"'head_dim': {d}"):
         entry.paged_decode_attention(q, st.page_table, st.kv_lens, 0, low, high, None, ht, geom=geom,

@@ -251,6 +251,39 @@ def test_interpret_head_dim_64_as_token_pairs(page, tq, hq, km, twin):
         assert float(jnp.asarray(l).sum()) > 0
 
 
+@pytest.mark.parametrize("page,tq,hq,twin,config", [(16, 1, 2, True, {}), (16, 2, 8, True, {}),
+                                                    (64, 1, 4, False, dict(qk_in_turn=True)), (32, 4, 8, True, {})])
+def test_interpret_head_dim_256_in_column_blocks(page, tq, hq, twin, config):
+    """head_dim 256 as two column blocks of 128 (`dim_blocks`: each block's halves dequantized from its 64 bytes and
+    8 scales of the 128-byte row, its Q K^T products summed into one score tile, its own two P V accumulators; scale
+    rows of 8 tokens, `scale_box`): Gemma-2's GQA 2 at Tq 1, Tq 2 x GQA 8 (N = 16), Tq 4 x GQA 8 (N = 32, the most
+    the form takes), plain NVFP4 with K's halves in turn; pages 16 / 32 / 64; lengths 0, 1, page-1, page, page+1,
+    long; 3 splits; NaN-poisoned rows; float32 output against the float32 reference, and the kernel attended keys
+    itself (its partials hold mass)."""
+    st = make_state("mixed_nvfp4_bf16" if twin else "nvfp4", lens=(0, 1, page - 1, page, page + 1, 700),
+                    first_n=64 if twin else 0, last_n=20 if twin else 0, page=page, d=256, heads=1, max_draft_len=3)
+    q = queries(st, tq, hq)
+    seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
+    ref_o, ref_lse = reference(st, 1, q, seq)
+    out, lse = _run(st, q, 1, num_splits=3, interpret=True, out_dtype=jnp.float32, **config)
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel_l2(out, ref_o) < 1e-4
+    _lse_close(lse, ref_lse)
+    o, _, l = _run(st, q, 1, num_splits=3, interpret=True, partials_only=True, **config)
+    assert o.shape[2:] == (4, 64) and float(jnp.asarray(l).sum()) > 0
+
+
+def test_kernel_columns_by_head_dim():
+    """`kernel_columns`: the output's natural columns from the kernel's ``[parts, 64]`` partials, a permutation;
+    at head_dim 256 each column block of 128 maps into its own two parts as head_dim 128 does."""
+    c128, c256 = mosaic.kernel_columns(128), mosaic.kernel_columns(256)
+    assert sorted(c256) == list(range(256)) and sorted(c128) == list(range(128))
+    assert (c256[:128] == c128).all() and (c256[128:] == c128 + 128).all()
+    assert [mosaic.dim_blocks(d) for d in (64, 128, 256)] == [1, 1, 2]
+    assert mosaic.scale_box(64, 16) == (8, 128) and mosaic.scale_box(16, 16) == (2, 128)
+    assert mosaic.scale_box(64) == (4, 128) and mosaic.scale_box(8) == (1, 64)
+
+
 def test_as_token_pairs_views_without_copy():
     """`as_token_pairs`: the pools' pair view is a reshape of the same bytes (row ``i`` = tokens ``2 i, 2 i + 1``) and
     each query row becomes ``[q, 0]`` and ``[0, q]`` as consecutive heads."""
@@ -308,7 +341,10 @@ def test_supported_and_dispatch_choice(monkeypatch):
     # head_dim 64 as token pairs: twice the query rows
     assert supported(head_dim=64, page=16, tq=1, group=3) and supported(head_dim=64, page=128, tq=4, group=8)
     assert not supported(head_dim=64, page=16, tq=8, group=8)            # 2 x 64 query rows > 64
-    assert not supported(head_dim=32, page=16, tq=1, group=4) and not supported(head_dim=256, page=16, tq=1, group=4)
+    assert not supported(head_dim=32, page=16, tq=1, group=4) and not supported(head_dim=512, page=16, tq=1, group=4)
+    # head_dim 256 as two column blocks: keys on M only (<= 32 query rows)
+    assert supported(head_dim=256, page=16, tq=1, group=2) and supported(head_dim=256, page=128, tq=4, group=8)
+    assert not supported(head_dim=256, page=16, tq=5, group=8)
     assert not supported(head_dim=128, page=8, tq=1, group=4)
     for page in (32, 64, 128):        # run on the H200 since the page-table copy starts at an aligned column
         assert supported(head_dim=128, page=page, tq=1, group=4)
@@ -332,7 +368,8 @@ def test_supported_and_dispatch_choice(monkeypatch):
     assert not preferred(head_dim=128, page=16, tq=4, group=8, interpret=True)
     assert preferred(head_dim=128, page=64, tq=4, group=8)
     assert preferred(head_dim=64, page=16, tq=1, group=3)
-    assert not preferred(head_dim=256, page=16, tq=1, group=4)
+    assert preferred(head_dim=256, page=16, tq=1, group=2)
+    assert not preferred(head_dim=256, page=16, tq=8, group=8)           # 64 rows: keys on M only at head_dim 256
     assert not preferred(head_dim=128, page=8, tq=4, group=8)            # unsupported: Triton
     monkeypatch.setenv(dispatch.KERNEL_ENV, "triton")
     assert not preferred(head_dim=128, page=16, tq=4, group=8)
@@ -486,6 +523,9 @@ def test_refuses_unsupported_configuration():
     q = queries(st, 1, 2)
     with pytest.raises(ValueError, match="D=32"):
         _run(st, q, 0)
+    st = make_state(lens=(3, 9), d=256, heads=1)
+    with pytest.raises(ValueError, match="head_dim 256 runs with keys on M only, got keys_on_m=False"):
+        _run(st, queries(st, 1, 2), 0, interpret=True, keys_on_m=False)
     st = make_state(lens=(3, 9), d=128, heads=1)
     with pytest.raises(ValueError, match="min_km_rows=12 must be 8 or 16"):
         _run(st, queries(st, 1, 2), 0, interpret=True, min_km_rows=12)
@@ -535,13 +575,22 @@ def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
     assert "mosaic_gpu" in _lowered_with_twin(64, page, tq, hq, keys_on_m=km)
 
 
-@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("page,tq,hq,config", [(16, 1, 2, {}), (16, 1, 8, dict(min_km_rows=16)), (16, 4, 8, {}),
+                                               (64, 2, 4, dict(qk_in_turn=True)), (128, 1, 16, dict(qk_in_turn=False)),
+                                               (32, 1, 4, dict(stages=3))])
+def test_head_dim_256_cross_lowers_for_cuda(page, tq, hq, config):
+    """head_dim 256 in two column blocks lowers for CUDA: 128-byte rows and scale rows of 8 tokens in the TMA boxes,
+    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-128, a 3-stage ring."""
+    assert "mosaic_gpu" in _lowered_with_twin(256, page, tq, hq, **config)
+
+
+@pytest.mark.parametrize("D", [128, 64, 256])
 def test_cross_lowers_for_cuda_under_shard_map(D):
     """The compiled kernel inside `jax.shard_map` over 4 devices, `jmixedkv.sharding`'s layout (pools and query
     heads sharded over KV heads: one KV head and its 4 query heads per shard), page 32, bf16 twin, lowers for CUDA
-    with per-shard operands, at head_dim 128 and 64 (token pairs). What this cannot check: a run on several GPUs
-    (none lent) — and the interpreter cannot run it on several CPU devices (its barrier check is global across
-    devices; README, Multi-GPU)."""
+    with per-shard operands, at head_dim 128, 64 (token pairs) and 256 (column blocks). What this cannot check: a
+    run on several GPUs (none lent) — and the interpreter cannot run it on several CPU devices (its barrier check is
+    global across devices; README, Multi-GPU)."""
     from jax.sharding import PartitionSpec as P
     from jmixedkv import sharding
     assert len(jax.devices()) >= 4, "conftest forces 4 CPU devices"
@@ -704,6 +753,23 @@ def test_gpu_head_dim_64(page):
     for dtype, tq, hq in cases:
         st, q, seq, ref_o, ref_lse = _gpu_splits_match_reference(
             dtype, page, 64, tq, hq, lens=(1, page - 1, page, page + 1, 201, 1000, 3001, 4097))
+        out, lse = decode_attention(st, 1, q, seq, backend="pallas")
+        assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
+        _lse_close(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64, 128])
+def test_gpu_head_dim_256(page):
+    """head_dim 256 (two column blocks) on the GPU: bf16 twin at Tq 1 x GQA 2 (Gemma-2) and 4, Tq 4 x GQA 8 (32 query
+    rows, the most the form takes), plain NVFP4 at Tq 2 x GQA 1; lengths 1, page-1, page, page+1 .. 4097; default and
+    8 splits; float32 output against the float32 reference, and through `decode_attention`'s default dispatch."""
+    assert on_gpu(), "gpu tests need a GPU"
+    cases = ((("mixed_nvfp4_bf16", 1, 16), ("mixed_nvfp4_bf16", 1, 32), ("mixed_nvfp4_bf16", 4, 64), ("nvfp4", 2, 8))
+             if page == 16 else (("mixed_nvfp4_bf16", 1, 16), ("nvfp4", 2, 32)))
+    for dtype, tq, hq in cases:
+        st, q, seq, ref_o, ref_lse = _gpu_splits_match_reference(
+            dtype, page, 256, tq, hq, lens=(1, page - 1, page, page + 1, 201, 1000, 3001, 4097))
         out, lse = decode_attention(st, 1, q, seq, backend="pallas")
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)

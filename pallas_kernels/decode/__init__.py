@@ -1,8 +1,9 @@
 """Fused paged decode / verify attention over the cache's pools: one entry point, two Pallas backends.
 
 * `pallas_kernels.decode.triton`: the Pallas Triton kernel, every page format and option (`TritonConfig`).
-* `pallas_kernels.decode.mosaic_sm90`: the Pallas Mosaic GPU kernel for Hopper, NVFP4 pages at head_dim 128 (and 64
-  as token pairs), any GQA group with ``Tq * G <= 64`` (``2 Tq G`` at head_dim 64) (`MosaicConfig`;
+* `pallas_kernels.decode.mosaic_sm90`: the Pallas Mosaic GPU kernel for Hopper, NVFP4 pages at head_dim 128 (64 as
+  token pairs, 256 as two column blocks), any GQA group with ``Tq * G <= 64`` (``2 Tq G`` at head_dim 64, ``Tq G <=
+  32`` at 256) (`MosaicConfig`;
   `mosaic_sm90.supported` says where; a `MosaicConfig` elsewhere is refused by name), its edge blocks attended by the
   Triton kernel; inline PTX / Mosaic GPU helpers in `pallas_kernels.decode.inline_sm90`.
 * `pallas_kernels.decode.common`: query grouping, the interior / edge block rule, split merging, `num_sms`.
@@ -105,8 +106,9 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         if not mosaic_sm90.supported(**geometry):
             raise ValueError(f"paged_decode_attention: the Mosaic GPU backend does not cover {geometry} (head_dim "
                              f"{mosaic_sm90.HEAD_DIMS}, pages {mosaic_sm90.SUPPORTED_PAGES}, Tq * G <= "
-                             f"{mosaic_sm90.M_ROWS} (2 Tq * G at head_dim 64), a bf16 / f16 twin; Mosaic GPU "
-                             f"importable: {mosaic_sm90.available()}); pass a TritonConfig or config=None")
+                             f"{mosaic_sm90.M_ROWS} (2 Tq * G at head_dim 64, Tq * G <= "
+                             f"{mosaic_sm90.max_rows(mosaic_sm90.WIDE_HEAD_DIM)} at 256), a bf16 / f16 twin; "
+                             f"Mosaic GPU importable: {mosaic_sm90.available()}); pass a TritonConfig or config=None")
         return mosaic_sm90.paged_decode_attention(q, page_table, kv_lens, layer, low, high, high_table, geom=geom,
                                                   sm_scale=sm_scale, interpret=interpret, out_dtype=out_dtype,
                                                   config=config)

@@ -1,10 +1,11 @@
 """Inline Mosaic GPU / PTX helpers of the Mosaic GPU decode kernel (`pallas_kernels.decode.mosaic_sm90`).
 
 Each is a ``plgpu.inline_mgpu`` body over one warpgroup's WGMMA register fragments, written for the kernel's tiles:
-64-token blocks (`BLOCK_K`) of head_dim 128 (`HEAD_DIM`), each split in its even / odd column halves.
+64-token blocks (`BLOCK_K`) of head_dim 128 (`HEAD_DIM`; head_dim 256 as two such column blocks), each split in its
+even / odd column halves.
 
-* `dequant_inline`: packed NVFP4 bytes + E4M3 scales in shared memory -> f16 ``[64, 64]`` halves in registers
-  (`E2M1_F16_PTX` and `SCALE_PAIR_PTX`).
+* `dequant_inline`: packed NVFP4 bytes + E4M3 scales in shared memory -> one column block's f16 ``[64, 64]`` halves in
+  registers (`E2M1_F16_PTX` and `SCALE_PAIR_PTX`).
 * `key_max_inline`: the maximum over the keys of a ``[64 keys, N]`` score tile with one warpgroup barrier.
 * `l_update_inline`: the per-thread partial sums of the softmax denominator, two key rows per thread in one.
 * `store_keys_minor`, `store_transposed`: a WGMMA tile stored transposed into shared memory.
@@ -41,14 +42,15 @@ prmt.b32 $1, a, 0, 0x3232;
 }"""
 
 
-def dequant_inline(b_ref, s_ref, halves=("lo", "hi")):
-    """Compiled path: packed bytes ``u8[nb, box, 64]`` + scales ``e4m3[nb, box / 16, 128]`` (``[nb, 1, 64]`` at
-    8-token boxes; the block's 64 tokens as ``nb`` TMA boxes of ``box`` tokens; token ``t`` of a box has its 8 scales
-    at flat ``t * 8``) in shared memory -> ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register layout, columns in
-    `WIDE_COLUMNS` order, low domain ``e2m1 * s * 2^-7`` (exact). Per thread and row: one 16-byte load of packed
-    bytes, one 2-byte load of scales, then `E2M1_F16_PTX` per 4 bytes (~2 instructions per element). ``halves``:
-    the ones to return (``("lo",)``: the even columns only, half the conversions, but every load: a caller taking
-    the halves in two calls loads the bytes and scales twice)."""
+def dequant_inline(b_ref, s_ref, halves=("lo", "hi"), block=0):
+    """Compiled path: packed bytes ``u8[nb, box, 64 c]`` + scales ``e4m3[nb, rows, bytes]`` (a box's ``8 c`` scales
+    per token, token-major, in rows of up to 128 bytes: ``[nb, box / 16, 128]`` at head_dim 128, ``[nb, 1, 64]`` at
+    8-token boxes; the block's 64 tokens as ``nb`` TMA boxes of ``box`` tokens; ``c`` = head_dim / 128 column blocks
+    per row) in shared memory -> column block ``block``'s ``(even, odd)`` f16 ``[64, 64]`` in the WGMMA register
+    layout, columns in `WIDE_COLUMNS` order, low domain ``e2m1 * s * 2^-7`` (exact). Per thread and row: one 16-byte
+    load of packed bytes, one 2-byte load of scales, then `E2M1_F16_PTX` per 4 bytes (~2 instructions per element).
+    ``halves``: the ones to return (``("lo",)``: the even columns only, half the conversions, but every load: a
+    caller taking the halves in two calls loads the bytes and scales twice)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgu
@@ -82,14 +84,23 @@ def dequant_inline(b_ref, s_ref, halves=("lo", "hi")):
         struct2 = ir.Type.parse("!llvm.struct<(i32, i32)>")
         regs = {}                                                             # (row offset, j) -> {half: f16x2}
         box = ir.MemRefType(b.type).shape[1]
-        s_row = ir.MemRefType(s.type).shape[-1]       # bytes per row of scales: 128, 64 under 8-token boxes
+        s_shape = ir.MemRefType(s.type).shape
+        s_row = s_shape[-1]                           # bytes per row of scales: 128, 64 under 8-token boxes
+        per_token = s_shape[-2] * s_row // box        # scales per token: 8 per column block
+        col0, s_col0 = HEAD_DIM // 2 * block, 8 * block   # the column block's first byte and scale in a row
+
+        def first_byte():                             # this thread's first byte of the row: 16 quad (+ col0)
+            byte0 = arith.muli(quad, ci(16))
+            return arith.addi(byte0, ci(col0)) if col0 else byte0
         for r_off in (0, 8):
             row = arith.addi(row0, ci(r_off))
             bx, r_in = arith.divui(row, ci(box)), arith.remui(row, ci(box))     # the row's TMA box, its row there
             # 16 bytes: this thread's columns of the row; scales of 8-byte blocks 2 quad, 2 quad + 1 (flat row * 8)
-            bv = vector.load(b_vec, b, [to_idx(bx), to_idx(r_in), to_idx(arith.muli(quad, ci(16)))], alignment=16)
+            bv = vector.load(b_vec, b, [to_idx(bx), to_idx(r_in), to_idx(first_byte())], alignment=16)
             words = vector.bitcast(words_t, mgu.bitcast(bv, ir.VectorType.get((16,), i8)))
-            sflat = arith.addi(arith.muli(r_in, ci(8)), arith.muli(quad, ci(2)))
+            sflat = arith.addi(arith.muli(r_in, ci(per_token)), arith.muli(quad, ci(2)))
+            if s_col0:
+                sflat = arith.addi(sflat, ci(s_col0))
             sv = vector.load(s_vec, s, [to_idx(bx), to_idx(arith.divui(sflat, ci(s_row))),
                                         to_idx(arith.remui(sflat, ci(s_row)))], alignment=2)
             sv = arith.extui(i32, mgu.bitcast(mgu.bitcast(sv, ir.VectorType.get((2,), i8)), i16))

@@ -4,7 +4,9 @@ Scope (`supported` says when it applies; everything else runs the Pallas Triton 
 behind the same entry point, `pallas_kernels.decode.paged_decode_attention`): head_dim 128, NVFP4 low pages (``data
 u8[L,P,2,H,page,64]``, ``scales e4m3[L,P,2,H,page,8]``, ``gs f32[L,2]``) of 16, 32, 64 or 128 tokens, optional bf16 /
 f16 high twin (retained rows), ``Tq * G <= 64`` query rows per KV head, no sliding window, no soft cap; head_dim 64
-as head_dim 128 over token pairs (`as_token_pairs`: ``2 Tq G <= 64``). The entry
+as head_dim 128 over token pairs (`as_token_pairs`: ``2 Tq G <= 64``); head_dim 256 as two column blocks of 128
+(`dim_blocks`: each block's K halves multiplied into one score tile, its V halves into their own accumulators; keys
+on M only, ``Tq * G <= 32``). The entry
 point picks it on Hopper wherever `supported` (`pallas_kernels.decode.choose_backend`): it measured faster than the
 Triton kernel on every shape class with >= 128k tokens. Every figure behind the choices below is in bench/RESULTS.md;
 the tuning (`MosaicConfig`) and its defaults are in `pallas_kernels.decode.config`.
@@ -89,12 +91,14 @@ from pallas_kernels.nvfp4_ops import e2m1_f16_halves
 
 __all__ = ["paged_decode_attention", "kernel_partials", "supported", "available", "BLOCK_K", "HEAD_DIM",
            "HEAD_DIMS", "SUPPORTED_PAGES", "WIDE_COLUMNS", "to_wide", "from_wide", "tma_box", "scale_box",
-           "as_token_pairs", "kernel_rows"]
+           "as_token_pairs", "kernel_rows", "max_rows", "dim_blocks", "kernel_columns", "WIDE_HEAD_DIM"]
 
 CHUNK = 16               # tokens under one row of scale bytes in a TMA box (16 x 8 scales)
 #: head_dim the kernel reads as `HEAD_DIM` over pairs of tokens (`as_token_pairs`)
 PAIR_HEAD_DIM = HEAD_DIM // 2
-HEAD_DIMS = (PAIR_HEAD_DIM, HEAD_DIM)
+#: head_dim the kernel reads as two column blocks of `HEAD_DIM` (`dim_blocks`), keys on M only (`supported`)
+WIDE_HEAD_DIM = 2 * HEAD_DIM
+HEAD_DIMS = (PAIR_HEAD_DIM, HEAD_DIM, WIDE_HEAD_DIM)
 SUPPORTED_PAGES = (16, 32, 64, 128)   # run on the H200
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: the keys-on-M form's row multiplier (``sm_scale log2(e) gs_k 2^-7 2^-shift``, one number per CTA: its query rows
@@ -110,10 +114,27 @@ def tma_box(page: int) -> int:
     return min(page, BLOCK_K)
 
 
-def scale_box(box: int) -> tuple:
-    """``(rows, bytes)`` of a TMA box's scales (8 per token): rows of `CHUNK` tokens, one shorter row under a box of
-    8 tokens (pages of 16 tokens at head_dim 64, `as_token_pairs`)."""
-    return max(1, box // CHUNK), min(box, CHUNK) * 8
+def scale_box(box: int, per_token: int = 8) -> tuple:
+    """``(rows, bytes)`` of a TMA box's scales (``per_token`` per token, token-major): rows of 128 bytes (`CHUNK`
+    tokens at head_dim 128, 8 at head_dim 256), one shorter row under a box of 8 tokens (pages of 16 tokens at
+    head_dim 64, `as_token_pairs`)."""
+    n = box * per_token
+    return max(1, n // (CHUNK * 8)), min(n, CHUNK * 8)
+
+
+def dim_blocks(head_dim: int) -> int:
+    """Column blocks of `HEAD_DIM` in a row as the kernel reads it: 2 at head_dim 256, else 1 (head_dim 64 is read
+    as token pairs, `as_token_pairs`). Each block is two ``[64, 64]`` f16 tiles (its even and odd columns): the
+    kernel's *parts*, ``2 * dim_blocks`` per row, part ``2 c + h`` being block ``c``'s half ``h``."""
+    return max(1, head_dim // HEAD_DIM)
+
+
+def kernel_columns(head_dim: int):
+    """Column ``d`` of an output row <- position ``kernel_columns(D)[d]`` of the kernel's row of partials (``[parts,
+    64]``, each part in `WIDE_COLUMNS` order): column block ``d / 128``, half ``d % 2``, the wide position of byte
+    ``(d % 128) / 2`` of the block."""
+    return np.array([d // HEAD_DIM * HEAD_DIM + (d % 2) * (HEAD_DIM // 2) + _FROM_WIDE[d % HEAD_DIM // 2]
+                     for d in range(head_dim)])
 
 
 def as_token_pairs(q, data, scales):
@@ -143,11 +164,20 @@ def kernel_rows(head_dim: int, tq: int, group: int) -> int:
     return tq * group * (2 if head_dim == PAIR_HEAD_DIM else 1)
 
 
+def max_rows(head_dim: int) -> int:
+    """Most query rows per KV head (`kernel_rows`) the kernel takes: `M_ROWS`, `KEYS_ON_M_ROWS` at head_dim 256
+    (the keys-on-M form only: queries on M would hold four ``[64, 64]`` f32 accumulators, 128 registers a
+    thread)."""
+    return KEYS_ON_M_ROWS if head_dim == WIDE_HEAD_DIM else M_ROWS
+
+
 def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None, soft_cap=None) -> bool:
     """Whether the Mosaic GPU kernel covers this configuration (static facts only; NVFP4 low pages)."""
     if not HAVE_MGPU:
         return False
-    if head_dim not in HEAD_DIMS or page not in SUPPORTED_PAGES or kernel_rows(head_dim, tq, group) > M_ROWS:
+    if head_dim not in HEAD_DIMS or page not in SUPPORTED_PAGES:
+        return False
+    if kernel_rows(head_dim, tq, group) > max_rows(head_dim):
         return False
     if sliding_window is not None or soft_cap is not None:
         return False
@@ -166,9 +196,8 @@ WIDE_COLUMNS = np.array([16 * (t % 8 // 2) + 2 * (t // 8) + t % 2 for t in range
 
 
 _FROM_WIDE = np.argsort(WIDE_COLUMNS)
-#: column ``d`` of an output row <- position ``_KERNEL_COLUMNS[d]`` of the kernel's row of partials (``[2 halves, 64]``,
-#: each half in `WIDE_COLUMNS` order): half ``d % 2``, the wide position of byte ``d // 2``
-_KERNEL_COLUMNS = np.array([(d % 2) * (HEAD_DIM // 2) + _FROM_WIDE[d // 2] for d in range(HEAD_DIM)])
+#: `kernel_columns` at head_dim 128 (token pairs read halves of it)
+_KERNEL_COLUMNS = kernel_columns(HEAD_DIM)
 
 
 def to_wide(x, gather=False):
@@ -187,22 +216,25 @@ def from_wide(x):
 
 
 
-def _dequant_jnp(b_ref, s_ref, halves=("lo", "hi")):
-    """Interpret path: the same exact arithmetic in jnp, the same column order."""
-    sc = s_ref[...].reshape(BLOCK_K, 8).astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
+def _dequant_jnp(b_ref, s_ref, halves=("lo", "hi"), block=0):
+    """Interpret path: the same exact arithmetic in jnp, the same column order (column block ``block``)."""
+    sc = s_ref[...].reshape(BLOCK_K, -1)[:, 8 * block:8 * block + 8].astype(jnp.float16) * jnp.float16(LOW_DOMAIN)
     sc = jnp.repeat(sc, 8, axis=1)                                            # [64, 64]
-    lo, hi = (x * sc for x in e2m1_f16_halves(b_ref[...].reshape(BLOCK_K, -1)))   # [64, 64] each
+    b = b_ref[...].reshape(BLOCK_K, -1)[:, HEAD_DIM // 2 * block:HEAD_DIM // 2 * (block + 1)]
+    lo, hi = (x * sc for x in e2m1_f16_halves(b))                             # [64, 64] each
     return tuple(to_wide(dict(lo=lo, hi=hi)[h]) for h in halves)
 
 
 
 # ----------------------------------------------------------------------------- kernel
 def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_heads, batch, interpret, keys_on_m=False,
-                 n_rows=M_ROWS, qk_in_turn=False):
+                 n_rows=M_ROWS, qk_in_turn=False, blocks=1):
     """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form
     (`config.KEYS_ON_M_ROWS`) with ``n_rows`` query rows (8 / 16 / 32 / 64) on the wgmma N side, its row multiplier
-    one scalar per CTA; ``qk_in_turn``: there, K's column halves dequantized in turn (`config.IN_TURN_ROWS`)."""
+    one scalar per CTA; ``qk_in_turn``: there, K's column halves dequantized in turn (`config.IN_TURN_ROWS`);
+    ``blocks``: column blocks of 128 per row (`dim_blocks`), each dequantized, multiplied and accumulated in turn."""
     bk, half = BLOCK_K, HEAD_DIM // 2
+    parts = 2 * blocks                  # [64, 64] f16 column tiles per row: part 2 c + h, block c's half h
     p_keys_minor = keys_on_m and n_rows < 16 and not interpret     # P stored as [N, keys] (`config.MIN_KM_ROWS`)
     wgmma_layout = plgpu.Layout.WGMMA
     # per-query vectors: along the rows of the accumulators, or (keys on M) along their columns
@@ -351,29 +383,36 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             ``P V`` wgmma and its reads of the ring slot that the next copy refills, and of the V / P tiles that
             this block overwrites), and the commit before ``P V``, which also separates the maximum's scratch reads
             from the next block's writes."""
-            acc_lo, acc_hi, m_i, l_i = carry
+            accs, m_i, l_i = carry
             slot, prefetch = ring(i)
             plgpu.barrier_wait(bar_kv.at[slot])
             k_b, k_s = kvb.at[slot, :, 0], kvs.at[slot, :, 0]
             in_turn = qk_in_turn and not interpret
-            if not in_turn:
-                klo, khi = dequant(k_b, k_s)
+            if not in_turn:     # the first column block's halves before the scores' accumulator
+                k_first = dequant(k_b, k_s)
             if interpret:       # the interpreter's wgmma takes operands from shared memory only
-                k16.at[0][...] = klo
-                k16.at[1][...] = khi
+                for c in range(blocks):
+                    for h, tile in enumerate(k_first if c == 0 else dequant(k_b, k_s, block=c)):
+                        k16.at[2 * c + h][...] = tile
 
             def qk(acc_ref):
                 if interpret:
-                    plgpu.wgmma(acc_ref, k16.at[0], q_smem.at[0])
-                    plgpu.wgmma(acc_ref, k16.at[1], q_smem.at[1])
-                elif in_turn:   # one half's registers live at a time; bytes and scales are loaded again for the
-                    # second half (keeping them live across the first wgmma would hold the registers this frees)
-                    plgpu.wgmma(acc_ref, dequant(k_b, k_s, ("lo",))[0], _transposed(q_smem.at[0]))
-                    plgpu.wgmma_wait(0)
-                    plgpu.wgmma(acc_ref, dequant(k_b, k_s, ("hi",))[0], _transposed(q_smem.at[1]))
-                else:
-                    plgpu.wgmma(acc_ref, klo, _transposed(q_smem.at[0]))
-                    plgpu.wgmma(acc_ref, khi, _transposed(q_smem.at[1]))
+                    for part in range(parts):
+                        plgpu.wgmma(acc_ref, k16.at[part], q_smem.at[part])
+                    return acc_ref[...]
+                for c in range(blocks):
+                    if in_turn:  # one half's registers live at a time; bytes and scales are loaded again for the
+                        # second half (keeping them live across the first wgmma would hold the registers this frees)
+                        for h, name in enumerate(("lo", "hi")):
+                            if c or h:
+                                plgpu.wgmma_wait(0)
+                            plgpu.wgmma(acc_ref, dequant(k_b, k_s, (name,), block=c)[0],
+                                        _transposed(q_smem.at[2 * c + h]))
+                        continue
+                    if c:       # the previous block's registers free first
+                        plgpu.wgmma_wait(0)
+                    for h, tile in enumerate(k_first if c == 0 else dequant(k_b, k_s, block=c)):
+                        plgpu.wgmma(acc_ref, tile, _transposed(q_smem.at[2 * c + h]))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bk, n_rows), jnp.float32))      # [keys, N]
@@ -382,13 +421,11 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             s_max = s.max(axis=0) if interpret else key_max_inline(s, red_smem)
             m_new = jnp.maximum(m_i, s_max * rowmul)
             prefetch()
-            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, m_i, l_i, (acc_lo, acc_hi), 0, m_new=m_new,
-                                                             s_mul=rowmul)
-            vlo, vhi = dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1])
-            if interpret:       # V^T stored as such (no transposed operands in the interpreter)
-                vlo, vhi = vlo.T, vhi.T
-            v16.at[0][...] = vlo
-            v16.at[1][...] = vhi
+            p, m_new, l_new, accs = softmax_step(s, m_i, l_i, accs, 0, m_new=m_new, s_mul=rowmul)
+            for c in range(blocks):
+                for h, tile in enumerate(dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1], block=c)):
+                    # (V^T stored as such in the interpreter: no transposed operands there)
+                    v16.at[2 * c + h][...] = tile.T if interpret else tile
             p_op = _transposed(p_smem) if p_keys_minor else p_smem   # P^T [keys, N] either way
             if p_keys_minor:
                 store_keys_minor(p.astype(jnp.float16), p_smem)
@@ -398,44 +435,40 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             vt = (lambda r: r) if interpret else _transposed  # noqa: E731
 
             def pv(refs):
-                plgpu.wgmma(refs[0], vt(v16.at[0]), p_op)
-                plgpu.wgmma(refs[1], vt(v16.at[1]), p_op)
+                for part in range(parts):
+                    plgpu.wgmma(refs[part], vt(v16.at[part]), p_op)
 
-            acc_lo, acc_hi = accumulate(pv, (acc_lo, acc_hi))
-            return acc_lo, acc_hi, m_new, l_new
+            return accumulate(pv, accs), m_new, l_new
 
         def qm_step(i, carry):
             """Queries on M, one 64-token block: ``S = Q K^T`` ([64 rows, 64 keys], K^T a transposed view of the
             f16 K tile), ``O += P V`` (P from registers)."""
-            acc_lo, acc_hi, m_i, l_i = carry
+            accs, m_i, l_i = carry
             slot, prefetch = ring(i)
             # every warp is past the previous step: its wgmma reads of the f16 tiles and its dequantization reads
             # of the ring slot that the next copy refills
             sync()
             prefetch()
             plgpu.barrier_wait(bar_kv.at[slot])
-            klo, khi = dequant(kvb.at[slot, :, 0], kvs.at[slot, :, 0])
-            if interpret:   # the interpreter's wgmma takes no transposed operand: K^T stored as such
-                k16.at[0][...] = klo.T
-                k16.at[1][...] = khi.T
-            else:
-                k16.at[0][...] = klo
-                k16.at[1][...] = khi
+            for c in range(blocks):
+                for h, tile in enumerate(dequant(kvb.at[slot, :, 0], kvs.at[slot, :, 0], block=c)):
+                    # (the interpreter's wgmma takes no transposed operand: K^T stored as such)
+                    k16.at[2 * c + h][...] = tile.T if interpret else tile
             # V next (dequantizing V while the tensor cores run Q K^T measured slower on the H200)
-            vlo, vhi = dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1])
-            v16.at[0][...] = vlo
-            v16.at[1][...] = vhi
+            for c in range(blocks):
+                for h, tile in enumerate(dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1], block=c)):
+                    v16.at[2 * c + h][...] = tile
             plgpu.commit_smem()
 
             def qk(acc_ref):
                 kt = (lambda r: r) if interpret else _transposed  # noqa: E731
-                plgpu.wgmma(acc_ref, q_smem.at[0], kt(k16.at[0]))
-                plgpu.wgmma(acc_ref, q_smem.at[1], kt(k16.at[1]))
+                for part in range(parts):
+                    plgpu.wgmma(acc_ref, q_smem.at[part], kt(k16.at[part]))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((M_ROWS, bk), jnp.float32))
             s = s * lax.broadcast_in_dim(rowmul, s.shape, [0])
-            p, m_new, l_new, (acc_lo, acc_hi) = softmax_step(s, m_i, l_i, (acc_lo, acc_hi), 1)
+            p, m_new, l_new, accs = softmax_step(s, m_i, l_i, accs, 1)
             p16 = p.astype(jnp.float16)
             if interpret:
                 p_smem[...] = p16
@@ -445,26 +478,24 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
                 p_op = p16
 
             def pv(refs):
-                a_lo, a_hi = refs
-                plgpu.wgmma(a_lo, p_op, v16.at[0])
-                plgpu.wgmma(a_hi, p_op, v16.at[1])
+                for part in range(parts):
+                    plgpu.wgmma(refs[part], p_op, v16.at[part])
 
-            acc_lo, acc_hi = accumulate(pv, (acc_lo, acc_hi))
-            return acc_lo, acc_hi, m_new, l_new
+            return accumulate(pv, accs), m_new, l_new
 
         zero_acc = cast(jnp.zeros((half, n_rows) if keys_on_m else (M_ROWS, half), jnp.float32), wgmma_layout)
-        carry = (zero_acc, zero_acc,
+        carry = ((zero_acc,) * parts,
                  cast(jnp.full((n_rows,), M_INIT, jnp.float32), row_layout),
                  cast(jnp.zeros((bk, n_rows) if keys_on_m else (n_rows,), jnp.float32),
                       wgmma_layout if keys_on_m else row_layout))
         step = km_step if keys_on_m else qm_step
-        acc_lo, acc_hi, m_i, l_i = lax.fori_loop(start, jnp.maximum(end, start), step, carry)
+        accs, m_i, l_i = lax.fori_loop(start, jnp.maximum(end, start), step, carry)
 
         # epilogue: partials through shared memory (o_smem may alias k16: every warp past its last wgmma first;
         # each copy out read before the next tile overwrites o_smem)
         sync()
         cta = (si * batch + bi) * num_heads + hi
-        for part, acc in enumerate((acc_lo, acc_hi)):
+        for part, acc in enumerate(accs):
             if keys_on_m and not interpret:
                 store_transposed(acc, o_smem)           # O^T [64, N] -> O [N, 64]
             else:
@@ -472,7 +503,7 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[cta, :, part])
             plgpu.wait_smem_to_gmem(0)
-            if part == 0:
+            if part < parts - 1:
                 sync()
         if keys_on_m:     # l: the per-thread partial sums over the keys, reduced once here (one cross-warp sum)
             l_i = l_i.sum(axis=0)
@@ -527,14 +558,20 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
         q, data, scales = as_token_pairs(q, data, scales)
         b, tq, hq, d = q.shape
         page, dh, group = page // 2, 2 * dh, hq // h
+    blocks = dim_blocks(d)
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if config.keys_on_m is None else config.keys_on_m
+    if blocks > 1 and not km:
+        raise ValueError(f"mosaic_sm90.paged_decode_attention: head_dim {d} runs with keys on M only, got "
+                         f"keys_on_m={config.keys_on_m}")
     n_rows = max(config.min_km_rows, next_pow2(tq * group)) if km else M_ROWS  # wgmma N (keys on M) or M
     # q grouped and padded in its own dtype, converted inside `f16_queries`' fusions: XLA writes no float32 copy of
     # it (where the rows match, the expression is the edge kernel's grouped q too)
     qg = jnp.pad(group_queries(q, h), ((0, 0), (0, 0), (0, n_rows - tq * group), (0, 0)))
     qlow, shift = f16_queries(qg.astype(jnp.float32), rows_share_shift=km)  # shift [B, H, M]
-    qlow = qlow.reshape(b, h, n_rows, d // 2, 2).transpose(0, 1, 4, 2, 3)     # [B, H, 2, M, 64]
+    # [B, H, parts, M, 64]: part 2 c + h holds column block c's even (h = 0) or odd columns
+    qlow = qlow.reshape(b, h, n_rows, blocks, HEAD_DIM // 2, 2).transpose(0, 1, 3, 5, 2, 4)
+    qlow = qlow.reshape(b, h, 2 * blocks, n_rows, HEAD_DIM // 2)
     qlow = to_wide(qlow, gather=True)                                         # `WIDE_COLUMNS` order
     if km and interpret:                  # the interpreter's wgmma takes no transposed operand: Q^T as such
         qlow = jnp.swapaxes(qlow, -1, -2)
@@ -551,30 +588,33 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
     pt_len = max(64, 32 * -(-pages_needed // 32)) if pages_needed <= 256 else 256 * -(-pages_needed // 256)
     pt = jnp.asarray(page_table, jnp.int32)
     box = tma_box(page)
-    # [(layer, page), K/V, (head, box), box tokens, 64 bytes] and [(layer, page), K/V, (head, box), box / 16, 16 x 8]
+    # [(layer, page), K/V, (head, box), box tokens, 64 c bytes] and [(layer, page), K/V, (head, box), rows of 128
+    # scale bytes] (`scale_box`: 16 tokens a row at head_dim 128)
     data3 = data.reshape(-1, 2, h * (page // box), box, dh)
-    scales4 = scales.reshape((-1, 2, h * (page // box)) + scale_box(box))
+    sbox = scale_box(box, dh // 8)
+    scales4 = scales.reshape((-1, 2, h * (page // box)) + sbox)
     if not interpret:
         scales4 = lax.bitcast_convert_type(scales4, jnp.uint8)
 
     tiling = plgpu.TilingTransform((8, 64))
     swz = plgpu.SwizzleTransform(128)
     tr = (tiling, swz)
-    half = d // 2
+    half = HEAD_DIM // 2
+    parts = 2 * blocks
     st = config.stages
     u8 = jnp.uint8
     sdt = scales4.dtype
-    k16_spec = plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr)
+    k16_spec = plgpu.SMEM((parts, BLOCK_K, half), jnp.float16, transforms=tr)
     o_spec = plgpu.SMEM((M_ROWS, half), jnp.float32,
                         transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
     smem = dict(                       # the kernel's shared-memory scratch, in its argument order
-        q_smem=plgpu.SMEM((2, M_ROWS, half), jnp.float16, transforms=tr),
+        q_smem=plgpu.SMEM((parts, M_ROWS, half), jnp.float16, transforms=tr),
         rm_smem=plgpu.SMEM((M_ROWS,), jnp.float32),
         pt_smem=plgpu.SMEM((pt_len,), jnp.int32),
-        kvb=plgpu.SMEM((st, BLOCK_K // box, 2, box, half), u8),
-        kvs=plgpu.SMEM((st, BLOCK_K // box, 2) + scale_box(box), sdt),
+        kvb=plgpu.SMEM((st, BLOCK_K // box, 2, box, dh), u8),
+        kvs=plgpu.SMEM((st, BLOCK_K // box, 2) + sbox, sdt),
         k16=k16_spec if interpret else plgpu.RefUnion(k16_spec, o_spec),    # (| o_smem)
-        v16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr),
+        v16=plgpu.SMEM((parts, BLOCK_K, half), jnp.float16, transforms=tr),
         p_smem=plgpu.SMEM((M_ROWS, BLOCK_K), jnp.float16, transforms=tr) if interpret else None,
         o_smem=o_spec if interpret else None,
         ml_smem=plgpu.SMEM((2, M_ROWS), jnp.float32),
@@ -586,8 +626,8 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
         tr_n = tr if n_rows < 16 else (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
         rm_spec = plgpu.SMEM((RM_VECTOR,), jnp.float32)
         o_km_spec = plgpu.SMEM((n_rows, half), jnp.float32)                 # O, stored by `_store_transposed`
-        v16_spec = plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else \
-            plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n)
+        v16_spec = plgpu.SMEM((parts, half, BLOCK_K), jnp.float16) if interpret else \
+            plgpu.SMEM((parts, BLOCK_K, half), jnp.float16, transforms=tr_n)
         if interpret:
             p_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float16)
         elif n_rows < 16:                 # P stored as [N, keys] (`_store_keys_minor`), read as P^T through a view
@@ -595,10 +635,10 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
         else:
             p_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float16, transforms=tr_n)
         smem.update(
-            q_smem=plgpu.SMEM((2, half, n_rows), jnp.float16) if interpret else
-            plgpu.SMEM((2, n_rows, half), jnp.float16, transforms=tr),
+            q_smem=plgpu.SMEM((parts, half, n_rows), jnp.float16) if interpret else
+            plgpu.SMEM((parts, n_rows, half), jnp.float16, transforms=tr),
             rm_smem=rm_spec if interpret else None,
-            k16=plgpu.SMEM((2, BLOCK_K, half), jnp.float16) if interpret else None,
+            k16=plgpu.SMEM((parts, BLOCK_K, half), jnp.float16) if interpret else None,
             # compiled: the row multiplier (read before the loop) and the output tile (after it) share the V
             # tile's bytes (16 KB): 47 KB per CTA at N = 16, 53 KB at N = 32 (a third ring stage would fit 4 CTAs
             # per SM at N = 16; it measured slower)
@@ -615,13 +655,13 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
     in_turn = mosaic_qk_in_turn(n_rows, page) if config.qk_in_turn is None else config.qk_in_turn
     kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, data_pages=P,
                           scale_pages=scales.shape[1], num_heads=h, batch=b,
-                          interpret=interpret, keys_on_m=km, n_rows=n_rows, qk_in_turn=km and in_turn)
+                          interpret=interpret, keys_on_m=km, n_rows=n_rows, qk_in_turn=km and in_turn, blocks=blocks)
     # TMA boxes never leave the array, and its row stride is a multiple of 16 bytes (TMA's rule: a page table of
     # any width, e.g. 513 pages for 8193 tokens, failed at trace time before)
     pt_cols = max(pt_len, max_pages + (-max_pages % 4))
     pt_padded = pt if pt_cols == max_pages else jnp.pad(pt, ((0, 0), (0, pt_cols - max_pages)))
     o_rows = n_rows if km else M_ROWS
-    out_type = (jax.ShapeDtypeStruct((splits * b * h, o_rows, 2, half), jnp.float32),   # [CTA, rows, half, 64]
+    out_type = (jax.ShapeDtypeStruct((splits * b * h, o_rows, parts, half), jnp.float32),   # [CTA, rows, part, 64]
                 jax.ShapeDtypeStruct((splits * b * h, n_rows), jnp.float32),
                 jax.ShapeDtypeStruct((splits * b * h, n_rows), jnp.float32))
     kw = dict(out_type=out_type, grid=(splits, h, b), grid_names=("s", "h", "b"), scratch_types=scratch,
@@ -669,7 +709,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
         q, page_table, kv_lens, layer, low, high if use_high else None, None, high_table if use_high else None,
         geom=geom if use_high else None, sm_scale=f["sm_scale"], interpret=interpret, out_dtype=f["out_dtype"],
         config=edge, skip_interior=True, interior_tokens=f["interior_tokens"])
-    o = o.reshape(splits, b, h, f["o_rows"], 2, HEAD_DIM // 2)
+    o = o.reshape(splits, b, h, f["o_rows"], -1, HEAD_DIM // 2)
     out, lse = _merge_with_edge(o, m2.reshape(splits, b, h, n_rows), l.reshape(splits, b, h, n_rows), oe, me, le,
                                 rows=tq * group, vmul=f["gs_l"][1] * LOW_DOMAIN, pairs=f["pairs"])
     out, lse = ungroup_rows(out, lse, tq, group)
@@ -681,8 +721,9 @@ def kernel_partials(q, page_table, kv_lens, layer=0, low=None, high=None, high_t
                     geom: Optional[TwinGeometry] = None, sm_scale: Optional[float] = None, interpret: bool = False,
                     out_dtype=None, config: Optional[MosaicConfig] = None):
     """The Mosaic GPU kernel alone (no edge blocks, no merge; for benchmarks and tests): its raw split partials
-    ``(o f32[S * B * H, R, 2, 64], m2, l f32[S * B * H, N])`` (CTA ``(s * B + b) * H + h``; ``o`` per query row the
-    even / odd column half, each in `WIDE_COLUMNS` order, low domain; ``m2`` base 2; ``R`` = ``N`` query rows with
+    ``(o f32[S * B * H, R, parts, 64], m2, l f32[S * B * H, N])`` (CTA ``(s * B + b) * H + h``; ``o`` per query row
+    each column block's even / odd half (`dim_blocks`: 2 parts, 4 at head_dim 256), each in `WIDE_COLUMNS` order,
+    low domain; ``m2`` base 2; ``R`` = ``N`` query rows with
     keys on M, 64 with queries on M)."""
     config = MosaicConfig() if config is None else config
     return _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, geom=geom, sm_scale=sm_scale,
@@ -692,15 +733,15 @@ def kernel_partials(q, page_table, kv_lens, layer=0, low=None, high=None, high_t
 def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul, pairs: bool = False):
     """LSE merge of the kernel's split partials with the edge kernel's, each summed over its own splits first.
 
-    ``o`` f32 ``[S, B, H, R, 2, 64]`` (per query row the even / odd half, each in `WIDE_COLUMNS` order, low domain),
-    ``m2`` (base 2), ``l`` f32 ``[S, B, H, R]``; ``oe`` f32 ``[Se, B, H, R', D]`` (true scale, natural columns), ``me``,
-    ``le`` f32 ``[Se, B, H, R']``; the first ``rows`` query rows are real, the rest never read. ``vmul``: the kernel's
-    output scale (``gs_v * 2^-7``); ``pairs``: the kernel ran head_dim 64 as token pairs (`as_token_pairs`: its rows
-    ``2 r``, ``2 r + 1`` are row ``r``'s halves). -> ``(out f32[B, H, rows, D], lse f32[B, H, rows])``; a row that
-    saw no key gives 0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials are weighted and
-    summed over its splits in the layout it wrote them, in a fixed order (`sum_splits`: a shard's merge is one
-    device's); the column permutation and the half interleave then act within each row of the ``[B, H, rows, 2,
-    64]`` sum. (Concatenating both kernels' partials in natural column order and merging them with
+    ``o`` f32 ``[S, B, H, R, parts, 64]`` (per query row each column block's even / odd half, each in `WIDE_COLUMNS`
+    order, low domain), ``m2`` (base 2), ``l`` f32 ``[S, B, H, R]``; ``oe`` f32 ``[Se, B, H, R', D]`` (true scale,
+    natural columns), ``me``, ``le`` f32 ``[Se, B, H, R']``; the first ``rows`` query rows are real, the rest never
+    read. ``vmul``: the kernel's output scale (``gs_v * 2^-7``); ``pairs``: the kernel ran head_dim 64 as token pairs
+    (`as_token_pairs`: its rows ``2 r``, ``2 r + 1`` are row ``r``'s halves). -> ``(out f32[B, H, rows, D], lse f32[B,
+    H, rows])``; a row that saw no key gives 0 and -inf (`normalize_merged`, as `merge_partials`). The kernel's partials
+    are weighted and summed over its splits in the layout it wrote them, in a fixed order (`sum_splits`: a shard's merge
+    is one device's); the column permutation and the half interleave then act within each row of the ``[B, H, rows,
+    parts, 64]`` sum. (Concatenating both kernels' partials in natural column order and merging them with
     `merge_partials` cost a transpose of every split's tile; this form measured less GPU time per call at Tq 4 on the
     H200 and level at Tq 1, bench/RESULTS.md.)"""
     b, h = o.shape[1:3]
@@ -714,11 +755,12 @@ def _merge_with_edge(o, m2, l, oe, me, le, *, rows: int, vmul, pairs: bool = Fal
     w, we = jnp.exp(m - (jnp.repeat(m_g, 2, axis=-1) if pairs else m_g)[None]), jnp.exp(me - m_g[None])
     l_k = sum_splits(w * l)                                                  # fixed order (`sum_splits`)
     l_g = (l_k.reshape(b, h, rows, 2).sum(axis=-1) if pairs else l_k) + sum_splits(we * le)
-    o_k = sum_splits(w[..., None, None] * o[:, :, :, :k_rows])                 # [B, H, k_rows, 2, 64]
+    o_k = sum_splits(w[..., None, None] * o[:, :, :, :k_rows])                 # [B, H, k_rows, parts, 64]
     if pairs:             # the even token's V fills natural columns 0-63 of its row's half 0, the odd's 64-127 of half
         o_k = o_k.reshape(b, h, rows, 2, HEAD_DIM)       # 1: only those columns are gathered
         o_k = (jnp.take(o_k[..., 0, :], _KERNEL_COLUMNS[:PAIR_HEAD_DIM], axis=-1)
                + jnp.take(o_k[..., 1, :], _KERNEL_COLUMNS[PAIR_HEAD_DIM:], axis=-1))
     else:
-        o_k = jnp.take(o_k.reshape(b, h, rows, HEAD_DIM), _KERNEL_COLUMNS, axis=-1)     # natural column order
+        d = o_k.shape[-2] * o_k.shape[-1]
+        o_k = jnp.take(o_k.reshape(b, h, rows, d), kernel_columns(d), axis=-1)        # natural column order
     return normalize_merged(o_k * vmul + sum_splits(we[..., None] * oe[:, :, :, :rows]), m_g, l_g)
