@@ -99,6 +99,9 @@ PAIR_HEAD_DIM = HEAD_DIM // 2
 #: head_dim the kernel reads as two column blocks of `HEAD_DIM` (`dim_blocks`), keys on M only (`supported`)
 WIDE_HEAD_DIM = 2 * HEAD_DIM
 HEAD_DIMS = (PAIR_HEAD_DIM, HEAD_DIM, WIDE_HEAD_DIM)
+#: largest page at `WIDE_HEAD_DIM`: at pages of 128 the edge blocks' Triton kernel (whole 128-token pages of 256
+#: columns, three stages) asked for 258 KB of shared memory on the H200, above its 227 KB
+WIDE_MAX_PAGE = 64
 SUPPORTED_PAGES = (16, 32, 64, 128)   # run on the H200
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: the keys-on-M form's row multiplier (``sm_scale log2(e) gs_k 2^-7 2^-shift``, one number per CTA: its query rows
@@ -177,7 +180,7 @@ def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
         return False
     if head_dim not in HEAD_DIMS or page not in SUPPORTED_PAGES:
         return False
-    if kernel_rows(head_dim, tq, group) > max_rows(head_dim):
+    if kernel_rows(head_dim, tq, group) > max_rows(head_dim) or (head_dim == WIDE_HEAD_DIM and page > WIDE_MAX_PAGE):
         return False
     if sliding_window is not None or soft_cap is not None:
         return False
@@ -422,10 +425,13 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             m_new = jnp.maximum(m_i, s_max * rowmul)
             prefetch()
             p, m_new, l_new, accs = softmax_step(s, m_i, l_i, accs, 0, m_new=m_new, s_mul=rowmul)
-            for c in range(blocks):
+
+            def store_v(c):
+                """Column block ``c``'s V halves into the two V tiles (V^T stored as such in the interpreter: no
+                transposed operands there)."""
                 for h, tile in enumerate(dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1], block=c)):
-                    # (V^T stored as such in the interpreter: no transposed operands there)
-                    v16.at[2 * c + h][...] = tile.T if interpret else tile
+                    v16.at[h][...] = tile.T if interpret else tile
+            store_v(0)
             p_op = _transposed(p_smem) if p_keys_minor else p_smem   # P^T [keys, N] either way
             if p_keys_minor:
                 store_keys_minor(p.astype(jnp.float16), p_smem)
@@ -435,8 +441,16 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             vt = (lambda r: r) if interpret else _transposed  # noqa: E731
 
             def pv(refs):
-                for part in range(parts):
-                    plgpu.wgmma(refs[part], vt(v16.at[part]), p_op)
+                for c in range(blocks):
+                    if c:       # block c's V tiles replace block c - 1's once every warp's products have read them
+                        # (one pair of V tiles: 16 KB less shared memory per CTA at head_dim 256, a third CTA per SM)
+                        if not interpret:
+                            plgpu.wgmma_wait(0)
+                        sync()
+                        store_v(c)
+                        plgpu.commit_smem()
+                    for h in range(2):
+                        plgpu.wgmma(refs[2 * c + h], vt(v16.at[h]), p_op)
 
             return accumulate(pv, accs), m_new, l_new
 
@@ -626,8 +640,9 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
         tr_n = tr if n_rows < 16 else (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
         rm_spec = plgpu.SMEM((RM_VECTOR,), jnp.float32)
         o_km_spec = plgpu.SMEM((n_rows, half), jnp.float32)                 # O, stored by `_store_transposed`
-        v16_spec = plgpu.SMEM((parts, half, BLOCK_K), jnp.float16) if interpret else \
-            plgpu.SMEM((parts, BLOCK_K, half), jnp.float16, transforms=tr_n)
+        # one column block's two V tiles (head_dim 256: the blocks' V in turn)
+        v16_spec = plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else \
+            plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n)
         if interpret:
             p_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float16)
         elif n_rows < 16:                 # P stored as [N, keys] (`_store_keys_minor`), read as P^T through a view
