@@ -116,3 +116,23 @@ def test_bridge_parts_smoke(tmp_path):
     timed = [v for k, v in res.items() if k.split("_")[0] in ("loop", "plan", "cross", "program", "floor")]
     assert len(timed) == 23 and all(isinstance(v, list) and 0 < v[0] <= v[1] for v in timed), res
     assert res["entry_fusions"] > 0 and res["entry_parameters"] > 0, res
+
+
+def test_decode_bench_variants_name_both_backends():
+    """``--variants``: ``k..w..`` forms are Triton configs, ``m[s][t][v][x]`` forms Mosaic GPU ones (stages, K's
+    halves in turn, the head_dim-256 V tiles in turn, a split multiplier of the default count); a bad form is
+    refused naming both."""
+    import decode_bench
+    from pallas_kernels.decode import MosaicConfig, TritonConfig
+    from pallas_kernels.decode.config import mosaic_num_splits
+    _, f = decode_bench.parse_variant("ms3t1v1x2")
+    assert f == dict(backend="mosaic", stages=3, split_mult=2.0, v_in_turn=True, qk_in_turn=True)
+    g = decode_bench.BenchGeometry(head_dim=256, gqa=2)
+    cfg = decode_bench.variant_config(f, g, 16, 32768, 1)
+    assert isinstance(cfg, MosaicConfig) and cfg.stages == 3 and cfg.qk_in_turn and cfg.v_in_turn
+    assert cfg.num_splits == 2 * mosaic_num_splits(16, g.kv_heads, 512)
+    assert decode_bench.parse_variant("m")[1] == dict(backend="mosaic", stages=2, split_mult=1.0, v_in_turn=False)
+    assert isinstance(decode_bench.variant_config(decode_bench.parse_variant("k64w4")[1], g, 16, 32768, 1),
+                      TritonConfig)
+    with pytest.raises(ValueError, match="m\\[s<stages>\\]"):
+        decode_bench.parse_variant("q7")

@@ -251,15 +251,15 @@ def test_interpret_head_dim_64_as_token_pairs(page, tq, hq, km, twin):
         assert float(jnp.asarray(l).sum()) > 0
 
 
-@pytest.mark.parametrize("page,tq,hq,twin,config", [(16, 1, 2, True, {}), (16, 2, 8, True, {}),
-                                                    (64, 1, 4, False, dict(qk_in_turn=True)), (32, 4, 8, True, {})])
+@pytest.mark.parametrize("page,tq,hq,twin,config", [(16, 1, 2, True, {}), (64, 1, 4, False, dict(qk_in_turn=True)),
+                                                    (32, 4, 8, True, dict(v_in_turn=True))])
 def test_interpret_head_dim_256_in_column_blocks(page, tq, hq, twin, config):
     """head_dim 256 as two column blocks of 128 (`dim_blocks`: each block's halves dequantized from its 64 bytes and
     8 scales of the 128-byte row, its Q K^T products summed into one score tile, its own two P V accumulators; scale
-    rows of 8 tokens, `scale_box`): Gemma-2's GQA 2 at Tq 1, Tq 2 x GQA 8 (N = 16), Tq 4 x GQA 8 (N = 32, the most
-    the form takes), plain NVFP4 with K's halves in turn; pages 16 / 32 / 64; lengths 0, 1, page-1, page, page+1,
-    long; 3 splits; NaN-poisoned rows; float32 output against the float32 reference, and the kernel attended keys
-    itself (its partials hold mass)."""
+    rows of 8 tokens, `scale_box`): Gemma-2's GQA 2 at Tq 1 (N = 8), plain NVFP4 with K's halves in turn, Tq 4 x
+    GQA 8 (N = 32, the most the form takes) with the blocks' V through one pair of tiles (`MosaicConfig.v_in_turn`);
+    pages 16 / 32 / 64; lengths 0, 1, page-1, page, page+1, long; 3 splits; NaN-poisoned rows; float32 output against
+    the float32 reference, and (page 16) the kernel attended keys itself (its partials hold mass)."""
     st = make_state("mixed_nvfp4_bf16" if twin else "nvfp4", lens=(0, 1, page - 1, page, page + 1, 700),
                     first_n=64 if twin else 0, last_n=20 if twin else 0, page=page, d=256, heads=1, max_draft_len=3)
     q = queries(st, tq, hq)
@@ -269,8 +269,9 @@ def test_interpret_head_dim_256_in_column_blocks(page, tq, hq, twin, config):
     assert np.isfinite(np.asarray(out)).all()
     assert rel_l2(out, ref_o) < 1e-4
     _lse_close(lse, ref_lse)
-    o, _, l = _run(st, q, 1, num_splits=3, interpret=True, partials_only=True, **config)
-    assert o.shape[2:] == (4, 64) and float(jnp.asarray(l).sum()) > 0
+    if page == 16:
+        o, _, l = _run(st, q, 1, num_splits=3, interpret=True, partials_only=True, **config)
+        assert o.shape[2:] == (4, 64) and float(jnp.asarray(l).sum()) > 0
 
 
 def test_kernel_columns_by_head_dim():
@@ -528,6 +529,8 @@ def test_refuses_unsupported_configuration():
     with pytest.raises(ValueError, match="head_dim 256 runs with keys on M only, got keys_on_m=False"):
         _run(st, queries(st, 1, 2), 0, interpret=True, keys_on_m=False)
     st = make_state(lens=(3, 9), d=128, heads=1)
+    with pytest.raises(ValueError, match="v_in_turn=1 must be a bool"):
+        MosaicConfig(v_in_turn=1)
     with pytest.raises(ValueError, match="min_km_rows=12 must be 8 or 16"):
         _run(st, queries(st, 1, 2), 0, interpret=True, min_km_rows=12)
 
@@ -578,10 +581,11 @@ def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
 
 @pytest.mark.parametrize("page,tq,hq,config", [(16, 1, 2, {}), (16, 1, 8, dict(min_km_rows=16)), (16, 4, 8, {}),
                                                (64, 2, 4, dict(qk_in_turn=True)), (64, 1, 16, dict(qk_in_turn=False)),
-                                               (32, 1, 4, dict(stages=3))])
+                                               (32, 1, 4, dict(stages=3)), (16, 1, 2, dict(v_in_turn=True)),
+                                               (16, 4, 8, dict(v_in_turn=True))])
 def test_head_dim_256_cross_lowers_for_cuda(page, tq, hq, config):
     """head_dim 256 in two column blocks lowers for CUDA: 128-byte rows and scale rows of 8 tokens in the TMA boxes,
-    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-64, a 3-stage ring."""
+    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-64, a 3-stage ring, the blocks' V in turn."""
     assert "mosaic_gpu" in _lowered_with_twin(256, page, tq, hq, **config)
 
 
@@ -774,6 +778,23 @@ def test_gpu_head_dim_256(page):
         out, lse = decode_attention(st, 1, q, seq, backend="pallas")
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_head_dim_256_v_in_turn():
+    """`MosaicConfig.v_in_turn` on the GPU (the blocks' V through one pair of tiles: a `wgmma_wait` and a barrier
+    between the blocks' ``P V``): bf16 twin at Tq 1 x GQA 2 and Tq 4 x GQA 8, pages of 16, lengths 1 .. 4097, default
+    and 8 splits, float32 output against the float32 reference."""
+    assert on_gpu(), "gpu tests need a GPU"
+    for tq, hq in ((1, 16), (4, 64)):
+        st = make_state("mixed_nvfp4_bf16", first_n=64, last_n=64, page=16, heads=8, d=256, layers=2,
+                        max_draft_len=3, gs=0.01, lens=(1, 15, 16, 17, 201, 1000, 3001, 4097))
+        q = queries(st, tq, hq)
+        ref_o, ref_lse = reference(st, 1, q, jnp.arange(st.max_seqs, dtype=jnp.int32))
+        for splits in (None, 8):
+            out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32, v_in_turn=True)
+            assert rel_l2(out, ref_o) < 1e-4, (tq, hq, splits)
+            _lse_close(lse, ref_lse)
 
 
 @pytest.mark.gpu

@@ -208,6 +208,10 @@ class MosaicConfig:
       min_km_rows: fewest query rows on wgmma's N side there, 8 or 16.
       qk_in_turn: there, K's column halves dequantized in turn (the same products in the same order either way);
         None = `mosaic_qk_in_turn`.
+      v_in_turn: at head_dim 256, the two column blocks' V through one pair of f16 V tiles, block 1's stored once
+        block 0's ``P V`` products have read theirs (16 KB less shared memory per CTA: ~65 against 81 KB, a third
+        CTA per SM where shared memory allowed two; the same products in the same order). Off by default: it has
+        run in the interpreter and cross-lowered, not yet on a GPU (bench/RESULTS.md).
       edge: the `TritonConfig` of the edge blocks' kernel (its ``num_splits`` None = `mosaic_edge_splits`; its
         ``block_k`` a whole number of pages, the interior counted in a common multiple of both kernels' blocks).
       split_heads: the KV head count both kernels' default splits are chosen for (None = the call's; as
@@ -218,6 +222,7 @@ class MosaicConfig:
     keys_on_m: Optional[bool] = None
     min_km_rows: int = MIN_KM_ROWS
     qk_in_turn: Optional[bool] = None
+    v_in_turn: bool = False
     edge: TritonConfig = TritonConfig(block_k=EDGE_BLOCK_K, num_warps=EDGE_WARPS)
     split_heads: Optional[int] = None
 
@@ -226,6 +231,7 @@ class MosaicConfig:
         _positive(name, True, num_splits=self.num_splits, split_heads=self.split_heads)
         _positive(name, False, stages=self.stages)
         _check(name, self.min_km_rows in (8, 16), "min_km_rows", self.min_km_rows, "8 or 16")
+        _check(name, isinstance(self.v_in_turn, bool), "v_in_turn", self.v_in_turn, "a bool")
         for f in ("keys_on_m", "qk_in_turn"):
             _check(name, getattr(self, f) in (None, True, False), f, getattr(self, f), "a bool or None")
         _check(name, isinstance(self.edge, TritonConfig), "edge", self.edge, "a TritonConfig")

@@ -231,11 +231,12 @@ def _dequant_jnp(b_ref, s_ref, halves=("lo", "hi"), block=0):
 
 # ----------------------------------------------------------------------------- kernel
 def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_heads, batch, interpret, keys_on_m=False,
-                 n_rows=M_ROWS, qk_in_turn=False, blocks=1):
+                 n_rows=M_ROWS, qk_in_turn=False, blocks=1, v_in_turn=False):
     """Body for ``plgpu.kernel``; grid ``(splits, H, B)``. ``keys_on_m``: the keys-on-M form
     (`config.KEYS_ON_M_ROWS`) with ``n_rows`` query rows (8 / 16 / 32 / 64) on the wgmma N side, its row multiplier
     one scalar per CTA; ``qk_in_turn``: there, K's column halves dequantized in turn (`config.IN_TURN_ROWS`);
-    ``blocks``: column blocks of 128 per row (`dim_blocks`), each dequantized, multiplied and accumulated in turn."""
+    ``blocks``: column blocks of 128 per row (`dim_blocks`), each dequantized, multiplied and accumulated in turn;
+    ``v_in_turn``: keys on M, the blocks' V through one pair of V tiles (`MosaicConfig.v_in_turn`)."""
     bk, half = BLOCK_K, HEAD_DIM // 2
     parts = 2 * blocks                  # [64, 64] f16 column tiles per row: part 2 c + h, block c's half h
     p_keys_minor = keys_on_m and n_rows < 16 and not interpret     # P stored as [N, keys] (`config.MIN_KM_ROWS`)
@@ -427,11 +428,12 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             p, m_new, l_new, accs = softmax_step(s, m_i, l_i, accs, 0, m_new=m_new, s_mul=rowmul)
 
             def store_v(c):
-                """Column block ``c``'s V halves into the two V tiles (V^T stored as such in the interpreter: no
-                transposed operands there)."""
+                """Column block ``c``'s V halves into its V tiles (the first pair when ``v_in_turn``; V^T stored as
+                such in the interpreter: no transposed operands there)."""
                 for h, tile in enumerate(dequant(kvb.at[slot, :, 1], kvs.at[slot, :, 1], block=c)):
-                    v16.at[h][...] = tile.T if interpret else tile
-            store_v(0)
+                    v16.at[h if v_in_turn else 2 * c + h][...] = tile.T if interpret else tile
+            for c in range(1 if v_in_turn else blocks):
+                store_v(c)
             p_op = _transposed(p_smem) if p_keys_minor else p_smem   # P^T [keys, N] either way
             if p_keys_minor:
                 store_keys_minor(p.astype(jnp.float16), p_smem)
@@ -441,9 +443,12 @@ def _make_kernel(*, page, pt_len, stages, splits, data_pages, scale_pages, num_h
             vt = (lambda r: r) if interpret else _transposed  # noqa: E731
 
             def pv(refs):
+                if not v_in_turn:
+                    for part in range(parts):
+                        plgpu.wgmma(refs[part], vt(v16.at[part]), p_op)
+                    return
                 for c in range(blocks):
                     if c:       # block c's V tiles replace block c - 1's once every warp's products have read them
-                        # (one pair of V tiles: 16 KB less shared memory per CTA at head_dim 256, a third CTA per SM)
                         if not interpret:
                             plgpu.wgmma_wait(0)
                         sync()
@@ -573,6 +578,7 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
         b, tq, hq, d = q.shape
         page, dh, group = page // 2, 2 * dh, hq // h
     blocks = dim_blocks(d)
+    v_in_turn = config.v_in_turn and blocks > 1
     meta = jnp.concatenate([layer_i.reshape(1), jnp.stack([a, c], 1).reshape(-1)]).astype(jnp.int32)
     km = tq * group <= KEYS_ON_M_ROWS if config.keys_on_m is None else config.keys_on_m
     if blocks > 1 and not km:
@@ -640,9 +646,9 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
         tr_n = tr if n_rows < 16 else (plgpu.TilingTransform((8, n_rows)), plgpu.SwizzleTransform(2 * n_rows))
         rm_spec = plgpu.SMEM((RM_VECTOR,), jnp.float32)
         o_km_spec = plgpu.SMEM((n_rows, half), jnp.float32)                 # O, stored by `_store_transposed`
-        # one column block's two V tiles (head_dim 256: the blocks' V in turn)
-        v16_spec = plgpu.SMEM((2, half, BLOCK_K), jnp.float16) if interpret else \
-            plgpu.SMEM((2, BLOCK_K, half), jnp.float16, transforms=tr_n)
+        v_tiles = 2 if v_in_turn else parts       # `MosaicConfig.v_in_turn`: one column block's V tiles at a time
+        v16_spec = plgpu.SMEM((v_tiles, half, BLOCK_K), jnp.float16) if interpret else \
+            plgpu.SMEM((v_tiles, BLOCK_K, half), jnp.float16, transforms=tr_n)
         if interpret:
             p_spec = plgpu.SMEM((BLOCK_K, n_rows), jnp.float16)
         elif n_rows < 16:                 # P stored as [N, keys] (`_store_keys_minor`), read as P^T through a view
@@ -670,7 +676,8 @@ def _kernel_call(q, page_table, kv_lens, layer, low, high, high_table, *, geom, 
     in_turn = mosaic_qk_in_turn(n_rows, page) if config.qk_in_turn is None else config.qk_in_turn
     kernel = _make_kernel(page=page, pt_len=pt_len, stages=st, splits=splits, data_pages=P,
                           scale_pages=scales.shape[1], num_heads=h, batch=b,
-                          interpret=interpret, keys_on_m=km, n_rows=n_rows, qk_in_turn=km and in_turn, blocks=blocks)
+                          interpret=interpret, keys_on_m=km, n_rows=n_rows, qk_in_turn=km and in_turn, blocks=blocks,
+                          v_in_turn=v_in_turn)
     # TMA boxes never leave the array, and its row stride is a multiple of 16 bytes (TMA's rule: a page table of
     # any width, e.g. 513 pages for 8193 tokens, failed at trace time before)
     pt_cols = max(pt_len, max_pages + (-max_pages % 4))
