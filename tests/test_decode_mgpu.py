@@ -728,10 +728,10 @@ def test_gpu_pages_32_to_128(page):
         _gpu_splits_match_reference(dtype, page, 128, tq, hq, lens=(1, page - 1, page, page + 1, 200, 1000, 3000, 4096))
 
 
-def _gpu_splits_match_reference(dtype, page, d, tq, hq, lens):
+def _gpu_splits_match_reference(dtype, page, d, tq, hq, lens, **config):
     """A model-shaped cache (8 KV heads, 2 layers, twin (64, 64) when ``dtype`` is mixed) and queries: this backend's
-    float32 output at the default splits and at 8 against the float32 reference. -> ``(st, q, seq, ref_o,
-    ref_lse)``."""
+    float32 output (`MosaicConfig` fields ``config``) at the default splits and at 8 against the float32 reference.
+    -> ``(st, q, seq, ref_o, ref_lse)``."""
     mixed = dtype.startswith("mixed")
     st = make_state(dtype, first_n=64 if mixed else 0, last_n=64 if mixed else 0, page=page, lens=lens, heads=8,
                     d=d, layers=2, max_draft_len=3, gs=0.01)
@@ -739,7 +739,7 @@ def _gpu_splits_match_reference(dtype, page, d, tq, hq, lens):
     seq = jnp.arange(st.max_seqs, dtype=jnp.int32)
     ref_o, ref_lse = reference(st, 1, q, seq)
     for splits in (None, 8):
-        out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32)
+        out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32, **config)
         assert rel_l2(out, ref_o) < 1e-4, (dtype, page, d, tq, hq, splits)
         _lse_close(lse, ref_lse)
     return st, q, seq, ref_o, ref_lse
@@ -752,12 +752,18 @@ def test_gpu_head_dim_64(page):
     Tq 4 x GQA 8 (queries on M), plain NVFP4 at Tq 1 x GQA 1; other pages: Tq 1 x GQA 3 twin, Tq 2 x GQA 4 plain;
     lengths 1, page-1, page, page+1 .. 4097; default and 8 splits; float32 output against the float32 reference, and
     through `decode_attention`'s default dispatch."""
+    _gpu_cases_match_reference(64, page, (
+        ("mixed_nvfp4_bf16", 1, 24), ("mixed_nvfp4_bf16", 2, 56), ("mixed_nvfp4_bf16", 4, 64), ("nvfp4", 1, 8),
+        ("mixed_nvfp4_bf16", 1, 32)) if page == 16 else (("mixed_nvfp4_bf16", 1, 24), ("nvfp4", 2, 32)))
+
+
+def _gpu_cases_match_reference(d, page, cases):
+    """Each ``(dtype, tq, hq)`` of ``cases`` at head_dim ``d``: `_gpu_splits_match_reference` over lengths 1, page-1,
+    page, page+1 .. 4097, then `decode_attention`'s default dispatch (the attention dtype) within 1e-3."""
     assert on_gpu(), "gpu tests need a GPU"
-    cases = ((("mixed_nvfp4_bf16", 1, 24), ("mixed_nvfp4_bf16", 2, 56), ("mixed_nvfp4_bf16", 4, 64), ("nvfp4", 1, 8),
-              ("mixed_nvfp4_bf16", 1, 32)) if page == 16 else (("mixed_nvfp4_bf16", 1, 24), ("nvfp4", 2, 32)))
     for dtype, tq, hq in cases:
         st, q, seq, ref_o, ref_lse = _gpu_splits_match_reference(
-            dtype, page, 64, tq, hq, lens=(1, page - 1, page, page + 1, 201, 1000, 3001, 4097))
+            dtype, page, d, tq, hq, lens=(1, page - 1, page, page + 1, 201, 1000, 3001, 4097))
         out, lse = decode_attention(st, 1, q, seq, backend="pallas")
         assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
         _lse_close(lse, ref_lse, atol=1e-3)
@@ -769,15 +775,9 @@ def test_gpu_head_dim_256(page):
     """head_dim 256 (two column blocks) on the GPU: bf16 twin at Tq 1 x GQA 2 (Gemma-2) and 4, Tq 4 x GQA 8 (32 query
     rows, the most the form takes), plain NVFP4 at Tq 2 x GQA 1; lengths 1, page-1, page, page+1 .. 4097; default and
     8 splits; float32 output against the float32 reference, and through `decode_attention`'s default dispatch."""
-    assert on_gpu(), "gpu tests need a GPU"
-    cases = ((("mixed_nvfp4_bf16", 1, 16), ("mixed_nvfp4_bf16", 1, 32), ("mixed_nvfp4_bf16", 4, 64), ("nvfp4", 2, 8))
-             if page == 16 else (("mixed_nvfp4_bf16", 1, 16), ("nvfp4", 2, 32)))
-    for dtype, tq, hq in cases:
-        st, q, seq, ref_o, ref_lse = _gpu_splits_match_reference(
-            dtype, page, 256, tq, hq, lens=(1, page - 1, page, page + 1, 201, 1000, 3001, 4097))
-        out, lse = decode_attention(st, 1, q, seq, backend="pallas")
-        assert rel_l2(np.asarray(out, np.float32), np.asarray(ref_o.astype(out.dtype), np.float32)) < 1e-3
-        _lse_close(lse, ref_lse, atol=1e-3)
+    _gpu_cases_match_reference(256, page, (
+        ("mixed_nvfp4_bf16", 1, 16), ("mixed_nvfp4_bf16", 1, 32), ("mixed_nvfp4_bf16", 4, 64), ("nvfp4", 2, 8))
+        if page == 16 else (("mixed_nvfp4_bf16", 1, 16), ("nvfp4", 2, 32)))
 
 
 @pytest.mark.gpu
@@ -787,14 +787,8 @@ def test_gpu_head_dim_256_v_in_turn():
     and 8 splits, float32 output against the float32 reference."""
     assert on_gpu(), "gpu tests need a GPU"
     for tq, hq in ((1, 16), (4, 64)):
-        st = make_state("mixed_nvfp4_bf16", first_n=64, last_n=64, page=16, heads=8, d=256, layers=2,
-                        max_draft_len=3, gs=0.01, lens=(1, 15, 16, 17, 201, 1000, 3001, 4097))
-        q = queries(st, tq, hq)
-        ref_o, ref_lse = reference(st, 1, q, jnp.arange(st.max_seqs, dtype=jnp.int32))
-        for splits in (None, 8):
-            out, lse = _run(st, q, 1, num_splits=splits, out_dtype=jnp.float32, v_in_turn=True)
-            assert rel_l2(out, ref_o) < 1e-4, (tq, hq, splits)
-            _lse_close(lse, ref_lse)
+        _gpu_splits_match_reference("mixed_nvfp4_bf16", 16, 256, tq, hq, lens=(1, 15, 16, 17, 201, 1000, 3001, 4097),
+                                    v_in_turn=True)
 
 
 @pytest.mark.gpu
