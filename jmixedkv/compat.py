@@ -21,6 +21,9 @@
 from __future__ import annotations
 
 import inspect
+import os
+import re
+import tempfile
 import warnings
 
 import jax
@@ -84,6 +87,56 @@ def cross_lower_cuda(fn, *args, **kwargs):
     """Lower ``jax.jit(fn)`` for CUDA without a GPU; returns the lowered text (raises if it cannot lower)."""
     lowered = jax.jit(fn, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
     return lowered.as_text()
+
+
+#: shared memory a Hopper CTA may have (sm_90's opt-in maximum, 227 KB): what the H200 reported as available when a
+#: decode kernel asked for more (bench/RESULTS.md)
+HOPPER_MAX_SHARED_BYTES = 232448
+
+_TRITON_CALL = re.compile(r'ir = "(.*?)", name = "([^"]*)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', re.S)
+
+
+def _mlir_string_bytes(text: str) -> bytes:
+    """An MLIR string attribute's printed body (``\\XX`` hex escapes, ``\\\\``, ``\\"``) -> its bytes."""
+    out, i = bytearray(), 0
+    while i < len(text):
+        if text[i] == "\\" and text[i + 1] in "\\\"":
+            out += text[i + 1].encode()
+            i += 2
+        elif text[i] == "\\":
+            out.append(int(text[i + 1:i + 3], 16))
+            i += 3
+        else:
+            out += text[i].encode("latin1")
+            i += 1
+    return bytes(out)
+
+
+def triton_shared_bytes(lowered_text: str, capability: int = 90) -> list:
+    """The Pallas Triton programs of a `cross_lower_cuda` text compiled by the installed Triton for sm_``capability``
+    without a GPU -> ``[(name, num_warps, num_stages, shared memory bytes)]``. XLA compiles the same Triton IR with
+    its own Triton at run time; a kernel that asks for more than `HOPPER_MAX_SHARED_BYTES` fails there with
+    ``RESOURCE_EXHAUSTED`` (the H200 asked 16 bytes more than this count for the case in bench/RESULTS.md)."""
+    import triton
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+    from jaxlib.triton import dialect
+    from triton.backends.compiler import GPUTarget
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for blob, name, stages, warps in _TRITON_CALL.findall(lowered_text):
+            ctx = jax_mlir.make_ir_context()
+            dialect.register_dialect(ctx)
+            with ctx:
+                ttir = ir.Module.parse(_mlir_string_bytes(blob)).operation.get_asm(enable_debug_info=False)
+            path = os.path.join(tmp, f"k{len(out)}.ttir")
+            with open(path, "w") as f:
+                f.write(ttir)
+            kernel = triton.compile(path, target=GPUTarget("cuda", capability, 32),
+                                    options=dict(num_warps=int(warps), num_stages=int(stages)))
+            out.append((name, int(warps), int(stages), int(kernel.metadata.shared)))
+    return out
 
 
 silence_triton_deprecation()
