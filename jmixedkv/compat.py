@@ -4,7 +4,8 @@
 * The Triton backend warns that it is deprecated on 0.11+; `silence_triton_deprecation()` filters that warning.
 * `shard_map`: top-level `jax.shard_map` in both.
 * `cross_lower_cuda(fn, *args)`: lower a jitted function for CUDA on a machine without a GPU (CI check that a
-  kernel can compile), `jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))`.
+  kernel can compile), `jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))`; `triton_programs(text)`: the
+  Pallas Triton programs in such a text as Triton IR (jax's serialized IR printed through jaxlib's Triton dialect).
 * `xla_flags_with_ieee_division(flags)`: XLA on NVIDIA GPUs lowers float32 division to ``div.full.f32`` (it passes
   ``-nvptx-prec-divf32=1`` to LLVM; up to 2 ulp off: ``1 / 0.0011160715`` gives 896.0, IEEE 895.99994). The
   returned ``XLA_FLAGS`` add ``--xla_backend_extra_options=-nvptx-prec-divf32=2`` (``div.rn.f32``), so jnp code
@@ -21,9 +22,7 @@
 from __future__ import annotations
 
 import inspect
-import os
 import re
-import tempfile
 import warnings
 
 import jax
@@ -32,7 +31,8 @@ from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["pl", "pltriton", "plgpu", "HAVE_MGPU", "mgpu_transposed", "mgpu_load", "mgpu_interpret_params",
            "triton_params", "on_gpu", "on_hopper", "shard_map", "cross_lower_cuda", "silence_triton_deprecation", "IEEE_DIVISION_OPTION", "xla_flags_with_ieee_division",
-           "cuda_plugin_installed", "cudnn_attention_lse", "have_dlpack_capsules", "dlpack_import", "dlpack_export"]
+           "cuda_plugin_installed", "cudnn_attention_lse", "have_dlpack_capsules", "dlpack_import", "dlpack_export",
+           "triton_programs", "HOPPER_MAX_SHARED_BYTES"]
 
 #: LLVM option (NVPTX backend) for IEEE float32 division, passed through ``--xla_backend_extra_options``
 IEEE_DIVISION_OPTION = "-nvptx-prec-divf32=2"
@@ -112,30 +112,21 @@ def _mlir_string_bytes(text: str) -> bytes:
     return bytes(out)
 
 
-def triton_shared_bytes(lowered_text: str, capability: int = 90) -> list:
-    """The Pallas Triton programs of a `cross_lower_cuda` text compiled by the installed Triton for sm_``capability``
-    without a GPU -> ``[(name, num_warps, num_stages, shared memory bytes)]``. XLA compiles the same Triton IR with
-    its own Triton at run time; a kernel that asks for more than `HOPPER_MAX_SHARED_BYTES` fails there with
-    ``RESOURCE_EXHAUSTED`` (the H200 asked 16 bytes more than this count for the case in bench/RESULTS.md)."""
-    import triton
+def triton_programs(lowered_text: str) -> list:
+    """The Pallas Triton programs of a `cross_lower_cuda` text -> ``[(name, num_warps, num_stages, TTIR text)]``
+    (jax's serialized Triton IR printed with jaxlib's Triton dialect): what XLA hands its own Triton at run time. A
+    test compiles them with the installed Triton to read their shared memory (`HOPPER_MAX_SHARED_BYTES`)."""
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib.mlir import ir
     from jaxlib.triton import dialect
-    from triton.backends.compiler import GPUTarget
 
     out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for blob, name, stages, warps in _TRITON_CALL.findall(lowered_text):
-            ctx = jax_mlir.make_ir_context()
-            dialect.register_dialect(ctx)
-            with ctx:
-                ttir = ir.Module.parse(_mlir_string_bytes(blob)).operation.get_asm(enable_debug_info=False)
-            path = os.path.join(tmp, f"k{len(out)}.ttir")
-            with open(path, "w") as f:
-                f.write(ttir)
-            kernel = triton.compile(path, target=GPUTarget("cuda", capability, 32),
-                                    options=dict(num_warps=int(warps), num_stages=int(stages)))
-            out.append((name, int(warps), int(stages), int(kernel.metadata.shared)))
+    for blob, name, stages, warps in _TRITON_CALL.findall(lowered_text):
+        ctx = jax_mlir.make_ir_context()
+        dialect.register_dialect(ctx)
+        with ctx:
+            ttir = ir.Module.parse(_mlir_string_bytes(blob)).operation.get_asm(enable_debug_info=False)
+        out.append((name, int(warps), int(stages), ttir))
     return out
 
 

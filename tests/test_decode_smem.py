@@ -1,17 +1,38 @@
-"""Shared memory of the decode kernels' Triton programs as compiled for Hopper, checked on the CPU: the Pallas
-Triton kernel is cross-lowered (`jmixedkv.compat.cross_lower_cuda`) and its Triton IR compiled by the installed
-Triton for sm_90 (`jmixedkv.compat.triton_shared_bytes`). A program above `HOPPER_MAX_SHARED_BYTES` fails on the GPU
-with ``RESOURCE_EXHAUSTED`` at its first call; the head_dim-256 edge kernel at pages of 128 did so on the H200
-(258,144 bytes asked), which is why the Mosaic GPU backend refuses that page (`mosaic_sm90.WIDE_MAX_PAGE`)."""
+"""Shared memory of the decode kernels' Triton programs as compiled for Hopper, checked on the CPU: the Pallas Triton
+kernel is cross-lowered (`jmixedkv.compat.cross_lower_cuda`), its Triton IR taken from the lowered call
+(`jmixedkv.compat.triton_programs`) and compiled by the installed Triton for sm_90 (`shared_bytes`). A program above
+`HOPPER_MAX_SHARED_BYTES` fails on the GPU with ``RESOURCE_EXHAUSTED`` at its first call; the head_dim-256 edge
+kernel at pages of 128 did so on the H200 (258,144 bytes asked), which is why the Mosaic GPU backend refuses that
+page (`mosaic_sm90.WIDE_MAX_PAGE`)."""
 import dataclasses
+import os
+import tempfile
 
 import jax.numpy as jnp
 import pytest
 
-from jmixedkv.compat import HOPPER_MAX_SHARED_BYTES, cross_lower_cuda, triton_shared_bytes
+from jmixedkv.compat import HOPPER_MAX_SHARED_BYTES, cross_lower_cuda, triton_programs
 from jmixedkv.layout import TwinGeometry
 from pallas_kernels.decode import mosaic_sm90, triton
 from pallas_kernels.decode.config import MosaicConfig
+
+
+def shared_bytes(lowered_text: str, capability: int = 90) -> list:
+    """Each Triton program of a lowered call compiled by the installed Triton for sm_``capability`` (no GPU needed) ->
+    its shared memory in bytes. XLA compiles the same IR with its own Triton at run time (on the H200 the refused
+    edge kernel asked 16 bytes more than this count)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (_, warps, stages, ttir) in enumerate(triton_programs(lowered_text)):
+            path = os.path.join(tmp, f"k{i}.ttir")
+            with open(path, "w") as f:
+                f.write(ttir)
+            kernel = triton.compile(path, target=GPUTarget("cuda", capability, 32),
+                                    options=dict(num_warps=warps, num_stages=stages))
+            out.append(int(kernel.metadata.shared))
+    return out
 
 
 def _shared_bytes(d, page, *, edge, tq=1, group=4, batch=2, heads=2):
@@ -32,9 +53,9 @@ def _shared_bytes(d, page, *, edge, tq=1, group=4, batch=2, heads=2):
             return triton.paged_decode_partials(q, pt, lens, 1, low, high, None, ht, geom=geom, config=config,
                                                 skip_interior=True, interior_tokens=max(128, page))
         return triton.paged_decode_attention(q, pt, lens, 1, low, high, None, ht, geom=geom)
-    programs = triton_shared_bytes(cross_lower_cuda(fn, q, pt, lens, ht, low, high))
-    assert programs, "no Triton program in the lowered call"
-    return max(p[3] for p in programs)
+    sizes = shared_bytes(cross_lower_cuda(fn, q, pt, lens, ht, low, high))
+    assert sizes, "no Triton program in the lowered call"
+    return max(sizes)
 
 
 @pytest.mark.parametrize("d,page", [(256, 64), (128, 128), (64, 128)])
