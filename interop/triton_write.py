@@ -522,8 +522,9 @@ def _check_scale_values(name, scale, layer):
 
 def _plan(low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, layer, k, v, low_slot,
           high_slot, page_size, block_scale, high_fp8):
-    """Validate every argument (shapes, dtypes, devices, kinds of cache) -> ``(row_pool, row_fp8, low_pages,
-    row_pages)`` with ``row_pool`` one of ``_ROW_NONE / _ROW_HIGH / _ROW_PLAIN``."""
+    """Validate every argument (shapes, dtypes, devices, kinds of cache) -> ``(row_pool, row_fp8, rows, scale,
+    low_pages, row_pages)``: ``row_pool`` one of ``_ROW_NONE / _ROW_HIGH / _ROW_PLAIN``, ``rows`` / ``scale`` that
+    pool's tensors (None without one)."""
     _check_rows(k, v)
     t, h, d = k.shape
     dev = k.device

@@ -383,3 +383,18 @@ def torch_of(x):
     if a.dtype == jnp.float8_e4m3fn:
         return torch.from_numpy(a.view(np.uint8).copy())
     return torch.from_numpy(a.copy())
+
+
+def zero_decode_operands(d, page, *, tq, hq, batch=2, heads=2, twin="bf16"):
+    """Zero operands of a cross-lowered decode call: ``(q, page_table, kv_lens, high_table, low, high)`` -- 2 layers,
+    16 low / 8 twin pages, ``heads`` KV heads, ``batch`` rows of 12 pages, head_dim ``d``, pages of ``page``, ``tq`` x
+    ``hq`` query rows; ``twin`` "bf16" / "fp16" (q in fp16 too) or None (``high`` None). `TwinGeometry(page, 5, 7,
+    1, 3)` fits the tables."""
+    L, P, kv = 2, 16, 2
+    low = (jnp.zeros((L, P, kv, heads, page, d // 2), jnp.uint8),
+           jnp.zeros((L, P, kv, heads, page, d // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
+    tdt = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(twin)
+    high = (jnp.zeros((L, 8, kv, heads, page, d), tdt), jnp.ones((L, kv))) if twin else None
+    q = jnp.zeros((batch, tq, hq, d), jnp.float16 if twin == "fp16" else jnp.bfloat16)
+    pt, lens, ht = jnp.zeros((batch, 12), jnp.int32), jnp.ones((batch,), jnp.int32), jnp.zeros((batch, 4), jnp.int32)
+    return q, pt, lens, ht, low, high

@@ -24,7 +24,7 @@ from pallas_kernels.decode.common import f16_queries
 from pallas_kernels.decode.config import MosaicConfig
 from pallas_kernels.decode.mosaic_sm90 import supported
 from helpers import decode_queries as queries, decode_reference as reference, decode_state as make_state
-from helpers import rel_l2
+from helpers import rel_l2, zero_decode_operands
 
 
 
@@ -346,7 +346,7 @@ def test_supported_and_dispatch_choice(monkeypatch):
     # head_dim 256 as two column blocks: keys on M only (<= 32 query rows)
     assert supported(head_dim=256, page=16, tq=1, group=2) and supported(head_dim=256, page=64, tq=4, group=8)
     assert not supported(head_dim=256, page=16, tq=5, group=8)
-    assert not supported(head_dim=256, page=128, tq=1, group=2)          # the edge kernel's shared memory
+    assert supported(head_dim=256, page=128, tq=1, group=2)              # its edge kernel unpipelined (edge_config)
     assert not supported(head_dim=128, page=8, tq=1, group=4)
     for page in (32, 64, 128):        # run on the H200 since the page-table copy starts at an aligned column
         assert supported(head_dim=128, page=page, tq=1, group=4)
@@ -541,35 +541,24 @@ def test_refuses_unsupported_configuration():
                                              (128, 1, 16, None)])
 def test_cross_lowers_for_cuda(page, tq, hq, twin):
     """The compiled form (inline PTX dequantization, register-A wgmma, TMA ring) lowers for CUDA."""
-    L, P, kv, H, D, B = 2, 16, 2, 2, 128, 2
-    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
-           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
-    tdt = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(twin)
-    high = (jnp.zeros((L, 8, kv, H, page, D), tdt), jnp.ones((L, kv))) if twin else None
-    q = jnp.zeros((B, tq, hq, D), jnp.bfloat16 if twin != "fp16" else jnp.float16)
-    pt, lens, ht = jnp.zeros((B, 12), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
+    operands = zero_decode_operands(128, page, tq=tq, hq=hq, twin=twin)
 
     def fn(q, pt, lens, ht, low, high):
         return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht if twin else None,
                                            geom=TwinGeometry(page, 5, 7, 1, 3), num_splits=2)
-    text = cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+    text = cross_lower_cuda(fn, *operands)
     assert "mosaic_gpu" in text
 
 
 def _lowered_with_twin(D, page, tq, hq, **config):
     """The Mosaic GPU backend cross-lowered for CUDA (its text) over zero pools of head_dim ``D`` with a bf16 twin:
     2 layers, 16 pages, 2 KV heads, batch 2, 2 splits, the `MosaicConfig` fields ``config``."""
-    L, P, kv, H, B = 2, 16, 2, 2, 2
-    low = (jnp.zeros((L, P, kv, H, page, D // 2), jnp.uint8),
-           jnp.zeros((L, P, kv, H, page, D // 16), jnp.float8_e4m3fn), jnp.ones((L, kv)))
-    high = (jnp.zeros((L, 8, kv, H, page, D), jnp.bfloat16), jnp.ones((L, kv)))
-    q = jnp.zeros((B, tq, hq, D), jnp.bfloat16)
-    pt, lens, ht = jnp.zeros((B, 12), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B, 4), jnp.int32)
+    operands = zero_decode_operands(D, page, tq=tq, hq=hq)
 
     def fn(q, pt, lens, ht, low, high):
         return paged_decode_attention_mgpu(q, pt, lens, 1, low, high, ht, geom=TwinGeometry(page, 5, 7, 1, 3),
                                            num_splits=2, **config)
-    return cross_lower_cuda(fn, q, pt, lens, ht, low, high)
+    return cross_lower_cuda(fn, *operands)
 
 
 @pytest.mark.parametrize("page,tq,hq,km", [(16, 1, 6, None), (16, 4, 8, None), (32, 1, 8, True), (128, 2, 16, None)])
@@ -582,10 +571,10 @@ def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
 @pytest.mark.parametrize("page,tq,hq,config", [(16, 1, 2, {}), (16, 1, 8, dict(min_km_rows=16)), (16, 4, 8, {}),
                                                (64, 2, 4, dict(qk_in_turn=True)), (64, 1, 16, dict(qk_in_turn=False)),
                                                (32, 1, 4, dict(stages=3)), (16, 1, 2, dict(v_in_turn=True)),
-                                               (16, 4, 8, dict(v_in_turn=True))])
+                                               (16, 4, 8, dict(v_in_turn=True)), (128, 1, 4, {})])
 def test_head_dim_256_cross_lowers_for_cuda(page, tq, hq, config):
     """head_dim 256 in two column blocks lowers for CUDA: 128-byte rows and scale rows of 8 tokens in the TMA boxes,
-    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-64, a 3-stage ring, the blocks' V in turn."""
+    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-128, a 3-stage ring, the blocks' V in turn."""
     assert "mosaic_gpu" in _lowered_with_twin(256, page, tq, hq, **config)
 
 
@@ -770,7 +759,7 @@ def _gpu_cases_match_reference(d, page, cases):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 32, 64])
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
 def test_gpu_head_dim_256(page):
     """head_dim 256 (two column blocks) on the GPU: bf16 twin at Tq 1 x GQA 2 (Gemma-2) and 4, Tq 4 x GQA 8 (32 query
     rows, the most the form takes), plain NVFP4 at Tq 2 x GQA 1; lengths 1, page-1, page, page+1 .. 4097; default and
