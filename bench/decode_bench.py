@@ -6,10 +6,14 @@ within 1e-2 of the default's. A JSON under ``--out`` is rewritten after every ro
   GPU kernels, the default end to end, in a jitted loop of ten and GPU busy; the speed targets counted last.
 * ``--geometry-grid``: head_dim x GQA x page x Tq at 16 x 32k (`GEOMETRY_SUBSET`, or the product of ``--head-dims
   / --groups / --pages / --tqs``): the default in a loop of ten, its GPU busy time, each ``--variants`` config.
+* ``--kernel-alone HD/GQA/PAGE/TQ``: the Mosaic GPU kernel alone (`mosaic_sm90.kernel_partials`: no edge blocks, no
+  merge) ``--calls`` times on a 16 x 32k row's inputs (``--variants``: one Mosaic config), for a profiler.
 * ``--shard I/N`` runs rows ``k % N == I``; ``--merge A.json B.json ...`` joins the shards. ``--smoke``: CPU.
 
     python3 bench/decode_bench.py --grid --shard 0/3 --out $OUT      # then --grid --merge $OUT/*/decode_bench-grid.json
     python3 bench/decode_bench.py --geometry-grid --head-dims 64 --variants k64w2,k32w4 --out $OUT
+    ncu -k regex:mosaic --launch-skip 2 --launch-count 1 --set full \
+        python3 bench/decode_bench.py --kernel-alone 64/4/16/1
 """
 from __future__ import annotations
 
@@ -449,11 +453,44 @@ def run_grid(order, out_dir, opts: RunOptions):
     return 0
 
 
+def kernel_alone(spec: str, variant: str, calls: int) -> int:
+    """``--kernel-alone``: `mosaic_sm90.kernel_partials` ``calls`` times (jitted, each waited for) on the inputs of
+    the 16 x 32k row ``spec`` (``"HD/GQA/PAGE/TQ"``; on the CPU the smoke shape in interpret mode) with the default
+    `MosaicConfig` or the one Mosaic ``variant``; prints the row and the last call's wall time. Exit 1 if the
+    partials are not finite or no key was seen."""
+    d, gqa, page, tq = parse_ints(spec, "--kernel-alone HD/GQA/PAGE/TQ", "/")
+    interpret = not on_gpu()
+    # on the CPU: a context with interior blocks past the twin's windows (64 + 64; pair blocks of 128 tokens)
+    b, ctx = (SMOKE_BATCH, 4 * SMOKE_CONTEXT) if interpret else (GEOMETRY_BATCH, GEOMETRY_CONTEXT)
+    g = BenchGeometry(head_dim=d, gqa=gqa, page=page, **(dict(kv_heads=SMOKE_KV_HEADS) if interpret else {}))
+    if not mosaic_sm90.supported(head_dim=d, page=page, tq=tq, group=gqa, high_dtype=jnp.bfloat16):
+        raise SystemExit(f"decode_bench --kernel-alone: the Mosaic GPU kernel does not take {spec} "
+                         f"(head_dim / GQA / page / Tq)")
+    name, fields = parse_variant(variant) if variant else ("default", None)
+    if fields is not None and fields.get("backend") != "mosaic":
+        raise SystemExit(f"decode_bench --kernel-alone: {variant!r} is not a Mosaic GPU variant (m...)")
+    config = MosaicConfig() if fields is None else variant_config(fields, g, b, ctx, tq)
+    q, pt, lens, ht, low, high = row_inputs(g, b, ctx, tq)
+    call = jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.kernel_partials(
+        q, pt, lens, 0, kernel_arrays(low), kernel_arrays(high), high_table=ht, geom=g.cache.twin, config=config,
+        interpret=interpret))
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        o, m2, l_sum = jax.block_until_ready(call(q, pt, lens, ht, low, high))
+    ok = bool(jnp.isfinite(o).all()) and float(l_sum.max()) > 0
+    print(f"kernel alone {name}: head_dim {d}, GQA {gqa}, page {page}, Tq {tq}, {b} x {ctx}, {calls} calls; last "
+          f"{1e3 * (time.perf_counter() - t0):.3f} ms wall; partials {'finite' if ok else 'NOT finite or empty'}")
+    return 0 if ok else 1
+
+
 def main(argv=None):
     ap = bench_parser(__doc__, md=False)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--grid", action="store_true", help="batch x context x --geos, head_dim 128")
     mode.add_argument("--geometry-grid", action="store_true", help="head_dim x GQA x page x Tq at 16 x 32k")
+    mode.add_argument("--kernel-alone", default=None, metavar="HD/GQA/PAGE/TQ",
+                      help="the Mosaic GPU kernel alone, --calls times, for a profiler")
+    ap.add_argument("--calls", type=int, default=3, help="--kernel-alone: calls (default 3)")
     for flag, default in zip(("--batches", "--contexts", "--geos"), grid_args()):
         ap.add_argument(flag, default=default, help=f"--grid (default {default})")
     for flag in ("--head-dims", "--groups", "--pages", "--tqs"):
@@ -469,6 +506,11 @@ def main(argv=None):
         variants = tuple(parse_variant(v) for v in args.variants.split(",") if v.strip())
     except ValueError as e:
         ap.error(str(e))
+    if args.kernel_alone:
+        if args.calls < 1:
+            ap.error(f"--calls must be >= 1, got {args.calls}")
+        return 0 if no_gpu("decode_bench", args.smoke) else kernel_alone(args.kernel_alone, args.variants.strip(),
+                                                                           args.calls)
     if args.merge:
         return merge_main(args.merge, args.out, args.geometry_grid, order)
     if not (args.grid or args.geometry_grid):

@@ -81,6 +81,18 @@ def test_bench_smoke(name, tmp_path):
         assert name == "decode_bench" or (rows[0]["variants"]["k64w2"] or 0) > 0, rows
 
 
+@pytest.mark.parametrize("spec,variant", [("64/2/16/1", "mv0"), ("256/2/16/1", "")])
+def test_decode_bench_kernel_alone(spec, variant, capsys):
+    """``decode_bench --kernel-alone`` (the Mosaic GPU kernel alone, for ncu) runs its calls in interpret mode and
+    checks its partials (finite, some key seen); a geometry or variant the kernel does not take is refused."""
+    import decode_bench
+    assert decode_bench.main(["--kernel-alone", spec, "--variants", variant, "--calls", "1", "--smoke"]) == 0
+    assert f"kernel alone {variant or 'default'}: head_dim {spec.split('/')[0]}" in capsys.readouterr().out
+    for bad in (["--kernel-alone", "256/8/16/8"], ["--kernel-alone", "64/2/16/1", "--variants", "k64w2"]):
+        with pytest.raises(SystemExit, match="does not take|not a Mosaic GPU variant"):
+            decode_bench.main(bad + ["--smoke"])
+
+
 def test_tp_bench_smoke_on_two_host_devices(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
