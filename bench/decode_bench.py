@@ -453,11 +453,11 @@ def run_grid(order, out_dir, opts: RunOptions):
     return 0
 
 
-def kernel_alone(spec: str, variant: str, calls: int) -> int:
+def kernel_alone(spec: str, variant: Optional[tuple], calls: int) -> int:
     """``--kernel-alone``: `mosaic_sm90.kernel_partials` ``calls`` times (jitted, each waited for) on the inputs of
     the 16 x 32k row ``spec`` (``"HD/GQA/PAGE/TQ"``; on the CPU the smoke shape in interpret mode) with the default
-    `MosaicConfig` or the one Mosaic ``variant``; prints the row and the last call's wall time. Exit 1 if the
-    partials are not finite or no key was seen."""
+    `MosaicConfig` or the one Mosaic ``variant`` (`parse_variant`'s ``(text, fields)``); prints the row and the last
+    call's wall time. Exit 1 if the partials are not finite or no key was seen."""
     d, gqa, page, tq = parse_ints(spec, "--kernel-alone HD/GQA/PAGE/TQ", "/")
     interpret = not on_gpu()
     # on the CPU: a context with interior blocks past the twin's windows (64 + 64; pair blocks of 128 tokens)
@@ -466,9 +466,9 @@ def kernel_alone(spec: str, variant: str, calls: int) -> int:
     if not mosaic_sm90.supported(head_dim=d, page=page, tq=tq, group=gqa, high_dtype=jnp.bfloat16):
         raise SystemExit(f"decode_bench --kernel-alone: the Mosaic GPU kernel does not take {spec} "
                          f"(head_dim / GQA / page / Tq)")
-    name, fields = parse_variant(variant) if variant else ("default", None)
+    name, fields = variant or ("default", None)
     if fields is not None and fields.get("backend") != "mosaic":
-        raise SystemExit(f"decode_bench --kernel-alone: {variant!r} is not a Mosaic GPU variant (m...)")
+        raise SystemExit(f"decode_bench --kernel-alone: {name!r} is not a Mosaic GPU variant (m...)")
     config = MosaicConfig() if fields is None else variant_config(fields, g, b, ctx, tq)
     q, pt, lens, ht, low, high = row_inputs(g, b, ctx, tq)
     call = jax.jit(lambda q, pt, lens, ht, low, high: mosaic_sm90.kernel_partials(
@@ -507,9 +507,10 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     if args.kernel_alone:
-        if args.calls < 1:
-            ap.error(f"--calls must be >= 1, got {args.calls}")
-        return 0 if no_gpu("decode_bench", args.smoke) else kernel_alone(args.kernel_alone, args.variants.strip(),
+        if args.calls < 1 or len(variants) > 1:
+            ap.error(f"--kernel-alone takes --calls >= 1 and at most one --variants config, got {args.calls} / "
+                     f"{args.variants!r}")
+        return 0 if no_gpu("decode_bench", args.smoke) else kernel_alone(args.kernel_alone, (variants or [None])[0],
                                                                            args.calls)
     if args.merge:
         return merge_main(args.merge, args.out, args.geometry_grid, order)

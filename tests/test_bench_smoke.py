@@ -91,6 +91,8 @@ def test_decode_bench_kernel_alone(spec, variant, capsys):
     for bad in (["--kernel-alone", "256/8/16/8"], ["--kernel-alone", "64/2/16/1", "--variants", "k64w2"]):
         with pytest.raises(SystemExit, match="does not take|not a Mosaic GPU variant"):
             decode_bench.main(bad + ["--smoke"])
+    with pytest.raises(SystemExit):                              # argparse's error: two configs
+        decode_bench.main(["--kernel-alone", spec, "--variants", "m,mv1", "--smoke"])
 
 
 def test_tp_bench_smoke_on_two_host_devices(tmp_path):
