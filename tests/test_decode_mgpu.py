@@ -346,7 +346,7 @@ def test_supported_and_dispatch_choice(monkeypatch):
     # head_dim 256 as two column blocks: keys on M only (<= 32 query rows)
     assert supported(head_dim=256, page=16, tq=1, group=2) and supported(head_dim=256, page=64, tq=4, group=8)
     assert not supported(head_dim=256, page=16, tq=5, group=8)
-    assert not supported(head_dim=256, page=128, tq=1, group=2)          # the edge kernel's shared memory
+    assert supported(head_dim=256, page=128, tq=1, group=2)              # its edge kernel unpipelined (edge_config)
     assert not supported(head_dim=128, page=8, tq=1, group=4)
     for page in (32, 64, 128):        # run on the H200 since the page-table copy starts at an aligned column
         assert supported(head_dim=128, page=page, tq=1, group=4)
@@ -571,10 +571,10 @@ def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
 @pytest.mark.parametrize("page,tq,hq,config", [(16, 1, 2, {}), (16, 1, 8, dict(min_km_rows=16)), (16, 4, 8, {}),
                                                (64, 2, 4, dict(qk_in_turn=True)), (64, 1, 16, dict(qk_in_turn=False)),
                                                (32, 1, 4, dict(stages=3)), (16, 1, 2, dict(v_in_turn=True)),
-                                               (16, 4, 8, dict(v_in_turn=True))])
+                                               (16, 4, 8, dict(v_in_turn=True)), (128, 1, 4, {})])
 def test_head_dim_256_cross_lowers_for_cuda(page, tq, hq, config):
     """head_dim 256 in two column blocks lowers for CUDA: 128-byte rows and scale rows of 8 tokens in the TMA boxes,
-    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-64, a 3-stage ring, the blocks' V in turn."""
+    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-128, a 3-stage ring, the blocks' V in turn."""
     assert "mosaic_gpu" in _lowered_with_twin(256, page, tq, hq, **config)
 
 
@@ -759,7 +759,7 @@ def _gpu_cases_match_reference(d, page, cases):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 32, 64])
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
 def test_gpu_head_dim_256(page):
     """head_dim 256 (two column blocks) on the GPU: bf16 twin at Tq 1 x GQA 2 (Gemma-2) and 4, Tq 4 x GQA 8 (32 query
     rows, the most the form takes), plain NVFP4 at Tq 2 x GQA 1; lengths 1, page-1, page, page+1 .. 4097; default and

@@ -2,8 +2,8 @@
 kernel is cross-lowered (`jmixedkv.compat.cross_lower_cuda`), its Triton IR taken from the lowered call
 (`jmixedkv.compat.triton_programs`) and compiled by the installed Triton for sm_90 (`shared_bytes`). A program above
 `HOPPER_MAX_SHARED_BYTES` fails on the GPU with ``RESOURCE_EXHAUSTED`` at its first call; the head_dim-256 edge
-kernel at pages of 128 did so on the H200 (258,144 bytes asked), which is why the Mosaic GPU backend refuses that
-page (`mosaic_sm90.WIDE_MAX_PAGE`)."""
+kernel at pages of 128 did so on the H200 (258,144 bytes asked), which is why it runs unpipelined there
+(`mosaic_sm90.edge_config`, `WIDE_PIPELINED_MAX_PAGE`)."""
 import dataclasses
 import os
 import tempfile
@@ -35,16 +35,18 @@ def shared_bytes(lowered_text: str, capability: int = 90) -> list:
     return out
 
 
-def _shared_bytes(d, page, *, edge, tq=1, group=4, batch=2, heads=2):
+def _shared_bytes(d, page, *, edge, tq=1, group=4, batch=2, heads=2, stages=None):
     """Largest shared memory of the Triton programs of one decode call over a mixed cache (bf16 twin) at head_dim
-    ``d`` and pages of ``page``: the Mosaic backend's edge kernel (``edge``: its default `TritonConfig`, the interior
-    skipped) or the Triton backend's default."""
+    ``d`` and pages of ``page``: the Mosaic backend's edge kernel (``edge``: the config `mosaic_sm90.edge_config`
+    gives, or that with ``stages`` stages; the interior skipped) or the Triton backend's default."""
     operands = zero_decode_operands(d, page, tq=tq, hq=group * heads, batch=batch, heads=heads)
     geom = TwinGeometry(page, 5, 7, 1, 3)
+    config = mosaic_sm90.edge_config(MosaicConfig(), batch, heads, d, page)
+    if stages is not None:
+        config = dataclasses.replace(config, num_stages=stages)
 
     def fn(q, pt, lens, ht, low, high):
         if edge:
-            config = dataclasses.replace(MosaicConfig().edge, num_splits=2)
             return triton.paged_decode_partials(q, pt, lens, 1, low, high, None, ht, geom=geom, config=config,
                                                 skip_interior=True, interior_tokens=max(128, page))
         return triton.paged_decode_attention(q, pt, lens, 1, low, high, None, ht, geom=geom)
@@ -53,18 +55,21 @@ def _shared_bytes(d, page, *, edge, tq=1, group=4, batch=2, heads=2):
     return max(sizes)
 
 
-@pytest.mark.parametrize("d,page", [(256, 64), (128, 128), (64, 128)])
+@pytest.mark.parametrize("d,page", [(256, 128), (256, 64), (128, 128), (64, 128)])
 def test_edge_kernel_fits_where_the_mosaic_backend_runs(d, page):
-    """The edge blocks' kernel at the largest page the Mosaic GPU backend takes at each head_dim fits Hopper's shared
-    memory (at head_dim 256 and page 64: ~137 KB)."""
+    """The edge blocks' kernel at the largest pages the Mosaic GPU backend takes at each head_dim, as `edge_config`
+    sets it up, fits Hopper's shared memory (at head_dim 256: ~137 KB at pages of 64, ~90 KB unpipelined at 128)."""
     assert mosaic_sm90.supported(head_dim=d, page=page, tq=1, group=4)
     assert _shared_bytes(d, page, edge=True) <= HOPPER_MAX_SHARED_BYTES
 
 
-def test_edge_kernel_at_head_dim_256_and_page_128_does_not_fit():
-    """Why the Mosaic GPU backend refuses pages of 128 at head_dim 256: its edge kernel (whole 128-token pages of 256
-    columns, three stages) needs more shared memory than sm_90 has; the Triton backend, which runs that geometry,
-    fits."""
-    assert not mosaic_sm90.supported(head_dim=256, page=128, tq=1, group=4)
-    assert _shared_bytes(256, 128, edge=True) > HOPPER_MAX_SHARED_BYTES
+def test_edge_kernel_at_head_dim_256_and_page_128_runs_unpipelined():
+    """Why `edge_config` takes the edge kernel to one stage at head_dim 256 above pages of 64: pipelined (three
+    stages, the default; two the same) its whole 128-token pages of 256 columns need more shared memory than sm_90
+    has (the H200 refused 258,144 bytes); the Triton backend's own default program fits."""
+    assert mosaic_sm90.edge_config(MosaicConfig(), 2, 2, 256, 128).num_stages == 1
+    assert mosaic_sm90.edge_config(MosaicConfig(), 2, 2, 256, 64).num_stages == MosaicConfig().edge.num_stages
+    assert mosaic_sm90.edge_config(MosaicConfig(), 2, 2, 128, 128).num_stages == MosaicConfig().edge.num_stages
+    for stages in (3, 2):
+        assert _shared_bytes(256, 128, edge=True, stages=stages) > HOPPER_MAX_SHARED_BYTES
     assert _shared_bytes(256, 128, edge=False) <= HOPPER_MAX_SHARED_BYTES

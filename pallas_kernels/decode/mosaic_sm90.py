@@ -83,8 +83,8 @@ from jmixedkv.layout import TwinGeometry
 from pallas_kernels.decode import triton
 from pallas_kernels.decode.common import (LOW_DOMAIN, M_INIT, f16_queries, group_queries, interior_blocks,
                                           next_pow2, normalize_merged, pages_per_block, sum_splits, ungroup_rows)
-from pallas_kernels.decode.config import (KEYS_ON_M_ROWS, MosaicConfig, mosaic_edge_splits, mosaic_num_splits,
-                                          mosaic_qk_in_turn, tuning_heads)
+from pallas_kernels.decode.config import (KEYS_ON_M_ROWS, MosaicConfig, TritonConfig, mosaic_edge_splits,
+                                          mosaic_num_splits, mosaic_qk_in_turn, tuning_heads)
 from pallas_kernels.decode.inline_sm90 import (BLOCK_K, HEAD_DIM, dequant_inline, key_max_inline, l_update_inline,
                                                store_keys_minor, store_transposed)
 from pallas_kernels.nvfp4_ops import e2m1_f16_halves
@@ -99,9 +99,11 @@ PAIR_HEAD_DIM = HEAD_DIM // 2
 #: head_dim the kernel reads as two column blocks of `HEAD_DIM` (`dim_blocks`), keys on M only (`supported`)
 WIDE_HEAD_DIM = 2 * HEAD_DIM
 HEAD_DIMS = (PAIR_HEAD_DIM, HEAD_DIM, WIDE_HEAD_DIM)
-#: largest page at `WIDE_HEAD_DIM`: at pages of 128 the edge blocks' Triton kernel (whole 128-token pages of 256
-#: columns, three stages) asked for 258 KB of shared memory on the H200, above its 227 KB
-WIDE_MAX_PAGE = 64
+#: largest page at `WIDE_HEAD_DIM` whose edge kernel keeps its configured pipelining: at pages of 128 the edge
+#: blocks' Triton kernel (whole 128-token pages of 256 columns) asked for 258 KB of shared memory on the H200 with
+#: three stages (two: the same by the CPU count), above its 227 KB; `edge_config` runs it with one stage there (~90 KB;
+#: it skips the interior, so it walks only the short edge loops)
+WIDE_PIPELINED_MAX_PAGE = 64
 SUPPORTED_PAGES = (16, 32, 64, 128)   # run on the H200
 M_ROWS = 64              # query rows per CTA (wgmma M); Tq * G <= 64
 #: the keys-on-M form's row multiplier (``sm_scale log2(e) gs_k 2^-7 2^-shift``, one number per CTA: its query rows
@@ -180,7 +182,7 @@ def supported(*, head_dim, page, tq, group, high_dtype=None, sliding_window=None
         return False
     if head_dim not in HEAD_DIMS or page not in SUPPORTED_PAGES:
         return False
-    if kernel_rows(head_dim, tq, group) > max_rows(head_dim) or (head_dim == WIDE_HEAD_DIM and page > WIDE_MAX_PAGE):
+    if kernel_rows(head_dim, tq, group) > max_rows(head_dim):
         return False
     if sliding_window is not None or soft_cap is not None:
         return False
@@ -724,9 +726,7 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
 
     # ---- edge blocks (retained first-N / last-N rows from the twin, the causal region among the new tokens, rows
     # at or past n): the Triton kernel with the interior skipped; merged by LSE
-    edge = config.edge
-    if edge.num_splits is None:
-        edge = dataclasses.replace(edge, num_splits=mosaic_edge_splits(b, tuning_heads(config, h)))
+    edge = edge_config(config, b, h, q.shape[-1], low[0].shape[4])
     oe, me, le = triton.paged_decode_partials(
         q, page_table, kv_lens, layer, low, high if use_high else None, None, high_table if use_high else None,
         geom=geom if use_high else None, sm_scale=f["sm_scale"], interpret=interpret, out_dtype=f["out_dtype"],
@@ -736,6 +736,17 @@ def paged_decode_attention(q, page_table, kv_lens, layer=0, low=None, high=None,
                                 rows=tq * group, vmul=f["gs_l"][1] * LOW_DOMAIN, pairs=f["pairs"])
     out, lse = ungroup_rows(out, lse, tq, group)
     return out.astype(f["out_dtype"]), lse
+
+
+def edge_config(config: MosaicConfig, batch: int, heads: int, head_dim: int, page: int) -> TritonConfig:
+    """The edge blocks' `TritonConfig` of a call: ``config.edge`` with its ``num_splits`` None ->
+    `mosaic_edge_splits`, and one stage at head_dim 256 with pages above `WIDE_PIPELINED_MAX_PAGE` (shared memory)."""
+    edge = config.edge
+    if edge.num_splits is None:
+        edge = dataclasses.replace(edge, num_splits=mosaic_edge_splits(batch, tuning_heads(config, heads)))
+    if head_dim == WIDE_HEAD_DIM and page > WIDE_PIPELINED_MAX_PAGE:
+        edge = dataclasses.replace(edge, num_stages=1)
+    return edge
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
