@@ -134,12 +134,15 @@ def parse_variant(text: str) -> tuple:
     """A config timed beside the default -> ``(text, fields)``: ``"k{block_k}w{num_warps}[s{num_stages}][x{split
     multiplier}][c{col_groups}]"`` a Triton config (the multiplier scales `triton_num_splits` of its block, default
     1); ``"m[s{stages}][t{qk_in_turn 0 / 1}][v{v_in_turn 0 / 1}][x{split multiplier}]"`` a Mosaic GPU one (timed
-    where the default is the Mosaic GPU kernel; the multiplier scales `mosaic_num_splits`)."""
+    where the default is the Mosaic GPU kernel; the multiplier scales `mosaic_num_splits`; a field left out keeps
+    `MosaicConfig`'s default)."""
     m = _VARIANT.match(text.strip())
     mm = _MOSAIC_VARIANT.match(text.strip())
     if mm:
         s, t, v, x = mm.groups()
-        fields = dict(backend="mosaic", stages=int(s or 2), split_mult=float(x or 1), v_in_turn=v == "1")
+        fields = dict(backend="mosaic", stages=int(s or 2), split_mult=float(x or 1))
+        if v:
+            fields["v_in_turn"] = v == "1"
         return text.strip(), dict(fields, qk_in_turn=t == "1") if t else fields
     if not m:
         raise ValueError(f"--variants: {text!r} is not {_VARIANT_FORMS}")

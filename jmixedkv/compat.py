@@ -120,13 +120,13 @@ def triton_programs(lowered_text: str) -> list:
     from jax._src.lib.mlir import ir
     from jaxlib.triton import dialect
 
+    ctx = jax_mlir.make_ir_context()
+    dialect.register_dialect(ctx)
     out = []
-    for blob, name, stages, warps in _TRITON_CALL.findall(lowered_text):
-        ctx = jax_mlir.make_ir_context()
-        dialect.register_dialect(ctx)
-        with ctx:
+    with ctx:
+        for blob, name, stages, warps in _TRITON_CALL.findall(lowered_text):
             ttir = ir.Module.parse(_mlir_string_bytes(blob)).operation.get_asm(enable_debug_info=False)
-        out.append((name, int(warps), int(stages), ttir))
+            out.append((name, int(warps), int(stages), ttir))
     return out
 
 

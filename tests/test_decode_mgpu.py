@@ -252,12 +252,12 @@ def test_interpret_head_dim_64_as_token_pairs(page, tq, hq, km, twin):
 
 
 @pytest.mark.parametrize("page,tq,hq,twin,config", [(16, 1, 2, True, {}), (64, 1, 4, False, dict(qk_in_turn=True)),
-                                                    (32, 4, 8, True, dict(v_in_turn=True))])
+                                                    (32, 4, 8, True, dict(v_in_turn=False))])
 def test_interpret_head_dim_256_in_column_blocks(page, tq, hq, twin, config):
     """head_dim 256 as two column blocks of 128 (`dim_blocks`: each block's halves dequantized from its 64 bytes and
     8 scales of the 128-byte row, its Q K^T products summed into one score tile, its own two P V accumulators; scale
     rows of 8 tokens, `scale_box`): Gemma-2's GQA 2 at Tq 1 (N = 8), plain NVFP4 with K's halves in turn, Tq 4 x
-    GQA 8 (N = 32, the most the form takes) with the blocks' V through one pair of tiles (`MosaicConfig.v_in_turn`);
+    GQA 8 (N = 32, the most the form takes) with a pair of V tiles per block (not `MosaicConfig.v_in_turn`'s one pair);
     pages 16 / 32 / 64; lengths 0, 1, page-1, page, page+1, long; 3 splits; NaN-poisoned rows; float32 output against
     the float32 reference, and (page 16) the kernel attended keys itself (its partials hold mass)."""
     st = make_state("mixed_nvfp4_bf16" if twin else "nvfp4", lens=(0, 1, page - 1, page, page + 1, 700),
@@ -570,11 +570,11 @@ def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
 
 @pytest.mark.parametrize("page,tq,hq,config", [(16, 1, 2, {}), (16, 1, 8, dict(min_km_rows=16)), (16, 4, 8, {}),
                                                (64, 2, 4, dict(qk_in_turn=True)), (64, 1, 16, dict(qk_in_turn=False)),
-                                               (32, 1, 4, dict(stages=3)), (16, 1, 2, dict(v_in_turn=True)),
-                                               (16, 4, 8, dict(v_in_turn=True)), (128, 1, 4, {})])
+                                               (32, 1, 4, dict(stages=3)), (16, 1, 2, dict(v_in_turn=False)),
+                                               (16, 4, 8, dict(v_in_turn=False)), (128, 1, 4, {})])
 def test_head_dim_256_cross_lowers_for_cuda(page, tq, hq, config):
     """head_dim 256 in two column blocks lowers for CUDA: 128-byte rows and scale rows of 8 tokens in the TMA boxes,
-    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-128, a 3-stage ring, the blocks' V in turn."""
+    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-128, a 3-stage ring, the blocks' V in turn and not."""
     assert "mosaic_gpu" in _lowered_with_twin(256, page, tq, hq, **config)
 
 
@@ -770,14 +770,16 @@ def test_gpu_head_dim_256(page):
 
 
 @pytest.mark.gpu
-def test_gpu_head_dim_256_v_in_turn():
-    """`MosaicConfig.v_in_turn` on the GPU (the blocks' V through one pair of tiles: a `wgmma_wait` and a barrier
-    between the blocks' ``P V``): bf16 twin at Tq 1 x GQA 2 and Tq 4 x GQA 8, pages of 16, lengths 1 .. 4097, default
-    and 8 splits, float32 output against the float32 reference."""
+@pytest.mark.parametrize("v_in_turn", [True, False])
+def test_gpu_head_dim_256_v_in_turn(v_in_turn):
+    """`MosaicConfig.v_in_turn` on the GPU, both forms (the blocks' V through one pair of tiles, the default: a
+    `wgmma_wait` and a barrier between the blocks' ``P V``; or a pair of tiles per block): bf16 twin at Tq 1 x GQA 2
+    and Tq 4 x GQA 8, pages of 16, lengths 1 .. 4097, default and 8 splits, float32 output against the float32
+    reference."""
     assert on_gpu(), "gpu tests need a GPU"
     for tq, hq in ((1, 16), (4, 64)):
         _gpu_splits_match_reference("mixed_nvfp4_bf16", 16, 256, tq, hq, lens=(1, 15, 16, 17, 201, 1000, 3001, 4097),
-                                    v_in_turn=True)
+                                    v_in_turn=v_in_turn)
 
 
 @pytest.mark.gpu
