@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import inspect
-import re
 import warnings
 
 import jax
@@ -93,29 +92,24 @@ def cross_lower_cuda(fn, *args, **kwargs):
 #: decode kernel asked for more (bench/RESULTS.md)
 HOPPER_MAX_SHARED_BYTES = 232448
 
-_TRITON_CALL = re.compile(r'ir = "(.*?)", name = "([^"]*)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', re.S)
+#: the custom call through which XLA runs a Pallas Triton program (its ``mhlo.backend_config`` holds the program)
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
 
 
-def _mlir_string_bytes(text: str) -> bytes:
-    """An MLIR string attribute's printed body (``\\XX`` hex escapes, ``\\\\``, ``\\"``) -> its bytes."""
-    out, i = bytearray(), 0
-    while i < len(text):
-        if text[i] == "\\" and text[i + 1] in "\\\"":
-            out += text[i + 1].encode()
-            i += 2
-        elif text[i] == "\\":
-            out.append(int(text[i + 1:i + 3], 16))
-            i += 3
-        else:
-            out += text[i].encode("latin1")
-            i += 1
-    return bytes(out)
+def _operations(op):
+    """Every operation nested in ``op`` (an MLIR operation), depth first."""
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield inner.operation
+                yield from _operations(inner.operation)
 
 
 def triton_programs(lowered_text: str) -> list:
     """The Pallas Triton programs of a `cross_lower_cuda` text -> ``[(name, num_warps, num_stages, TTIR text)]``
-    (jax's serialized Triton IR printed with jaxlib's Triton dialect): what XLA hands its own Triton at run time. A
-    test compiles them with the installed Triton to read their shared memory (`HOPPER_MAX_SHARED_BYTES`)."""
+    (the module parsed in jax's MLIR context with jaxlib's Triton dialect; each `TRITON_CALL_TARGET` custom call's
+    serialized IR printed): what XLA hands its own Triton at run time. A test compiles them with the installed Triton
+    to read their shared memory (`HOPPER_MAX_SHARED_BYTES`)."""
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib.mlir import ir
     from jaxlib.triton import dialect
@@ -124,9 +118,15 @@ def triton_programs(lowered_text: str) -> list:
     dialect.register_dialect(ctx)
     out = []
     with ctx:
-        for blob, name, stages, warps in _TRITON_CALL.findall(lowered_text):
-            ttir = ir.Module.parse(_mlir_string_bytes(blob)).operation.get_asm(enable_debug_info=False)
-            out.append((name, int(warps), int(stages), ttir))
+        for op in _operations(ir.Module.parse(lowered_text).operation):
+            attrs = op.attributes
+            if op.name != "stablehlo.custom_call" or \
+                    ir.StringAttr(attrs["call_target_name"]).value != TRITON_CALL_TARGET:
+                continue
+            config = ir.DictAttr(attrs["mhlo.backend_config"])
+            ttir = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes).operation.get_asm(enable_debug_info=False)
+            out.append((ir.StringAttr(config["name"]).value, ir.IntegerAttr(config["num_warps"]).value,
+                        ir.IntegerAttr(config["num_stages"]).value, ttir))
     return out
 
 

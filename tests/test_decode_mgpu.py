@@ -574,7 +574,8 @@ def test_head_dim_64_cross_lowers_for_cuda(page, tq, hq, km):
                                                (16, 4, 8, dict(v_in_turn=False)), (128, 1, 4, {})])
 def test_head_dim_256_cross_lowers_for_cuda(page, tq, hq, config):
     """head_dim 256 in two column blocks lowers for CUDA: 128-byte rows and scale rows of 8 tokens in the TMA boxes,
-    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-128, a 3-stage ring, the blocks' V in turn and not."""
+    N = 8 / 16 / 32 query rows, K's halves in turn and not, pages 16-128, a 3-stage ring, the blocks' V in turn (the
+    default) and not."""
     assert "mosaic_gpu" in _lowered_with_twin(256, page, tq, hq, **config)
 
 

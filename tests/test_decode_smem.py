@@ -13,7 +13,8 @@ import pytest
 from helpers import zero_decode_operands
 from jmixedkv.compat import HOPPER_MAX_SHARED_BYTES, cross_lower_cuda, triton_programs
 from jmixedkv.layout import TwinGeometry
-from pallas_kernels.decode import mosaic_sm90, triton
+from pallas_kernels.decode import mosaic_sm90
+from pallas_kernels.decode import triton as triton_decode
 from pallas_kernels.decode.config import MosaicConfig
 
 
@@ -47,9 +48,9 @@ def _shared_bytes(d, page, *, edge, tq=1, group=4, batch=2, heads=2, stages=None
 
     def fn(q, pt, lens, ht, low, high):
         if edge:
-            return triton.paged_decode_partials(q, pt, lens, 1, low, high, None, ht, geom=geom, config=config,
+            return triton_decode.paged_decode_partials(q, pt, lens, 1, low, high, None, ht, geom=geom, config=config,
                                                 skip_interior=True, interior_tokens=max(128, page))
-        return triton.paged_decode_attention(q, pt, lens, 1, low, high, None, ht, geom=geom)
+        return triton_decode.paged_decode_attention(q, pt, lens, 1, low, high, None, ht, geom=geom)
     sizes = shared_bytes(cross_lower_cuda(fn, *operands))
     assert sizes, "no Triton program in the lowered call"
     return max(sizes)
