@@ -49,7 +49,7 @@ def _shared_bytes(d, page, *, edge, tq=1, group=4, batch=2, heads=2, stages=None
     def fn(q, pt, lens, ht, low, high):
         if edge:
             return triton_decode.paged_decode_partials(q, pt, lens, 1, low, high, None, ht, geom=geom, config=config,
-                                                skip_interior=True, interior_tokens=max(128, page))
+                                                       skip_interior=True, interior_tokens=max(128, page))
         return triton_decode.paged_decode_attention(q, pt, lens, 1, low, high, None, ht, geom=geom)
     sizes = shared_bytes(cross_lower_cuda(fn, *operands))
     assert sizes, "no Triton program in the lowered call"
