@@ -490,12 +490,15 @@ class JMixedKVCache(Cache):
                                                    views.kv_lens, self._tkv.page_size, views.geom, tail=True)
         tk, tv = self._tail_rows(step, layer_idx, k, v)
         scale = self.spec.head_dim ** -0.5 if scaling is None else float(scaling)
-        out, lse = step.attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv)
+        # the kernel rounds its output to the model's dtype itself (no cast launch) unless float32 work follows
+        direct = sinks is None and self._hadamard is None and query.dtype == q.dtype
+        out, lse = step.attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv,
+                               out_dtype=q.dtype if direct else None)
         if sinks is not None:
             out = paged_ops.apply_sinks(out, lse, sinks)
         if self._hadamard is not None:
             out = out @ self._hadamard
-        return out.to(query.dtype)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def _views(self, step: _Step):
         """The cache before a held-aside step as torch views (`TorchKVCache.read_views`), made once per step."""

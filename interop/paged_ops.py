@@ -195,11 +195,12 @@ def paged_attention(pools: TorchPools, layer: int, q: Tensor, page_table: Tensor
 def step_attention(pools: TorchPools, q: Tensor, page_table: Tensor, high_table: Optional[Tensor], kv_lens: Tensor,
                    page_size: int, geom, *, tail: bool):
     """`paged_attention` over pools and tables that stay fixed for a step's layers, checked once: returns ``run(q,
-    layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None) -> (out f32[B, Tq, Hq, D],
-    lse f32[B, Tq, Hq])`` for queries shaped like ``q``. On CUDA it is an `interop.triton_attention.PagedAttention`
-    (after the first call's checks, one launch per call, two with split-K; `EAGER_KEYS_PER_SPLIT`); on CPU the
-    torch reference (the interpreter under ``cpu_backend("triton")``). ``tail``: every call passes the step's own
-    rows (``tail_k`` / ``tail_v [B, Tq, H, D]``)."""
+    layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None, out_dtype=None) -> (out
+    f32[B, Tq, Hq, D] (or ``out_dtype``, q's dtype: rounded once), lse f32[B, Tq, Hq])`` for queries shaped like
+    ``q``. On CUDA it is an `interop.triton_attention.PagedAttention` (after the first call's checks, one launch per
+    call, two with split-K; `EAGER_KEYS_PER_SPLIT`); on CPU the torch reference (the interpreter under
+    ``cpu_backend("triton")``). ``tail``: every call passes the step's own rows (``tail_k`` / ``tail_v [B, Tq, H,
+    D]``)."""
     g = _geom_list(page_size, geom)
     kv_lens = kv_lens.to(torch.int32)
     interpret = _triton(q)
@@ -208,9 +209,10 @@ def step_attention(pools: TorchPools, q: Tensor, page_table: Tensor, high_table:
         return PagedAttention(q, *pools, page_table, high_table, kv_lens, g, tail=tail, interpret=interpret,
                               min_keys_per_split=EAGER_KEYS_PER_SPLIT)
 
-    def run(q, layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None):
-        return torch_paged.paged_attention_reference(q, *pools, layer, page_table, high_table, kv_lens, g, sm_scale,
-                                                     sliding_window, soft_cap, tail_k, tail_v)
+    def run(q, layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None, out_dtype=None):
+        out, lse = torch_paged.paged_attention_reference(q, *pools, layer, page_table, high_table, kv_lens, g,
+                                                         sm_scale, sliding_window, soft_cap, tail_k, tail_v)
+        return (out if out_dtype is None else out.to(out_dtype)), lse
     return run
 
 

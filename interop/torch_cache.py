@@ -495,8 +495,9 @@ class TorchKVCache:
     def read_views(self, rows, *, group: int = 0, sync: Union[bool, str, None] = None) -> "ReadViews":
         """What a torch attention kernel needs to read ``group`` for batch rows ``rows`` (int ``[B]`` slots, host
         values): its pools as zero-copy torch views (`interop.torch_paged.TorchPools`, read-only) and the rows'
-        ``page_table i32[B, MP]``, ``high_table i32[B, W]`` (None without a twin) and ``kv_lens i32[B]`` (torch
-        copies), with the twin's geometry. Valid until the next transition: drop them before it."""
+        ``page_table i32[B, MP]``, ``high_table i32[B, W]`` (None without a twin) and ``kv_lens i32[B]`` (zero-copy
+        slices for consecutive slots, else torch copies), with the twin's geometry. Valid until the next
+        transition: drop them before it."""
         sync = self._sync(sync, "read_views")
         checks.check_group(self.state, group, "read_views")
         rows = self._slots(rows, "read_views")
@@ -504,13 +505,17 @@ class TorchKVCache:
             raise ValueError(f"read_views: rows {rows.tolist()} include padding (-1); pass admitted slots")
         out = self._out(sync)
         st, pools = self.state, self.state.pools[group]
-        key = rows.tobytes()
-        idx = self._row_index.get(key)
-        if idx is None:                      # one host-to-device copy per batch layout, not per step
-            if len(self._row_index) > 64:
-                self._row_index.clear()
-            idx = self._row_index[key] = torch.from_numpy(rows.astype(np.int64)).to(self.device)
-        take = lambda x: out(x).index_select(0, idx)              # noqa: E731
+        if rows.size and (np.diff(rows) == 1).all():           # consecutive slots: a zero-copy slice, no launch
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            take = lambda x: out(x)[lo:hi]                        # noqa: E731
+        else:
+            key = rows.tobytes()
+            idx = self._row_index.get(key)
+            if idx is None:                  # one host-to-device copy per batch layout, not per step
+                if len(self._row_index) > 64:
+                    self._row_index.clear()
+                idx = self._row_index[key] = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+            take = lambda x: out(x).index_select(0, idx)          # noqa: E731
         low, high, plain = pools.low, pools.high, pools.plain
         tp = TorchPools(*(None if x is None else out(x) for x in (
             low and low.data, low and low.scales, low and low.gs, high and high.rows, high and high.scale,

@@ -111,6 +111,17 @@ def _cast(x, like, EMULATE: tl.constexpr):
     return x.to(like.dtype)
 
 
+def _stored(x, ptr, EMULATE: tl.constexpr):
+    """f32 ``x`` as a store to ``ptr`` keeps it: the store rounds to the pointer's element type (RTNE on the GPU).
+    ``EMULATE`` (the interpreter's store truncates f32 -> bf16) rounds to bf16 first with integer ops (NaN kept)."""
+    if EMULATE:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            u = x.to(tl.uint32, bitcast=True)
+            r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            return tl.where(x != x, x, r)
+    return x
+
+
 def _pv(p, v_e, v_o, SPLIT: tl.constexpr, EMULATE: tl.constexpr):
     """``(p @ v_e, p @ v_o)`` f32 with ``p`` f32 ``[M, N]`` rounded to V's dtype; ``SPLIT``: ``p`` as two halves
     ``hi + lo`` of that dtype (the product then carries f32-level error)."""
@@ -427,7 +438,7 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
         empty = l_i == 0.0
         inv = 1.0 / tl.where(empty, 1.0, l_i)
         o = tl.reshape(tl.join(acc_e * inv[:, None], acc_o * inv[:, None]), [BLOCK_M, D])
-        o = tl.where(empty[:, None], 0.0, o)
+        o = _stored(tl.where(empty[:, None], 0.0, o), o_ptr, EMULATE)
         tl.store(o_ptr + out_row[:, None] * D + tl.arange(0, D)[None, :], o, mask=real[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
         tl.store(m_ptr + out_row, lse, mask=real)
@@ -439,9 +450,11 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
         tl.store(l_ptr + part, l_i, mask=real)
 
 
-def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """LSE merge of one output row's split partials (``o f32[S, D]``, ``m, l f32[S]``) -> ``out f32[D]``, ``lse``;
-    ``l == 0`` everywhere (no key seen) gives zeros and ``-inf``; NaN partials give NaN."""
+def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  EMULATE: tl.constexpr):
+    """LSE merge of one output row's split partials (``o f32[S, D]``, ``m, l f32[S]``) -> ``out [D]`` (float32 or
+    the attention dtype, rounded once), ``lse``; ``l == 0`` everywhere (no key seen) gives zeros and ``-inf``; NaN
+    partials give NaN."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     ok = s < num_splits
@@ -454,7 +467,7 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, D: tl.const
     o = tl.load(o_ptr + (row * num_splits + s)[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
     acc = tl.reduce(w[:, None] * o, 0, tl.standard._sum_combine)
     empty = l_g == 0.0
-    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_g))
+    out = _stored(tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_g)), out_ptr, EMULATE)
     tl.store(out_ptr + row * D + cols, out)
     tl.store(lse_ptr + row, tl.where(empty, float("-inf"), m_g + tl.log(tl.where(empty, 1.0, l_g))))
 
@@ -467,7 +480,7 @@ def _interpreter_range(*bounds):
                    for b in bounds))
 
 
-_HELPERS = ("_dot", "_cast", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_tail_step", "_pow2")
+_HELPERS = ("_dot", "_cast", "_stored", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_tail_step", "_pow2")
 
 
 @functools.lru_cache(maxsize=None)
@@ -763,7 +776,8 @@ class PagedAttention:
     ``PagedAttention(q, <7 pools>, page_table, high_table, kv_lens, geom, tail=False)`` takes the arguments of
     `paged_attention` (``q`` gives the shape, dtype and device every call must match; ``tail``: calls pass
     ``tail_k`` / ``tail_v``); ``run(q, layer, sm_scale, sliding_window=None, soft_cap=None, tail_k=None,
-    tail_v=None)`` -> ``(out f32[B, Tq, Hq, D], lse f32[B, Tq, Hq])``. The tensors it was made with must stay
+    tail_v=None, out_dtype=None)`` -> ``(out f32[B, Tq, Hq, D] (or ``out_dtype``: q's dtype), lse f32[B, Tq, Hq])``.
+    The tensors it was made with must stay
     alive and unchanged while it is used (it keeps references, not copies)."""
 
     def __init__(self, q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, page_table,
@@ -811,7 +825,11 @@ class PagedAttention:
             SPLIT_ROWS=bf16 and plan.rows is not None and (not plan.low or not plan.rows_fp8),
             FINAL=tuning.num_splits == 1, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, EMULATE=interpret,
             TAIL=self.tail, SPLIT_TAIL=bf16, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-        self.dummy, self.interpret, self._runners = dummy_u8, interpret, {}
+        self.dummy, self.interpret = dummy_u8, interpret
+        # what fixes the compiled kernel besides a call's own arguments (`_launch`): device, grid, constexprs and
+        # Triton's specialization of the fixed arguments (alignment of the tables and pools, unit / 16-multiple ints)
+        self.spec = (dev.index, self.grid, tuple(self.constants.items()),
+                     *(_align16(x) if isinstance(x, torch.Tensor) else _int_spec(x) for x in self.tables + self.sizes))
 
     def _check_call(self, q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v) -> None:
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != self.shape or q.dtype != self.dtype \
@@ -835,12 +853,18 @@ class PagedAttention:
                                      f" {list(getattr(x, 'shape', []))} strides {tuple(getattr(x, 'stride', tuple)())}")
 
     def __call__(self, q, layer: int, sm_scale: float, sliding_window: Optional[int] = None,
-                 soft_cap: Optional[float] = None, *, tail_k=None, tail_v=None):
+                 soft_cap: Optional[float] = None, *, tail_k=None, tail_v=None, out_dtype=None):
+        """``out_dtype``: None / ``torch.float32`` (the default) or q's dtype (the output stored rounded to it by
+        the kernel, RTNE: what ``.to(q.dtype)`` of the float32 output gives, without a cast launch)."""
         self._check_call(q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v)
+        odt = torch.float32 if out_dtype is None else out_dtype
+        if odt is not torch.float32 and odt != self.dtype:
+            raise ValueError(f"paged_attention: out_dtype={out_dtype!r} must be None, torch.float32 or q's dtype "
+                             f"{self.dtype}")
         bsz, tq, hq, d = self.shape
         splits, dev = self.tuning.num_splits, self.device
         if splits == 1:
-            o = torch.empty((bsz, tq, hq, d), dtype=torch.float32, device=dev)
+            o = torch.empty((bsz, tq, hq, d), dtype=odt, device=dev)
             m = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
             l_part = m
         else:
@@ -850,35 +874,51 @@ class PagedAttention:
         if self.tail:
             tail = (tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
                     tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2))
+            tail_key = (_align16(tail_k), _int_spec(tail[1]), _int_spec(tail[2]), _int_spec(tail[3]),
+                        _align16(tail_v), _int_spec(tail[5]), _int_spec(tail[6]), _int_spec(tail[7]))
         else:
-            tail = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0)
-        args = (q, q.stride(0), q.stride(1), q.stride(2), *self.tables, o, m, l_part, *tail, int(layer), *self.sizes,
+            tail, tail_key = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0), ()
+        sq = q.stride()
+        args = (q, sq[0], sq[1], sq[2], *self.tables, o, m, l_part, *tail, int(layer), *self.sizes,
                 float(sm_scale), int(sliding_window or 0), float(soft_cap or 1.0))
-        flags = dict(HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None)
-        key = ("attn", flags["HAS_WINDOW"], flags["HAS_CAP"], _align16(q), *map(_int_spec, q.stride()[:3]),
-               *(_align16(x) if isinstance(x, torch.Tensor) else _int_spec(x) for x in tail))
-        self._launch(key, self.attn, self.grid, args, {**flags, **self.constants})
+        has_window, has_cap = sliding_window is not None, soft_cap is not None
+        key = ("attn", has_window, has_cap, odt if splits == 1 else None, _align16(q), _int_spec(sq[0]),
+               _int_spec(sq[1]), _int_spec(sq[2]), *tail_key)
+        self._launch(key, self.attn, self.grid, args, lambda: dict(HAS_WINDOW=has_window, HAS_CAP=has_cap,
+                                                                    **self.constants))
         if splits == 1:
             return o, m
-        out = torch.empty((bsz, tq, hq, d), dtype=torch.float32, device=dev)
+        out = torch.empty((bsz, tq, hq, d), dtype=odt, device=dev)
         lse = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
-        self._launch(("merge",), self.merge, (bsz * tq * hq,), (o, m, l_part, out, lse, splits),
-                     dict(D=d, BLOCK_S=next_pow2(splits), num_warps=4))
+        self._launch(("merge", odt), self.merge, (bsz * tq * hq,), (o, m, l_part, out, lse, splits),
+                     lambda: dict(D=d, BLOCK_S=next_pow2(splits), EMULATE=self.interpret, num_warps=4))
         return out, lse
 
     def _launch(self, key, fn, grid, args, kwargs) -> None:
-        """``fn[grid](*args, **kwargs)``. On CUDA, once a specialization ``key`` (what Triton specializes on among
-        the arguments that change between calls: flags, alignment and unit / 16-multiple strides of the query and
-        tail; every other argument is fixed for this object, or a fresh allocation) has launched, later launches
-        go straight to the compiled kernel's runner (`triton.compiler.CompiledKernel`, all arguments in signature
-        order), skipping ``JITFunction.run``'s argument binding and specialization on the host."""
-        runner = self._runners.get(key)
-        if runner is not None:
-            runner(*args, *(kwargs[name] for name in fn.arg_names[len(args):]))
+        """``fn[grid](*args, **kwargs())``. On CUDA, once a specialization ``key`` (what Triton specializes on among
+        the arguments that change between calls: flags, the output's dtype, alignment and unit / 16-multiple
+        strides of the query and tail; every other argument is fixed for this object, or a fresh allocation) has
+        launched, later launches go straight to the compiled kernel's runner (`triton.compiler.CompiledKernel`, all
+        arguments in signature order, the constexprs kept from the first launch), skipping ``JITFunction.run``'s
+        argument binding and specialization on the host. The runners are shared by every `PagedAttention` of the
+        same `spec` (a step's first layer launches as fast as the rest)."""
+        full = (self.spec, key)
+        entry = RUNNERS.get(full)
+        if entry is not None:
+            runner, constants = entry
+            runner(*args, *constants)
             return
-        compiled = fn[grid](*args, **kwargs)
+        kw = kwargs()
+        compiled = fn[grid](*args, **kw)
         if not self.interpret and hasattr(compiled, "run"):
-            self._runners[key] = compiled[tuple(grid) + (1,) * (3 - len(grid))]       # the runner takes 3-D grids
+            if len(RUNNERS) > 256:
+                RUNNERS.clear()
+            constants = tuple(kw[name] for name in fn.arg_names[len(args):])
+            RUNNERS[full] = (compiled[tuple(grid) + (1,) * (3 - len(grid))], constants)    # the runner: 3-D grids
+
+
+#: `PagedAttention`'s compiled launches by (`PagedAttention.spec`, the call's specialization key)
+RUNNERS: dict = {}
 
 
 def _align16(x: torch.Tensor) -> bool:

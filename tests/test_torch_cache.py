@@ -687,6 +687,11 @@ def test_reserve_then_write_step_equals_the_per_layer_calls():
     assert views.pools.low_data.data_ptr() == b.state.pools[0].low.data.unsafe_buffer_pointer()
     np.testing.assert_array_equal(views.kv_lens.numpy(), [6, 6])
     np.testing.assert_array_equal(views.page_table.numpy(), np.asarray(b.state.page_table)[rows[::-1]])
+    assert (rows == np.arange(rows[0], rows[0] + 2)).all()         # consecutive slots: slices of the state's tables
+    views = b.read_views(rows)
+    assert views.kv_lens.data_ptr() == b.state.kv_lens.unsafe_buffer_pointer() + 4 * int(rows[0])
+    np.testing.assert_array_equal(views.page_table.numpy(), np.asarray(b.state.page_table)[rows])
+    np.testing.assert_array_equal(views.high_table.numpy(), np.asarray(b.state.high_table)[rows])
     del views
     free = b.free_pages
     bad = b.reserve_step(np.repeat(rows, 1), np.array([6, 6], np.int32))

@@ -217,6 +217,43 @@ def test_tail_against_reference(dtype, tq, hq, splits, window, cap):
     _check(got, *want, msg=f"{dtype} Tq {tq} Hq {hq}")
 
 
+@pytest.mark.parametrize("dtype,splits", [("mixed_nvfp4_bf16", 1), ("mixed_nvfp4_fp16", 2), ("bf16", 3)])
+def test_output_in_the_query_dtype(dtype, splits):
+    """``out_dtype`` = q's dtype: the kernel (or the split merge) stores its output rounded once (RTNE), bit for bit
+    what ``.to(q.dtype)`` of the float32 output gives, with the same LSE; float32 stays the default, and any other
+    dtype is refused by name."""
+    from interop.triton_attention import PagedAttention
+    mixed = dtype.startswith("mixed")
+    st = _state(dtype, 5 if mixed else 0, 7 if mixed else 0)
+    q = _torch(decode_queries(st, 2, 6, seed=11))
+    tk, tv = (_torch(x).transpose(1, 2).contiguous().transpose(1, 2) for x in _tail_rows(st, 2, seed=12))
+    page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
+    run = PagedAttention(q, *_pools(st), page_table, high_table, lens, st.config.twin, tail=True, num_splits=splits)
+    out32, lse32 = run(q, 1, 0.2, tail_k=tk, tail_v=tv)
+    out16, lse16 = run(q, 1, 0.2, tail_k=tk, tail_v=tv, out_dtype=q.dtype)
+    assert out32.dtype == torch.float32 and out16.dtype == q.dtype
+    assert torch.equal(out16.view(torch.int16), out32.to(q.dtype).view(torch.int16))
+    assert torch.equal(lse16, lse32)
+    with pytest.raises(ValueError, match="out_dtype=torch.float64 must be None"):
+        run(q, 1, 0.2, tail_k=tk, tail_v=tv, out_dtype=torch.float64)
+
+
+def test_prepared_calls_share_runners_only_within_a_specialization():
+    """Compiled launches are shared between `PagedAttention` objects (one per step) by ``spec``: the same pools and
+    table shapes give the same spec; a table width Triton specializes differently (16 columns vs 17, a multiple of
+    16 or not) or another grid gives another, so no launch reuses a kernel compiled for other assumptions."""
+    from interop.triton_attention import PagedAttention
+    st = _state("mixed_nvfp4_bf16", 5, 7)
+    q = _torch(decode_queries(st, 1, 4, seed=3))
+    page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
+    make = lambda pt, query=q: PagedAttention(query, *_pools(st), pt, high_table, lens, st.config.twin)  # noqa: E731
+    assert make(page_table).spec == make(page_table.clone()).spec
+    wide = torch.full((page_table.shape[0], 16), -1, dtype=torch.int32)
+    wide[:, :page_table.shape[1]] = page_table
+    assert make(wide[:, :16].contiguous()).spec != make(torch.cat([wide, wide[:, :1]], 1)).spec
+    assert make(page_table).spec != make(page_table, _torch(decode_queries(st, 2, 4, seed=3))).spec
+
+
 def test_tail_is_append_then_attend():
     """Reading a step's rows as a dense tail over the cache before the step equals appending them (a bf16 twin
     whose last_n covers the step holds them exactly) and attending over the cache after it; tail strides of
@@ -363,7 +400,7 @@ def test_gpu_prepared_calls_reuse_the_compiled_kernel():
     go straight to the compiled kernel's runner; every call (layers, windows, soft-caps, a transposed query and
     tail as transformers' layout gives them) equals the float32 reference."""
     from interop.torch_paged import paged_attention_reference
-    from interop.triton_attention import PagedAttention
+    from interop.triton_attention import RUNNERS, PagedAttention
     st = _state("mixed_nvfp4_bf16", 5, 7, lens=(0, 1, 15, 16, 17, 300), d=128)
     page_table, high_table, lens = _cuda(_tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32)))
     pools = _cuda(_pools(st))
@@ -378,7 +415,16 @@ def test_gpu_prepared_calls_reuse_the_compiled_kernel():
         want = paged_attention_reference(query, *pools, layer, page_table, high_table, lens, st.config.twin, 0.1,
                                          window, cap, tk, tv)
         _check([x.cpu() for x in got], *(x.cpu() for x in want), msg=f"call {n}")
-    assert len(run._runners) >= 4
+    assert sum(spec == run.spec for spec, _ in RUNNERS) >= 4
+    again = PagedAttention(q, *pools, page_table, high_table, lens, st.config.twin, tail=True, interpret=False)
+    before = len(RUNNERS)                        # a new object of the same spec (the next step) launches by runner
+    _check([x.cpu() for x in again(q, 1, 0.1, tail_k=tk, tail_v=tv)], *(x.cpu() for x in want), msg="next step")
+    assert again.spec == run.spec and len(RUNNERS) == before
+    for query in (q, qt):                       # the output stored in q's dtype: .to(q.dtype) of the float32 one
+        o32, l32 = run(query, 1, 0.1, 9, None, tail_k=tk, tail_v=tv)
+        o16, l16 = run(query, 1, 0.1, 9, None, tail_k=tk, tail_v=tv, out_dtype=q.dtype)
+        assert o16.dtype == q.dtype and torch.equal(o16.view(torch.int16), o32.to(q.dtype).view(torch.int16))
+        assert torch.equal(l16, l32)
 
 
 @pytest.mark.gpu
@@ -427,6 +473,14 @@ def test_compiles_for_sm90_without_a_gpu():
                         options=dict(num_warps=4, num_stages=2))
     assert "mma.sync" in cc.asm["ptx"] and len(cc.asm["cubin"]) > 0
     msig = dict(o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", num_splits="i32",
-                D="constexpr", BLOCK_S="constexpr")
-    cc = triton.compile(ASTSource(fn=merge, signature=msig, constexprs=dict(D=64, BLOCK_S=4)), target=target)
+                D="constexpr", BLOCK_S="constexpr", EMULATE="constexpr")
+    mconst = dict(D=64, BLOCK_S=4, EMULATE=False)
+    cc = triton.compile(ASTSource(fn=merge, signature=msig, constexprs=mconst), target=target)
     assert len(cc.asm["cubin"]) > 0
+    # the one-split kernel and the merge storing the output in the attention dtype (`PagedAttention` out_dtype)
+    const.update(FINAL=True)
+    cc = triton.compile(ASTSource(fn=attn, signature={**sig, "o_ptr": "*bf16"}, constexprs=const, attrs=attrs),
+                        target=target, options=dict(num_warps=4, num_stages=2))
+    assert "cvt.rn.bf16" in cc.asm["ptx"] and len(cc.asm["cubin"]) > 0
+    cc = triton.compile(ASTSource(fn=merge, signature={**msig, "out_ptr": "*bf16"}, constexprs=mconst), target=target)
+    assert "cvt.rn.bf16" in cc.asm["ptx"] and len(cc.asm["cubin"]) > 0
