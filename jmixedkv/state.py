@@ -635,7 +635,11 @@ def write_layer_traced(state: CacheState, layer, k, v, plan: AppendPlan, *, grou
     """The per-layer half of `append` (after `plan_append_traced`): store ``k, v [T, H, D]`` of ``layer`` (may be
     traced) at the plan's targets and record the layer in ``step_layers``. Changes only the group's pools, its K
     means (K smoothing), ``step_layers`` and ``error``. A ``layer`` outside the group sets ``ERR_BAD_LAYER`` and
-    stores nothing (the plan's lengths stand: range-check layers on the host, as `interop.TorchKVCache` does)."""
+    stores nothing (the plan's lengths stand: range-check layers on the host, as `interop.TorchKVCache` does).
+    ``layer=None``: every layer of the group at once, ``k, v [L, T, H, D]`` (one store for the whole step; what the
+    layers one by one leave, bit for bit; not with K smoothing, whose means are per layer)."""
+    if layer is None:
+        return _write_all_layers(state, k, v, plan, group, rope, backend)
     layer_c, layer_ok = checks.layer_in_range(layer, state.groups[group].num_layers)
     seq = jnp.where(layer_ok, plan.seq, -1)
     low_slot, high_slot = jnp.where(layer_ok, plan.low_slot, -1), jnp.where(layer_ok, plan.high_slot, -1)
@@ -652,6 +656,18 @@ def write_layer_traced(state: CacheState, layer, k, v, plan: AppendPlan, *, grou
     return dataclasses.replace(state, pools=state.pools[:group] + (pools,) + state.pools[group + 1:],
                                step_layers=step_layers, k_means=k_means,
                                error=state.error | jnp.where(layer_ok, 0, ERR_BAD_LAYER).astype(jnp.int32))
+
+
+def _write_all_layers(state: CacheState, k, v, plan: AppendPlan, group: int, rope, backend) -> CacheState:
+    if state.k_means is not None:
+        raise ValueError("write_layer_traced: layer=None (every layer at once) does not take K smoothing, whose "
+                         "means are per layer; write the layers one by one")
+    pools = write_rows(state, None, k, v, plan.pos, plan.low_slot, plan.high_slot, group=group, rope=rope,
+                       backend=backend)
+    lo, hi = state.layer_offsets[group], state.layer_offsets[group + 1]
+    step_layers = state.step_layers.at[:, lo:hi].set(state.step_layers[:, lo:hi] | plan.marks[:, None])
+    return dataclasses.replace(state, pools=state.pools[:group] + (pools,) + state.pools[group + 1:],
+                               step_layers=step_layers)
 
 
 def _tables(state, ok, **new):

@@ -253,8 +253,10 @@ def plan_write_layers(state, tokens, kv, *, group: int = 0, rope: Optional[RopeS
     them dense), stored for every layer of ``group`` in ONE program: `plan_append`'s plan of ``tokens`` i32[2 T] =
     ``seq | pos`` (NumPy or device), then each layer's `jmixedkv.state.write_layer_traced` from ``kv [2 L, B, H,
     T', D]`` (layer ``l``'s K at ``kv[l]``, its V at ``kv[L + l]``; transformers' layout, token ``b * T' + t``;
-    ``B * T' = T``). Leaves the state plan + per-layer programs leave, bit for bit. The state is donated but for
-    other groups' pools, which enter read-only and come back as the caller's own arrays (never copied)."""
+    ``B * T' = T``). Leaves the state plan + per-layer programs leave, bit for bit. Every layer is stored by one
+    write (`jmixedkv.state.write_layer_traced` with ``layer=None``: one kernel launch on the GPU), or with K
+    smoothing (per-layer means) layer by layer in a loop. The state is donated but for other groups' pools, which
+    enter read-only and come back as the caller's own arrays (never copied)."""
     others = tuple(None if i == group else p for i, p in enumerate(state.pools))
     new = _plan_write(_own_pools(state, group), others, tokens, kv, group=group, rope=rope, backend=backend)
     return _with_pools(new, others, group)
@@ -273,6 +275,11 @@ def _plan_write(own, others, tokens, kv, *, group: int, rope, backend: str):
     t = tokens.shape[0] // 2
     state, plan = st.plan_append_traced(_with_pools(own, others, group), tokens[:t], tokens[t:], group=group)
     num_layers = state.groups[group].num_layers
+    if state.k_means is None:                      # every layer in one store: one write kernel for the step
+        layers = jax.vmap(_tokens)
+        full = st.write_layer_traced(state, None, layers(kv[:num_layers]), layers(kv[num_layers:]), plan,
+                                     group=group, rope=rope, backend=backend)
+        return _own_pools(full, group)
 
     def store(layer, carry):                       # the loop carries the group's pools only (updated in place)
         k = lax.dynamic_index_in_dim(kv, layer, keepdims=False)

@@ -158,10 +158,13 @@ def test_a_layer_program_hands_back_only_what_it_changes():
     assert state.page_table is rest.page_table and state.kv_lens is rest.kv_lens
 
 
-@pytest.mark.parametrize("name", ["mixed", "levers"])
-def test_plan_write_layers_equals_plan_then_layers(name):
+@pytest.mark.parametrize("name,backend", [("mixed", "reference"), ("mixed", "pallas"), ("nvfp4", "pallas"),
+                                          ("bf16", "reference"), ("levers", "reference")])
+def test_plan_write_layers_equals_plan_then_layers(name, backend):
     """Prefill (padded, ragged), decode and a verify block as transformers' ``[B, H, T', D]`` rows per layer; the
-    whole-step program leaves the per-layer programs' state; the draft group's pools are the caller's arrays."""
+    whole-step program (every layer in one store; layer by layer with K smoothing, the "levers" config) leaves the
+    per-layer programs' state, bit for bit, with either write backend (the Pallas kernel interpreted); the draft
+    group's pools are the caller's arrays."""
     a = _state(CONFIGS[name])
     b = _copy(a)
     other = b.pools[1]
@@ -177,12 +180,24 @@ def test_plan_write_layers_equals_plan_then_layers(name):
         for layer in range(L):
             mine = step.split_layer_state(a)[1]
             a = step.join_layer_state(rest, step.layer_append(rest, mine, jnp.int32(layer), kv[layer], kv[L + layer],
-                                                              plan)[0])
+                                                              plan, backend=backend)[0])
         tokens = np.concatenate([seq.reshape(-1), pos.reshape(-1)]).astype(np.int32)
-        b = step.plan_write_layers(b, tokens, kv)
+        b = step.plan_write_layers(b, tokens, kv, backend=backend)
         assert_trees_bit_equal(a, b, f"{name}: after step {n}")
         assert all(x is y for x, y in zip(jax.tree.leaves(b.pools[1]), jax.tree.leaves(other)))
     assert int(b.error) == 0 and np.asarray(b.kv_lens).tolist()[:2] == [6, 4]
+
+
+def test_every_layer_at_once_refuses_k_smoothing():
+    """`write_layer_traced` with ``layer=None`` (every layer in one store) names K smoothing, whose means are per
+    layer, instead of storing rows under one mean."""
+    from jmixedkv import state as st
+    a = _state(CONFIGS["levers"])
+    seq, pos = jnp.asarray([0, 1], jnp.int32), jnp.asarray([0, 0], jnp.int32)
+    a, plan = step.plan_append(a, seq, pos)
+    kv = jnp.zeros((L, 2, H, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="layer=None .* does not take K smoothing"):
+        st.write_layer_traced(a, None, kv, kv, plan)
 
 
 def _refused(state, seq, pos, code):
