@@ -203,7 +203,7 @@ class JMixedKVCache(Cache):
         self._step: Optional[_Step] = None
         self._pos_memo = (None, None)
         self._pending = None                               # layer of a fused step whose attention has not run
-        self._markers: dict = {}                           # layer -> its empty K / V placeholder (`_marker`)
+        self._markers: dict = {}                 # (layer, batch) -> its empty K / V placeholder (`_marker`)
         # a stage step is held aside only without the rotation lever (it stages model-space rows)
         held = decode == "fused" or cache.config.rotation is None
         self._tail_limit = tail_limit(cache.config) if held else 0
@@ -451,9 +451,10 @@ class JMixedKVCache(Cache):
 
     def _marker(self, layer: JMixedLayer, step: _Step, k: torch.Tensor, v: torch.Tensor):
         """Empty K/V placeholders that `jmixedkv_attention` recognises: the layer's attention runs there."""
-        marker = self._markers.get(layer.layer_idx)
-        if marker is None or marker.shape[:2] != k.shape[:2] or marker.dtype != k.dtype or marker.device != k.device:
-            marker = self._markers[layer.layer_idx] = k.new_empty((k.shape[0], k.shape[1], 0, k.shape[3]))
+        key = (layer.layer_idx, k.shape[0])       # heads, head_dim and dtype are the cache's (checked in `_update`)
+        marker = self._markers.get(key)
+        if marker is None:
+            marker = self._markers[key] = k.new_empty((k.shape[0], k.shape[1], 0, k.shape[3]))
         marker._jmixedkv = (self, layer.layer_idx, k, v, step)              # read by jmixedkv_attention
         self._pending = layer.layer_idx
         return marker, marker

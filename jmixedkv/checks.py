@@ -265,6 +265,10 @@ def position_rule(seq, pos, kv_lens, num_seqs: int, xp=jnp, per_slot: bool = Tru
     ``per_slot=False``: ``broken`` is one bool (any slot broken), without the per-slot scatter."""
     seq, pos = xp.asarray(seq), xp.asarray(pos)
     key = xp.where(seq >= 0, seq, num_seqs)
+    if xp is np:
+        one = _one_token_per_slot(key, pos, kv_lens, num_seqs, per_slot)
+        if one is not None:
+            return one
     skey, spos = _sort_pairs(xp, key, pos)
     gap = ((skey[1:] == skey[:-1]) & (skey[1:] < num_seqs) & (spos[1:] != spos[:-1] + 1)).astype(xp.int32)
     broken = _segment(xp, "max", num_seqs, skey[1:], gap, 0) > 0 if per_slot else xp.any(gap > 0)
@@ -272,6 +276,21 @@ def position_rule(seq, pos, kv_lens, num_seqs: int, xp=jnp, per_slot: bool = Tru
     last = _segment(xp, "max", num_seqs, key, pos.astype(xp.int32), -1)
     off = (last >= 0) & ((first > kv_lens) | (last + 1 < kv_lens))
     return broken, off, first, last
+
+
+def _one_token_per_slot(key, pos, kv_lens, num_seqs: int, per_slot: bool):
+    """`position_rule` on the host for a call with at most one token per slot (a decode step), without the sort and
+    the ``ufunc.at`` scatters: nothing is broken, first = last = the token's position; None for any other call."""
+    live = key < num_seqs
+    slots = key[live]
+    if slots.size and np.bincount(slots, minlength=num_seqs).max() > 1:
+        return None
+    p = pos[live].astype(np.int32)
+    first = np.full((num_seqs,), INT32_MAX, np.int32)
+    last = np.full((num_seqs,), -1, np.int32)
+    first[slots], last[slots] = p, p
+    off = (last >= 0) & ((first > kv_lens) | (last + 1 < kv_lens))
+    return (np.zeros((num_seqs,), bool) if per_slot else np.bool_(False)), off, first, last
 
 
 def append_position_errors(seq, pos, kv_lens, num_seqs: int):

@@ -244,11 +244,11 @@ class CacheManager:
             layer = checks.host_int(np.asarray(layer).item() if checks.is_jax(layer) else layer, "layer", "append",
                                     0, spec.num_layers)
         seq, pos = self.host_tokens(seq_slots, positions, "append")
-        need, _ = self._check_host(seq, pos, True)
+        need, last = self._check_host(seq, pos, True)
         layer_arg = None if layer is None else np.int32(layer)
         self.state = st.append(self.state, layer_arg, k, v, seq, pos, group=group,
                                rope=rope, backend=self.backend, donate=True)
-        self._account_append(seq, pos, need)
+        self._account_append(need, last)
 
     def reserve_append(self, seq_slots, positions):
         """Check an append of tokens ``(seq_slots, positions)`` as `append` does (`ValueError` /
@@ -256,26 +256,23 @@ class CacheManager:
         transition itself in its own jitted program, for every layer of a step (`jmixedkv.step`), and installs the
         result with `install`. Returns the host ``(seq, pos)`` int32 vectors."""
         seq, pos = self.host_tokens(seq_slots, positions, "append")
-        need, _ = self._check_host(seq, pos, True)
-        self._account_append(seq, pos, need)
+        need, last = self._check_host(seq, pos, True)
+        self._account_append(need, last)
         return seq, pos
 
     def install(self, state: st.CacheState) -> None:
         """Install the result of a transition `reserve_append` accounted for (no host re-read, no sync)."""
         self.state = state
 
-    def _account_append(self, seq, pos, need: np.ndarray) -> None:
-        """Host mirror of an append: ``need`` int64[S] new pages per slot, lengths / written to the last position."""
+    def _account_append(self, need: np.ndarray, last: np.ndarray) -> None:
+        """Host mirror of an append: ``need`` int64[S] new pages per slot, ``last`` int[S] each slot's last position
+        written (-1: none; `_check_host`): lengths / written to one past it."""
         self._pages_held += need
         self._free_low -= int(need.sum())
-        live = seq >= 0
-        if live.any():                                   # one past the last position per slot, vectorized
-            last = np.zeros(self.max_seqs, np.int64)
-            np.maximum.at(last, seq[live], pos[live].astype(np.int64) + 1)
-            hit = np.zeros(self.max_seqs, bool)
-            hit[seq[live]] = True
-            self._lens[hit] = last[hit]
-            self._written[hit] = np.maximum(self._written[hit], last[hit])
+        hit = last >= 0
+        end = last[hit].astype(np.int64) + 1
+        self._lens[hit] = end
+        self._written[hit] = np.maximum(self._written[hit], end)
 
     def set_lengths(self, lens=None) -> None:
         """Host mirror update after a device-side length change (speculative accept / correction): re-reads the

@@ -132,6 +132,23 @@ def test_bridge_parts_smoke(tmp_path):
     assert res["entry_fusions"] > 0 and res["entry_parameters"] > 0, res
 
 
+def test_generate_parts_smoke(tmp_path):
+    """The generate() attribution tool times DynamicCache's and the fused `JMixedKVCache`'s pieces per decode step:
+    per layer (2 layers) and once per step where the step's work happens (CPU, tiny)."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "tools", "generate_parts.py"), "--smoke", "--reps", "1",
+                           "--out", str(tmp_path)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "generate_parts.json").read_text())["caches"]
+    calls = {name: {k: v["calls"] for k, v in r["pieces_per_decode_step"].items()} for name, r in res.items()}
+    assert calls["DynamicCache"] == {"DynamicCache update": 2.0, "sdpa attention": 2.0}, calls
+    mixed = calls["JMixedKVCache mixed (4, 64) fused"]
+    assert mixed["JMixedKVCache update"] == mixed["jmixedkv attention"] == mixed["placeholder K/V"] == 2.0, mixed
+    assert mixed["flush (step)"] == mixed["write_step"] == mixed["plan_write_layers (JAX program dispatch)"] == 1.0
+    assert mixed["reserve_step (step)"] == mixed["read_views (step)"] == 1.0, mixed
+    assert all(r["us_per_decode_step"] > 0 for r in res.values()), res
+
+
 def test_decode_bench_variants_name_both_backends():
     """``--variants``: ``k..w..`` forms are Triton configs, ``m[s][t][v][x]`` forms Mosaic GPU ones (stages, K's
     halves in turn, the head_dim-256 V tiles in turn, a split multiplier of the default count); a bad form is

@@ -736,8 +736,9 @@ _jit_any = jax.jit(lambda s, p, n: checks_mod.position_rule(s, p, n, 3, per_slot
 @given(toks=st.lists(st.tuples(st.integers(-1, 2), st.integers(0, 9)), min_size=1, max_size=7),
        lens=st.lists(st.integers(0, 9), min_size=3, max_size=3))
 def test_position_rule_one_definition_host_and_jit(toks, lens):
-    """`checks.position_rule` is the rule for both the host mirror (NumPy) and the jitted append (jnp): the two
-    agree with each other and with a plain per-slot reading of the rule."""
+    """`checks.position_rule` is the rule for both the host mirror (NumPy; its one-token-per-slot shortcut
+    included) and the jitted append (jnp): the two agree with each other and with a plain per-slot reading of the
+    rule."""
     seq = np.array([t[0] for t in toks], np.int32)
     pos = np.array([t[1] for t in toks], np.int32)
     n = np.array(lens, np.int32)
@@ -746,6 +747,7 @@ def test_position_rule_one_definition_host_and_jit(toks, lens):
     for h, d in zip(host, dev):
         np.testing.assert_array_equal(h, np.asarray(d))
     assert bool(_jit_any(jnp.asarray(seq), jnp.asarray(pos), jnp.asarray(n))) == bool(host[0].any())
+    assert bool(checks_mod.position_rule(seq, pos, n, 3, np, per_slot=False)[0]) == bool(host[0].any())
     for s in range(3):
         p = np.sort(pos[seq == s])
         assert host[0][s] == bool(p.size and (np.diff(p) != 1).any())
