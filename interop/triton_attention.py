@@ -777,8 +777,8 @@ class PagedAttention:
     `paged_attention` (``q`` gives the shape, dtype and device every call must match; ``tail``: calls pass
     ``tail_k`` / ``tail_v``); ``run(q, layer, sm_scale, sliding_window=None, soft_cap=None, tail_k=None,
     tail_v=None, out_dtype=None)`` -> ``(out f32[B, Tq, Hq, D] (or ``out_dtype``: q's dtype), lse f32[B, Tq, Hq])``.
-    The tensors it was made with must stay
-    alive and unchanged while it is used (it keeps references, not copies)."""
+    The tensors it was made with must stay alive and unchanged while it is used (it keeps references, not
+    copies)."""
 
     def __init__(self, q, low_data, low_scales, low_gs, high_rows, high_scale, plain_rows, plain_scale, page_table,
                  high_table, kv_lens, geom, *, tail: bool = False, interpret: Optional[bool] = None,
