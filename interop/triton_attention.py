@@ -100,25 +100,28 @@ def _qk(q_e, q_o, k_e, k_o, EMULATE: tl.constexpr):
     return _dot(q_e, tl.trans(k_e), EMULATE) + _dot(q_o, tl.trans(k_o), EMULATE)
 
 
+def _bf16_rne(x):
+    """f32 ``x`` rounded to bf16 (nearest even) with integer ops, kept in f32 (the interpreter's f32 -> bf16 casts
+    and stores truncate)."""
+    u = x.to(tl.uint32, bitcast=True)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
 def _cast(x, like, EMULATE: tl.constexpr):
-    """f32 ``x`` -> ``like``'s dtype, round to nearest even. ``EMULATE`` (interpreter: its f32 -> bf16 cast
-    truncates) rounds to bf16 with integer ops and keeps the (exact) bf16 values in f32."""
+    """f32 ``x`` -> ``like``'s dtype, round to nearest even. ``EMULATE`` (interpreter) keeps the (exact) bf16
+    values in f32 (`_bf16_rne`)."""
     if EMULATE:
         if like.dtype == tl.bfloat16:
-            u = x.to(tl.uint32, bitcast=True)
-            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-            return u.to(tl.float32, bitcast=True)
+            return _bf16_rne(x)
     return x.to(like.dtype)
 
 
 def _stored(x, ptr, EMULATE: tl.constexpr):
     """f32 ``x`` as a store to ``ptr`` keeps it: the store rounds to the pointer's element type (RTNE on the GPU).
-    ``EMULATE`` (the interpreter's store truncates f32 -> bf16) rounds to bf16 first with integer ops (NaN kept)."""
+    ``EMULATE`` (the interpreter) rounds to bf16 first (`_bf16_rne`, NaN kept)."""
     if EMULATE:
         if ptr.dtype.element_ty == tl.bfloat16:
-            u = x.to(tl.uint32, bitcast=True)
-            r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-            return tl.where(x != x, x, r)
+            return tl.where(x != x, x, _bf16_rne(x))
     return x
 
 
@@ -480,7 +483,7 @@ def _interpreter_range(*bounds):
                    for b in bounds))
 
 
-_HELPERS = ("_dot", "_cast", "_stored", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_tail_step", "_pow2")
+_HELPERS = ("_dot", "_bf16_rne", "_cast", "_stored", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_tail_step", "_pow2")
 
 
 @functools.lru_cache(maxsize=None)
@@ -825,7 +828,7 @@ class PagedAttention:
             SPLIT_ROWS=bf16 and plan.rows is not None and (not plan.low or not plan.rows_fp8),
             FINAL=tuning.num_splits == 1, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, EMULATE=interpret,
             TAIL=self.tail, SPLIT_TAIL=bf16, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-        self.dummy, self.interpret = dummy_u8, interpret
+        self.dummy, self.interpret, self._runners = dummy_u8, interpret, {}     # this object's launches by key
         # what fixes the compiled kernel besides a call's own arguments (`_launch`): device, grid, constexprs and
         # Triton's specialization of the fixed arguments (alignment of the tables and pools, unit / 16-multiple ints)
         self.spec = (dev.index, self.grid, tuple(self.constants.items()),
@@ -901,20 +904,25 @@ class PagedAttention:
         launched, later launches go straight to the compiled kernel's runner (`triton.compiler.CompiledKernel`, all
         arguments in signature order, the constexprs kept from the first launch), skipping ``JITFunction.run``'s
         argument binding and specialization on the host. The runners are shared by every `PagedAttention` of the
-        same `spec` (a step's first layer launches as fast as the rest)."""
-        full = (self.spec, key)
-        entry = RUNNERS.get(full)
-        if entry is not None:
-            runner, constants = entry
-            runner(*args, *constants)
-            return
-        kw = kwargs()
-        compiled = fn[grid](*args, **kw)
-        if not self.interpret and hasattr(compiled, "run"):
-            if len(RUNNERS) > 256:
-                RUNNERS.clear()
-            constants = tuple(kw[name] for name in fn.arg_names[len(args):])
-            RUNNERS[full] = (compiled[tuple(grid) + (1,) * (3 - len(grid))], constants)    # the runner: 3-D grids
+        same `spec` through `RUNNERS` (a step's first layer launches as fast as the rest); a call looks up its
+        object's own by ``key`` alone (the spec is hashed once per key and object, not per launch)."""
+        entry = self._runners.get(key)
+        if entry is None:
+            full = (self.spec, key)
+            entry = RUNNERS.get(full)
+            if entry is None:
+                kw = kwargs()
+                compiled = fn[grid](*args, **kw)
+                if not self.interpret and hasattr(compiled, "run"):
+                    if len(RUNNERS) > 256:
+                        RUNNERS.clear()
+                    constants = tuple(kw[name] for name in fn.arg_names[len(args):])
+                    runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]             # the runner: 3-D grids
+                    self._runners[key] = RUNNERS[full] = (runner, constants)
+                return
+            self._runners[key] = entry
+        runner, constants = entry
+        runner(*args, *constants)
 
 
 #: `PagedAttention`'s compiled launches by (`PagedAttention.spec`, the call's specialization key)

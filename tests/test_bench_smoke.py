@@ -4,6 +4,7 @@ circle (a bench imports only `common` and `shapes` of bench/, and those two impo
 import ast
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -146,7 +147,8 @@ def test_generate_parts_smoke(tmp_path):
     assert mixed["JMixedKVCache update"] == mixed["jmixedkv attention"] == mixed["placeholder K/V"] == 2.0, mixed
     assert mixed["flush (step)"] == mixed["write_step"] == mixed["plan_write_layers (JAX program dispatch)"] == 1.0
     assert mixed["reserve_step (step)"] == mixed["read_views (step)"] == 1.0, mixed
-    assert all(r["us_per_decode_step"] > 0 for r in res.values()), res
+    # a difference of two wall times: on a loaded CPU with 3 tokens it can come out negative (it times nothing real)
+    assert all(math.isfinite(r["us_per_decode_step"]) for r in res.values()), res
 
 
 def test_decode_bench_variants_name_both_backends():
