@@ -24,8 +24,8 @@ Semantics, exactly:
   the rest dequantized NVFP4; ``width`` bucketed to the longest row, so the cost follows the tokens held) in one
   program, and the model's own attention (``sdpa`` / ``eager``) runs on it. A step short enough to be held aside
   (below; not with the rotation lever, whose staged rows are model-space) gives the same K/V bit for bit from one
-  Triton launch over views of the cache before the step plus the step's rows (`interop.paged_ops.stage`), and is
-  stored when the next step begins. With a plain ``"bf16"`` cache, or a
+  Triton launch over views of the cache before the run of held steps plus the run's rows
+  (`interop.paged_ops.stage`), and is stored when the run ends (below). With a plain ``"bf16"`` cache, or a
   mixed cache whose ``first_n + last_n`` covers every row, the returned K/V are the appended ones bit for bit, so
   ``generate`` gives the tokens of ``DynamicCache``.
 * ``decode="fused"``: attention over the cache without staging, with the model's ``scaling``,
@@ -35,18 +35,20 @@ Semantics, exactly:
   attention did not run through it raises `RuntimeError` at the next ``update``. Its float32 attention is close
   to, not bit-equal with, torch's. Two ways, by format:
 
-  - Held aside (every format but K smoothing and a float32 attention dtype; steps of ``T <= MAX_HELD_TOKENS``
-    tokens per row, and ``T <= last_n`` for a mixed cache with a ``last_n`` window, past ``first_n`` without one,
-    no padding inside the step; `tail_limit`): each layer's K / V are kept as torch tensors and attention is a
-    torch Triton kernel (`interop.paged_ops.step_attention`; torch code on CPU) over zero-copy views of the pools
-    as they were before the step plus the step's own rows read dense in the form they read once stored
-    (`tail_form`: as given from a 16-bit pool or twin; through the NVFP4 or fp8 codec otherwise, one more Triton
-    launch, `interop.paged_ops.round_trip`) -- the result of appending them first, up to one rounding of those
-    rows to the attention dtype. The rotation lever is applied to q / the new rows and undone on the output
-    around it. When the next step begins (or `flush`, or any method that reads or changes the cache: ``cache``,
-    ``crop``, ``reorder_cache``, ``reset``), every layer's rows are stored in ONE donated JAX program
-    (`TorchKVCache.write_step`); the views are dropped first, so the pools are updated in place. A first step of
-    at most that many tokens attends over its own rows (the model's attention).
+  - Held aside (every format but K smoothing and a float32 attention dtype; no padding inside the step; past
+    ``first_n`` for a mixed cache without ``last_n``): consecutive steps form a *run* of up to `tail_limit` rows
+    per row (``last_n`` for a mixed cache with a ``last_n`` window, else `MAX_HELD_TOKENS`; decode steps: up to 64
+    passes). Each layer's K / V are copied into the run's buffer (``[L, 2, B, H, limit, D]`` in the attention
+    dtype: one copy launch per layer) and attention is a torch Triton kernel (`interop.paged_ops.step_attention`;
+    torch code on CPU) over zero-copy views of the pools as they were before the run plus the run's rows so far
+    read dense in the form they read once stored (`tail_form`: as given from a 16-bit pool or twin; through the
+    NVFP4 or fp8 codec otherwise, one more Triton launch, `interop.paged_ops.round_trip`) -- the result of
+    appending them first, up to one rounding of those rows to the attention dtype. The rotation lever is applied
+    to q / the rows and undone on the output around it. When a step would not fit the run (or at `flush`, or any
+    method that reads or changes the cache: ``cache``, ``crop``, ``reorder_cache``, ``reset``), every layer's
+    rows of the run are stored in ONE donated JAX program (`TorchKVCache.write_step`); the views are dropped first,
+    so the pools are updated in place. A first step that fits attends over its own rows (the model's attention)
+    and starts a run.
   - Otherwise, a decode / verify step (``1 <= T <= max_draft_len + 1``) appends and runs the fused decode (the
     Mosaic GPU / Triton kernel on a GPU) in one JAX program per layer; a longer step is staged as above.
 * Sliding layers (``layer_types`` / ``sliding_window`` in the config) are marked ``is_sliding``; they attend over
@@ -86,7 +88,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from jmixedkv.config import KVCacheConfig
 
 from . import paged_ops
-from .torch_cache import CacheCapacityError, TorchKVCache
+from .torch_cache import CacheCapacityError, TorchKVCache, join_reserved
 
 __all__ = ["JMixedKVCache", "JMixedLayer", "jmixedkv_attention", "dense_attention", "text_config", "sliding_windows",
            "check_model_fits", "tail_limit", "tail_form", "ATTN_IMPLEMENTATION", "CACHE_KWARG"]
@@ -154,19 +156,47 @@ class _Step:
     """The forward pass in flight: its tokens checked and accounted for once, shared by every layer. ``start``:
     the padded length before it; ``t``: its tokens per row; ``before`` / ``new``: i64[B] stored rows before it and
     its real (non-padding) tokens per row; ``first``: nothing was stored before it. ``plan``: its
-    `TorchKVCache.plan_step` (per-layer JAX programs), or None for a step written after its layers ran
-    (``reserved``: its `TorchKVCache.reserve_step`; ``rows``: each layer's ``(k, v)`` kept until then; ``views`` /
-    ``attend``: the cache before the step as torch views and the attention over them,
-    `interop.paged_ops.step_attention`, made by the first layer that attends)."""
+    `TorchKVCache.plan_step` (per-layer JAX programs), or None for a step held aside (``held``: the `_Held` run it
+    joined, its rows at ``[off, off + t)`` there; ``reached``: which layers stored theirs)."""
 
-    __slots__ = ("start", "t", "plan", "before", "new", "first", "reserved", "rows", "views", "attend", "checked")
+    __slots__ = ("start", "t", "plan", "before", "new", "first", "held", "off", "reached", "checked")
 
-    def __init__(self, start, t, plan, before, new, reserved=None, num_layers=0):
+    def __init__(self, start, t, plan, before, new, held=None, num_layers=0):
         self.start, self.t, self.plan, self.before, self.new = start, t, plan, before, new
         self.first = not before.any()          # nothing stored before it: attention reads the step's own rows
-        self.reserved, self.rows = reserved, [None] * num_layers
-        self.views = self.attend = None
+        self.held, self.off = held, (0 if held is None else held.count)
+        self.reached = [False] * num_layers
         self.checked = set()                   # torch kernels whose arguments this step has checked (`_checks`)
+
+
+class _Held:
+    """Steps held aside since the cache was last stored (a run of passes whose rows are not in the pools yet).
+
+    ``buf [L, 2, B, H, cap, D]`` (attention dtype): each layer's K / V rows of the run, ``count`` per batch row
+    (every held step takes all its ``t`` tokens in every row); ``reserved``: each step's `TorchKVCache.reserve_step`;
+    ``views``: the cache before the run as torch views (`TorchKVCache.read_views`, made once per run); ``attend``:
+    the attention over them per query length (`interop.paged_ops.step_attention`)."""
+
+    __slots__ = ("buf", "count", "reserved", "views", "attend")
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.count, self.reserved, self.views, self.attend = buf, 0, [], None, {}
+
+    def put(self, layer: int, off: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep a layer's step rows ``k`` / ``v [B, H, t, D]`` at ``[off, off + t)`` (one copy launch)."""
+        dst = self.buf[layer, :, :, :, off:off + k.shape[2]]
+        torch._foreach_copy_((dst[0], dst[1]), (k, v))
+
+    def rows(self, layer: int, count: int) -> torch.Tensor:
+        """The run's first ``count`` rows of ``layer``: ``[2, B, H, count, D]`` (a view)."""
+        return self.buf[layer, :, :, :, :count]
+
+    def stacked(self) -> torch.Tensor:
+        """Every layer's rows as `TorchKVCache.write_step` takes them: ``[2 L, B, H, count, D]`` (a fresh copy)."""
+        src = self.buf[:, :, :, :, :self.count].transpose(0, 1)
+        out = torch.empty((src.shape[0] * src.shape[1], *src.shape[2:]), dtype=src.dtype, device=src.device)
+        out.view(src.shape).copy_(src)
+        return out
 
 
 class JMixedKVCache(Cache):
@@ -180,9 +210,9 @@ class JMixedKVCache(Cache):
         ``decode="fused"`` checks that ``config._attn_implementation == "jmixedkv"``.
 
     ``reset()`` releases the slots. One `TorchKVCache` slot per batch row: ``max_seqs`` >= the batch (beam
-    search: batch x beams; ``batch_repeat_interleave`` needs the repeated batch). A fused step held aside is stored
-    when the next begins: read the `TorchKVCache` through ``cache`` (which stores it first, `flush`), not through a
-    reference kept from before the step.
+    search: batch x beams; ``batch_repeat_interleave`` needs the repeated batch). Steps held aside are stored when
+    their run ends: read the `TorchKVCache` through ``cache`` (which stores them first, `flush`), not through a
+    reference kept from before the run.
     """
 
     def __init__(self, cache: TorchKVCache, *, decode: str = "stage", config=None):
@@ -201,12 +231,14 @@ class JMixedKVCache(Cache):
         self.slots: Optional[np.ndarray] = None            # i32[B] slot of each batch row
         self.lens: Optional[np.ndarray] = None             # i64[B] real (stored) rows per batch row
         self._step: Optional[_Step] = None
+        self._held: Optional[_Held] = None                 # steps held aside, not stored yet (`flush`)
+        self._bufs: dict = {}                              # batch -> the held rows' buffer (`_Held.buf`)
         self._pos_memo = (None, None)
         self._pending = None                               # layer of a fused step whose attention has not run
         self._markers: dict = {}                 # (layer, batch) -> its empty K / V placeholder (`_marker`)
         # a stage step is held aside only without the rotation lever (it stages model-space rows)
         held = decode == "fused" or cache.config.rotation is None
-        self._tail_limit = tail_limit(cache.config) if held else 0
+        self._tail_limit = min(tail_limit(cache.config), MAX_HELD_TOKENS) if held else 0
         self._tail_form = tail_form(cache.config)
         self._tail_from = cache.config.first_n if cache.config.is_mixed and not cache.config.last_n else 0
         self._hadamard = None
@@ -238,21 +270,27 @@ class JMixedKVCache(Cache):
         return self._tkv
 
     def flush(self) -> None:
-        """Store the last step's rows if they are still held aside (a fused step stores every layer's rows in one
-        program when the next step begins, `TorchKVCache.write_step`). Every method that reads or changes the
-        cache outside a forward pass calls it; so does `cache`. A step some layer never reached raises
-        `RuntimeError` (its rows are dropped and the cache's host accounting re-read from the device state)."""
-        step = self._step
-        if step is None or step.reserved is None:
+        """Store the steps held aside (`_Held`: the rows of every pass since the cache was last stored, every layer
+        in ONE program, `TorchKVCache.write_step`). Runs when a step would not fit the run (`tail_limit`) and from
+        every method that reads or changes the cache outside a forward pass; so does `cache`. A pass some layer never
+        reached raises `RuntimeError`: its rows are dropped (the passes before it are stored, and the cache's host
+        accounting re-read from the device state)."""
+        held, step = self._held, self._step
+        if held is None:
             return
-        reserved, rows = step.reserved, step.rows
-        step.reserved, step.rows, step.views, step.attend = None, [], None, None    # drop the pools' views first
-        missing = [i for i, kv in enumerate(rows) if kv is None]
+        self._held = None
+        held.views, held.attend = None, {}             # drop the pools' views first: the write donates them
+        missing = [i for i, r in enumerate(step.reached) if not r] if step is not None and step.held is held else []
         if missing:
+            held.count = step.off
+            held.reserved.pop()
+        if held.count:
+            self._tkv.write_step(join_reserved(held.reserved, held.buf.shape[2]), held.stacked())
+        if missing:
+            self._step = None
             self._tkv.manager.replace_state(self._tkv.state)
             raise RuntimeError(f"JMixedKVCache: layers {missing} of the last forward pass were never updated; its "
-                               f"rows were dropped (the cache holds what it held before that pass)")
-        self._tkv.write_step(reserved, torch.stack([k for k, _ in rows] + [v for _, v in rows]))
+                               f"rows were dropped (the cache holds every pass before it)")
 
     # ------------------------------------------------------------------ transformers Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -389,29 +427,51 @@ class JMixedKVCache(Cache):
             raise ValueError(f"JMixedKVCache: layer {layer.layer_idx} holds {layer.seen} tokens but the pass in "
                              f"flight started at {None if step is None else step.start} (layers must be updated "
                              f"once per forward pass, in any order)")
-        self.flush()
+        held = self._held
+        if held is not None and step is not None and step.held is held and not all(step.reached):
+            self.flush()                               # a pass some layer never reached: raises
         new = self._new_rows(batch, t, _position_ids(*update_args))
         before = self.lens
+        if held is not None and not self._defers(t, new, before, held.count):
+            self.flush()
+            held = None
         j = np.arange(t)[None, :]
         real = j >= t - new[:, None]
         seq = np.where(real, self.slots[:, None], -1).astype(np.int32).reshape(-1)     # token b * t + j
         pos = np.where(real, before[:, None] + j - (t - new[:, None]), 0).astype(np.int32).reshape(-1)
-        if self._defers(t, new, before):
-            step = _Step(layer.seen, t, None, before, new, self._tkv.reserve_step(seq, pos), len(self.layers))
+        if held is None and self._defers(t, new, before, 0):
+            held = _Held(self._buffer(batch))
+        if held is not None:
+            reserved = self._tkv.reserve_step(seq, pos)
+            self._held = held
+            step = _Step(layer.seen, t, None, before, new, held, len(self.layers))
+            held.reserved.append(reserved)
+            held.count += t
         else:
             step = _Step(layer.seen, t, self._tkv.plan_step(seq, pos, self.slots), before, new)
         self.lens = before + new
         self._step = step
         return step
 
-    def _defers(self, t: int, new: np.ndarray, before: np.ndarray) -> bool:
-        """Whether a step's rows are held aside and stored after its layers ran (one JAX program per step; the
-        layers read the cache through torch kernels, the step's rows dense in the form they read once stored):
-        ``t`` within its format's limit (`tail_limit`; 0 for stage mode with the rotation lever) and within
-        `MAX_HELD_TOKENS` (the rows held cost a copy of the step's K/V for every layer), every row taking all ``t``
-        tokens (no padding inside), and (a mixed cache without ``last_n``) every new row past ``first_n``."""
-        return (t <= min(self._tail_limit, MAX_HELD_TOKENS) and bool((new == t).all())
+    def _defers(self, t: int, new: np.ndarray, before: np.ndarray, count: int) -> bool:
+        """Whether a step's rows are held aside (joining a run of ``count`` rows held already), stored when the run
+        ends (one JAX program for the run; the layers read the cache through torch kernels, the run's rows dense in
+        the form they read once stored): ``count + t`` within its format's limit (`tail_limit`, at most
+        `MAX_HELD_TOKENS`: the rows held cost a copy of them for every layer; 0 for stage mode with the rotation
+        lever), every row taking all ``t`` tokens (no padding inside), and (a mixed cache without ``last_n``) every
+        new row past ``first_n``."""
+        return (count + t <= self._tail_limit and bool((new == t).all())
                 and (not self._tail_from or int(before.min()) >= self._tail_from))
+
+    def _buffer(self, batch: int) -> torch.Tensor:
+        """The held rows' buffer for ``batch`` rows (`_Held.buf`), allocated once and reused by every run."""
+        buf = self._bufs.get(batch)
+        if buf is None:
+            sp = self.spec
+            buf = self._bufs[batch] = torch.empty(
+                (sp.num_layers, 2, batch, sp.num_kv_heads, self._tail_limit, sp.head_dim),
+                dtype=self._tkv.attention_dtype, device=self._tkv.device)
+        return buf
 
     def _update(self, layer: JMixedLayer, k: torch.Tensor, v: torch.Tensor, update_args):
         batch, heads, t, dim = k.shape
@@ -433,12 +493,13 @@ class JMixedKVCache(Cache):
         k0, v0 = k, v
         k, v = _attention_dtype(k, self._tkv), _attention_dtype(v, self._tkv)
         layer.seen += t
-        if step.plan is None:                          # stored when the next step begins (`flush`)
-            step.rows[layer.layer_idx] = (k, v)
+        if step.plan is None:                          # held aside: stored when the run ends (`flush`)
+            step.held.put(layer.layer_idx, step.off, k, v)
+            step.reached[layer.layer_idx] = True
             if step.first:                             # nothing stored before: attention reads the step's own rows
                 return k0, v0
             if self.decode == "stage":
-                return self._stage_tail(step, layer, k, v)
+                return self._stage_tail(step, layer)
             return self._marker(layer, step, k, v)
         if self.decode == "fused" and 1 <= t <= self._tkv.config.max_draft_len + 1:
             return self._marker(layer, step, k, v)
@@ -468,61 +529,67 @@ class JMixedKVCache(Cache):
         window = _int_or_none(sliding_window)
         cap = None if softcap is None else float(softcap)
         if step.plan is None:
-            return self._attend_tail(step, layer_idx, query, k, v, scaling, window, cap, sinks)
+            return self._attend_tail(step, layer_idx, query, scaling, window, cap, sinks)
         kvq = torch.cat([k, v, _attention_dtype(query, self._tkv)], dim=1)    # one crossing for K, V and Q
         out, _ = self._tkv.step_attend(layer_idx, kvq, None, None, step.plan, sm_scale=scaling,
                                        sliding_window=window, soft_cap=cap, sinks=sinks, return_lse=False)
         return out.to(query.dtype)
 
-    def _attend_tail(self, step: _Step, layer_idx: int, query, k, v, scaling, window, cap, sinks):
-        """A held-aside step's attention: a torch kernel over the cache as it was before the step (zero-copy views
-        of its pools, `TorchKVCache.read_views`) plus the step's own rows read dense (`interop.paged_ops.
+    def _attend_tail(self, step: _Step, layer_idx: int, query, scaling, window, cap, sinks):
+        """A held-aside step's attention: a torch kernel over the cache as it was before the run (zero-copy views
+        of its pools, `TorchKVCache.read_views`) plus the run's rows so far read dense (`interop.paged_ops.
         step_attention`; the result of appending them first: `tail_limit`), with the cache's rotation applied to
-        q / the new rows and undone on the output, and ``sinks`` as an LSE term."""
+        q / the rows and undone on the output, and ``sinks`` as an LSE term."""
         q = _attention_dtype(query, self._tkv)
-        if self._hadamard is not None:                 # q, K, V rotated as one float32 product, rounded once
-            hq, h = q.shape[1], k.shape[1]
-            qkv = (torch.cat([q, k, v], dim=1).float() @ self._hadamard).to(q.dtype)
-            q, k, v = qkv[:, :hq], qkv[:, hq:hq + h], qkv[:, hq + h:]
+        held = step.held
+        if self._hadamard is not None:                 # q and the rows rotated in float32, rounded once
+            q = (q.float() @ self._hadamard).to(q.dtype)
         q = q.transpose(1, 2)                                                           # [B, T, heads, D] view
-        if step.attend is None:
-            views = self._views(step)
-            step.attend = paged_ops.step_attention(views.pools, q, views.page_table, views.high_table,
-                                                   views.kv_lens, self._tkv.page_size, views.geom, tail=True)
-        tk, tv = self._tail_rows(step, layer_idx, k, v)
+        attend = held.attend.get(step.t)
+        if attend is None:
+            views = self._views(held)
+            attend = held.attend[step.t] = paged_ops.step_attention(
+                views.pools, q, views.page_table, views.high_table, views.kv_lens, self._tkv.page_size, views.geom,
+                tail=True)
+        tk, tv = self._tail_rows(step, layer_idx)
         scale = self.spec.head_dim ** -0.5 if scaling is None else float(scaling)
         # the kernel rounds its output to the model's dtype itself (no cast launch) unless float32 work follows
         direct = sinks is None and self._hadamard is None and query.dtype == q.dtype
-        out, lse = step.attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv,
-                               out_dtype=q.dtype if direct else None)
+        out, lse = attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv,
+                          out_dtype=q.dtype if direct else None)
         if sinks is not None:
             out = paged_ops.apply_sinks(out, lse, sinks)
         if self._hadamard is not None:
             out = out @ self._hadamard
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
-    def _views(self, step: _Step):
-        """The cache before a held-aside step as torch views (`TorchKVCache.read_views`), made once per step."""
-        if step.views is None:
-            step.views = self._tkv.read_views(self.slots, group=0)
-        return step.views
+    def _views(self, held: _Held):
+        """The cache before a run of held steps as torch views (`TorchKVCache.read_views`), made once per run."""
+        if held.views is None:
+            held.views = self._tkv.read_views(self.slots, group=0)
+        return held.views
 
-    def _tail_rows(self, step: _Step, layer_idx: int, k, v):
-        """A held-aside step's rows ``[B, H, T, D]`` of one layer as ``[B, T, H, D]`` views, or (NVFP4 / fp8 formats,
-        `tail_form`) their values once stored (`interop.paged_ops.round_trip`)."""
-        tk, tv = k.transpose(1, 2), v.transpose(1, 2)
+    def _tail_rows(self, step: _Step, layer_idx: int):
+        """The run's rows of one layer up to and including ``step``'s as ``[B, T, H, D]`` views, rotated (the
+        rotation lever), or (NVFP4 / fp8 formats, `tail_form`) their values once stored
+        (`interop.paged_ops.round_trip`)."""
+        held = step.held
+        kv = held.rows(layer_idx, step.off + step.t)                                   # [2, B, H, T, D]
+        if self._hadamard is not None:
+            kv = (kv.float() @ self._hadamard).to(kv.dtype)
+        tk, tv = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         if self._tail_form is None:
             return tk, tv
-        return paged_ops.round_trip(self._views(step).pools, layer_idx, tk, tv, low=self._tail_form == "nvfp4",
+        return paged_ops.round_trip(self._views(held).pools, layer_idx, tk, tv, low=self._tail_form == "nvfp4",
                                     block_scale=self._tkv.config.block_scale, validate=_checks(step, "round_trip"))
 
-    def _stage_tail(self, step: _Step, layer: JMixedLayer, k, v):
+    def _stage_tail(self, step: _Step, layer: JMixedLayer):
         """A held-aside ``decode="stage"`` step: the layer's K / V as the model's attention reads them -- the cache
-        before the step read from the views (twin rows where retained, counted as if the step were appended; NVFP4
-        / fp8 decoded elsewhere), the step's rows (`_tail_rows`) appended, left-aligned with the mask: ``[B, H,
+        before the run read from the views (twin rows where retained, counted as if the run were appended; NVFP4
+        / fp8 decoded elsewhere), the run's rows (`_tail_rows`) appended, left-aligned with the mask: ``[B, H,
         seen, D]`` each, what staging after the append gives, bit for bit (`interop.paged_ops.stage`)."""
-        views = self._views(step)
-        tk, tv = self._tail_rows(step, layer.layer_idx, k, v)
+        views = self._views(step.held)
+        tk, tv = self._tail_rows(step, layer.layer_idx)
         return paged_ops.stage(views.pools, layer.layer_idx, views.page_table, views.high_table, views.kv_lens,
                                self._tkv.page_size, views.geom, layer.seen, tk, tv, validate=_checks(step, "stage"),
                                check_values=False)

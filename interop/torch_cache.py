@@ -62,8 +62,8 @@ from . import layouts
 from .dlpack import HotBridge, from_torch, to_torch, torch_device_of, torch_dtype
 from .torch_paged import TorchPools
 
-__all__ = ["TorchKVCache", "TorchStaged", "StepPlan", "ReservedStep", "ReadViews", "CacheCapacityError",
-           "cache_from_handle", "lse_to_base2", "lse_from_base2"]
+__all__ = ["TorchKVCache", "TorchStaged", "StepPlan", "ReservedStep", "join_reserved", "ReadViews",
+           "CacheCapacityError", "cache_from_handle", "lse_to_base2", "lse_from_base2"]
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_INPUTS = (torch.int32, torch.int64)
@@ -107,6 +107,21 @@ class ReservedStep(NamedTuple):
     pos``) and its ``group``, stored by `TorchKVCache.write_step`."""
     tokens: np.ndarray
     group: int
+
+
+def join_reserved(steps, batch: int) -> ReservedStep:
+    """Several `ReservedStep` s of one group, reserved in turn, as one for `TorchKVCache.write_step`: each step's
+    tokens a ``[batch, t_s]`` grid (token ``b * t_s + j``), joined row by row into ``[batch, sum t_s]`` (token
+    ``b * T' + j``), the order `write_step`'s ``kv [2 L, B, H, T', D]`` has."""
+    steps = list(steps)
+    sizes = [s.tokens.shape[0] // 2 for s in steps]
+    if not steps or len({s.group for s in steps}) != 1 or any(n % batch for n in sizes):
+        raise ValueError(f"join_reserved: needs steps of one group, each a [batch={batch}, t] grid of tokens; got "
+                         f"groups {[s.group for s in steps]} with {sizes} tokens")
+    if len(steps) == 1:
+        return steps[0]
+    grids = [s.tokens.reshape(2, batch, -1) for s in steps]                # [seq | pos, B, t_s] of each step
+    return ReservedStep(np.concatenate(grids, axis=2).reshape(-1), steps[0].group)
 
 
 class ReadViews(NamedTuple):

@@ -350,9 +350,10 @@ def paged_attention_reference(q, low_data, low_scales, low_gs, high_rows, high_s
       kv_lens: int ``[B]`` lengths ``n`` (0 for padding rows).
       geom: `TwinGeometry` or ``(page, first_n, last_n, num_fixed, num_ring)``.
       sm_scale: logit scale (default ``D ** -0.5``); soft_cap: logits ``c * tanh(logits / c)``.
-      tail_k, tail_v: the step's own rows ``[B, Tq, H, D]`` (q's dtype), not in the pools: query ``t`` then sits at
-        ``kv_lens[b] + t`` and also sees tail row ``j <= t`` at position ``kv_lens[b] + j``; the twin windows then
-        count from ``kv_lens[b] + Tq`` (as if the tail were appended).
+      tail_k, tail_v: rows after the stored ones ``[B, T, H, D]``, ``T >= Tq`` (q's dtype; rows held from earlier
+        steps, then the step's own), not in the pools: query ``t`` then sits at ``kv_lens[b] + T - Tq + t`` and
+        also sees tail row ``j <= T - Tq + t`` at position ``kv_lens[b] + j``; the twin windows then count from
+        ``kv_lens[b] + T`` (as if the tail were appended).
 
     Returns:
       ``(out f32[B, Tq, Hq, D], lse f32[B, Tq, Hq])`` (natural-log LSE of the scaled, soft-capped logits).
@@ -390,7 +391,8 @@ def paged_attention_reference(q, low_data, low_scales, low_gs, high_rows, high_s
         if val is not None and not val > 0:
             raise ValueError(f"{op}: {name} must be None or > 0, got {val!r}")
     n = kv_lens.to(torch.int64)
-    retained_from = n if tail_k is None else n + tq        # a tail counts as appended for the twin windows
+    tt = tail_k.shape[1] if isinstance(tail_k, torch.Tensor) and tail_k.ndim == 4 else tq     # tail rows
+    retained_from = n if tail_k is None else n + tt        # a tail counts as appended for the twin windows
     kv = _staged_kv(pools, kind, layer, page_table, high_table if mixed else None, retained_from, g, q.dtype)
     s = mp * page
     kv = kv.permute(0, 2, 3, 1, 4, 5).reshape(b, 2, h, s, d)
@@ -405,15 +407,15 @@ def paged_attention_reference(q, low_data, low_scales, low_gs, high_rows, high_s
         raise ValueError(f"{op}: pass both tail_k and tail_v, or neither")
     if tail_k is not None:
         for name, x in (("tail_k", tail_k), ("tail_v", tail_v)):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, tq, h, d):
-                raise ValueError(f"{op}: {name} must be [B, Tq, H, D] = {[b, tq, h, d]}, got "
-                                 f"{list(getattr(x, 'shape', []))}")
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, max(tt, tq), h, d):
+                raise ValueError(f"{op}: {name} must be [B, T >= Tq={tq}, H, D] = {[b, max(tt, tq), h, d]} "
+                                 f"(tail_k's shape), got {list(getattr(x, 'shape', []))}")
         k = torch.cat([k, tail_k.to(torch.float32).transpose(1, 2)], dim=2)
         v = torch.cat([v, tail_v.to(torch.float32).transpose(1, 2)], dim=2)
-        tpos = n[:, None] + torch.arange(tq, device=q.device)[None, :]
+        tpos = n[:, None] + torch.arange(tt, device=q.device)[None, :]
         kpos = torch.cat([kpos, tpos], dim=1)
-        valid = torch.cat([valid, torch.ones((b, tq), dtype=torch.bool, device=q.device)], dim=1)
-        qpos = tpos
+        valid = torch.cat([valid, torch.ones((b, tt), dtype=torch.bool, device=q.device)], dim=1)
+        qpos = tpos[:, tt - tq:]
     return _attend(q, k, v, valid, kpos, qpos, d ** -0.5 if sm_scale is None else sm_scale, sliding_window,
                    soft_cap)
 

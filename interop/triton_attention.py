@@ -264,12 +264,13 @@ def _step(blk, acc_e, acc_o, m_i, l_i, n, n_ret, qpos, q_e, q_o, q16_e, q16_o, m
 
 
 def _tail_step(tb, acc_e, acc_o, m_i, l_i, n, t, qpos, q_e, q_o, tail_v_mul, tk_row, tv_row, stk_t, stv_t,
-               sm_scale, window, cap, TQ: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               tail_len, sm_scale, window, cap, TQ: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_CAP: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
-    """One block of the step's own rows (the dense tail): key ``j`` at position ``n + j``, seen by query ``t`` when
-    ``j <= t`` (and inside the window); 16-bit rows in q's dtype, online softmax as `_step`."""
+    """One block of the dense tail's ``tail_len`` rows (held rows, then the step's own): key ``j`` at position ``n +
+    j``, seen by query ``t`` (the tail's row ``tail_len - TQ + t``) when ``j <= tail_len - TQ + t`` (and inside the
+    window); 16-bit rows in q's dtype, online softmax as `_step`."""
     j = tb * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = j < TQ
+    ok = j < tail_len
     cols = tl.arange(0, D)[None, :]
     kx = tl.load(tk_row + j[:, None].to(tl.int64) * stk_t + cols, mask=ok[:, None], other=0.0)
     vx = tl.load(tv_row + j[:, None].to(tl.int64) * stv_t + cols, mask=ok[:, None], other=0.0)
@@ -281,7 +282,7 @@ def _tail_step(tb, acc_e, acc_o, m_i, l_i, n, t, qpos, q_e, q_o, tail_v_mul, tk_
         z = tl.exp(-2.0 * tl.abs(x))
         th = (1.0 - z) / (1.0 + z)
         logits = cap * tl.where(x < 0, -th, th)
-    vis = ok[None, :] & (j[None, :] <= t[:, None])
+    vis = ok[None, :] & (j[None, :] <= (tail_len - TQ + t)[:, None])
     if HAS_WINDOW:
         vis = vis & ((n + j)[None, :] > qpos[:, None] - window)
     logits = tl.where(vis, logits, float("-inf"))
@@ -302,7 +303,7 @@ def _pow2(e):
 
 def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
                  data_ptr, scales_ptr, gs_ptr, rows_ptr, rscale_ptr, o_ptr, m_ptr, l_ptr,
-                 tk_ptr, stk_b, stk_t, stk_h, tv_ptr, stv_b, stv_t, stv_h,
+                 tk_ptr, stk_b, stk_t, stk_h, tv_ptr, stv_b, stv_t, stv_h, tail_len,
                  layer, num_pages, num_row_pages, num_cols, ht_width, sm_scale, window, cap,
                  H: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  LOW: tl.constexpr, TWIN: tl.constexpr, ROWS_FP8: tl.constexpr,
@@ -313,9 +314,10 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
     """Program ``(b * H + h, split, tile)``: query rows ``tile * BLOCK_M + [0, BLOCK_M)`` of KV head ``h`` of batch
     row ``b`` over the split's blocks. ``FINAL`` (one split): writes ``out f32[B, Tq, Hq, D]`` to ``o_ptr`` and
     ``lse f32[B, Tq, Hq]`` to ``m_ptr``; else the partials ``o f32[B, Tq, Hq, S, D]`` (unnormalized), ``m, l
-    f32[B, Tq, Hq, S]``. ``TAIL``: the step's own rows come dense (``tk_ptr`` / ``tv_ptr``, ``[B, Tq, H, D]`` by
-    strides): query ``t`` sits at ``n + t`` after the ``n`` stored rows, the twin windows count from ``n + Tq`` (the
-    length after the step, as if the tail were appended), and the last split also reads the tail."""
+    f32[B, Tq, Hq, S]``. ``TAIL``: ``tail_len >= Tq`` rows after the ``n`` stored ones come dense (``tk_ptr`` /
+    ``tv_ptr``, ``[B, tail_len, H, D]`` by strides; the queries' own rows are its last ``Tq``): query ``t`` sits at
+    ``n + tail_len - Tq + t``, the twin windows count from ``n + tail_len`` (the length once the tail is appended),
+    and the last split also reads the tail."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -330,8 +332,8 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
     q0 = n - TQ                                                    # position of query 0 (TAIL: after the cache)
     n_ret = n                                                      # the length the twin windows count from
     if TAIL:
-        q0 = n
-        n_ret = n + TQ
+        q0 = n + tail_len - TQ
+        n_ret = n + tail_len
     qpos = q0 + t                                                  # each query row's position
     layer64 = layer.to(tl.int64)
 
@@ -429,10 +431,10 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
             tail_v_mul = 1.0 / out_mul
             tk_row = tk_ptr + b.to(tl.int64) * stk_b + h.to(tl.int64) * stk_h
             tv_row = tv_ptr + b.to(tl.int64) * stv_b + h.to(tl.int64) * stv_h
-            for tb in range(0, t_hi // BLOCK_N + 1):
+            for tb in range(0, (tail_len - TQ + t_hi) // BLOCK_N + 1):
                 acc_e, acc_o, m_i, l_i = _tail_step(
                     tb, acc_e, acc_o, m_i, l_i, n, t, qpos, q_e, q_o, tail_v_mul, tk_row, tv_row, stk_t, stv_t,
-                    sm_scale, window, cap, TQ, D, HAS_WINDOW, HAS_CAP, SPLIT_TAIL, BLOCK_N, EMULATE)
+                    tail_len, sm_scale, window, cap, TQ, D, HAS_WINDOW, HAS_CAP, SPLIT_TAIL, BLOCK_N, EMULATE)
     acc_e = acc_e * out_mul
     acc_o = acc_o * out_mul
 
@@ -749,11 +751,13 @@ def paged_attention(q, low_data, low_scales, low_gs, high_rows, high_scale, plai
       kv_lens: i32[B] lengths ``n`` (0 for padding rows), read on the device.
       geom: ``(page, first_n, last_n, num_fixed, num_ring)`` or a `jmixedkv.layout.TwinGeometry`.
       sm_scale: logit scale; sliding_window: keys ``pos - w < p <= pos``; soft_cap: ``c * tanh(x / c)``.
-      tail_k, tail_v: the step's own rows, not in the pools: ``[B, Tq, H, D]`` in q's dtype (any strides with unit
-        stride on ``D``; e.g. a transpose of transformers' ``[B, H, Tq, D]``), both or neither. With them query
-        ``t`` sits at position ``n + t`` (after the ``n`` stored rows) and also sees tail rows ``j <= t`` (key
-        position ``n + j``; the window applies); without them it sits at ``n - Tq + t``. With a tail the twin's
-        first_n / last_n windows count from ``n + Tq``: the result is that of appending the tail, then attending.
+      tail_k, tail_v: rows after the stored ones, not in the pools: ``[B, T, H, D]`` with ``T >= Tq`` (rows held
+        from earlier steps, then the step's own ``Tq``) in q's dtype (any strides with unit stride on ``D``; e.g. a
+        transpose of transformers' ``[B, H, T, D]``), both or neither. With them query ``t`` sits at position ``n +
+        T - Tq + t`` (after the ``n`` stored rows and the tail's earlier rows) and also sees tail rows ``j <= T - Tq
+        + t`` (key position ``n + j``; the window applies); without them it sits at ``n - Tq + t``. With a tail
+        the twin's first_n / last_n windows count from ``n + T``: the result is that of appending the tail, then
+        attending.
       interpret: run Triton's CPU interpreter (default: ``not q.is_cuda``).
       tuning: a `Tuning` (default `choose_tuning`); num_splits: overrides its split count.
 
@@ -847,13 +851,15 @@ class PagedAttention:
             raise ValueError(f"paged_attention: this call was prepared {'with' if self.tail else 'without'} tail_k / "
                              f"tail_v (the step's own rows); pass {'both' if self.tail else 'neither'}")
         if self.tail:
-            want = (self.shape[0], self.shape[1], self.heads, self.shape[3])
+            rows = tail_k.shape[1] if isinstance(tail_k, torch.Tensor) and tail_k.dim() == 4 else -1
+            want = (self.shape[0], max(rows, self.shape[1]), self.heads, self.shape[3])
             for name, x in (("tail_k", tail_k), ("tail_v", tail_v)):
                 if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != self.dtype \
                         or x.device != self.device or x.stride(-1) != 1:
-                    raise ValueError(f"paged_attention: {name} must be {self.dtype} [B, Tq, H, D] = {list(want)} on "
-                                     f"{self.device} with unit stride on D, got {getattr(x, 'dtype', type(x).__name__)}"
-                                     f" {list(getattr(x, 'shape', []))} strides {tuple(getattr(x, 'stride', tuple)())}")
+                    raise ValueError(f"paged_attention: {name} must be {self.dtype} [B, T >= Tq={self.shape[1]}, H, D]"
+                                     f" = {list(want)} (tail_k's shape) on {self.device} with unit stride on D, got "
+                                     f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))} "
+                                     f"strides {tuple(getattr(x, 'stride', tuple)())}")
 
     def __call__(self, q, layer: int, sm_scale: float, sliding_window: Optional[int] = None,
                  soft_cap: Optional[float] = None, *, tail_k=None, tail_v=None, out_dtype=None):
@@ -876,11 +882,12 @@ class PagedAttention:
             l_part = torch.empty_like(m)
         if self.tail:
             tail = (tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-                    tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2))
+                    tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), tail_k.shape[1])
             tail_key = (_align16(tail_k), _int_spec(tail[1]), _int_spec(tail[2]), _int_spec(tail[3]),
-                        _align16(tail_v), _int_spec(tail[5]), _int_spec(tail[6]), _int_spec(tail[7]))
+                        _align16(tail_v), _int_spec(tail[5]), _int_spec(tail[6]), _int_spec(tail[7]),
+                        _int_spec(tail[8]))
         else:
-            tail, tail_key = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0), ()
+            tail, tail_key = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0, tq), ()
         sq = q.stride()
         args = (q, sq[0], sq[1], sq[2], *self.tables, o, m, l_part, *tail, int(layer), *self.sizes,
                 float(sm_scale), int(sliding_window or 0), float(soft_cap or 1.0))

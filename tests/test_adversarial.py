@@ -684,3 +684,19 @@ def test_nvfp4_codec_refuses_bad_global_scale(gs):
     packed, scales = jm.nvfp4.quantize(x, 1.0, backend="reference")
     with pytest.raises(ValueError, match="global_scale must be finite and > 0"):
         jm.nvfp4.dequantize(packed, scales, jnp.asarray(gs, jnp.float32), backend="reference")
+
+
+def test_host_index_arrays_fast_and_slow_paths_agree():
+    """`checks.index_array` on host int32 arrays (the host mirrors' fast path) returns a copy and refuses what the
+    general path refuses, naming the first offending entry."""
+    x = np.array([-1, 0, 7], np.int32)
+    out = checks.index_array(x, "seq_slots", "op", -1, 8, host=True)
+    assert out.dtype == np.int32 and out.tolist() == [-1, 0, 7] and out is not x
+    out[0] = 5
+    assert x[0] == -1                                                    # a copy: the caller's array is untouched
+    for bad, msg in ((np.array([0, 8, 9], np.int32), r"seq_slots\[1\]=8 out of range \[-1, 8\)"),
+                     (np.array([3, -2], np.int32), r"seq_slots\[1\]=-2 out of range \[-1, 8\)")):
+        for arr in (bad, bad.astype(np.int64), bad.tolist()):
+            with pytest.raises(ValueError, match=msg):
+                checks.index_array(arr, "seq_slots", "op", -1, 8, host=True)
+    assert checks.index_array(np.zeros(0, np.int32), "p", "op", 0, 1, host=True).shape == (0,)

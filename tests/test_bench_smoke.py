@@ -145,8 +145,10 @@ def test_generate_parts_smoke(tmp_path):
     assert calls["DynamicCache"] == {"DynamicCache update": 2.0, "sdpa attention": 2.0}, calls
     mixed = calls["JMixedKVCache mixed (4, 64) fused"]
     assert mixed["JMixedKVCache update"] == mixed["jmixedkv attention"] == mixed["placeholder K/V"] == 2.0, mixed
-    assert mixed["flush (step)"] == mixed["write_step"] == mixed["plan_write_layers (JAX program dispatch)"] == 1.0
-    assert mixed["reserve_step (step)"] == mixed["read_views (step)"] == 1.0, mixed
+    # every step is checked as it comes; the 16-token prompt and the 3 decode steps form one run of held steps:
+    # its views are made once (1 / 3 per decode step) and nothing is stored while it lasts
+    assert mixed["reserve_step (step)"] == 1.0 and abs(mixed["read_views (step)"] - 1 / 3) < 1e-9, mixed
+    assert mixed.get("flush (step)", 0.0) == 0.0 and "write_step" not in mixed, mixed
     # a difference of two wall times: on a loaded CPU with 3 tokens it can come out negative (it times nothing real)
     assert all(math.isfinite(r["us_per_decode_step"]) for r in res.values()), res
 

@@ -201,29 +201,38 @@ def _pool_pointers(cache):
 
 @pytest.mark.parametrize("kv", [BF16, MIXED], ids=["bf16", "mixed"])
 def test_fused_steps_store_every_layer_in_one_program_in_place(model, batch, kv):
-    """A fused step's rows are held aside and stored when the next step begins (`JMixedKVCache.flush`): the
-    pools keep their buffers (no torch view of them survives into the donated write, which would make JAX copy
-    them), ``cache.cache`` shows every step stored, and holding a view across a step is what would copy."""
+    """Fused steps' rows are held aside, a run of steps at a time, and stored in one program when the run is full
+    (`tail_limit`: ``last_n`` = 4 rows for the mixed cache, `MAX_HELD_TOKENS` for bf16) or the cache is read
+    (`JMixedKVCache.flush`): the pools keep their buffers (no torch view of them survives into the donated write,
+    which would make JAX copy them), ``cache.cache`` shows every step stored, and holding a view across a write is
+    what would copy."""
     ids = batch[0]
     mask = torch.ones_like(ids)
     _set_attn(model, ATTN_IMPLEMENTATION)
+    steps = 6
     try:
         cache = _cache(model, kv, decode="fused")
         with torch.no_grad():
             out = model(ids, attention_mask=mask, **{CACHE_KWARG: cache})
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            for i in range(3):
+            first, runs = _pool_pointers(cache), []
+            for i in range(steps):
                 nxt = out.logits[:, -1:].argmax(-1)
                 out = model(nxt, attention_mask=mask, **{CACHE_KWARG: cache})
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-                if i == 0:
-                    first = _pool_pointers(cache)
-                    assert cache._step.reserved is not None                   # this step is still held aside
+                assert cache._step.held is cache._held is not None             # this step is still held aside
+                runs.append((id(cache._held), cache._held.count))
             assert _pool_pointers(cache) == first
-            assert [cache.cache.kv_len(int(s)) for s in cache.slots] == [PROMPT + 3] * 2
-            assert cache._step.reserved is None                                # `cache` flushed it
+            # bf16: the prompt (7 rows, attending over itself) starts the run; mixed: runs of last_n = 4 rows
+            want = ([(0, PROMPT + i + 1) for i in range(steps)] if kv is BF16
+                    else [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2)])
+            ids_seen = {}
+            assert [(ids_seen.setdefault(r, len(ids_seen)), n) for r, n in runs] == want
+            assert [cache.cache.kv_len(int(s)) for s in cache.slots] == [PROMPT + steps] * 2
+            assert cache._held is None                                         # `cache` flushed it
+            assert _pool_pointers(cache) == first
             out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, **{CACHE_KWARG: cache})
-            kept = cache._step.views.pools                                     # a view held across the write
+            kept = cache._held.views.pools                                     # a view held across the write
             cache.flush()
             assert _pool_pointers(cache) != first and kept is not None
     finally:
@@ -262,7 +271,7 @@ def _forced_logits(model, cache, ids, steps):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             out = model(nxt[:, i:i + 1], attention_mask=mask, **{CACHE_KWARG: cache})
             outs.append(out.logits[:, -1].float())
-            held.append(cache._step.reserved is not None)
+            held.append(cache._step.held is not None)
         cache.flush()
     return torch.stack(outs, 1), held
 
@@ -305,3 +314,45 @@ def test_steps_held_aside_read_the_stored_rows(model, batch, kv, decode):
         a = held_cache.cache.stage(layer, held_cache.slots).dense()
         b = per_layer_cache.cache.stage(layer, per_layer_cache.slots).dense()
         assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+
+
+def _staged(tkv, slots):
+    tkv = tkv.cache
+    return [torch.stack(tkv.stage(layer, torch.from_numpy(slots.astype(np.int64))).dense()).float()
+            for layer in range(2)]
+
+
+def test_a_pass_some_layer_never_reached_is_dropped_alone(model):
+    """A run of held steps whose last pass reached layer 0 only: `flush` stores the passes before it (bitwise
+    what a cache that never saw the broken pass holds), drops that pass's rows and raises `RuntimeError` naming
+    layer 1; the cache then goes on from the stored passes."""
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(7))
+    caches = [_cache(model, MIXED) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            for i in range(3):                  # a prompt of 17 (stored), then 2 held decode steps
+                t = 17 if i == 0 else 1
+                lo = 0 if i == 0 else 16 + i
+                model(ids[:, lo:lo + t], **{CACHE_KWARG: cache})
+            assert cache._held is not None and cache._held.count == 2
+        k = torch.randn((2, 2, 1, 16), generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+        caches[0].layers[0].update(k, k, {"position_ids": torch.tensor([[19], [19]])})       # layer 1 never runs
+    with pytest.raises(RuntimeError, match=r"layers \[1\] of the last forward pass were never updated"):
+        caches[0].flush()
+    slots = caches[0].slots
+    assert [caches[0].cache.kv_len(int(s)) for s in slots] == [19, 19]
+    for got, want in zip(_staged(caches[0], slots), _staged(caches[1], caches[1].slots)):
+        assert torch.equal(got, want)
+
+
+def test_join_reserved_orders_tokens_row_by_row():
+    from interop.torch_cache import ReservedStep, join_reserved
+    one = ReservedStep(np.array([3, 5, 10, 20], np.int32), 0)                    # slots [3, 5], positions 10 / 20
+    two = ReservedStep(np.array([3, 3, 5, 5, 11, 12, 21, 22], np.int32), 0)      # 2 tokens a row
+    got = join_reserved([one, two], 2)
+    assert got.tokens.tolist() == [3, 3, 3, 5, 5, 5, 10, 11, 12, 20, 21, 22] and got.group == 0
+    assert join_reserved([one], 2) is one
+    with pytest.raises(ValueError, match=r"\[batch=3, t\] grid of tokens; got groups \[0, 0\] with \[2, 4\]"):
+        join_reserved([one, two], 3)
+    with pytest.raises(ValueError, match=r"groups \[0, 1\]"):
+        join_reserved([one, one._replace(group=1)], 2)

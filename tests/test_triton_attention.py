@@ -198,18 +198,21 @@ def _tail_rows(st, tq, seed):
     return kv.astype(st.config.attention_dtype)
 
 
-@pytest.mark.parametrize("dtype,tq,hq,splits,window,cap", [
-    ("mixed_nvfp4_bf16", 1, 8, 1, None, None), ("mixed_nvfp4_bf16", 3, 6, 3, None, None),
-    ("mixed_nvfp4_fp16", 2, 4, 2, 9, None), ("mixed_nvfp4_fp8", 4, 4, 1, None, 2.5), ("nvfp4", 2, 6, 2, 20, None),
-    ("bf16", 3, 4, 2, 5, 3.0), ("fp8", 1, 2, 1, None, None), ("mixed_nvfp4_bf16", 40, 2, 2, 30, None)])
-def test_tail_against_reference(dtype, tq, hq, splits, window, cap):
-    """The step's own rows given dense (``tail_k`` / ``tail_v``; queries after the stored rows, causal inside the
-    step): the kernel equals the float32 torch reference, every format, splits, window, soft-cap, 40 tokens."""
+@pytest.mark.parametrize("dtype,tq,hq,splits,window,cap,held", [
+    ("mixed_nvfp4_bf16", 1, 8, 1, None, None, 0), ("mixed_nvfp4_bf16", 3, 6, 3, None, None, 0),
+    ("mixed_nvfp4_fp16", 2, 4, 2, 9, None, 0), ("mixed_nvfp4_fp8", 4, 4, 1, None, 2.5, 0),
+    ("nvfp4", 2, 6, 2, 20, None, 0), ("bf16", 3, 4, 2, 5, 3.0, 0), ("fp8", 1, 2, 1, None, None, 0),
+    ("mixed_nvfp4_bf16", 40, 2, 2, 30, None, 0), ("mixed_nvfp4_bf16", 1, 8, 2, None, None, 6),
+    ("bf16", 2, 4, 1, 5, 3.0, 17), ("nvfp4", 1, 6, 3, 20, None, 40)])
+def test_tail_against_reference(dtype, tq, hq, splits, window, cap, held):
+    """Rows after the stored ones given dense (``tail_k`` / ``tail_v``: ``held`` rows of earlier steps, then the
+    queries' own; queries after them, causal): the kernel equals the float32 torch reference, every format, splits,
+    window, soft-cap, 40 tokens, tails of up to 41 rows under 1 query."""
     from interop.torch_paged import paged_attention_reference
     mixed = dtype.startswith("mixed")
     st = _state(dtype, 5 if mixed else 0, 7 if mixed else 0)
     q = _torch(decode_queries(st, tq, hq, seed=tq + hq))
-    tk, tv = (_torch(x) for x in _tail_rows(st, tq, seed=tq))
+    tk, tv = (_torch(x) for x in _tail_rows(st, held + tq, seed=tq))
     page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
     args = (q, *_pools(st), 1, page_table, high_table, lens, st.config.twin, 0.2, window, cap)
     got = paged_attention(*args, tail_k=tk, tail_v=tv, num_splits=splits)
@@ -254,16 +257,19 @@ def test_prepared_calls_share_runners_only_within_a_specialization():
     assert make(page_table).spec != make(page_table, _torch(decode_queries(st, 2, 4, seed=3))).spec
 
 
-def test_tail_is_append_then_attend():
-    """Reading a step's rows as a dense tail over the cache before the step equals appending them (a bf16 twin
-    whose last_n covers the step holds them exactly) and attending over the cache after it; tail strides of
-    transformers' ``[B, H, T, D]`` layout."""
+@pytest.mark.parametrize("tq,held", [(3, 0), (2, 3), (1, 6)])
+def test_tail_is_append_then_attend(tq, held):
+    """Reading rows as a dense tail over the cache before them (``held`` rows of earlier steps, then the step's
+    ``tq``) equals appending them all (a bf16 twin whose last_n covers the tail holds them exactly) and attending
+    with the last ``tq`` positions over the cache after it; tail strides of transformers' ``[B, H, T, D]``
+    layout."""
     from jmixedkv.state import append
     cfg = KVCacheConfig("mixed_nvfp4_bf16", first_n=5, last_n=7, page_size=16, max_draft_len=3)
     st = poisoned_state(cfg, GroupSpec(num_layers=2, num_kv_heads=2, head_dim=64), (0, 1, 15, 16, 17, 70), width=6,
                         num_pages=40, high_scale=0.02, rows=outlier_rows)
-    tq, hq = 3, 4
-    k, v = _tail_rows(st, tq, seed=5)
+    hq = 4
+    k, v = _tail_rows(st, held + tq, seed=5)
+    tq, q_len = held + tq, tq                                # the rows appended, the queries among them
     seq = jnp.repeat(jnp.arange(st.max_seqs, dtype=jnp.int32), tq)
     pos = (st.kv_lens[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]).reshape(-1)
     flat = lambda x: x.reshape(-1, *x.shape[2:])                            # noqa: E731
@@ -271,7 +277,7 @@ def test_tail_is_append_then_attend():
     for layer in range(st.groups[0].num_layers):
         after = append(after, layer, flat(k), flat(v), seq, pos, backend="reference")
     assert int(after.error) == 0 and np.array_equal(np.asarray(after.kv_lens), np.asarray(st.kv_lens) + tq)
-    q = decode_queries(st, tq, hq, seed=9)
+    q = decode_queries(st, q_len, hq, seed=9)
     want = decode_reference(after, 1, q, jnp.arange(st.max_seqs, dtype=jnp.int32))
     page_table, high_table, lens = _tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32))
     tk = _torch(k).transpose(1, 2).contiguous().transpose(1, 2)            # [B, T, H, D] view of [B, H, T, D]
@@ -288,6 +294,10 @@ def test_tail_bad_input_is_refused():
         _call(a, tail_k=tk, tail_v=tk[..., :32])
     with pytest.raises(ValueError, match="tail_k must be"):
         _call(a, tail_k=tk.float(), tail_v=tk)
+    with pytest.raises(ValueError, match=r"tail_v must be .*\[B, T >= Tq=1, H, D\] = \[6, 3, 2, 64\]"):
+        _call(a, tail_k=torch.cat([tk] * 3, 1), tail_v=torch.cat([tk] * 2, 1))     # K and V of other lengths
+    with pytest.raises(ValueError, match="tail_k must be"):
+        _call(a, tail_k=tk[:, :0], tail_v=tk[:, :0])                               # shorter than the queries
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -385,9 +395,11 @@ def test_gpu_tail_matches_reference(dtype, first_n, last_n):
     st = _state(dtype, first_n, last_n, lens=(0, 1, 15, 16, 17, 300), d=128)
     page_table, high_table, lens = _cuda(_tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32)))
     pools = _cuda(_pools(st))
-    for tq, hq, splits, window, cap in ((1, 8, None, None, None), (4, 6, 3, 9, None), (40, 2, 2, 30, 2.5)):
+    for tq, hq, splits, window, cap, held in ((1, 8, None, None, None, 0), (4, 6, 3, 9, None, 0),
+                                              (40, 2, 2, 30, 2.5, 0), (1, 8, None, None, None, 17),
+                                              (2, 4, 2, 9, None, 33)):
         q = _torch(decode_queries(st, tq, hq, seed=tq)).cuda()
-        tk, tv = (_torch(x).cuda() for x in _tail_rows(st, tq, seed=tq))
+        tk, tv = (_torch(x).cuda() for x in _tail_rows(st, held + tq, seed=tq))
         args = (q, *pools, 1, page_table, high_table, lens, st.config.twin, 128 ** -0.5, window, cap)
         got = paged_attention(*args, tail_k=tk, tail_v=tv, num_splits=splits, interpret=False)
         want = paged_attention_reference(*args, tail_k=tk, tail_v=tv)
@@ -460,8 +472,8 @@ def test_compiles_for_sm90_without_a_gpu():
     sig = dict(q_ptr="*bf16", sq_b="i32", sq_t="i32", sq_h="i32", pt_ptr="*i32", s_pt="i32", ht_ptr="*i32",
                s_ht="i32", lens_ptr="*i32", data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32", rows_ptr="*u8",
                rscale_ptr="*fp32", o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", tk_ptr="*bf16", stk_b="i32",
-               stk_t="i32", stk_h="i32", tv_ptr="*bf16", stv_b="i32", stv_t="i32", stv_h="i32", layer="i32",
-               num_pages="i32",
+               stk_t="i32", stk_h="i32", tv_ptr="*bf16", stv_b="i32", stv_t="i32", stv_h="i32", tail_len="i32",
+               layer="i32", num_pages="i32",
                num_row_pages="i32", num_cols="i32", ht_width="i32", sm_scale="fp32", window="i32", cap="fp32")
     const = dict(H=2, G=3, TQ=2, D=64, PAGE=16, LOW=True, TWIN=True, ROWS_FP8=True, FIRST_N=5, LAST_N=7,
                  NUM_FIXED=1, NUM_RING=2, HAS_WINDOW=True, HAS_CAP=True, SPLIT_LOW=False, SPLIT_ROWS=False,
