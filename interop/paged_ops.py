@@ -182,8 +182,9 @@ def paged_attention(pools: TorchPools, layer: int, q: Tensor, page_table: Tensor
     """``q [B, Tq, Hq, D]`` (the attention dtype, stored basis) over ``layer``'s pages of rows with ``page_table
     i32[B, MP]`` / ``high_table i32[B, W]`` and lengths ``kv_lens i32[B]`` -> ``(out f32[B, Tq, Hq, D], lse
     f32[B, Tq, Hq])`` (op 2 of the contract). ``geom``: the twin's `jmixedkv.layout.TwinGeometry`, or None without
-    a twin (the kernels then see ``(page_size, 0, 0, 0, 0)``). ``tail_k`` / ``tail_v [B, Tq, H, D]``: the step's own
-    rows, not in the pools (query ``t`` at ``kv_lens[b] + t``; `interop.triton_attention.paged_attention`)."""
+    a twin (the kernels then see ``(page_size, 0, 0, 0, 0)``). ``tail_k`` / ``tail_v [B, T, H, D]``, ``T >= Tq``:
+    rows after the stored ones, not in the pools, the queries' own last (query ``t`` at ``kv_lens[b] + T - Tq + t``;
+    `interop.triton_attention.paged_attention`)."""
     g = _geom_list(page_size, geom)
     window = None if sliding_window is None else int(sliding_window)
     cap = None if soft_cap is None else float(soft_cap)
@@ -199,8 +200,8 @@ def step_attention(pools: TorchPools, q: Tensor, page_table: Tensor, high_table:
     f32[B, Tq, Hq, D] (or ``out_dtype``, q's dtype: rounded once), lse f32[B, Tq, Hq])`` for queries shaped like
     ``q``. On CUDA it is an `interop.triton_attention.PagedAttention` (after the first call's checks, one launch per
     call, two with split-K; `EAGER_KEYS_PER_SPLIT`); on CPU the torch reference (the interpreter under
-    ``cpu_backend("triton")``). ``tail``: every call passes the step's own rows (``tail_k`` / ``tail_v [B, Tq, H,
-    D]``)."""
+    ``cpu_backend("triton")``). ``tail``: every call passes rows after the stored ones (``tail_k`` / ``tail_v [B,
+    T, H, D]``, ``T >= Tq``: rows held from earlier steps, then the call's own)."""
     g = _geom_list(page_size, geom)
     kv_lens = kv_lens.to(torch.int32)
     interpret = _triton(q)
