@@ -419,7 +419,8 @@ class JMixedKVCache(Cache):
     def _step_for(self, layer: JMixedLayer, batch: int, t: int, update_args) -> _Step:
         """The step ``layer`` takes part in: the open one, or (the first layer of a forward pass) a new one whose
         tokens are checked and accounted for once (``position_ids`` read from ``update_args``, the ``(args,
-        kwargs)`` transformers gave ``update``). A new pass first stores the last one's rows (`flush`)."""
+        kwargs)`` transformers gave ``update``). A new pass joins the run of held steps if it fits (`_defers`), else
+        first stores that run (`flush`)."""
         step = self._step
         if step is not None and layer.seen == step.start and t == step.t:
             return step
