@@ -512,7 +512,9 @@ def _kernels(interpret: bool):
 
     for name in _HELPERS:
         ns[name] = bind(globals()[name])
-    attn = bind(_attn_kernel, do_not_specialize=["layer", "window", "num_pages", "num_row_pages"])
+    # runtime values that only bound loops or index: one compilation for all of them (a held run's tail grows by a
+    # row a step, so specializing ``tail_len`` would compile mid-generation at 16 rows)
+    attn = bind(_attn_kernel, do_not_specialize=["layer", "window", "num_pages", "num_row_pages", "tail_len"])
     merge = bind(_merge_kernel, do_not_specialize=["num_splits"])
     return attn, merge
 
@@ -884,8 +886,7 @@ class PagedAttention:
             tail = (tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
                     tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), tail_k.shape[1])
             tail_key = (_align16(tail_k), _int_spec(tail[1]), _int_spec(tail[2]), _int_spec(tail[3]),
-                        _align16(tail_v), _int_spec(tail[5]), _int_spec(tail[6]), _int_spec(tail[7]),
-                        _int_spec(tail[8]))
+                        _align16(tail_v), _int_spec(tail[5]), _int_spec(tail[6]), _int_spec(tail[7]))
         else:
             tail, tail_key = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0, tq), ()
         sq = q.stride()

@@ -241,6 +241,14 @@ def test_output_in_the_query_dtype(dtype, splits):
         run(q, 1, 0.2, tail_k=tk, tail_v=tv, out_dtype=torch.float64)
 
 
+def test_tail_length_is_not_specialized():
+    """The tail's length only bounds a loop: the compiled kernel does not specialize on it (a held run's tail grows
+    a row a step; 1 and multiples of 16 would each compile anew mid-generation)."""
+    from interop.triton_attention import _kernels
+    attn, _ = _kernels(False)
+    assert "tail_len" in attn.arg_names and "tail_len" in attn.do_not_specialize
+
+
 def test_prepared_calls_share_runners_only_within_a_specialization():
     """Compiled launches are shared between `PagedAttention` objects (one per step) by ``spec``: the same pools and
     table shapes give the same spec; a table width Triton specializes differently (16 columns vs 17, a multiple of
@@ -437,6 +445,15 @@ def test_gpu_prepared_calls_reuse_the_compiled_kernel():
         o16, l16 = run(query, 1, 0.1, 9, None, tail_k=tk, tail_v=tv, out_dtype=q.dtype)
         assert o16.dtype == q.dtype and torch.equal(o16.view(torch.int16), o32.to(q.dtype).view(torch.int16))
         assert torch.equal(l16, l32)
+    # a held run's tail grows a row a step: every length launches the one compiled kernel (no new runner)
+    kv = [_torch(x).cuda() for x in _tail_rows(st, 40, seed=7)]
+    for i, rows in enumerate((2, 16, 17, 32, 40)):
+        got = run(q, 1, 0.1, tail_k=kv[0][:, :rows], tail_v=kv[1][:, :rows])
+        want = paged_attention_reference(q, *pools, 1, page_table, high_table, lens, st.config.twin, 0.1, None,
+                                         None, kv[0][:, :rows], kv[1][:, :rows])
+        _check([x.cpu() for x in got], *(x.cpu() for x in want), msg=f"tail of {rows} rows")
+        keys = len(run._runners) if i == 0 else keys
+    assert len(run._runners) == keys                  # 16 / 32 rows (multiples of 16) launched the same runner
 
 
 @pytest.mark.gpu
