@@ -485,7 +485,8 @@ def _interpreter_range(*bounds):
                    for b in bounds))
 
 
-_HELPERS = ("_dot", "_bf16_rne", "_cast", "_stored", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_tail_step", "_pow2")
+_HELPERS = ("_dot", "_bf16_rne", "_cast", "_stored", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_tail_step",
+            "_pow2")
 
 
 @functools.lru_cache(maxsize=None)
