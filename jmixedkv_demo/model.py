@@ -552,12 +552,28 @@ def calibrate(prefix, knobs):
 class SimulatedDecodeSession:
     """Scores ``T`` new tokens at positions ``P..P+T-1`` in one pass, each query seeing the cache of its own decode
     step (see the section comment). ``prefix`` from `exact_prefill`, ``knobs`` from `sim_knobs`, ``scales`` from
-    `calibrate`. Records every layer's attention output ``f32[B, T, Hq, D]`` in ``outputs``."""
+    `calibrate`. Records every layer's attention output ``f32[B, T, Hq, D]`` in ``outputs`` (what `emitted`
+    returns). `views` and `retained` are the two places a study varies the cache (a subclass overrides them)."""
 
     def __init__(self, prefix, knobs, scales, high_dtype, attn_dtype, block_scale="max6"):
         self.prefix, self.knobs, self.scales, self.block_scale = prefix, knobs, scales, block_scale
         self.high_dtype, self.attn_dtype = jnp.dtype(high_dtype), jnp.dtype(attn_dtype)
-        self.outputs = []
+        self.outputs, self.weights = [], None
+
+    def views(self, layer, rows):
+        """(low view, high view) of one layer's rows ``f32[B, S, 2, H, D]`` (after the levers) as the cache serves
+        them: NVFP4 per token / the twin's dtype (`_views`)."""
+        return _views(rows, self.high_dtype, self.attn_dtype, self.scales["gs"][layer], self.scales["high"][layer],
+                      self.block_scale)
+
+    def retained(self, layer, ret):
+        """Which rows a query reads from the twin: ``ret bool[B, T, 1, 1, S]`` (``first_n`` / ``last_n`` of its
+        step), broadcast against ``[B, T, H, G, S]``."""
+        return ret
+
+    def emitted(self):
+        """What the layer scan stacks over layers for this session: its attention output."""
+        return self.outputs[0]
 
     def attend(self, layer, q, k, v, positions):
         kn, hi = self.knobs, jax.lax.Precision.HIGHEST
@@ -569,8 +585,7 @@ class SimulatedDecodeSession:
         vals = jnp.concatenate([pv, v.astype(jnp.float32)], axis=1)
         rows = jnp.einsum("bshd,de->bshe", jnp.stack([keys, vals], axis=2).reshape(b, p + t, 2 * h, d), kn["rot"],
                           precision=hi).reshape(b, p + t, 2, h, d)
-        low, high = _views(rows, self.high_dtype, self.attn_dtype, self.scales["gs"][layer],
-                           self.scales["high"][layer], self.block_scale)
+        low, high = self.views(layer, rows)
         qr = jnp.einsum("bthd,de->bthe", q.astype(jnp.float32), kn["rot"], precision=hi)
         qr = qr.astype(self.attn_dtype).astype(jnp.float32).reshape(b, t, h, -1, d)
         scale = d ** -0.5
@@ -582,9 +597,9 @@ class SimulatedDecodeSession:
         n = qpos + 1
         retained = (j < kn["first_n"]) | ((j >= n - kn["last_n"]) & (j < n))
         causal = j <= qpos
-        ret = retained[:, :, None, None, :]
+        ret = self.retained(layer, retained[:, :, None, None, :])
         logits = jnp.where(causal[:, :, None, None, :], jnp.where(ret, lg_hi, lg_lo), -jnp.inf)
-        w = jax.nn.softmax(logits, axis=-1)
+        w = self.weights = jax.nn.softmax(logits, axis=-1)                     # f32[B, T, H, G, S]
         out = (jnp.einsum("btkgs,bskd->btkgd", jnp.where(ret, w, 0.0), f32(high[:, :, 1]), precision=hi)
                + jnp.einsum("btkgs,bskd->btkgd", jnp.where(ret, 0.0, w), f32(low[:, :, 1]), precision=hi))
         out = out.reshape(b, t, -1, d).astype(self.attn_dtype).astype(jnp.float32)
@@ -594,23 +609,26 @@ class SimulatedDecodeSession:
 
 
 @functools.lru_cache(maxsize=16)
-def _score_fn(model_cfg: ModelConfig, high_dtype: str, attn_dtype: str, block_scale: str):
+def _score_fn(model_cfg: ModelConfig, high_dtype: str, attn_dtype: str, block_scale: str, session=None):
+    session = SimulatedDecodeSession if session is None else session
+
     def fn(params, prefix, tokens, knobs):
         scales = calibrate(prefix, knobs)
         p = prefix["k"].shape[2]
         pos = jnp.broadcast_to(p + jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        make = lambda layer, _: SimulatedDecodeSession(  # noqa: E731
-            prefix, knobs, scales, high_dtype, attn_dtype, block_scale)
-        logits, _, attn = _scan_layers(params, model_cfg, tokens, pos, make, lambda s: (None, s.outputs[0]))
+        make = lambda layer, _: session(prefix, knobs, scales, high_dtype, attn_dtype, block_scale)  # noqa: E731
+        logits, _, attn = _scan_layers(params, model_cfg, tokens, pos, make, lambda s: (None, s.emitted()))
         return logits.astype(jnp.float32), attn, scales
     return jax.jit(fn)
 
 
-def score_decode(params, model_cfg: ModelConfig, cache_cfg: KVCacheConfig, prefix, tokens):
+def score_decode(params, model_cfg: ModelConfig, cache_cfg: KVCacheConfig, prefix, tokens, session=None):
     """Teacher-forced decode of ``tokens i32[B, T]`` after the exact prefix, through a simulated ``cache_cfg``.
 
-    Returns ``(logits f32[B, T, V], attn f32[L, B, T, Hq, D], scales)`` (``scales`` from `calibrate`)."""
-    fn = _score_fn(model_cfg, *_sim_kind(cache_cfg))
+    ``session``: a `SimulatedDecodeSession` subclass (a study's variant of the cache; the class must be hashable
+    and fixed: its compiled pass is cached by it). Returns ``(logits f32[B, T, V], attn, scales)``: ``attn`` what
+    the session's `emitted` stacks over layers (by default f32[L, B, T, Hq, D]), ``scales`` from `calibrate`."""
+    fn = _score_fn(model_cfg, *_sim_kind(cache_cfg), session)
     return fn(params, prefix, jnp.asarray(tokens, jnp.int32), sim_knobs(cache_cfg, model_cfg))
 
 

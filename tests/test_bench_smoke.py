@@ -153,6 +153,20 @@ def test_generate_parts_smoke(tmp_path):
     assert all(math.isfinite(r["us_per_decode_step"]) for r in res.values()), res
 
 
+def test_accuracy_research_smoke(tmp_path):
+    """The accuracy study's variants (per-channel K, an oracle twin) score against the bf16 cache on a real text
+    with the GGUF model cut to 2 layers: every variant's KL is finite and positive, and each variant changes what
+    the cache serves (its KL differs from `recommended()`'s)."""
+    text = os.path.join(BENCH, "texts", "chat.txt")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "tools", "accuracy_research.py"), "--layers", "2",
+                           "--tokens", "160", "--window", "16", "--texts", text, "--out", str(tmp_path)], cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kl = json.loads((tmp_path / "accuracy_research.json").read_text())["kl"]["chat"]
+    assert len(kl) == 11 and all(math.isfinite(v) and v > 0 for v in kl.values()), kl
+    assert all(v != kl["recommended"] for k, v in kl.items() if k not in ("recommended", "fp8")), kl
+
+
 def test_decode_bench_variants_name_both_backends():
     """``--variants``: ``k..w..`` forms are Triton configs, ``m[s][t][v][x]`` forms Mosaic GPU ones (stages, K's
     halves in turn, the head_dim-256 V tiles in turn, a split multiplier of the default count); a bad form is

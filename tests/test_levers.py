@@ -148,3 +148,35 @@ def test_simulation_sees_quantization_where_the_cache_does():
     np.testing.assert_array_equal(run(KVCacheConfig("mixed_nvfp4_bf16", first_n=0, last_n=P + N, page_size=PAGE)), bf)
     nv = run(KVCacheConfig("nvfp4", page_size=PAGE))
     assert 0 < token_metrics(nv, bf, teacher)["kl"] < 0.5
+
+
+def _all_high_session():
+    from jmixedkv_demo.model import SimulatedDecodeSession
+
+    class AllHigh(SimulatedDecodeSession):
+        def retained(self, layer, ret):
+            return jnp.ones_like(ret)
+
+    class Weights(SimulatedDecodeSession):
+        def emitted(self):
+            return self.weights
+    return AllHigh, Weights
+
+
+def test_simulation_session_hooks():
+    """``score_decode(session=...)``: a subclass's `retained` decides which rows the twin serves (all of them: an
+    NVFP4-history mixed cache then equals bf16 exactly, where the plain session does not) and its `emitted` is what
+    the layer scan returns (the attention weights: causal rows summing to 1)."""
+    all_high, weights = _all_high_session()
+    params, prompt, teacher = _setup()
+    prefix, _ = exact_prefill(params, CFG1, prompt)
+    mixed = KVCacheConfig("mixed_nvfp4_bf16", first_n=1, last_n=2, page_size=PAGE)
+    bf = np.asarray(score_decode(params, CFG1, KVCacheConfig("bf16", page_size=PAGE), prefix, teacher)[0])
+    assert not np.array_equal(np.asarray(score_decode(params, CFG1, mixed, prefix, teacher)[0]), bf)
+    np.testing.assert_array_equal(np.asarray(score_decode(params, CFG1, mixed, prefix, teacher, session=all_high)[0]),
+                                  bf)
+    w = np.asarray(score_decode(params, CFG1, mixed, prefix, teacher, session=weights)[1])    # [L, B, T, H, G, S]
+    t, s = w.shape[2], w.shape[-1]
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-5)
+    future = np.arange(s)[None, :] > (s - t + np.arange(t))[:, None]                     # [T, S]
+    assert (w[:, :, future.nonzero()[0], ..., future.nonzero()[1]] == 0).all() and future.any()
