@@ -89,8 +89,8 @@ def run(model, texts: dict, tokens: int, window: int, progress) -> dict:
         toks = jnp.asarray(ids[:tokens + 1], jnp.int32)[None]
         prefix, _ = exact_prefill(params, model.cfg, toks[:, :tokens - window])
         steps, targets = toks[:, tokens - window:tokens], toks[:, tokens - window + 1:]
-        ref, _, _ = score_decode(params, model.cfg, KVCacheConfig("bf16"), prefix, steps)
-        _, mass, _ = score_decode(params, model.cfg, KVCacheConfig("bf16"), prefix, steps, session=mass_session)
+        # the bf16 pass: the reference logits and the attention each row received (the oracle's choice), at once
+        ref, mass, _ = score_decode(params, model.cfg, KVCacheConfig("bf16"), prefix, steps, session=mass_session)
         kl = lambda cfg, session=None: token_metrics(  # noqa: E731
             score_decode(params, model.cfg, cfg, prefix, steps, session=session)[0], ref, targets)["kl"]
         report[name] = {"fp8": kl(KVCacheConfig("fp8"))}
