@@ -35,20 +35,20 @@ Semantics, exactly:
   attention did not run through it raises `RuntimeError` at the next ``update``. Its float32 attention is close
   to, not bit-equal with, torch's. Two ways, by format:
 
-  - Held aside (every format but K smoothing and a float32 attention dtype; no padding inside the step; past
-    ``first_n`` for a mixed cache without ``last_n``): consecutive steps form a *run* of up to `tail_limit` rows
-    per row (``last_n`` for a mixed cache with a ``last_n`` window, else `MAX_HELD_TOKENS`; decode steps: up to 64
-    passes). Each layer's K / V are copied into the run's buffer (``[L, 2, B, H, limit, D]`` in the attention
-    dtype: one copy launch per layer) and attention is a torch Triton kernel (`interop.paged_ops.step_attention`;
-    torch code on CPU) over zero-copy views of the pools as they were before the run plus the run's rows so far
-    read dense in the form they read once stored (`tail_form`: as given from a 16-bit pool or twin; through the
-    NVFP4 or fp8 codec otherwise, one more Triton launch, `interop.paged_ops.round_trip`) -- the result of
-    appending them first, up to one rounding of those rows to the attention dtype. The rotation lever is applied
-    to q / the rows and undone on the output around it. When a step would not fit the run (or at `flush`, or any
-    method that reads or changes the cache: ``cache``, ``crop``, ``reorder_cache``, ``reset``), every layer's
-    rows of the run are stored in ONE donated JAX program (`TorchKVCache.write_step`); the views are dropped first,
-    so the pools are updated in place. A first step that fits attends over its own rows (the model's attention)
-    and starts a run.
+  - Held aside (every format but K smoothing and a float32 attention dtype; no padding inside the step; past ``first_n``
+    for a mixed cache without ``last_n``): consecutive steps form a *run* of up to `tail_limit` rows per row (``last_n``
+    for a mixed cache with a ``last_n`` window, else `MAX_HELD_TOKENS`; decode steps: up to 64 passes). Each layer's K /
+    V go into the run's buffer (``[L, 2, B, H, limit, D]`` in the attention dtype): the attention kernel keeps them
+    there itself where they read as given (no codec form, no rotation: no launch but the kernel's), else one copy launch
+    per layer. Attention is a torch Triton kernel (`interop.paged_ops.step_attention`; torch code on CPU) over zero-copy
+    views of the pools as they were before the run plus the run's rows so far read dense in the form they read once
+    stored (`tail_form`: as given from a 16-bit pool or twin; through the NVFP4 or fp8 codec otherwise, one more Triton
+    launch, `interop.paged_ops.round_trip`) -- the result of appending them first, up to one rounding of those rows to
+    the attention dtype. The rotation lever is applied to q / the rows and undone on the output around it. When a step
+    would not fit the run (or at `flush`, or any method that reads or changes the cache: ``cache``, ``crop``,
+    ``reorder_cache``, ``reset``), every layer's rows of the run are stored in ONE donated JAX program
+    (`TorchKVCache.write_step`); the views are dropped first, so the pools are updated in place. A first step that fits
+    attends over its own rows (the model's attention) and starts a run.
   - Otherwise, a decode / verify step (``1 <= T <= max_draft_len + 1``) appends and runs the fused decode (the
     Mosaic GPU / Triton kernel on a GPU) in one JAX program per layer; a longer step is staged as above.
 * Sliding layers (``layer_types`` / ``sliding_window`` in the config) are marked ``is_sliding``; they attend over
@@ -173,14 +173,15 @@ class _Held:
     """Steps held aside since the cache was last stored (a run of passes whose rows are not in the pools yet).
 
     ``buf [L, 2, B, H, cap, D]`` (attention dtype): each layer's K / V rows of the run, ``count`` per batch row
-    (every held step takes all its ``t`` tokens in every row); ``reserved``: each step's `TorchKVCache.reserve_step`;
-    ``views``: the cache before the run as torch views (`TorchKVCache.read_views`, made once per run); ``attend``:
-    the attention over them per query length (`interop.paged_ops.step_attention`)."""
+    (every held step takes all its ``t`` tokens in every row); ``tails``: per layer, its K and V rows as the
+    kernel's tail ``[B, cap, H, D]`` (views made once per buffer); ``reserved``: each step's
+    `TorchKVCache.reserve_step`; ``views``: the cache before the run as torch views (`TorchKVCache.read_views`, made
+    once per run); ``attend``: the attention over them per query length (`interop.paged_ops.step_attention`)."""
 
-    __slots__ = ("buf", "count", "reserved", "views", "attend")
+    __slots__ = ("buf", "tails", "count", "reserved", "views", "attend")
 
-    def __init__(self, buf: torch.Tensor):
-        self.buf, self.count, self.reserved, self.views, self.attend = buf, 0, [], None, {}
+    def __init__(self, buf: torch.Tensor, tails: list):
+        self.buf, self.tails, self.count, self.reserved, self.views, self.attend = buf, tails, 0, [], None, {}
 
     def put(self, layer: int, off: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a layer's step rows ``k`` / ``v [B, H, t, D]`` at ``[off, off + t)`` (one copy launch)."""
@@ -242,6 +243,9 @@ class JMixedKVCache(Cache):
         self._tail_form = tail_form(cache.config)
         self._tail_from = cache.config.first_n if cache.config.is_mixed and not cache.config.last_n else 0
         self._hadamard = None
+        # fused steps held aside read their rows as given (no rotation, no codec): the attention kernel reads the
+        # layer's new rows from the model's tensors and keeps them in the run's buffer itself (no copy launch)
+        self._kernel_keeps = decode == "fused" and self._tail_form is None and cache.config.rotation is None
         if cache.config.rotation == "hadamard":
             from .torch_nvfp4 import hadamard
             self._hadamard = hadamard(spec.head_dim, cache.device)
@@ -441,7 +445,7 @@ class JMixedKVCache(Cache):
         seq = np.where(real, self.slots[:, None], -1).astype(np.int32).reshape(-1)     # token b * t + j
         pos = np.where(real, before[:, None] + j - (t - new[:, None]), 0).astype(np.int32).reshape(-1)
         if held is None and self._defers(t, new, before, 0):
-            held = _Held(self._buffer(batch))
+            held = _Held(*self._buffer(batch))
         if held is not None:
             reserved = self._tkv.reserve_step(seq, pos)
             self._held = held
@@ -464,15 +468,17 @@ class JMixedKVCache(Cache):
         return (count + t <= self._tail_limit and bool((new == t).all())
                 and (not self._tail_from or int(before.min()) >= self._tail_from))
 
-    def _buffer(self, batch: int) -> torch.Tensor:
-        """The held rows' buffer for ``batch`` rows (`_Held.buf`), allocated once and reused by every run."""
-        buf = self._bufs.get(batch)
-        if buf is None:
+    def _buffer(self, batch: int):
+        """The held rows' buffer for ``batch`` rows and its per-layer tail views (`_Held`), made once and reused by
+        every run."""
+        got = self._bufs.get(batch)
+        if got is None:
             sp = self.spec
-            buf = self._bufs[batch] = torch.empty(
-                (sp.num_layers, 2, batch, sp.num_kv_heads, self._tail_limit, sp.head_dim),
-                dtype=self._tkv.attention_dtype, device=self._tkv.device)
-        return buf
+            buf = torch.empty((sp.num_layers, 2, batch, sp.num_kv_heads, self._tail_limit, sp.head_dim),
+                              dtype=self._tkv.attention_dtype, device=self._tkv.device)
+            got = self._bufs[batch] = (buf, [(buf[i, 0].transpose(1, 2), buf[i, 1].transpose(1, 2))
+                                             for i in range(sp.num_layers)])
+        return got
 
     def _update(self, layer: JMixedLayer, k: torch.Tensor, v: torch.Tensor, update_args):
         batch, heads, t, dim = k.shape
@@ -495,6 +501,8 @@ class JMixedKVCache(Cache):
         k, v = _attention_dtype(k, self._tkv), _attention_dtype(v, self._tkv)
         layer.seen += t
         if step.plan is None:                          # held aside: stored when the run ends (`flush`)
+            if self._kernel_keeps and not step.first:  # the attention kernel keeps the rows (`_attend_tail`)
+                return self._marker(layer, step, k, v)
             step.held.put(layer.layer_idx, step.off, k, v)
             step.reached[layer.layer_idx] = True
             if step.first:                             # nothing stored before: attention reads the step's own rows
@@ -530,13 +538,13 @@ class JMixedKVCache(Cache):
         window = _int_or_none(sliding_window)
         cap = None if softcap is None else float(softcap)
         if step.plan is None:
-            return self._attend_tail(step, layer_idx, query, scaling, window, cap, sinks)
+            return self._attend_tail(step, layer_idx, query, k, v, scaling, window, cap, sinks)
         kvq = torch.cat([k, v, _attention_dtype(query, self._tkv)], dim=1)    # one crossing for K, V and Q
         out, _ = self._tkv.step_attend(layer_idx, kvq, None, None, step.plan, sm_scale=scaling,
                                        sliding_window=window, soft_cap=cap, sinks=sinks, return_lse=False)
         return out.to(query.dtype)
 
-    def _attend_tail(self, step: _Step, layer_idx: int, query, scaling, window, cap, sinks):
+    def _attend_tail(self, step: _Step, layer_idx: int, query, k, v, scaling, window, cap, sinks):
         """A held-aside step's attention: a torch kernel over the cache as it was before the run (zero-copy views
         of its pools, `TorchKVCache.read_views`) plus the run's rows so far read dense (`interop.paged_ops.
         step_attention`; the result of appending them first: `tail_limit`), with the cache's rotation applied to
@@ -552,12 +560,19 @@ class JMixedKVCache(Cache):
             attend = held.attend[step.t] = paged_ops.step_attention(
                 views.pools, q, views.page_table, views.high_table, views.kv_lens, self._tkv.page_size, views.geom,
                 tail=True)
-        tk, tv = self._tail_rows(step, layer_idx)
         scale = self.spec.head_dim ** -0.5 if scaling is None else float(scaling)
         # the kernel rounds its output to the model's dtype itself (no cast launch) unless float32 work follows
         direct = sinks is None and self._hadamard is None and query.dtype == q.dtype
-        out, lse = attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv,
-                          out_dtype=q.dtype if direct else None)
+        odt = q.dtype if direct else None
+        if self._kernel_keeps:                         # the step's rows from k / v, kept in the run by the kernel
+            tk, tv = held.tails[layer_idx]
+            out, lse = attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv, tail_len=step.off + step.t,
+                              new_k=k.transpose(1, 2), new_v=v.transpose(1, 2), out_dtype=odt,
+                              return_lse=sinks is not None, validate=_checks(step, "attend"))
+            step.reached[layer_idx] = True
+        else:
+            tk, tv = self._tail_rows(step, layer_idx)
+            out, lse = attend(q, layer_idx, scale, window, cap, tail_k=tk, tail_v=tv, out_dtype=odt)
         if sinks is not None:
             out = paged_ops.apply_sinks(out, lse, sinks)
         if self._hadamard is not None:
@@ -710,7 +725,7 @@ def jmixedkv_attention(module, query, key, value, attention_mask, dropout: float
     ``sliding_window``, ``softcap`` (Gemma-2) and ``s_aux`` attention sinks (gpt-oss). On a step of a
     `interop.hf_static.JMixedStaticCache` attached to ``module`` it runs that cache's append + paged attention.
     Otherwise (prefill, staged decode, no cache) it is `dense_attention`."""
-    static = getattr(module, "_jmixedkv_static", None)
+    static = getattr(module, "__dict__", {}).get("_jmixedkv_static")        # (no Module.__getattr__ miss)
     if static is not None:
         out = static.attention(module, query, attention_mask, scaling, sliding_window, softcap, s_aux, kwargs)
         if out is not None:

@@ -196,12 +196,14 @@ def paged_attention(pools: TorchPools, layer: int, q: Tensor, page_table: Tensor
 def step_attention(pools: TorchPools, q: Tensor, page_table: Tensor, high_table: Optional[Tensor], kv_lens: Tensor,
                    page_size: int, geom, *, tail: bool):
     """`paged_attention` over pools and tables that stay fixed for a step's layers, checked once: returns ``run(q,
-    layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None, out_dtype=None) -> (out
-    f32[B, Tq, Hq, D] (or ``out_dtype``, q's dtype: rounded once), lse f32[B, Tq, Hq])`` for queries shaped like
-    ``q``. On CUDA it is an `interop.triton_attention.PagedAttention` (after the first call's checks, one launch per
-    call, two with split-K; `EAGER_KEYS_PER_SPLIT`); on CPU the torch reference (the interpreter under
-    ``cpu_backend("triton")``). ``tail``: every call passes rows after the stored ones (``tail_k`` / ``tail_v [B,
-    T, H, D]``, ``T >= Tq``: rows held from earlier steps, then the call's own)."""
+    layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None, tail_len=None, new_k=None,
+    new_v=None, out_dtype=None, return_lse=True, validate=True) -> (out f32[B, Tq, Hq, D] (or ``out_dtype``, q's
+    dtype: rounded once), lse f32[B, Tq, Hq] or None)`` for queries shaped like ``q`` (the keywords as
+    `interop.triton_attention.PagedAttention`'s: ``new_k`` / ``new_v`` are kept in the tail). On CUDA it is an
+    `interop.triton_attention.PagedAttention` (after the first call's checks, one launch per call, two with split-K;
+    `EAGER_KEYS_PER_SPLIT`); on CPU the torch reference (the interpreter under ``cpu_backend("triton")``). ``tail``:
+    every call passes rows after the stored ones (``tail_k`` / ``tail_v [B, T, H, D]``, ``T >= Tq``: rows held from
+    earlier steps, then the call's own)."""
     g = _geom_list(page_size, geom)
     kv_lens = kv_lens.to(torch.int32)
     interpret = _triton(q)
@@ -210,10 +212,16 @@ def step_attention(pools: TorchPools, q: Tensor, page_table: Tensor, high_table:
         return PagedAttention(q, *pools, page_table, high_table, kv_lens, g, tail=tail, interpret=interpret,
                               min_keys_per_split=EAGER_KEYS_PER_SPLIT)
 
-    def run(q, layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None, out_dtype=None):
+    def run(q, layer, sm_scale, sliding_window=None, soft_cap=None, *, tail_k=None, tail_v=None, tail_len=None,
+            new_k=None, new_v=None, out_dtype=None, return_lse=True, validate=True):
+        if tail_len is not None:
+            if new_k is not None:                  # the step's own rows kept in the tail, as the kernel does
+                tail_k[:, tail_len - new_k.shape[1]:tail_len].copy_(new_k)
+                tail_v[:, tail_len - new_v.shape[1]:tail_len].copy_(new_v)
+            tail_k, tail_v = tail_k[:, :tail_len], tail_v[:, :tail_len]
         out, lse = torch_paged.paged_attention_reference(q, *pools, layer, page_table, high_table, kv_lens, g,
                                                          sm_scale, sliding_window, soft_cap, tail_k, tail_v)
-        return (out if out_dtype is None else out.to(out_dtype)), lse
+        return (out if out_dtype is None else out.to(out_dtype)), (lse if return_lse else None)
     return run
 
 

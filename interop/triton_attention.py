@@ -61,6 +61,7 @@ import torch
 
 from jmixedkv.numerics import next_pow2
 
+from .triton_launch import Launch
 from .triton_write import _int_spec
 
 #: head dims the kernel takes (tl.dot tiles of the packed NVFP4 halves need D / 2 >= 16, a power of two)
@@ -264,16 +265,26 @@ def _step(blk, acc_e, acc_o, m_i, l_i, n, n_ret, qpos, q_e, q_o, q16_e, q16_o, m
 
 
 def _tail_step(tb, acc_e, acc_o, m_i, l_i, n, t, qpos, q_e, q_o, tail_v_mul, tk_row, tv_row, stk_t, stv_t,
-               tail_len, sm_scale, window, cap, TQ: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               HAS_CAP: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+               nk_row, nv_row, snk_t, snv_t, tail_len, sm_scale, window, cap, TQ: tl.constexpr, D: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
+               EMULATE: tl.constexpr, NEW: tl.constexpr):
     """One block of the dense tail's ``tail_len`` rows (held rows, then the step's own): key ``j`` at position ``n +
     j``, seen by query ``t`` (the tail's row ``tail_len - TQ + t``) when ``j <= tail_len - TQ + t`` (and inside the
-    window); 16-bit rows in q's dtype, online softmax as `_step`."""
+    window); 16-bit rows in q's dtype, online softmax as `_step`. ``NEW``: the step's own rows (the last ``TQ``)
+    come from ``nk_row`` / ``nv_row`` instead of the tail."""
     j = tb * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = j < tail_len
     cols = tl.arange(0, D)[None, :]
-    kx = tl.load(tk_row + j[:, None].to(tl.int64) * stk_t + cols, mask=ok[:, None], other=0.0)
-    vx = tl.load(tv_row + j[:, None].to(tl.int64) * stv_t + cols, mask=ok[:, None], other=0.0)
+    held = ok
+    if NEW:
+        held = j < tail_len - TQ
+    kx = tl.load(tk_row + j[:, None].to(tl.int64) * stk_t + cols, mask=held[:, None], other=0.0)
+    vx = tl.load(tv_row + j[:, None].to(tl.int64) * stv_t + cols, mask=held[:, None], other=0.0)
+    if NEW:
+        own = ok & (j >= tail_len - TQ)
+        jn = (j - (tail_len - TQ))[:, None].to(tl.int64)
+        kx = tl.where(own[:, None], tl.load(nk_row + jn * snk_t + cols, mask=own[:, None], other=0.0), kx)
+        vx = tl.where(own[:, None], tl.load(nv_row + jn * snv_t + cols, mask=own[:, None], other=0.0), vx)
     k_e, k_o = tl.split(tl.reshape(kx, [BLOCK_N, D // 2, 2]))
     v_e, v_o = tl.split(tl.reshape(vx, [BLOCK_N, D // 2, 2]))
     logits = _qk(q_e, q_o, k_e, k_o, EMULATE) * sm_scale
@@ -296,6 +307,16 @@ def _tail_step(tb, acc_e, acc_o, m_i, l_i, n, t, qpos, q_e, q_o, tail_v_mul, tk_
     return acc_e, acc_o, m_new, l_i
 
 
+def _keep_rows(tk_row, tv_row, stk_t, stv_t, nk_row, nv_row, snk_t, snv_t, tail_len, TQ: tl.constexpr,
+               D: tl.constexpr):
+    """Copy a ``(b, h)``'s ``TQ`` new K / V rows into the tail at ``[tail_len - TQ, tail_len)``."""
+    cols = tl.arange(0, D)
+    for r in range(0, TQ):
+        dst = (tail_len - TQ + r).to(tl.int64)
+        tl.store(tk_row + dst * stk_t + cols, tl.load(nk_row + r * snk_t + cols))
+        tl.store(tv_row + dst * stv_t + cols, tl.load(nv_row + r * snv_t + cols))
+
+
 def _pow2(e):
     """float32 ``2^e`` for int32 ``e`` in ``[-126, 127]`` (exponent bits)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -304,20 +325,23 @@ def _pow2(e):
 def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
                  data_ptr, scales_ptr, gs_ptr, rows_ptr, rscale_ptr, o_ptr, m_ptr, l_ptr,
                  tk_ptr, stk_b, stk_t, stk_h, tv_ptr, stv_b, stv_t, stv_h, tail_len,
+                 nk_ptr, snk_b, snk_t, snk_h, nv_ptr, snv_b, snv_t, snv_h,
                  layer, num_pages, num_row_pages, num_cols, ht_width, sm_scale, window, cap,
                  H: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  LOW: tl.constexpr, TWIN: tl.constexpr, ROWS_FP8: tl.constexpr,
                  FIRST_N: tl.constexpr, LAST_N: tl.constexpr, NUM_FIXED: tl.constexpr, NUM_RING: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, SPLIT_LOW: tl.constexpr,
                  SPLIT_ROWS: tl.constexpr, FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EMULATE: tl.constexpr, TAIL: tl.constexpr, SPLIT_TAIL: tl.constexpr):
+                 EMULATE: tl.constexpr, TAIL: tl.constexpr, SPLIT_TAIL: tl.constexpr, NEW: tl.constexpr):
     """Program ``(b * H + h, split, tile)``: query rows ``tile * BLOCK_M + [0, BLOCK_M)`` of KV head ``h`` of batch
     row ``b`` over the split's blocks. ``FINAL`` (one split): writes ``out f32[B, Tq, Hq, D]`` to ``o_ptr`` and
     ``lse f32[B, Tq, Hq]`` to ``m_ptr``; else the partials ``o f32[B, Tq, Hq, S, D]`` (unnormalized), ``m, l
     f32[B, Tq, Hq, S]``. ``TAIL``: ``tail_len >= Tq`` rows after the ``n`` stored ones come dense (``tk_ptr`` /
     ``tv_ptr``, ``[B, tail_len, H, D]`` by strides; the queries' own rows are its last ``Tq``): query ``t`` sits at
     ``n + tail_len - Tq + t``, the twin windows count from ``n + tail_len`` (the length once the tail is appended),
-    and the last split also reads the tail."""
+    and the last split also reads the tail. ``NEW`` (with ``TAIL``): the tail's last ``Tq`` rows are read from
+    ``nk_ptr`` / ``nv_ptr`` (``[B, Tq, H, D]`` by strides) and stored into the tail at ``[tail_len - Tq,
+    tail_len)`` by the last split's first tile of each ``(b, h)`` (no program reads them from the tail)."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -431,10 +455,16 @@ def _attn_kernel(q_ptr, sq_b, sq_t, sq_h, pt_ptr, s_pt, ht_ptr, s_ht, lens_ptr,
             tail_v_mul = 1.0 / out_mul
             tk_row = tk_ptr + b.to(tl.int64) * stk_b + h.to(tl.int64) * stk_h
             tv_row = tv_ptr + b.to(tl.int64) * stv_b + h.to(tl.int64) * stv_h
+            nk_row = nk_ptr + b.to(tl.int64) * snk_b + h.to(tl.int64) * snk_h
+            nv_row = nv_ptr + b.to(tl.int64) * snv_b + h.to(tl.int64) * snv_h
             for tb in range(0, (tail_len - TQ + t_hi) // BLOCK_N + 1):
                 acc_e, acc_o, m_i, l_i = _tail_step(
                     tb, acc_e, acc_o, m_i, l_i, n, t, qpos, q_e, q_o, tail_v_mul, tk_row, tv_row, stk_t, stv_t,
-                    tail_len, sm_scale, window, cap, TQ, D, HAS_WINDOW, HAS_CAP, SPLIT_TAIL, BLOCK_N, EMULATE)
+                    nk_row, nv_row, snk_t, snv_t, tail_len, sm_scale, window, cap, TQ, D, HAS_WINDOW, HAS_CAP,
+                    SPLIT_TAIL, BLOCK_N, EMULATE, NEW)
+            if NEW:
+                if tile == 0:                                      # the step's own rows kept in the tail
+                    _keep_rows(tk_row, tv_row, stk_t, stv_t, nk_row, nv_row, snk_t, snv_t, tail_len, TQ, D)
     acc_e = acc_e * out_mul
     acc_o = acc_o * out_mul
 
@@ -486,7 +516,7 @@ def _interpreter_range(*bounds):
 
 
 _HELPERS = ("_dot", "_bf16_rne", "_cast", "_stored", "_qk", "_pv", "_nvfp4_tile", "_row_tile", "_step", "_tail_step",
-            "_pow2")
+            "_keep_rows", "_pow2")
 
 
 @functools.lru_cache(maxsize=None)
@@ -836,12 +866,14 @@ class PagedAttention:
             FINAL=tuning.num_splits == 1, BLOCK_M=tuning.block_m, BLOCK_N=tuning.block_n, EMULATE=interpret,
             TAIL=self.tail, SPLIT_TAIL=bf16, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
         self.dummy, self.interpret, self._runners = dummy_u8, interpret, {}     # this object's launches by key
+        self._lse_scratch = None                       # the LSE of calls that do not return it (one split)
         # what fixes the compiled kernel besides a call's own arguments (`_launch`): device, grid, constexprs and
         # Triton's specialization of the fixed arguments (alignment of the tables and pools, unit / 16-multiple ints)
         self.spec = (dev.index, self.grid, tuple(self.constants.items()),
                      *(_align16(x) if isinstance(x, torch.Tensor) else _int_spec(x) for x in self.tables + self.sizes))
 
-    def _check_call(self, q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v) -> None:
+    def _check_call(self, q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v, tail_len, new_k,
+                    new_v) -> None:
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != self.shape or q.dtype != self.dtype \
                 or q.device != self.device or q.stride(-1) != 1:
             raise ValueError(f"paged_attention: q must be {self.dtype} {list(self.shape)} on {self.device} with unit "
@@ -853,22 +885,52 @@ class PagedAttention:
         if (tail_k is not None or tail_v is not None) != self.tail:
             raise ValueError(f"paged_attention: this call was prepared {'with' if self.tail else 'without'} tail_k / "
                              f"tail_v (the step's own rows); pass {'both' if self.tail else 'neither'}")
-        if self.tail:
-            rows = tail_k.shape[1] if isinstance(tail_k, torch.Tensor) and tail_k.dim() == 4 else -1
-            want = (self.shape[0], max(rows, self.shape[1]), self.heads, self.shape[3])
-            for name, x in (("tail_k", tail_k), ("tail_v", tail_v)):
+        if not self.tail:
+            if tail_len is not None or new_k is not None or new_v is not None:
+                raise ValueError("paged_attention: tail_len / new_k / new_v need tail_k / tail_v")
+            return
+        rows = tail_k.shape[1] if isinstance(tail_k, torch.Tensor) and tail_k.dim() == 4 else -1
+        want = (self.shape[0], max(rows, self.shape[1]), self.heads, self.shape[3])
+        for name, x in (("tail_k", tail_k), ("tail_v", tail_v)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != self.dtype \
+                    or x.device != self.device or x.stride(-1) != 1:
+                raise ValueError(f"paged_attention: {name} must be {self.dtype} [B, T >= Tq={self.shape[1]}, H, D]"
+                                 f" = {list(want)} (tail_k's shape) on {self.device} with unit stride on D, got "
+                                 f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))} "
+                                 f"strides {tuple(getattr(x, 'stride', tuple)())}")
+        if tail_len is not None and (isinstance(tail_len, bool) or not isinstance(tail_len, int)
+                                     or not self.shape[1] <= tail_len <= rows):
+            raise ValueError(f"paged_attention: tail_len={tail_len!r} must be an int in [Tq={self.shape[1]}, "
+                             f"{rows}] (tail_k's rows)")
+        if (new_k is None) != (new_v is None):
+            raise ValueError("paged_attention: pass both new_k and new_v, or neither")
+        if new_k is not None:
+            want = (self.shape[0], self.shape[1], self.heads, self.shape[3])
+            for name, x in (("new_k", new_k), ("new_v", new_v)):
                 if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != self.dtype \
                         or x.device != self.device or x.stride(-1) != 1:
-                    raise ValueError(f"paged_attention: {name} must be {self.dtype} [B, T >= Tq={self.shape[1]}, H, D]"
-                                     f" = {list(want)} (tail_k's shape) on {self.device} with unit stride on D, got "
-                                     f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))} "
-                                     f"strides {tuple(getattr(x, 'stride', tuple)())}")
+                    raise ValueError(f"paged_attention: {name} must be {self.dtype} [B, Tq, H, D] = {list(want)} on "
+                                     f"{self.device} with unit stride on D, got "
+                                     f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
 
     def __call__(self, q, layer: int, sm_scale: float, sliding_window: Optional[int] = None,
-                 soft_cap: Optional[float] = None, *, tail_k=None, tail_v=None, out_dtype=None):
+                 soft_cap: Optional[float] = None, *, tail_k=None, tail_v=None, tail_len: Optional[int] = None,
+                 new_k=None, new_v=None, out_dtype=None, return_lse: bool = True, validate: bool = True):
         """``out_dtype``: None / ``torch.float32`` (the default) or q's dtype (the output stored rounded to it by
-        the kernel, RTNE: what ``.to(q.dtype)`` of the float32 output gives, without a cast launch)."""
-        self._check_call(q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v)
+        the kernel, RTNE: what ``.to(q.dtype)`` of the float32 output gives, without a cast launch).
+
+        ``tail_len``: the tail is ``tail_k[:, :tail_len]`` (default: all its rows; a buffer's first rows, without a
+        view per call). ``new_k`` / ``new_v [B, Tq, H, D]``: the step's own rows, read from them and written by the
+        kernel into the tail at ``[tail_len - Tq, tail_len)`` (one launch instead of a copy, then the attention).
+        ``return_lse=False``: returns ``(out, None)`` (with one split, the LSE goes to a scratch buffer this object
+        reuses). ``validate=False`` skips the checks of the tensors' shapes, dtypes and devices, for a caller that
+        made the same call shapes once already (a step's later layers); the layer and options are still checked."""
+        if validate:
+            self._check_call(q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v, tail_len, new_k, new_v)
+        else:
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"paged_attention: layer={layer!r} must be an int in [0, {self.num_layers})")
+            _check_options(sm_scale, sliding_window, soft_cap)
         odt = torch.float32 if out_dtype is None else out_dtype
         if odt is not torch.float32 and odt != self.dtype:
             raise ValueError(f"paged_attention: out_dtype={out_dtype!r} must be None, torch.float32 or q's dtype "
@@ -877,44 +939,58 @@ class PagedAttention:
         splits, dev = self.tuning.num_splits, self.device
         if splits == 1:
             o = torch.empty((bsz, tq, hq, d), dtype=odt, device=dev)
-            m = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
+            if return_lse:
+                m = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
+            else:
+                m = self._lse_scratch
+                if m is None:
+                    m = self._lse_scratch = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
             l_part = m
         else:
             o = torch.empty((bsz, tq, hq, splits, d), dtype=torch.float32, device=dev)
             m = torch.empty((bsz, tq, hq, splits), dtype=torch.float32, device=dev)
             l_part = torch.empty_like(m)
+        new = new_k is not None
         if self.tail:
-            tail = (tail_k, tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-                    tail_v, tail_v.stride(0), tail_v.stride(1), tail_v.stride(2), tail_k.shape[1])
-            tail_key = (_align16(tail_k), _int_spec(tail[1]), _int_spec(tail[2]), _int_spec(tail[3]),
-                        _align16(tail_v), _int_spec(tail[5]), _int_spec(tail[6]), _int_spec(tail[7]))
+            sk, sv = tail_k.stride(), tail_v.stride()
+            tail = (tail_k, sk[0], sk[1], sk[2], tail_v, sv[0], sv[1], sv[2],
+                    tail_k.shape[1] if tail_len is None else tail_len)
+            tail_key = (_align16(tail_k), _int_spec(sk[0]), _int_spec(sk[1]), _int_spec(sk[2]),
+                        _align16(tail_v), _int_spec(sv[0]), _int_spec(sv[1]), _int_spec(sv[2]))
         else:
             tail, tail_key = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0, tq), ()
+        if new:
+            nk, nv = new_k.stride(), new_v.stride()
+            fresh = (new_k, nk[0], nk[1], nk[2], new_v, nv[0], nv[1], nv[2])
+            tail_key += (_align16(new_k), _int_spec(nk[0]), _int_spec(nk[1]), _int_spec(nk[2]),
+                         _align16(new_v), _int_spec(nv[0]), _int_spec(nv[1]), _int_spec(nv[2]))
+        else:
+            fresh = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0)
         sq = q.stride()
-        args = (q, sq[0], sq[1], sq[2], *self.tables, o, m, l_part, *tail, int(layer), *self.sizes,
+        args = (q, sq[0], sq[1], sq[2], *self.tables, o, m, l_part, *tail, *fresh, layer, *self.sizes,
                 float(sm_scale), int(sliding_window or 0), float(soft_cap or 1.0))
         has_window, has_cap = sliding_window is not None, soft_cap is not None
-        key = ("attn", has_window, has_cap, odt if splits == 1 else None, _align16(q), _int_spec(sq[0]),
+        key = ("attn", has_window, has_cap, new, odt if splits == 1 else None, _align16(q), _int_spec(sq[0]),
                _int_spec(sq[1]), _int_spec(sq[2]), *tail_key)
-        self._launch(key, self.attn, self.grid, args, lambda: dict(HAS_WINDOW=has_window, HAS_CAP=has_cap,
+        self._launch(key, self.attn, self.grid, args, lambda: dict(HAS_WINDOW=has_window, HAS_CAP=has_cap, NEW=new,
                                                                     **self.constants))
         if splits == 1:
-            return o, m
+            return o, (m if return_lse else None)
         out = torch.empty((bsz, tq, hq, d), dtype=odt, device=dev)
         lse = torch.empty((bsz, tq, hq), dtype=torch.float32, device=dev)
         self._launch(("merge", odt), self.merge, (bsz * tq * hq,), (o, m, l_part, out, lse, splits),
                      lambda: dict(D=d, BLOCK_S=next_pow2(splits), EMULATE=self.interpret, num_warps=4))
-        return out, lse
+        return out, (lse if return_lse else None)
 
     def _launch(self, key, fn, grid, args, kwargs) -> None:
         """``fn[grid](*args, **kwargs())``. On CUDA, once a specialization ``key`` (what Triton specializes on among
         the arguments that change between calls: flags, the output's dtype, alignment and unit / 16-multiple
         strides of the query and tail; every other argument is fixed for this object, or a fresh allocation) has
-        launched, later launches go straight to the compiled kernel's runner (`triton.compiler.CompiledKernel`, all
-        arguments in signature order, the constexprs kept from the first launch), skipping ``JITFunction.run``'s
-        argument binding and specialization on the host. The runners are shared by every `PagedAttention` of the
-        same `spec` through `RUNNERS` (a step's first layer launches as fast as the rest); a call looks up its
-        object's own by ``key`` alone (the spec is hashed once per key and object, not per launch)."""
+        launched, later launches go straight to the compiled kernel's launcher (`Launch`), skipping
+        ``JITFunction.run``'s argument binding and specialization on the host. The launches are shared by every
+        `PagedAttention` of the same `spec` through `RUNNERS` (a step's first layer launches as fast as the rest);
+        a call looks up its object's own by ``key`` alone (the spec is hashed once per key and object, not per
+        launch)."""
         entry = self._runners.get(key)
         if entry is None:
             full = (self.spec, key)
@@ -926,12 +1002,10 @@ class PagedAttention:
                     if len(RUNNERS) > 256:
                         RUNNERS.clear()
                     constants = tuple(kw[name] for name in fn.arg_names[len(args):])
-                    runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]             # the runner: 3-D grids
-                    self._runners[key] = RUNNERS[full] = (runner, constants)
+                    self._runners[key] = RUNNERS[full] = Launch(compiled, grid, constants, self.device.index)
                 return
             self._runners[key] = entry
-        runner, constants = entry
-        runner(*args, *constants)
+        entry(args)
 
 
 #: `PagedAttention`'s compiled launches by (`PagedAttention.spec`, the call's specialization key)

@@ -65,6 +65,7 @@ import torch
 from jmixedkv.numerics import BLOCK, SIXTH, next_pow2
 
 from .torch_paged import geometry
+from .triton_launch import Launch
 
 __all__ = ["write_rows_", "round_trip_rows", "stage_rows", "lower_for_cuda", "lower_round_trip_for_cuda",
            "lower_stage_for_cuda", "BLOCK_SCALES"]
@@ -750,8 +751,8 @@ def _run_kernel(kernel, grid, args, meta, num_specialized: int, device, interpre
     """``kernel[grid](*args, **meta)``. Compiled, once a specialization has launched (the key: device, grid, warps,
     constexprs, and how Triton specializes the first ``num_specialized`` arguments -- 16-byte alignment of tensors,
     unit / 16-multiple ints; the rest are ``do_not_specialize``), later launches go straight to the compiled
-    kernel's runner, skipping the argument binding of ``JITFunction.run`` (tens of microseconds of host time per
-    call, paid per layer by the held-aside steps)."""
+    kernel's launcher (`interop.triton_launch.Launch`), skipping the argument binding of ``JITFunction.run``
+    (tens of microseconds of host time per call, paid per layer by the held-aside steps)."""
     if interpret:
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):   # masked-off lanes (1 / 0, inf * 0)
             kernel[grid](*args, **meta)
@@ -759,16 +760,17 @@ def _run_kernel(kernel, grid, args, meta, num_specialized: int, device, interpre
     key = (kernel, device.index, grid, num_warps, tuple(meta.values()),
            *(x.data_ptr() % 16 == 0 if isinstance(x, torch.Tensor) else _int_spec(x)
              for x in args[:num_specialized]))
-    runner = _RUNNERS.get(key)
+    launch = _RUNNERS.get(key)
+    if launch is not None:
+        launch(args)
+        return
     with torch.cuda.device(device):
-        if runner is not None:
-            runner(*args, *(meta[name] for name in kernel.arg_names[len(args):]))
-            return
         compiled = kernel[grid](*args, **meta, num_warps=num_warps, enable_fp_fusion=fp_fusion)
     if hasattr(compiled, "run"):
         if len(_RUNNERS) > 256:
             _RUNNERS.clear()
-        _RUNNERS[key] = compiled[tuple(grid) + (1,) * (3 - len(grid))]          # the runner takes 3-D grids
+        _RUNNERS[key] = Launch(compiled, grid, tuple(meta[name] for name in kernel.arg_names[len(args):]),
+                               device.index)
 
 
 #: compiled launches by specialization (`_run_kernel`)

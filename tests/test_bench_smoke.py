@@ -167,6 +167,18 @@ def test_accuracy_research_smoke(tmp_path):
     assert all(v != kl["recommended"] for k, v in kl.items() if k not in ("recommended", "fp8")), kl
 
 
+def test_hf_ab_smoke(tmp_path):
+    """The generate() A/B (kernel-kept rows, direct launches, their "before" forms, DynamicCache) runs end to end on
+    CPU through the torch reference path: every variant's tokens equal its "before" variant's and DynamicCache's
+    (random weights, every row served as given), and every time is positive."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "tools", "hf_ab.py"), "--smoke", "--out",
+                           str(tmp_path)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "hf_ab.json").read_text())["variants"]
+    assert len(rows) == 8 and all(r["tokens_equal_before"] and r["ms_per_step_min"] > 0 for r in rows), rows
+
+
 def test_decode_bench_variants_name_both_backends():
     """``--variants``: ``k..w..`` forms are Triton configs, ``m[s][t][v][x]`` forms Mosaic GPU ones (stages, K's
     halves in turn, the head_dim-256 V tiles in turn, a split multiplier of the default count); a bad form is

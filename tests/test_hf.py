@@ -277,7 +277,7 @@ def _forced_logits(model, cache, ids, steps):
 
 
 HELD_CASES = [(kv, decode) for decode in ("fused", "stage") for kv in (NVFP4, FP8, MIXED_FP8, FIRST_ONLY)] + \
-    [(MIXED, "stage"), (BF16, "stage")]
+    [(MIXED, "stage"), (BF16, "stage"), (MIXED, "fused"), (BF16, "fused")]
 
 
 @pytest.mark.parametrize("kv,decode", HELD_CASES, ids=[f"{kv.dtype}-{kv.first_n}-{kv.last_n}-{d}"
@@ -314,6 +314,55 @@ def test_steps_held_aside_read_the_stored_rows(model, batch, kv, decode):
         a = held_cache.cache.stage(layer, held_cache.slots).dense()
         b = per_layer_cache.cache.stage(layer, per_layer_cache.slots).dense()
         assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+
+
+def test_kernel_keeps_the_steps_rows(batch):
+    """Fused steps of a cache whose rows read as given (bf16 twin / pool, no rotation): the attention kernel reads
+    the layer's new K / V from the model's tensors and keeps them in the run's buffer itself (no copy launch). Run
+    in Triton's interpreter inside the model's forward passes, it gives the logits and stores the rows of the
+    same kernel fed by a copy into the buffer first (`_Held.put`), bit for bit, and the torch path's logits up to
+    float32 attention order. A kernel that did not keep them would read the buffer's unwritten rows (NaN here):
+    the check can fail."""
+    from interop import paged_ops
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()     # head_dim 32: the kernel's smallest
+    ids = batch[0]
+    _set_attn(model, ATTN_IMPLEMENTATION)
+    try:
+        runs = {}
+        for backend, keeps in (("torch", True), ("triton", True), ("triton", False)):
+            with paged_ops.cpu_backend(backend):
+                cache = _cache(model, MIXED, decode="fused")
+                assert cache._kernel_keeps
+                cache._kernel_keeps = keeps
+                logits, held = _forced_logits(model, cache, ids, 5)
+                assert all(held)
+                runs[backend, keeps] = (logits, [cache.cache.stage(i, cache.slots).dense() for i in range(2)])
+    finally:
+        _set_attn(model, "sdpa")
+    (a, _), (b, kept), (c, copied) = runs["torch", True], runs["triton", True], runs["triton", False]
+    assert torch.equal(b, c)
+    for x, y in zip(kept, copied):
+        assert all(torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(x, y))
+    assert float((a - b).abs().max()) < 1e-2 * float(a.abs().max())
+    _set_attn(model, ATTN_IMPLEMENTATION)
+    broken = _cache(model, MIXED, decode="fused")
+    broken._buffer(ids.shape[0])[0].fill_(float("nan"))
+    import interop.hf as hf_mod
+    real = hf_mod.paged_ops.step_attention
+
+    def no_keep(*args, **kw):
+        run = real(*args, **kw)
+        return lambda *a, new_k=None, new_v=None, **k: run(*a, **k)        # drops the new rows: never kept
+    hf_mod.paged_ops.step_attention = no_keep
+    try:
+        bad = _forced_logits(model, broken, ids, 5)[0]
+    finally:
+        hf_mod.paged_ops.step_attention = real
+        _set_attn(model, "sdpa")
+    assert torch.isfinite(bad[:, 0]).all() and not torch.isfinite(bad[:, 1:]).all()
 
 
 def _staged(tkv, slots):

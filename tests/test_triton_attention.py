@@ -5,6 +5,7 @@ permuted) converted to torch. CPU tests run Triton's interpreter; ``gpu`` tests 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax.numpy as jnp
@@ -249,6 +250,47 @@ def test_tail_length_is_not_specialized():
     assert "tail_len" in attn.arg_names and "tail_len" in attn.do_not_specialize
 
 
+def test_launch_calls_the_c_launcher_directly_unless_hooked(monkeypatch):
+    """`Launch`: with no Triton launch hook installed and its device current, a launch calls the compiled kernel's
+    C launcher directly (grid, the device's current stream, no metadata, no hooks, the arguments then the
+    constexprs); with a hook installed (a profiler) or another device current, Triton's own runner under its
+    device."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+    from interop.triton_launch import Launch
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "packed"
+
+        def __init__(self):
+            self._run = lambda *a: calls.append(("direct", a))
+
+        def __getitem__(self, grid):
+            return lambda *a: calls.append(("runner", grid, a))
+
+    class Driver:
+        get_current_stream = staticmethod(lambda device: 1000 + device)
+
+    current = [3]
+    monkeypatch.setattr(driver, "_active", Driver())                # no GPU here: stand-ins for CUDA
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext(calls.append(("device", d))))
+    launch = Launch(Compiled(), (4, 2), ("C",), 3)
+    launch(("x", 7))
+    assert calls == [("direct", (4, 2, 1, 1003, "fn", "packed", None, None, None, "x", 7, "C"))]
+    hook = lambda *a: None                                          # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(("y", 8))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert calls[1:] == [("device", 3), ("runner", (4, 2, 1), ("y", 8, "C"))]
+    current[0] = 0                                                  # another device is current: the runner, under 3
+    launch(("z", 9))
+    assert calls[3:] == [("device", 3), ("runner", (4, 2, 1), ("z", 9, "C"))]
+
+
 def test_prepared_calls_share_runners_only_within_a_specialization():
     """Compiled launches are shared between `PagedAttention` objects (one per step) by ``spec``: the same pools and
     table shapes give the same spec; a table width Triton specializes differently (16 columns vs 17, a multiple of
@@ -293,6 +335,85 @@ def test_tail_is_append_then_attend(tq, held):
     got = paged_attention(_torch(q), *_pools(st), 1, page_table, high_table, lens, st.config.twin,
                           st.groups[0].head_dim ** -0.5, tail_k=tk, tail_v=tv, num_splits=2)
     _check(got, *want, msg="tail vs append + attend")
+
+
+NEW_ROWS_CASES = [("mixed_nvfp4_bf16", 1, 8, 1, 0, 8), ("mixed_nvfp4_bf16", 1, 6, 2, 6, 17), ("bf16", 3, 4, 3, 17, 24),
+                  ("mixed_nvfp4_fp16", 40, 2, 2, 3, 64), ("nvfp4", 2, 6, 1, 31, 33)]
+
+
+def _new_rows_case(dtype, tq, hq, splits, held, cap, *, d=64, cuda=False):
+    from interop.torch_paged import paged_attention_reference
+    from interop.triton_attention import PagedAttention
+    mixed = dtype.startswith("mixed")
+    st = _state(dtype, 5 if mixed else 0, 7 if mixed else 0, d=d, **({"lens": (0, 1, 15, 16, 17, 300)} if cuda else {}))
+    move = _cuda if cuda else list
+    q = move([_torch(decode_queries(st, tq, hq, seed=tq + hq))])[0]
+    tk, tv = move([_torch(x) for x in _tail_rows(st, held + tq, seed=tq + 1)])                # [B, T, H, D]
+    b, _, h, _ = tk.shape
+    buf = torch.full((2, b, h, cap, d), float("nan"), dtype=tk.dtype, device=tk.device)   # [2, B, H, cap, D]
+    buf[0, :, :, :held], buf[1, :, :, :held] = tk[:, :held].transpose(1, 2), tv[:, :held].transpose(1, 2)
+    poison = buf.clone()
+    nk = tk[:, held:].transpose(1, 2).contiguous().transpose(1, 2)                     # [B, Tq, H, D] views
+    nv = tv[:, held:].transpose(1, 2).contiguous().transpose(1, 2)
+    page_table, high_table, lens = move(_tables(st, jnp.arange(st.max_seqs, dtype=jnp.int32)))
+    pools = move(_pools(st))
+    run = PagedAttention(q, *pools, page_table, high_table, lens, st.config.twin, tail=True, num_splits=splits)
+    got = run(q, 1, 0.2, tail_k=buf[0].transpose(1, 2), tail_v=buf[1].transpose(1, 2), tail_len=held + tq,
+              new_k=nk, new_v=nv)
+    want = paged_attention_reference(q, *pools, 1, page_table, high_table, lens, st.config.twin, 0.2, None, None,
+                                     tk, tv)
+    cpu = lambda xs: [x.cpu() for x in xs]                                         # noqa: E731
+    _check(cpu(got), *cpu(want), msg=f"{dtype} Tq {tq} held {held}")
+    assert torch.equal(buf[0, :, :, held:held + tq].view(torch.int16), nk.transpose(1, 2).view(torch.int16))
+    assert torch.equal(buf[1, :, :, held:held + tq].view(torch.int16), nv.transpose(1, 2).view(torch.int16))
+    for i in (0, 1):                                   # rows before and after the step's: unchanged, bit for bit
+        keep = torch.cat([buf[i, :, :, :held], buf[i, :, :, held + tq:]], 2)
+        was = torch.cat([poison[i, :, :, :held], poison[i, :, :, held + tq:]], 2)
+        assert torch.equal(keep.view(torch.int16), was.view(torch.int16))
+    out, lse = run(q, 1, 0.2, tail_k=buf[0].transpose(1, 2), tail_v=buf[1].transpose(1, 2), tail_len=held + tq,
+                   return_lse=False, validate=False)              # the kept rows read back from the tail
+    assert lse is None
+    _check(cpu((out, got[1])), *cpu(want), msg="kept rows read back")
+
+
+@pytest.mark.parametrize("dtype,tq,hq,splits,held,cap", NEW_ROWS_CASES)
+def test_new_rows_are_read_and_kept(dtype, tq, hq, splits, held, cap):
+    """``new_k`` / ``new_v`` (the step's own rows, transformers' ``[B, H, Tq, D]`` transposed): the kernel reads
+    them in place of the tail's last ``Tq`` rows (poisoned with NaN before: never read from the tail) and keeps
+    them there, bit for bit; rows past ``tail_len`` (poisoned) are neither read nor written; the result equals the
+    float32 reference over the held rows followed by the new ones. Splits, 40 query rows over several tiles, a
+    buffer longer than the tail."""
+    _new_rows_case(dtype, tq, hq, splits, held, cap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_new_rows_are_read_and_kept(d):
+    """`test_new_rows_are_read_and_kept` compiled, at head_dim 64 / 128 / 256."""
+    for case in NEW_ROWS_CASES:
+        _new_rows_case(*case, d=d, cuda=True)
+
+
+def test_new_rows_bad_input_is_refused():
+    from interop.triton_attention import PagedAttention
+    a = _good_args()
+    tk = torch.zeros((a["q"].shape[0], 4, 2, 64), dtype=a["q"].dtype)
+    run = PagedAttention(a["q"], *a["pools"], a["page_table"], a["high_table"], a["kv_lens"], a["geom"], tail=True)
+    with pytest.raises(ValueError, match=r"tail_len=5 must be an int in \[Tq=1, 4\]"):
+        run(a["q"], 0, 0.1, tail_k=tk, tail_v=tk, tail_len=5)
+    with pytest.raises(ValueError, match="tail_len=0 must be"):
+        run(a["q"], 0, 0.1, tail_k=tk, tail_v=tk, tail_len=0)
+    with pytest.raises(ValueError, match="pass both new_k and new_v"):
+        run(a["q"], 0, 0.1, tail_k=tk, tail_v=tk, tail_len=2, new_k=tk[:, :1])
+    with pytest.raises(ValueError, match=r"new_v must be .*\[6, 1, 2, 64\]"):
+        run(a["q"], 0, 0.1, tail_k=tk, tail_v=tk, tail_len=2, new_k=tk[:, :1], new_v=tk[:, :2])
+    with pytest.raises(ValueError, match="layer=2 must be"):
+        run(a["q"], 2, 0.1, tail_k=tk, tail_v=tk, validate=False)
+    with pytest.raises(ValueError, match="sliding_window=0 must be"):                 # options: always checked
+        run(a["q"], 0, 0.1, 0, tail_k=tk, tail_v=tk, validate=False)
+    flat = PagedAttention(a["q"], *a["pools"], a["page_table"], a["high_table"], a["kv_lens"], a["geom"])
+    with pytest.raises(ValueError, match="need tail_k / tail_v"):
+        flat(a["q"], 0, 0.1, new_k=tk[:, :1], new_v=tk[:, :1])
 
 
 def test_tail_bad_input_is_refused():
@@ -417,7 +538,7 @@ def test_gpu_tail_matches_reference(dtype, first_n, last_n):
 @pytest.mark.gpu
 def test_gpu_prepared_calls_reuse_the_compiled_kernel():
     """One `PagedAttention` for many calls (a step's layers): after a specialization's first launch, later calls
-    go straight to the compiled kernel's runner; every call (layers, windows, soft-caps, a transposed query and
+    go straight to the compiled kernel's launcher; every call (layers, windows, soft-caps, a transposed query and
     tail as transformers' layout gives them) equals the float32 reference."""
     from interop.torch_paged import paged_attention_reference
     from interop.triton_attention import RUNNERS, PagedAttention
@@ -479,7 +600,7 @@ def test_compiles_for_sm90_without_a_gpu():
     """The compiled-mode kernels (``triton.jit``: what CUDA runs) build to a cubin for sm_90 on this machine with
     Triton's bundled ptxas: the paths the interpreter cannot check (globals, constexpr branches, layouts) compile.
     One variant with every branch on: NVFP4 + FP8 twin, sliding window, soft-cap, GQA 3 x Tq 2, partial output, the
-    step's rows as a dense tail."""
+    step's rows as a dense tail read from new_k / new_v and kept in it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -490,11 +611,12 @@ def test_compiles_for_sm90_without_a_gpu():
                s_ht="i32", lens_ptr="*i32", data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32", rows_ptr="*u8",
                rscale_ptr="*fp32", o_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", tk_ptr="*bf16", stk_b="i32",
                stk_t="i32", stk_h="i32", tv_ptr="*bf16", stv_b="i32", stv_t="i32", stv_h="i32", tail_len="i32",
-               layer="i32", num_pages="i32",
+               nk_ptr="*bf16", snk_b="i32", snk_t="i32", snk_h="i32", nv_ptr="*bf16", snv_b="i32", snv_t="i32",
+               snv_h="i32", layer="i32", num_pages="i32",
                num_row_pages="i32", num_cols="i32", ht_width="i32", sm_scale="fp32", window="i32", cap="fp32")
     const = dict(H=2, G=3, TQ=2, D=64, PAGE=16, LOW=True, TWIN=True, ROWS_FP8=True, FIRST_N=5, LAST_N=7,
                  NUM_FIXED=1, NUM_RING=2, HAS_WINDOW=True, HAS_CAP=True, SPLIT_LOW=False, SPLIT_ROWS=False,
-                 FINAL=False, BLOCK_M=16, BLOCK_N=32, EMULATE=False, TAIL=True, SPLIT_TAIL=True)
+                 FINAL=False, BLOCK_M=16, BLOCK_N=32, EMULATE=False, TAIL=True, SPLIT_TAIL=True, NEW=True)
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
     target = GPUTarget("cuda", 90, 32)
