@@ -1,11 +1,13 @@
 """transformers ``generate()`` through the cache, every format and decode mode (`JMixedKVCache` ``"stage"`` /
 ``"fused"``, `JMixedStaticCache` ``"static"``), beside DynamicCache (eager) and StaticCache (compiled); per cache:
 ms per token, ms per decode step (a 1-token run subtracted), tokens/s, token agreement with DynamicCache and the
-bridge's cost per layer (``--profile-host N``: and where its host time goes, `host_profile`). Models:
+bridge's cost per layer (``--profile-host N``: and where its host time goes, `host_profile`; ``--rounds R``: then
+R interleaved rounds, medians and paired ratios to DynamicCache, `interleaved_rounds`). Models:
 `shapes.HF_MODELS`, random bf16 weights. ``--profile-prefill DIR`` instead: where
 the first step (prefill + one token) of each cache spends its time (`profile_prefill`).
 
     python bench/hf_bench.py --model smollm2-shape --batch 4 --prompt 512 --new 32
+    python bench/hf_bench.py --new 33 --rounds 12 --caches "DynamicCache;jmixedkv mixed(4,64) (fused)"
     python bench/hf_bench.py --model llama3-8b-shape --batch 16 --prompt 8192 --new 16 \
         --caches "DynamicCache;StaticCache;jmixedkv mixed(4,64) (fused)"
     python bench/hf_bench.py --profile-prefill DIR --batch 4 --prompt 512   # StaticCache beside static mixed
@@ -18,6 +20,7 @@ import gc
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -159,6 +162,37 @@ def bench_generate(model, args, device):
     return rows
 
 
+def interleaved_rounds(model, args, device, names) -> list:
+    """``--rounds R``: every cache of ``names`` once per round, back to back, R rounds (a GPU host's single runs vary
+    by +-30% between and within processes; the sequential best-of-reps table cannot tell a 10% change). Per cache:
+    the median and best ms per decode step and, with ``DynamicCache`` among them, the median of its ratio to
+    ``DynamicCache`` within a round (paired)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
+    made = caches(model, args.batch, args.prompt + args.new, args.backend, set(names))
+    times = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            gc.collect()
+            make = made[name][0]
+            t0 = time.perf_counter()
+            generate(model, ids, make(), 1, device)                    # prefill + 1 token: subtracted
+            t1 = time.perf_counter()
+            generate(model, ids, make(), args.new, device)
+            times[name].append(1e3 * ((time.perf_counter() - t1) - (t1 - t0)) / (args.new - 1))
+    model.set_attn_implementation("sdpa")
+    dyn, rows = times.get("DynamicCache"), []
+    for name in names:
+        x = times[name]
+        rows.append(dict(cache=name, ms_per_decode_step_median=statistics.median(x), ms_per_decode_step_min=min(x),
+                         paired_ratio_vs_DynamicCache=None if dyn is None else
+                         statistics.median(a / b for a, b in zip(x, dyn)), rounds=x))
+        ratio = rows[-1]["paired_ratio_vs_DynamicCache"]
+        print(f"{name:30s} rounds: {rows[-1]['ms_per_decode_step_median']:8.2f} ms/step median "
+              f"{min(x):8.2f} best" + ("" if ratio is None else f"  x DynamicCache {ratio:.3f} (paired)"), flush=True)
+    return rows
+
+
 def host_profile(model, ids, make, new, device, top):
     """``--profile-host N``: cProfile one ``generate()`` of ``new`` tokens (after the timed runs) and return / print the
     ``N`` functions with the most own time and the bridge's (``interop`` / ``jmixedkv`` / DLPack) by cumulative time,
@@ -232,6 +266,8 @@ def main(argv=None):
     for flag, default in (("--batch", 4), ("--prompt", 512), ("--new", None), ("--reps", None)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--rounds", type=int, default=0, help="then R interleaved rounds of the caches that ran "
+                   "(`interleaved_rounds`: medians, ratios to DynamicCache within a round)")
     p.add_argument("--profile-host", metavar="N", type=int, default=0,
                    help="after each cache's timing, cProfile one generate() and list the N heaviest host functions")
     p.add_argument("--profile-prefill", metavar="DIR", default=None, help="profile the first step instead (defaults "
@@ -251,6 +287,9 @@ def main(argv=None):
                batch=args.batch, prompt=args.prompt, new=args.new, backend=args.backend)
     print(json.dumps(env), flush=True)
     result = dict(env=env, generate=bench_generate(model, args, device))
+    if args.rounds > 0:
+        ran = [r["cache"] for r in result["generate"] if "error" not in r]
+        result["rounds"] = interleaved_rounds(model, args, device, ran)
     if args.out.endswith(".json"):
         out_dir, name = os.path.dirname(args.out) or ".", os.path.basename(args.out)
     else:                                  # a folder, as every other bench's --out

@@ -25,7 +25,7 @@ SMOKE = {"write_bench": ["--smoke", "--out", "{out}"],
          "decode_bench": ["--grid", "--smoke", "--geos", "4/16/1", "--out", "{out}"],
          "decode_bench:geometry": ["--geometry-grid", "--smoke", "--head-dims", "64", "--groups", "2", "--pages", "16",
                                    "--tqs", "1", "--variants", "k64w2", "--out", "{out}"],
-         "hf_bench": ["--smoke", "--profile-host", "5", "--out", "{out}"],          # a folder, as the others
+         "hf_bench": ["--smoke", "--profile-host", "5", "--rounds", "2", "--out", "{out}"],   # a folder
          "hf_bench:profile": ["--profile-prefill", "{out}", "--layers", "2", "--batch", "1", "--prompt", "16",
                               "--new", "3", "--reps", "1"],
          "flashinfer_bench": ["--smoke", "--out", "{out}"],
@@ -64,8 +64,9 @@ def test_bench_smoke(name, tmp_path):
     argv = [a.format(out=tmp_path) for a in SMOKE[name]]
     assert mod.main(argv) in (0, None)          # an exit code (serve_bench's main returns None on success)
     assert name == "nvfp4_bench" or any(tmp_path.iterdir()), f"{name} wrote nothing under {tmp_path}"
-    if name == "hf_bench":
-        assert (tmp_path / "hf_bench.json").is_file()
+    if name == "hf_bench":                      # the interleaved rounds: every cache that ran, each round timed
+        rounds = json.loads((tmp_path / "hf_bench.json").read_text())["rounds"]
+        assert len(rounds) == 2 and all(len(r["rounds"]) == 2 and r["ms_per_decode_step_min"] > 0 for r in rounds)
     if name == "step_bench":                    # the levers' steps and appends ran beside the plain ones, no error bit
         res = json.loads((tmp_path / "step_bench.json").read_text())
         for cfg in ("mixed", "mixed_levers", "mixed_levers_smooth"):
