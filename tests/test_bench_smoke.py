@@ -66,7 +66,8 @@ def test_bench_smoke(name, tmp_path):
     assert name == "nvfp4_bench" or any(tmp_path.iterdir()), f"{name} wrote nothing under {tmp_path}"
     if name == "hf_bench":                      # the interleaved rounds: every cache that ran, each round timed
         rounds = json.loads((tmp_path / "hf_bench.json").read_text())["rounds"]
-        assert len(rounds) == 2 and all(len(r["rounds"]) == 2 and r["ms_per_decode_step_min"] > 0 for r in rounds)
+        assert len(rounds) == 2 and all(len(r["rounds"]) == 2 and math.isfinite(r["ms_per_decode_step_min"])
+                                        for r in rounds)        # (2 steps on a loaded CPU: a difference of noise)
     if name == "step_bench":                    # the levers' steps and appends ran beside the plain ones, no error bit
         res = json.loads((tmp_path / "step_bench.json").read_text())
         for cfg in ("mixed", "mixed_levers", "mixed_levers_smooth"):
@@ -171,13 +172,15 @@ def test_accuracy_research_smoke(tmp_path):
 def test_hf_ab_smoke(tmp_path):
     """The generate() A/B (kernel-kept rows, direct launches, their "before" forms, DynamicCache) runs end to end on
     CPU through the torch reference path: every variant's tokens equal its "before" variant's and DynamicCache's
-    (random weights, every row served as given), and every time is positive."""
+    (random weights, every row served as given), and every time is finite (3 steps on a loaded CPU: their sign
+    is noise)."""
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "tools", "hf_ab.py"), "--smoke", "--out",
                            str(tmp_path)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "hf_ab.json").read_text())["variants"]
-    assert len(rows) == 8 and all(r["tokens_equal_before"] and r["ms_per_step_min"] > 0 for r in rows), rows
+    assert len(rows) == 8 and all(r["tokens_equal_before"] and r["tokens_equal_dynamic"]
+                                  and math.isfinite(r["ms_per_step_min"]) for r in rows), rows
 
 
 def test_decode_bench_variants_name_both_backends():
