@@ -102,6 +102,24 @@ def time_torch(torch, fn, reps=10, trials=15, warmup=2):
     return float(np.median(times))
 
 
+def interleaved_ms_per_step(run, names, rounds: int, tokens: int, steps: int) -> dict:
+    """``rounds`` rounds of every name of ``names`` once, back to back (a GPU host's single runs of a generate loop
+    vary by +-30% between and within processes; interleaving pairs each round's runs). ``run(name, n)`` generates
+    ``n`` tokens and returns once they are done. Per round and name: ``(run(name, tokens) - run(name, 1)) / steps``
+    in ms (the prefill and first token subtracted). Returns name -> [ms per decode step, one per round]."""
+    import gc
+    times = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            gc.collect()
+            t0 = time.perf_counter()
+            run(name, 1)
+            t1 = time.perf_counter()
+            run(name, tokens)
+            times[name].append(1e3 * ((time.perf_counter() - t1) - (t1 - t0)) / steps)
+    return times
+
+
 def gpu_kernel_profile(run, n, log_dir, top=25, between_us=300.0):
     """Device-side breakdown of ``run(i)`` (one blocking step) for ``i < n``: a jax profiler trace, then GPU kernel
     time summed by kernel name from its Chrome-trace export. Returns ``{busy_us_per_step, idle_inside_us_per_step,

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DynamicCache, StaticCache  # noqa: E402
 
-from common import bench_parser, error_text, versions, write_json  # noqa: E402
+from common import bench_parser, error_text, interleaved_ms_per_step, versions, write_json  # noqa: E402
 from shapes import HF_MODELS  # noqa: E402
 
 import jax  # noqa: E402
@@ -170,16 +170,8 @@ def interleaved_rounds(model, args, device, names) -> list:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     made = caches(model, args.batch, args.prompt + args.new, args.backend, set(names))
-    times = {name: [] for name in names}
-    for _ in range(args.rounds):
-        for name in names:
-            gc.collect()
-            make = made[name][0]
-            t0 = time.perf_counter()
-            generate(model, ids, make(), 1, device)                    # prefill + 1 token: subtracted
-            t1 = time.perf_counter()
-            generate(model, ids, make(), args.new, device)
-            times[name].append(1e3 * ((time.perf_counter() - t1) - (t1 - t0)) / (args.new - 1))
+    times = interleaved_ms_per_step(lambda name, n: generate(model, ids, made[name][0](), n, device), names,
+                                    args.rounds, args.new, args.new - 1)
     model.set_attn_implementation("sdpa")
     dyn, rows = times.get("DynamicCache"), []
     for name in names:

@@ -967,7 +967,7 @@ class PagedAttention:
         else:
             fresh = (self.dummy, 0, 0, 0, self.dummy, 0, 0, 0)
         sq = q.stride()
-        args = (q, sq[0], sq[1], sq[2], *self.tables, o, m, l_part, *tail, *fresh, layer, *self.sizes,
+        args = (q, sq[0], sq[1], sq[2], *self.tables, o, m, l_part, *tail, *fresh, int(layer), *self.sizes,
                 float(sm_scale), int(sliding_window or 0), float(soft_cap or 1.0))
         has_window, has_cap = sliding_window is not None, soft_cap is not None
         key = ("attn", has_window, has_cap, new, odt if splits == 1 else None, _align16(q), _int_spec(sq[0]),

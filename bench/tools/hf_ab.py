@@ -11,11 +11,9 @@ variant's and with ``DynamicCache``'s. CUDA only (``--smoke``: 2 layers on CPU, 
 """
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -23,7 +21,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from common import bench_parser, md_table, versions, write_json  # noqa: E402
+from common import bench_parser, interleaved_ms_per_step, md_table, versions, write_json  # noqa: E402
 from shapes import HF_MODELS  # noqa: E402
 import interop.triton_launch as triton_launch  # noqa: E402
 from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache  # noqa: E402
@@ -95,18 +93,12 @@ def main(argv=None):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     variants = _variants(model, args.batch, args.prompt + args.new + 8)
-    tokens, times = {}, {name: [] for name in variants}
+    tokens = {}
     for name, (make, _) in variants.items():                                 # warm-up: compiles
         _generate(model, ids, make(), 1, device)
         tokens[name] = _generate(model, ids, make(), args.new + 1, device)[:, args.prompt:].cpu()
-    for _ in range(args.rounds):
-        for name, (make, _) in variants.items():
-            gc.collect()
-            t0 = time.perf_counter()
-            _generate(model, ids, make(), 1, device)                         # prefill + 1 token: subtracted
-            t1 = time.perf_counter()
-            _generate(model, ids, make(), args.new + 1, device)
-            times[name].append(1e3 * ((time.perf_counter() - t1) - (t1 - t0)) / args.new)
+    times = interleaved_ms_per_step(lambda name, n: _generate(model, ids, variants[name][0](), n, device),
+                                    list(variants), args.rounds, args.new + 1, args.new)
     model.set_attn_implementation("sdpa")
     triton_launch.Launch.__call__ = DIRECT
     dyn, rows = times["DynamicCache"], []
