@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gc
 import glob
 import gzip
 import json
@@ -107,7 +108,6 @@ def interleaved_ms_per_step(run, names, rounds: int, tokens: int, steps: int) ->
     vary by +-30% between and within processes; interleaving pairs each round's runs). ``run(name, n)`` generates
     ``n`` tokens and returns once they are done. Per round and name: ``(run(name, tokens) - run(name, 1)) / steps``
     in ms (the prefill and first token subtracted). Returns name -> [ms per decode step, one per round]."""
-    import gc
     times = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:
