@@ -103,11 +103,27 @@ def time_torch(torch, fn, reps=10, trials=15, warmup=2):
     return float(np.median(times))
 
 
-def interleaved_ms_per_step(run, names, rounds: int, tokens: int, steps: int) -> dict:
+def hf_generate(model, ids, cache, new: int, device: str):
+    """transformers ``generate()`` of exactly ``new`` greedy tokens after ``ids`` [B, T] (int64), the cache passed
+    as transformers names it; waits for the GPU when ``device`` is a CUDA one. Returns the ids [B, T + new]."""
+    import torch
+
+    from interop.hf import CACHE_KWARG
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out
+
+
+def interleaved_ms_per_step(run, names, rounds: int, tokens: int) -> dict:
     """``rounds`` rounds of every name of ``names`` once, back to back (a GPU host's single runs of a generate loop
     vary by +-30% between and within processes; interleaving pairs each round's runs). ``run(name, n)`` generates
-    ``n`` tokens and returns once they are done. Per round and name: ``(run(name, tokens) - run(name, 1)) / steps``
-    in ms (the prefill and first token subtracted). Returns name -> [ms per decode step, one per round]."""
+    ``n`` tokens and returns once they are done. Per round and name: ``(run(name, tokens) - run(name, 1))`` over the
+    ``tokens - 1`` decode steps, in ms (the prefill and first token subtracted). Returns name -> [ms per decode
+    step, one per round]."""
+    if tokens < 2:
+        raise ValueError(f"tokens must be >= 2 (one decode step after the first token), got {tokens}")
     times = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:
@@ -116,7 +132,7 @@ def interleaved_ms_per_step(run, names, rounds: int, tokens: int, steps: int) ->
             run(name, 1)
             t1 = time.perf_counter()
             run(name, tokens)
-            times[name].append(1e3 * ((time.perf_counter() - t1) - (t1 - t0)) / steps)
+            times[name].append(1e3 * ((time.perf_counter() - t1) - (t1 - t0)) / (tokens - 1))
     return times
 
 

@@ -30,12 +30,12 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DynamicCache, StaticCache  # noqa: E402
 
-from common import bench_parser, error_text, interleaved_ms_per_step, versions, write_json  # noqa: E402
+from common import bench_parser, error_text, hf_generate, interleaved_ms_per_step, versions, write_json  # noqa: E402
 from shapes import HF_MODELS  # noqa: E402
 
 import jax  # noqa: E402
 
-from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache  # noqa: E402
+from interop.hf import ATTN_IMPLEMENTATION, JMixedKVCache  # noqa: E402
 from interop.hf_static import JMixedStaticCache  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
 
@@ -64,29 +64,17 @@ def load_model(name: str, device: str, layers: int | None):
     return model.to(torch.bfloat16).eval(), f"{name} Llama, random weights ({cfg['num_hidden_layers']} layers)"
 
 
-def _sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def generate(model, ids, cache, new, device):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
-    _sync(device)
-    return out
-
-
 def time_generate(model, ids, make_cache, new, device, reps):
     """Best of ``reps`` timed runs after a warm-up (compiles); returns (total s, prefill-only s, tokens)."""
-    generate(model, ids, make_cache(), 1, device)                      # warm-up: prefill + one step compiled
-    generate(model, ids, make_cache(), new, device)
+    hf_generate(model, ids, make_cache(), 1, device)                   # warm-up: prefill + one step compiled
+    hf_generate(model, ids, make_cache(), new, device)
     best, best1, out = float("inf"), float("inf"), None
     for _ in range(reps):
         t0 = time.perf_counter()
-        generate(model, ids, make_cache(), 1, device)                  # prefill + 1 token: subtracted below
+        hf_generate(model, ids, make_cache(), 1, device)               # prefill + 1 token: subtracted below
         best1 = min(best1, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = generate(model, ids, make_cache(), new, device)
+        out = hf_generate(model, ids, make_cache(), new, device)
         best = min(best, time.perf_counter() - t0)
     return best, best1, out
 
@@ -170,8 +158,8 @@ def interleaved_rounds(model, args, device, names) -> list:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     made = caches(model, args.batch, args.prompt + args.new, args.backend, set(names))
-    times = interleaved_ms_per_step(lambda name, n: generate(model, ids, made[name][0](), n, device), names,
-                                    args.rounds, args.new, args.new - 1)
+    times = interleaved_ms_per_step(lambda name, n: hf_generate(model, ids, made[name][0](), n, device), names,
+                                    args.rounds, args.new)
     model.set_attn_implementation("sdpa")
     dyn, rows = times.get("DynamicCache"), []
     for name in names:
@@ -193,7 +181,7 @@ def host_profile(model, ids, make, new, device, top):
     cache = make()
     prof = cProfile.Profile()
     prof.enable()
-    generate(model, ids, cache, new, device)
+    hf_generate(model, ids, cache, new, device)
     prof.disable()
     st = pstats.Stats(prof)
     bridge_files = (os.sep + "interop" + os.sep, os.sep + "jmixedkv" + os.sep, "dlpack")
@@ -217,7 +205,7 @@ def first_step_ms(model, ids, make, device, reps, reuse):
         if reuse:
             cache.reset()
         t0 = time.perf_counter()
-        generate(model, ids, cache if reuse else make(), 1, device)
+        hf_generate(model, ids, cache if reuse else make(), 1, device)
         out.append(1e3 * (time.perf_counter() - t0))
     return out
 
@@ -233,14 +221,14 @@ def profile_prefill(model, desc, args, device):
         for name, (make, _) in caches(model, args.batch, args.prompt + args.new, args.backend,
                                       set(args.caches.split(";"))).items():
             for _ in range(2):
-                generate(model, ids, make(), 2, device)                # compile / warm
+                hf_generate(model, ids, make(), 2, device)             # compile / warm
             fresh, reused = (first_step_ms(model, ids, make, device, args.reps, r) for r in (False, True))
             print(f"{name:34s} prefill+1 ms fresh cache {[round(x, 1) for x in fresh]} reused "
                   f"{[round(x, 1) for x in reused]}", flush=True)
             cuda = device.startswith("cuda")
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             with torch.profiler.profile(activities=acts) as prof:
-                generate(model, ids, make(), 1, device)
+                hf_generate(model, ids, make(), 1, device)
             tag = name.replace(" ", "_").replace("(", "").replace(")", "").replace(",", "-")
             for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if cuda else ()):
                 table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import time
 import types
 from typing import NamedTuple, Optional
@@ -678,6 +679,13 @@ def _check_table(table, name: str, bsz: int, width: str, min_width: int, dev) ->
                          f"{tuple(table.stride())}")
 
 
+def _check_layer(layer, num_layers: int) -> None:
+    """``layer``: a Python or NumPy integer (not a bool, not a float: the launch would truncate one) in
+    [0, ``num_layers``)."""
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < num_layers:
+        raise ValueError(f"paged_attention: layer={layer!r} must be an int in [0, {num_layers})")
+
+
 def _check_options(sm_scale, sliding_window, soft_cap) -> None:
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
         raise ValueError(f"paged_attention: sm_scale={sm_scale!r} must be a finite float")
@@ -879,8 +887,7 @@ class PagedAttention:
             raise ValueError(f"paged_attention: q must be {self.dtype} {list(self.shape)} on {self.device} with unit "
                              f"stride on head_dim (the shape this PagedAttention was made for), got "
                              f"{getattr(q, 'dtype', type(q).__name__)} {list(getattr(q, 'shape', []))}")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"paged_attention: layer={layer!r} must be an int in [0, {self.num_layers})")
+        _check_layer(layer, self.num_layers)
         _check_options(sm_scale, sliding_window, soft_cap)
         if (tail_k is not None or tail_v is not None) != self.tail:
             raise ValueError(f"paged_attention: this call was prepared {'with' if self.tail else 'without'} tail_k / "
@@ -928,8 +935,7 @@ class PagedAttention:
         if validate:
             self._check_call(q, layer, sm_scale, sliding_window, soft_cap, tail_k, tail_v, tail_len, new_k, new_v)
         else:
-            if not 0 <= layer < self.num_layers:
-                raise ValueError(f"paged_attention: layer={layer!r} must be an int in [0, {self.num_layers})")
+            _check_layer(layer, self.num_layers)
             _check_options(sm_scale, sliding_window, soft_cap)
         odt = torch.float32 if out_dtype is None else out_dtype
         if odt is not torch.float32 and odt != self.dtype:

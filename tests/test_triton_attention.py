@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -409,6 +410,10 @@ def test_new_rows_bad_input_is_refused():
         run(a["q"], 0, 0.1, tail_k=tk, tail_v=tk, tail_len=2, new_k=tk[:, :1], new_v=tk[:, :2])
     with pytest.raises(ValueError, match="layer=2 must be"):
         run(a["q"], 2, 0.1, tail_k=tk, tail_v=tk, validate=False)
+    for layer in (0.5, 1.0, True, np.float32(0)):                 # not an integer: the launch would truncate it
+        for validate in (True, False):
+            with pytest.raises(ValueError, match=re.escape(f"layer={layer!r} must be an int")):
+                run(a["q"], layer, 0.1, tail_k=tk, tail_v=tk, validate=validate)
     with pytest.raises(ValueError, match="sliding_window=0 must be"):                 # options: always checked
         run(a["q"], 0, 0.1, 0, tail_k=tk, tail_v=tk, validate=False)
     flat = PagedAttention(a["q"], *a["pools"], a["page_table"], a["high_table"], a["kv_lens"], a["geom"])

@@ -21,10 +21,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from common import bench_parser, interleaved_ms_per_step, md_table, versions, write_json  # noqa: E402
+from common import bench_parser, hf_generate, interleaved_ms_per_step, md_table, versions, write_json  # noqa: E402
 from shapes import HF_MODELS  # noqa: E402
 import interop.triton_launch as triton_launch  # noqa: E402
-from interop.hf import ATTN_IMPLEMENTATION, CACHE_KWARG, JMixedKVCache  # noqa: E402
+from interop.hf import ATTN_IMPLEMENTATION, JMixedKVCache  # noqa: E402
 from jmixedkv import KVCacheConfig  # noqa: E402
 
 MIXED = KVCacheConfig("mixed_nvfp4_bf16", first_n=4, last_n=64, page_size=16)
@@ -71,14 +71,6 @@ def _variants(model, batch: int, max_len: int) -> dict:
             "mixed stage, runner (before)": (jm(MIXED, False, False, "stage"), "mixed stage, runner (before)")}
 
 
-def _generate(model, ids, cache, new: int, device: str):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return out
-
-
 def main(argv=None):
     p = bench_parser(__doc__, out="bench/out", md=False)
     p.add_argument("--rounds", type=int, default=12)
@@ -95,10 +87,10 @@ def main(argv=None):
     variants = _variants(model, args.batch, args.prompt + args.new + 8)
     tokens = {}
     for name, (make, _) in variants.items():                                 # warm-up: compiles
-        _generate(model, ids, make(), 1, device)
-        tokens[name] = _generate(model, ids, make(), args.new + 1, device)[:, args.prompt:].cpu()
-    times = interleaved_ms_per_step(lambda name, n: _generate(model, ids, variants[name][0](), n, device),
-                                    list(variants), args.rounds, args.new + 1, args.new)
+        hf_generate(model, ids, make(), 1, device)
+        tokens[name] = hf_generate(model, ids, make(), args.new + 1, device)[:, args.prompt:].cpu()
+    times = interleaved_ms_per_step(lambda name, n: hf_generate(model, ids, variants[name][0](), n, device),
+                                    list(variants), args.rounds, args.new + 1)
     model.set_attn_implementation("sdpa")
     triton_launch.Launch.__call__ = DIRECT
     dyn, rows = times["DynamicCache"], []
