@@ -8,12 +8,16 @@ within 1e-2 of the default's. A JSON under ``--out`` is rewritten after every ro
   / --groups / --pages / --tqs``): the default in a loop of ten, its GPU busy time, each ``--variants`` config.
 * ``--kernel-alone HD/GQA/PAGE/TQ``: the Mosaic GPU kernel alone (`mosaic_sm90.kernel_partials`: no edge blocks, no
   merge) ``--calls`` times on a 16 x 32k row's inputs (``--variants``: one Mosaic config), for a profiler.
+* ``--launches HD/GQA/PAGE/TQ``: what one default call launches on the GPU, in a jitted loop of ten on a 16 x 32k
+  row's inputs: each kernel's name, time and count per call from a profiler trace (the decode kernel, the edge
+  kernel, XLA's fusions), and the loop's optimized HLO (what each fusion computes).
 * ``--shard I/N`` runs rows ``k % N == I``; ``--merge A.json B.json ...`` joins the shards. ``--smoke``: CPU.
 
     python3 bench/decode_bench.py --grid --shard 0/3 --out $OUT      # then --grid --merge $OUT/*/decode_bench-grid.json
     python3 bench/decode_bench.py --geometry-grid --head-dims 64 --variants k64w2,k32w4 --out $OUT
     ncu -k regex:mosaic --launch-skip 2 --launch-count 1 --set full \
         python3 bench/decode_bench.py --kernel-alone 64/4/16/1
+    python3 bench/decode_bench.py --launches 64/4/16/1 --out $OUT
 """
 from __future__ import annotations
 
@@ -25,12 +29,13 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Optional  # noqa: E402
 
-from common import (bench_parser, copy_bandwidth, error_text, gpu_busy, kv_bytes, md_table, no_gpu,  # noqa: E402
-                    parse_ints, random_fill, random_mixed_state, step_loop, time_in_step, time_jax, time_torch,
-                    torch_cuda, versions, write_json)
+from common import (bench_parser, copy_bandwidth, error_text, gpu_busy, gpu_kernel_profile, kv_bytes,  # noqa: E402
+                    md_table, no_gpu, parse_ints, random_fill, random_mixed_state, step_loop, time_in_step, time_jax,
+                    time_torch, torch_cuda, versions, write_json)
 from shapes import DECODE_GEOMETRY, grid_args  # noqa: E402
 
 import jax  # noqa: E402
@@ -456,12 +461,21 @@ def run_grid(order, out_dir, opts: RunOptions):
     return 0
 
 
+def _row_spec(spec: str, flag: str) -> tuple:
+    """``"HD/GQA/PAGE/TQ"`` -> four ints; anything else exits naming ``flag`` and the text."""
+    try:
+        d, gqa, page, tq = parse_ints(spec, f"{flag} HD/GQA/PAGE/TQ", "/")
+    except ValueError:
+        raise SystemExit(f"decode_bench {flag}: expected HD/GQA/PAGE/TQ (four integers), got {spec!r}") from None
+    return d, gqa, page, tq
+
+
 def kernel_alone(spec: str, variant: Optional[tuple], calls: int) -> int:
     """``--kernel-alone``: `mosaic_sm90.kernel_partials` ``calls`` times (jitted, each waited for) on the inputs of
     the 16 x 32k row ``spec`` (``"HD/GQA/PAGE/TQ"``; on the CPU the smoke shape in interpret mode) with the default
     `MosaicConfig` or the one Mosaic ``variant`` (`parse_variant`'s ``(text, fields)``); prints the row and the last
     call's wall time. Exit 1 if the partials are not finite or no key was seen."""
-    d, gqa, page, tq = parse_ints(spec, "--kernel-alone HD/GQA/PAGE/TQ", "/")
+    d, gqa, page, tq = _row_spec(spec, "--kernel-alone")
     interpret = not on_gpu()
     # on the CPU: a context with interior blocks past the twin's windows (64 + 64; pair blocks of 128 tokens)
     b, ctx = (SMOKE_BATCH, 4 * SMOKE_CONTEXT) if interpret else (GEOMETRY_BATCH, GEOMETRY_CONTEXT)
@@ -486,6 +500,42 @@ def kernel_alone(spec: str, variant: Optional[tuple], calls: int) -> int:
     return 0 if ok else 1
 
 
+def launches(spec: str, out_dir: str) -> int:
+    """``--launches``: the default call of row ``spec`` (``"HD/GQA/PAGE/TQ"``; 16 x 32k, on the CPU the smoke shape
+    in interpret mode) in a jitted loop of ten (`step_loop`): prints each GPU kernel's time and count per call
+    (`gpu_kernel_profile` over three loops; none off the GPU) and writes them (``decode_bench-launches.json``) and
+    the loop's optimized HLO (``decode_bench-launches-hlo.txt``) under ``out_dir``."""
+    d, gqa, page, tq = _row_spec(spec, "--launches")
+    interpret = not on_gpu()
+    b, ctx = (SMOKE_BATCH, SMOKE_CONTEXT) if interpret else (GEOMETRY_BATCH, GEOMETRY_CONTEXT)
+    g = BenchGeometry(head_dim=d, gqa=gqa, page=page, **(dict(kv_heads=SMOKE_KV_HEADS) if interpret else {}))
+    backend = choose_backend(head_dim=d, page=page, tq=tq, group=gqa, high_dtype=jnp.bfloat16, interpret=interpret)
+    args = row_inputs(g, b, ctx, tq)
+    loop = step_loop(kernel_fn(g, RunOptions(geometry=True, interpret=interpret), backend))
+    jax.block_until_ready(loop(*args))
+    hlo = loop.lower(*args).compile().as_text()
+    prof = (gpu_kernel_profile(lambda i: loop(*args), 3, tempfile.mkdtemp(prefix="decode_launches"), top=60)
+            if not interpret else dict(busy_us_per_step=None, kernel_launches_per_step=None, kernels=[]))
+    calls = 10                                                    # `step_loop`'s calls per loop
+    kernels = [dict(name=k["name"], us_per_call=k["us"] / calls, launches_per_call=k["calls"] / calls)
+               for k in prof["kernels"]]
+    result = dict(grid="launches", **versions(torch_cuda()), head_dim=d, gqa=gqa, page=page, tq=tq, batch=b,
+                  context=ctx, kv_heads=g.kv_heads, backend=backend, kernels=kernels,
+                  busy_us_per_call=None if prof["busy_us_per_step"] is None else prof["busy_us_per_step"] / calls,
+                  launches_per_call=None if prof["kernel_launches_per_step"] is None
+                  else prof["kernel_launches_per_step"] / calls)
+    path = write_json(out_dir, "decode_bench-launches.json", result)
+    with open(os.path.join(out_dir, "decode_bench-launches-hlo.txt"), "w") as f:
+        f.write(hlo)
+    print(f"launches of one {backend} call: head_dim {d}, GQA {gqa}, page {page}, Tq {tq}, {b} x {ctx}; GPU busy "
+          f"{fmt(result['busy_us_per_call'])} us, {fmt(result['launches_per_call'])} launches per call")
+    print(md_table(("us / call", "launches / call", "kernel"),
+                   [(f"{k['us_per_call']:.2f}", f"{k['launches_per_call']:.1f}", k["name"][:100]) for k in kernels])
+          if kernels else "  no GPU kernels traced (no GPU: the HLO only)")
+    print(f"wrote {path} and the optimized HLO beside it")
+    return 0
+
+
 def main(argv=None):
     ap = bench_parser(__doc__, md=False)
     mode = ap.add_mutually_exclusive_group()
@@ -493,6 +543,8 @@ def main(argv=None):
     mode.add_argument("--geometry-grid", action="store_true", help="head_dim x GQA x page x Tq at 16 x 32k")
     mode.add_argument("--kernel-alone", default=None, metavar="HD/GQA/PAGE/TQ",
                       help="the Mosaic GPU kernel alone, --calls times, for a profiler")
+    mode.add_argument("--launches", default=None, metavar="HD/GQA/PAGE/TQ",
+                      help="the default call's GPU kernels (names, times) and optimized HLO")
     ap.add_argument("--calls", type=int, default=3, help="--kernel-alone: calls (default 3)")
     for flag, default in zip(("--batches", "--contexts", "--geos"), grid_args()):
         ap.add_argument(flag, default=default, help=f"--grid (default {default})")
@@ -515,6 +567,8 @@ def main(argv=None):
                      f"{args.variants!r}")
         return 0 if no_gpu("decode_bench", args.smoke) else kernel_alone(args.kernel_alone, (variants or [None])[0],
                                                                            args.calls)
+    if args.launches:
+        return 0 if no_gpu("decode_bench", args.smoke) else launches(args.launches, args.out)
     if args.merge:
         return merge_main(args.merge, args.out, args.geometry_grid, order)
     if not (args.grid or args.geometry_grid):

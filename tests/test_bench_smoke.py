@@ -98,6 +98,21 @@ def test_decode_bench_kernel_alone(spec, variant, capsys):
         decode_bench.main(["--kernel-alone", spec, "--variants", "m,mv1", "--smoke"])
 
 
+def test_decode_bench_launches(tmp_path, capsys):
+    """``decode_bench --launches`` (what one default call launches) runs the call in its loop of ten on the CPU and
+    writes its JSON (no kernels traced off the GPU) and the loop's optimized HLO; a malformed row is refused."""
+    import decode_bench
+    assert decode_bench.main(["--launches", "64/2/16/1", "--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "decode_bench-launches.json").read_text())
+    assert (result["head_dim"], result["gqa"], result["page"], result["tq"]) == (64, 2, 16, 1)
+    assert result["backend"] == "triton" and result["kernels"] == [] and result["launches_per_call"] is None
+    assert "HloModule" in (tmp_path / "decode_bench-launches-hlo.txt").read_text()
+    assert "no GPU kernels traced" in capsys.readouterr().out
+    for bad in ("64/2/16", "64/2/x/1"):
+        with pytest.raises(SystemExit, match="expected HD/GQA/PAGE/TQ"):
+            decode_bench.main(["--launches", bad, "--smoke", "--out", str(tmp_path)])
+
+
 def test_tp_bench_smoke_on_two_host_devices(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
