@@ -113,6 +113,19 @@ def test_decode_bench_launches(tmp_path, capsys):
             decode_bench.main(["--launches", bad, "--smoke", "--out", str(tmp_path)])
 
 
+def test_interleaved_rounds_run_every_name_per_round():
+    """`common.interleaved_ms_per_step`: each round runs every name back to back (one token, then ``tokens``), one
+    time per round and name; fewer than two tokens (no decode step to time) is refused."""
+    import common
+    calls = []
+    times = common.interleaved_ms_per_step(lambda name, n: calls.append((name, n)), ["a", "b"], 3, 4)
+    assert calls == [("a", 1), ("a", 4), ("b", 1), ("b", 4)] * 3
+    assert sorted(times) == ["a", "b"] and all(len(v) == 3 and all(math.isfinite(x) for x in v)
+                                               for v in times.values())
+    with pytest.raises(ValueError, match="tokens must be >= 2.*got 1"):
+        common.interleaved_ms_per_step(lambda name, n: None, ["a"], 1, 1)
+
+
 def test_tp_bench_smoke_on_two_host_devices(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
