@@ -514,16 +514,15 @@ def launches(spec: str, out_dir: str) -> int:
     loop = step_loop(kernel_fn(g, RunOptions(geometry=True, interpret=interpret), backend))
     jax.block_until_ready(loop(*args))
     hlo = loop.lower(*args).compile().as_text()
-    prof = (gpu_kernel_profile(lambda i: loop(*args), 3, tempfile.mkdtemp(prefix="decode_launches"), top=60)
-            if not interpret else dict(busy_us_per_step=None, kernel_launches_per_step=None, kernels=[]))
-    calls = 10                                                    # `step_loop`'s calls per loop
-    kernels = [dict(name=k["name"], us_per_call=k["us"] / calls, launches_per_call=k["calls"] / calls)
-               for k in prof["kernels"]]
+    prof = {} if interpret else gpu_kernel_profile(lambda i: loop(*args), 3, tempfile.mkdtemp(prefix="launches"),
+                                                       top=60)
+    per_call = lambda x: None if x is None else x / 10        # noqa: E731  (`step_loop`'s calls per loop)
+    kernels = [dict(name=k["name"], us_per_call=per_call(k["us"]), launches_per_call=per_call(k["calls"]))
+               for k in prof.get("kernels", [])]
     result = dict(grid="launches", **versions(torch_cuda()), head_dim=d, gqa=gqa, page=page, tq=tq, batch=b,
                   context=ctx, kv_heads=g.kv_heads, backend=backend, kernels=kernels,
-                  busy_us_per_call=None if prof["busy_us_per_step"] is None else prof["busy_us_per_step"] / calls,
-                  launches_per_call=None if prof["kernel_launches_per_step"] is None
-                  else prof["kernel_launches_per_step"] / calls)
+                  busy_us_per_call=per_call(prof.get("busy_us_per_step")),
+                  launches_per_call=per_call(prof.get("kernel_launches_per_step")))
     path = write_json(out_dir, "decode_bench-launches.json", result)
     with open(os.path.join(out_dir, "decode_bench-launches-hlo.txt"), "w") as f:
         f.write(hlo)

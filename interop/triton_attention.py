@@ -681,8 +681,9 @@ def _check_table(table, name: str, bsz: int, width: str, min_width: int, dev) ->
 
 def _check_layer(layer, num_layers: int) -> None:
     """``layer``: a Python or NumPy integer (not a bool, not a float: the launch would truncate one) in
-    [0, ``num_layers``)."""
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < num_layers:
+    [0, ``num_layers``). A Python int skips the ABC check (~0.4 us: every layer of a held step comes here)."""
+    if type(layer) is not int and (isinstance(layer, bool) or not isinstance(layer, numbers.Integral)) \
+            or not 0 <= layer < num_layers:
         raise ValueError(f"paged_attention: layer={layer!r} must be an int in [0, {num_layers})")
 
 
